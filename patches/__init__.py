@@ -1,0 +1,55 @@
+"""Model-family patches (shipped as `hybridspec_hf.patches`): one file per family, nothing else imports internals.
+
+Each family module exposes NAME, GDN_CLASS, MODEL_CLASSES, ROUTER_CLASS and `project_gdn_inputs`.
+"""
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from ._gdn import VerifySession, patch_gdn_class
+
+
+def _families() -> list[ModuleType]:
+    from . import qwen3_5, qwen3_5_moe, qwen3_next
+
+    return [qwen3_5_moe, qwen3_5, qwen3_next]
+
+
+def supported_classes() -> list[type]:
+    return [cls for family in _families() for cls in family.MODEL_CLASSES]
+
+
+def family_of(model: torch.nn.Module) -> ModuleType:
+    """The family module of a supported hybrid target, or a ValueError that says what is supported."""
+    for family in _families():
+        if isinstance(model, family.MODEL_CLASSES):
+            return family
+    names = ", ".join(cls.__name__ for cls in supported_classes())
+    raise ValueError(
+        f"HybridSpec supports hybrid Gated-DeltaNet targets ({names}); got {type(model).__name__}. "
+        "For other models use transformers' own assisted decoding (generate without generation_strategy)."
+    )
+
+
+def install() -> None:
+    """Patch every family's GDN layer with verify mode (idempotent; inert outside HybridSpec verification)."""
+    for family in _families():
+        patch_gdn_class(family.GDN_CLASS, family.project_gdn_inputs)
+
+
+def text_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The decoder stack (has `.layers`, `.embed_tokens`) of a CausalLM or a ConditionalGeneration model."""
+    decoder = model.get_decoder()
+    if not hasattr(decoder, "layers") and hasattr(decoder, "language_model"):
+        decoder = decoder.language_model
+    return decoder
+
+
+def gdn_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    family = family_of(model)
+    return [m for m in text_model(model).modules() if isinstance(m, family.GDN_CLASS)]
+
+
+__all__ = ["VerifySession", "family_of", "gdn_layers", "install", "supported_classes", "text_model"]

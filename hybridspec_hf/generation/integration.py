@@ -1,0 +1,160 @@
+"""generate() integration: `generation_strategy=` routes to the HybridSpec loop through `custom_generate`.
+
+`enable()` wraps `generate` on the supported hybrid classes only. Without `generation_strategy` the original
+generate runs untouched (including its refusal of `assistant_model=` for stateful models).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from hybridspec_hf import patches
+from hybridspec_hf.config import STRATEGIES, HybridSpecConfig
+from hybridspec_hf.generation.loop import hybridspec_decode
+
+# generate() options the loop cannot honour; each gets a clear error instead of being ignored.
+_UNSUPPORTED_KWARGS = {
+    "custom_generate": "HybridSpec supplies its own decode loop",
+    "prompt_lookup_num_tokens": "prompt lookup is a different drafter",
+    "assistant_early_exit": "early-exit drafting is a different drafter",
+    "use_mtp": "MTP drafting is a different drafter",
+    "assistant_tokenizer": "the DFlash drafter shares the target's tokenizer",
+    "inputs_embeds": "pass input_ids",
+    "negative_prompt_ids": "classifier-free guidance needs a second sequence",
+}
+
+
+def _hybridspec_generate(original, self, *args, generation_strategy=None, hybridspec_config=None, **kwargs):
+    if generation_strategy is None:
+        if hybridspec_config is not None:
+            raise ValueError("hybridspec_config= was given without generation_strategy=; add e.g. generation_strategy='hybridspec'.")
+        return original(self, *args, **kwargs)
+    if generation_strategy not in STRATEGIES:
+        raise ValueError(f"generation_strategy must be one of {STRATEGIES}, got {generation_strategy!r}.")
+    settings = HybridSpecConfig() if hybridspec_config is None else hybridspec_config
+    if not isinstance(settings, HybridSpecConfig):
+        raise TypeError(f"hybridspec_config must be a hybridspec_hf.HybridSpecConfig, got {type(settings).__name__}.")
+    for key, why in _UNSUPPORTED_KWARGS.items():
+        if kwargs.get(key) is not None:
+            raise ValueError(f"generate(..., {key}=...) is not supported with generation_strategy={generation_strategy!r}: {why}.")
+    drafter = kwargs.pop("assistant_model", None)
+    _check_drafter(self, drafter, generation_strategy)
+    inputs = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+    if isinstance(inputs, torch.Tensor):
+        _check_prompt(self, inputs)
+    return original(
+        self,
+        *args,
+        custom_generate=hybridspec_decode,
+        hybridspec_drafter=drafter,
+        hybridspec_streamer=kwargs.pop("streamer", None),
+        hybridspec_strategy=generation_strategy,
+        hybridspec_settings=settings,
+        **kwargs,
+    )
+
+
+def _check_drafter(target, drafter, strategy: str) -> None:
+    from hybridspec_hf.drafter import DFlashDrafter
+
+    if drafter is None:
+        raise ValueError(
+            f"generation_strategy={strategy!r} needs a drafter: pass assistant_model=DFlashDrafter "
+            "(DFlashDrafter.from_pretrained(...) or DFlashDrafter.from_target(target))."
+        )
+    if not isinstance(drafter, DFlashDrafter):
+        raise TypeError(f"assistant_model must be a hybridspec_hf.DFlashDrafter for HybridSpec, got {type(drafter).__name__}.")
+    drafter.validate_target(target)
+
+
+def _check_prompt(model, input_ids: torch.Tensor) -> None:
+    if input_ids.ndim != 2:
+        raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}.")
+    if input_ids.shape[1] == 0:
+        raise ValueError("The prompt is empty: HybridSpec needs at least one prompt token (e.g. a BOS token).")
+    if input_ids.shape[0] != 1:
+        raise ValueError(
+            f"HybridSpec generates one sequence at a time (batch size 1); got batch size {input_ids.shape[0]}. "
+            "Call generate once per prompt."
+        )
+    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if limit is not None and input_ids.shape[1] >= limit:
+        raise ValueError(
+            f"The prompt has {input_ids.shape[1]} tokens but the model's limit (max_position_embeddings) is {limit}; "
+            "shorten the prompt."
+        )
+
+
+def check_generation_config(generation_config, input_ids: torch.Tensor, model_kwargs: dict) -> None:
+    """Reject what the loop does not support, after generate() merged the model's defaults."""
+    _check_prompt_shape_only(input_ids)
+    problems = []
+    if generation_config.num_beams not in (None, 1):
+        problems.append(f"num_beams={generation_config.num_beams} (beam search): use num_beams=1")
+    if generation_config.do_sample:
+        problems.append("do_sample=True: HybridSpec is greedy-only in this version; pass do_sample=False")
+    if (generation_config.num_return_sequences or 1) > 1:
+        problems.append(f"num_return_sequences={generation_config.num_return_sequences}: use 1")
+    if generation_config.output_attentions or generation_config.output_hidden_states:
+        problems.append("output_attentions/output_hidden_states: not recorded by HybridSpec rounds")
+    if not model_kwargs.get("use_cache", True) or generation_config.use_cache is False:
+        problems.append("use_cache=False: speculative decoding needs the cache; pass use_cache=True")
+    if generation_config.cache_implementation not in (None, "dynamic", "static"):
+        problems.append(f"cache_implementation={generation_config.cache_implementation!r}: use None (dynamic) or 'static'")
+    mask = model_kwargs.get("attention_mask")
+    if mask is not None and not bool((mask == 1).all()):
+        problems.append("attention_mask has padding: HybridSpec runs batch size 1 without padding; strip the pad tokens")
+    if problems:
+        raise ValueError("Unsupported generation options for HybridSpec: " + "; ".join(problems) + ".")
+
+
+def _check_prompt_shape_only(input_ids: torch.Tensor) -> None:
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"HybridSpec generates one sequence at a time (batch size 1); got {input_ids.shape[0]}.")
+    if input_ids.shape[1] == 0:
+        raise ValueError("The prompt is empty: HybridSpec needs at least one prompt token.")
+
+
+def finish_output(generation_config, emitter, cache, cache_key: str):
+    if not generation_config.return_dict_in_generate:
+        return emitter.input_ids
+    fields = {f.name for f in dataclasses.fields(GenerateDecoderOnlyOutput)}
+    cache_field = "cache" if "cache" in fields else "past_key_values"
+    return GenerateDecoderOnlyOutput(
+        sequences=emitter.input_ids,
+        scores=tuple(emitter.scores) if emitter.scores is not None else None,
+        logits=tuple(emitter.logits) if emitter.logits is not None else None,
+        **{cache_field: cache},
+    )
+
+
+def enable() -> None:
+    """Install verify mode on the GDN layers and the generate() wrapper on the hybrid classes (idempotent)."""
+    patches.install()
+    for cls in patches.supported_classes():
+        if "_hybridspec_original_generate" in cls.__dict__:
+            continue
+        original = cls.generate
+        cls._hybridspec_original_generate = original
+        cls.generate = _as_method(original)
+
+
+def _as_method(original):
+    @functools.wraps(original)
+    def generate(self, *args, generation_strategy=None, hybridspec_config=None, **kwargs):
+        return _hybridspec_generate(
+            original, self, *args, generation_strategy=generation_strategy, hybridspec_config=hybridspec_config, **kwargs
+        )
+
+    return generate
+
+
+def get_telemetry(model):
+    """The `GenerationTelemetry` of the model's last HybridSpec generate() call."""
+    telemetry = getattr(model, "hybridspec_telemetry", None)
+    if telemetry is None:
+        raise ValueError("No HybridSpec telemetry on this model yet: call generate(..., generation_strategy=...) first.")
+    return telemetry

@@ -1,0 +1,132 @@
+"""The target side of a round: prefill, verification of w tokens, and the commit of m of them.
+
+Wraps one generate() call's cache and position bookkeeping so the round loop reads as the algorithm.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from hybridspec_hf import patches
+from hybridspec_hf.kernels.dispatch import select_commit
+from hybridspec_hf.patches._cache import drop_last_tokens
+
+
+class FeatureCapture:
+    """Forward hooks that keep the outputs of the chosen decoder layers (z-lab's hidden_states[i + 1]).
+
+    Our own hooks, because `output_hidden_states=[...]` indexes differently in transformers 5.17 and 5.23+.
+    """
+
+    def __init__(self, layers: list[torch.nn.Module], layer_ids: list[int]):
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.layer_ids = list(layer_ids)
+        self._handles = [layers[i].register_forward_hook(self._hook(i)) for i in self.layer_ids]
+
+    def _hook(self, index: int):
+        def hook(module, args, output):
+            self.outputs[index] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    def take(self) -> torch.Tensor:
+        """Concatenated features of the last forward: [B, T, n_feat * H]."""
+        features = torch.cat([self.outputs[i] for i in self.layer_ids], dim=-1)
+        self.outputs.clear()
+        return features
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+class TargetRunner:
+    """Runs the target's forwards for one generate() call and keeps its cache equal to AR decoding's.
+
+    positions: [B, 1] or [R, B, 1] (mRoPE rows) position id of the last token in the cache.
+    """
+
+    def __init__(self, model, cache, cache_key: str, feature_layer_ids: list[int], kernel_backend: str):
+        self.model = model
+        self.cache = cache
+        self.cache_key = cache_key
+        self.kernel_backend = kernel_backend
+        self.gdn_layers = patches.gdn_layers(model)
+        decoder_layers = patches.text_model(model).layers
+        self.capture = FeatureCapture(decoder_layers, feature_layer_ids)
+        self.positions: torch.Tensor | None = None
+        self.mask_length: int | None = None  # None: the model runs without an attention mask
+
+    def close(self) -> None:
+        self.capture.remove()
+
+    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_to_keep: int, **extra):
+        mask = None
+        if self.mask_length is not None:
+            self.mask_length += input_ids.shape[1]
+            mask = torch.ones(input_ids.shape[0], self.mask_length, dtype=torch.long, device=input_ids.device)
+        outputs = self.model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=mask,
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+            **{self.cache_key: self.cache},
+            **extra,
+        )
+        return outputs.logits, self.capture.take()
+
+    def prefill(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask, **extra):
+        """Process the uncached prompt tokens the way AR's prefill does. Returns last logits [B, V], features."""
+        cached = int(self.cache.get_seq_length())
+        new_ids = input_ids[:, cached:]
+        position_ids = position_ids[..., cached:]
+        self.mask_length = None if attention_mask is None else cached
+        logits, features = self._forward(new_ids, position_ids, 1, **extra)
+        self.positions = position_ids[..., -1:]
+        return logits[:, -1], features
+
+    def next_positions(self, count: int) -> torch.Tensor:
+        steps = torch.arange(1, count + 1, device=self.positions.device)
+        return self.positions + steps
+
+    def verify(self, tokens: torch.Tensor):
+        """Target logits for w tokens [B, w] from the committed state: ([B, w, V], features, session).
+
+        GDN layers run the block form and leave their state untouched; attention layers append w positions.
+        """
+        session = patches.VerifySession(cache=self.cache, kernel_backend=self.kernel_backend)
+        for layer in self.gdn_layers:
+            layer._hybridspec_verify = session
+        try:
+            logits, features = self._forward(tokens, self.next_positions(tokens.shape[1]), tokens.shape[1])
+        finally:
+            for layer in self.gdn_layers:
+                layer.__dict__.pop("_hybridspec_verify", None)
+        return logits, features, session
+
+    def commit(self, session: patches.VerifySession, verified: int, committed: int) -> None:
+        """Keep the first `committed` of `verified` tokens: rebuild S_m in every GDN layer, roll conv states,
+        truncate attention KV. 0 ≤ committed ≤ verified."""
+        if session.pending:
+            num_committed = torch.full(
+                (self.cache_batch_size(session),), committed, dtype=torch.int32, device=session.pending[0].state.device
+            )
+            select_commit(self.kernel_backend, session.pending[0].state)(session.pending, num_committed)
+        drop_last_tokens(self.cache, verified - committed)
+        if self.mask_length is not None:
+            self.mask_length -= verified - committed
+        self.positions = self.positions + committed
+
+    @staticmethod
+    def cache_batch_size(session: patches.VerifySession) -> int:
+        return session.pending[0].state.shape[0]
+
+    @contextmanager
+    def session(self):
+        try:
+            yield self
+        finally:
+            self.close()

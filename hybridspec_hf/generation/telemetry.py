@@ -1,0 +1,64 @@
+"""Per-round telemetry of a HybridSpec generate() call.
+
+After each call, `hybridspec_hf.get_telemetry(target)` (also `target.hybridspec_telemetry`) returns the
+`GenerationTelemetry` of the last call: one `RoundRecord` per round plus prefill and total wall time.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class RoundRecord:
+    """One round. w: tokens the target verified (anchor + drafts); accepted: drafts accepted (a);
+    emitted: tokens emitted (a + 1 unless cut short by EOS/stop/length); committed: tokens committed into the
+    target's state (m); wall_s: wall time of the round in seconds (drafting to commit)."""
+
+    w: int
+    accepted: int
+    emitted: int
+    committed: int
+    wall_s: float
+    drafted: bool = True
+
+
+@dataclass
+class GenerationTelemetry:
+    strategy: str
+    block_size: int
+    prompt_tokens: int = 0
+    prefill_s: float = 0.0
+    total_s: float = 0.0
+    rounds: list[RoundRecord] = field(default_factory=list)
+
+    @property
+    def new_tokens(self) -> int:
+        """Tokens generated, including the one from the prefill."""
+        return sum(r.emitted for r in self.rounds) + (1 if self.prefill_s or self.rounds else 0)
+
+    @property
+    def mean_emitted(self) -> float:
+        """τ: mean tokens emitted per round."""
+        return sum(r.emitted for r in self.rounds) / max(len(self.rounds), 1)
+
+    @property
+    def mean_accepted(self) -> float:
+        return sum(r.accepted for r in self.rounds) / max(len(self.rounds), 1)
+
+    @property
+    def mean_verified(self) -> float:
+        return sum(r.w for r in self.rounds) / max(len(self.rounds), 1)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.total_s if self.total_s > 0 else float("nan")
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "new_tokens": self.new_tokens, "mean_emitted": self.mean_emitted}
+
+    def summary(self) -> str:
+        return (
+            f"{self.strategy}: {len(self.rounds)} rounds, {self.new_tokens} new tokens, "
+            f"τ = {self.mean_emitted:.2f} tokens/round, mean w = {self.mean_verified:.2f}, "
+            f"{self.tokens_per_second:.1f} tokens/s"
+        )

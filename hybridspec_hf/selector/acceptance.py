@@ -1,0 +1,254 @@
+"""Draft-side acceptance estimates: per-position drafter signals -> calibrated survival p̂_i.
+
+p̂_i = P(d_1..d_i all accepted), i = 1..B-1, is what the length selector needs (G(w) = 1 + Σ_{i<w} p̂_i).
+
+Estimator: a per-position logistic regression for the CONDITIONAL acceptance
+    c_i = P(d_i accepted | d_1..d_{i-1} accepted) = sigmoid(θ_i · [logit(top1_i), margin_i, entropy_i, 1])
+and survival p̂_i = c_1·…·c_i (a cumulative product, so p̂ is non-increasing in i by construction).
+Why this estimator:
+- The DFlash drafter predicts all B-1 positions in one forward, each conditioned on the real prefix and masks, never
+  on the other drafts (notes/dflash.md §1.1); its top-1 probability is a marginal, typically miscalibrated, and the
+  miscalibration depends on the position. Conditioning on "earlier drafts accepted" is exactly what a logistic model
+  on the rows that reached position i learns, and the product of conditionals is the survival with no further
+  independence assumption than "c_i depends on position i's own signals".
+- Logistic regression on logit(top1) nests the uncalibrated D-Cut rule (θ = [1, 0, 0, 0] gives c_i = top1_i), so the
+  fit can only move away from it where the traces say so. It is convex (LBFGS converges to the optimum in a few
+  hundred steps on CPU, float64) and has 4·(B-1) parameters: a few thousand trace rounds suffice.
+- Deep positions are reached rarely, so each position's weights are θ_i = θ_shared + δ_i with an L2 penalty on δ_i
+  (partial pooling): positions with little data fall back to the shared model instead of over-fitting.
+The runtime cost is a [batch, B-1, 4] dot product and a cumprod: pure torch, no host sync, works on CUDA tensors.
+
+Online update (optional, off by default: `online_lr=0`): a per-position logit offset b_i, moved after every round by
+one SGD step on the log loss of the positions that round actually verified (b_i += lr·(y_i - c_i)). It tracks drift
+between the trace domain and the live prompt (e.g. code vs chat) without refitting; positions past the verified
+length are censored and not updated. The offset is runtime state and is not saved.
+
+Traces format (what the trace recorder writes; the same dict works as `signals` for `fit`):
+    {"top1": [N, B-1] fp32, "margin": [N, B-1] fp32, "entropy": [N, B-1] fp32,
+     "accepted": [N] long (drafts accepted a),
+     "matched": [N, B-1] bool (optional; draft i equals the target's token i given the prefix),
+     "verified": [N] long (optional; drafts the round verified = w-1, default B-1 i.e. full block)}
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+FEATURES = ("logit_top1", "margin", "entropy")  # + a per-position intercept
+_EPS = 1e-6
+_FORMAT = "hybridspec.acceptance/1"
+
+
+def draft_signals(draft_logits: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-position drafter signals from the draft logits of positions 1..B-1.
+
+    draft_logits: [batch, B-1, V] (any float dtype; pass the logits after the same processing that drafting uses,
+    e.g. temperature, when sampling). Returns fp32 tensors [batch, B-1]: "top1" (top-1 probability), "margin"
+    (top-1 minus top-2 probability) and "entropy" (nats).
+    """
+    if draft_logits.dim() != 3 or draft_logits.shape[-1] < 2:
+        raise ValueError(
+            f"draft_signals expects draft logits [batch, B-1, V] with V >= 2, got shape {tuple(draft_logits.shape)}; "
+            "pass the logits of block positions 1..B-1 (not the anchor)."
+        )
+    logp = draft_logits.float().log_softmax(-1)  # [batch, B-1, V] fp32
+    top2 = logp.topk(2, dim=-1).values.exp()  # [batch, B-1, 2]
+    entropy = torch.special.entr(logp.exp()).sum(-1)  # [batch, B-1]; entr(0) = 0, no 0·log 0 NaN
+    return {"top1": top2[..., 0], "margin": top2[..., 0] - top2[..., 1], "entropy": entropy}
+
+
+def signal_features(signals: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Stack the estimator's features [logit(top1), margin, entropy, 1] -> [..., B-1, 4] fp32."""
+    missing = [k for k in ("top1", "margin", "entropy") if k not in signals]
+    if missing:
+        raise KeyError(f"signals lack {missing}; build them with draft_signals(draft_logits). Got keys {list(signals)}.")
+    top1 = signals["top1"].float().clamp(_EPS, 1.0 - _EPS)
+    logit = torch.log(top1) - torch.log1p(-top1)
+    return torch.stack([logit, signals["margin"].float(), signals["entropy"].float(), torch.ones_like(top1)], -1)
+
+
+def survival_outcomes(accepted: torch.Tensor, verified: torch.Tensor | int, positions: int):
+    """What a round says about the survival of each position.
+
+    accepted: [N] long (a), verified: [N] long or int (w-1). Returns (outcome [N, P] fp32 = 1[a >= i],
+    observed [N, P] bool = 1[i <= verified]) for i = 1..P: past the verified length survival is censored.
+    """
+    i = torch.arange(1, positions + 1, device=accepted.device)  # [P]
+    verified = torch.as_tensor(verified, device=accepted.device).reshape(-1, 1)  # [N, 1] or [1, 1]
+    outcome = (accepted.unsqueeze(-1) >= i).float()
+    return outcome, (i <= verified).expand_as(outcome)
+
+
+def conditional_outcomes(accepted: torch.Tensor, verified: torch.Tensor | int, positions: int):
+    """Training rows for the conditional model: position i is observed iff d_<i were accepted and i was verified.
+
+    Returns (outcome [N, P] fp32 = 1[d_i accepted], observed [N, P] bool).
+    """
+    outcome, verified_mask = survival_outcomes(accepted, verified, positions)
+    i = torch.arange(1, positions + 1, device=accepted.device)
+    return outcome, verified_mask & (accepted.unsqueeze(-1) >= i - 1)
+
+
+def accepted_from_matched(matched: torch.Tensor) -> torch.Tensor:
+    """a = length of the leading run of matched drafts. matched: [N, B-1] bool -> [N] long."""
+    return matched.long().cumprod(-1).sum(-1)
+
+
+def expected_calibration_error(pred: torch.Tensor, outcome: torch.Tensor, mask: torch.Tensor | None = None,
+                               n_bins: int = 15) -> torch.Tensor:
+    """Binned expected calibration error: Σ_bins (n_b/N)·|mean pred_b - mean outcome_b|, 0-dim fp32 tensor.
+
+    pred, outcome: same shape, pred in [0, 1]; mask (optional, bool, same shape) selects the entries that count
+    (e.g. the `observed` mask of `survival_outcomes`). Equal-width bins on [0, 1]. Pure torch.
+    """
+    pred, outcome = pred.float().reshape(-1), outcome.float().reshape(-1)
+    weight = torch.ones_like(pred) if mask is None else mask.reshape(-1).float()
+    bins = (pred.clamp(0, 1) * n_bins).long().clamp(max=n_bins - 1)  # [M]
+    count = torch.zeros(n_bins, device=pred.device).index_add_(0, bins, weight)
+    sum_pred = torch.zeros(n_bins, device=pred.device).index_add_(0, bins, weight * pred)
+    sum_out = torch.zeros(n_bins, device=pred.device).index_add_(0, bins, weight * outcome)
+    return (sum_pred - sum_out).abs().sum() / count.sum().clamp(min=1.0)
+
+
+class AcceptanceEstimator:
+    """Calibrated survival p̂ [batch, B-1] from drafter signals (see the module docstring for the model).
+
+    `AcceptanceEstimator.default(B)` needs no fit: c_i = top1_i, survival = prefix product of top-1 probabilities
+    (the D-Cut rule; uncalibrated). `AcceptanceEstimator.fit(traces)` fits the logistic model.
+    """
+
+    def __init__(self, weight: torch.Tensor, online_lr: float = 0.0):
+        if weight.dim() != 2 or weight.shape[1] != len(FEATURES) + 1:
+            raise ValueError(f"weight must be [B-1, {len(FEATURES) + 1}] (features {FEATURES} + intercept), "
+                             f"got {tuple(weight.shape)}.")
+        self.weight = weight.float()  # [B-1, 4]
+        self.online_lr = float(online_lr)
+        self.offset = torch.zeros(weight.shape[0], device=weight.device)  # [B-1] online logit correction
+
+    @property
+    def block_size(self) -> int:
+        return self.weight.shape[0] + 1
+
+    @classmethod
+    def default(cls, block_size: int, online_lr: float = 0.0) -> "AcceptanceEstimator":
+        """Uncalibrated D-Cut rule: c_i = top1_i (weight 1 on logit(top1), nothing else)."""
+        weight = torch.zeros(block_size - 1, len(FEATURES) + 1)
+        weight[:, 0] = 1.0
+        return cls(weight, online_lr)
+
+    def to(self, device: torch.device | str) -> "AcceptanceEstimator":
+        self.weight, self.offset = self.weight.to(device), self.offset.to(device)
+        return self
+
+    def _check(self, features: torch.Tensor) -> None:
+        if features.shape[-2] != self.weight.shape[0]:
+            raise ValueError(f"signals have {features.shape[-2]} draft positions, the estimator was built for "
+                             f"B-1 = {self.weight.shape[0]}; fit or build one for this drafter's block size.")
+        if features.device != self.weight.device:
+            self.to(features.device)  # first call on a new device only
+
+    def conditional(self, signals: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """c_i = P(d_i accepted | d_<i accepted) -> [batch, B-1] fp32."""
+        x = signal_features(signals)  # [batch, B-1, 4]
+        self._check(x)
+        return torch.sigmoid((x * self.weight).sum(-1) + self.offset)
+
+    def survival(self, signals: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """p̂_i = c_1·…·c_i -> [batch, B-1] fp32, non-increasing in i. Pure torch, no host sync."""
+        return self.conditional(signals).cumprod(-1)
+
+    def observe(self, signals: Mapping[str, torch.Tensor], accepted: torch.Tensor,
+                verified: torch.Tensor | int) -> None:
+        """Online update after a round (no-op when online_lr == 0): one SGD step on the per-position offset.
+
+        signals: that round's signals [batch, B-1]; accepted: [batch] long; verified: [batch] long or int (w-1).
+        """
+        if self.online_lr == 0.0:
+            return
+        c = self.conditional(signals)  # [batch, B-1]
+        y, observed = conditional_outcomes(accepted, verified, c.shape[-1])
+        self.offset.add_(self.online_lr * ((y - c) * observed).sum(0))
+
+    @classmethod
+    def fit(cls, signals: Mapping[str, torch.Tensor], outcomes: torch.Tensor | None = None,
+            verified: torch.Tensor | int | None = None, pooling: float = 10.0, max_iter: int = 300,
+            online_lr: float = 0.0) -> "AcceptanceEstimator":
+        """Fit the per-position logistic model on traces (offline, CPU or GPU, float64 LBFGS).
+
+        signals: dict with "top1", "margin", "entropy" [N, B-1] (a traces dict works as is).
+        outcomes: [N] long accepted counts a, or [N, B-1] bool per-position matches; default signals["accepted"]
+        (else signals["matched"]). verified: [N] long or int drafts verified (w-1); default signals["verified"] or
+        B-1. pooling: L2 weight (in pseudo-observations) pulling each position's weights to the shared ones.
+        """
+        x = signal_features(signals).double()  # [N, P, 4]
+        accepted = _accepted_counts(signals, outcomes)
+        if verified is None:
+            verified = signals.get("verified", x.shape[1])
+        y, observed = conditional_outcomes(accepted.to(x.device), verified, x.shape[1])
+        if not bool(observed.any()):
+            raise ValueError("the traces contain no verified draft position; nothing to fit.")
+        return cls(_fit_pooled_logistic(x, y.double(), observed, pooling, max_iter).float(), online_lr)
+
+    def to_dict(self) -> dict:
+        return {"format": _FORMAT, "features": list(FEATURES) + ["intercept"], "weight": self.weight.cpu().tolist(),
+                "online_lr": self.online_lr}
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> "AcceptanceEstimator":
+        if data.get("format") != _FORMAT:
+            raise ValueError(f"not an acceptance-estimator dict: format {data.get('format')!r}, expected {_FORMAT!r}.")
+        return cls(torch.tensor(data["weight"], dtype=torch.float32), data.get("online_lr", 0.0))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "AcceptanceEstimator":
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def _accepted_counts(signals: Mapping[str, torch.Tensor], outcomes: torch.Tensor | None) -> torch.Tensor:
+    if outcomes is None:
+        outcomes = signals.get("accepted", signals.get("matched"))
+        if outcomes is None:
+            raise KeyError("no outcomes: pass accepted counts [N] or matches [N, B-1], or put 'accepted' in the traces.")
+    if outcomes.dim() == 2:
+        return accepted_from_matched(outcomes.bool())
+    return outcomes.long()
+
+
+def _fit_pooled_logistic(x: torch.Tensor, y: torch.Tensor, observed: torch.Tensor, pooling: float,
+                         max_iter: int) -> torch.Tensor:
+    """Minimise Σ_obs BCE + pooling·Σ δ² over θ_i = θ_shared + δ_i; returns θ [P, F] in raw feature units.
+
+    Features are standardised for conditioning (the intercept column is kept), the weights folded back after.
+    x: [N, P, F] float64 (last column = 1), y: [N, P], observed: [N, P] bool.
+    """
+    obs = observed.double()
+    n_obs = obs.sum()
+    w = obs.unsqueeze(-1)
+    mean = (x * w).sum((0, 1)) / n_obs  # [F]
+    std = (((x - mean) ** 2 * w).sum((0, 1)) / n_obs).sqrt().clamp(min=1e-6)
+    mean[-1], std[-1] = 0.0, 1.0
+    xs = (x - mean) / std
+    shared = torch.zeros(x.shape[-1], dtype=x.dtype, device=x.device, requires_grad=True)
+    delta = torch.zeros(x.shape[1:], dtype=x.dtype, device=x.device, requires_grad=True)
+    opt = torch.optim.LBFGS([shared, delta], max_iter=max_iter, line_search_fn="strong_wolfe",
+                            tolerance_grad=1e-10, tolerance_change=1e-12)
+
+    def closure():
+        opt.zero_grad()
+        z = (xs * (shared + delta)).sum(-1)  # [N, P]
+        bce = torch.nn.functional.binary_cross_entropy_with_logits(z, y, reduction="none")
+        loss = ((bce * obs).sum() + pooling * (delta ** 2).sum() + 1e-4 * (shared[:-1] ** 2).sum()) / n_obs
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    theta = (shared + delta).detach()  # [P, F] in standardised units
+    raw = theta / std
+    raw[:, -1] = theta[:, -1] - (theta[:, :-1] * mean[:-1] / std[:-1]).sum(-1)
+    return raw

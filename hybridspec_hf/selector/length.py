@@ -1,0 +1,141 @@
+"""Verification-length selection: w0 = argmax_w [G(w) - ρ·C(w)] with ρ the pooled throughput (Dinkelbach).
+
+Why pooled throughput and not G/C per round: decoding speed is Σ tokens / Σ seconds over all rounds. By Dinkelbach's
+theorem, the policy maximising E[G]/E[C] is the one that maximises E[G - ρ*·C] in every round, with ρ* its own
+throughput; so every round is scored with ONE exchange rate ρ between tokens and seconds. Maximising G(w)/C(w) per
+round instead (EVICT-like) verifies too little in high-acceptance rounds (their own ratio is above ρ*) and too much in
+low-acceptance rounds; `tests/test_selector_dinkelbach.py` shows a case where it loses 8% of throughput.
+
+All functions here are pure torch without host synchronisation (no .item(), .tolist(), bool(tensor), nonzero), so
+they can run between the drafter and the target's stage 0 on the GPU.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def expected_tokens(survival: torch.Tensor) -> torch.Tensor:
+    """G(w) = 1 + Σ_{i<w} p̂_i for w = 1..B. survival: [batch, B-1] -> [batch, B] fp32."""
+    ones = torch.ones(survival.shape[:-1] + (1,), dtype=torch.float32, device=survival.device)
+    return torch.cat([ones, 1.0 + survival.float().cumsum(-1)], -1)
+
+
+def _as_column(value, device: torch.device) -> torch.Tensor:
+    """Scalar, 0-dim or [batch] -> fp32 [batch or 1, 1] on device (broadcasts against [batch, B])."""
+    return torch.as_tensor(value, dtype=torch.float32, device=device).reshape(-1, 1)
+
+
+def _check_cost(cost: torch.Tensor, block_size: int) -> None:
+    if cost.shape[-1] != block_size or cost.dim() > 2:
+        raise ValueError(f"cost must be C(w) for w = 1..B = {block_size}, shaped [B] or [batch, B]; got "
+                         f"{tuple(cost.shape)}. Use LatencyModel.cost_for(context_len) for per-context costs.")
+
+
+def _best_length(objective: torch.Tensor, w_max) -> torch.Tensor:
+    """argmax over w = 1..B of objective [batch, B], w <= w_max, ties -> smaller w. Returns [batch] long."""
+    w = torch.arange(1, objective.shape[-1] + 1, device=objective.device)  # [B]
+    if w_max is not None:
+        limit = torch.as_tensor(w_max, device=objective.device).reshape(-1, 1).clamp(min=1)
+        objective = objective.masked_fill(w > limit, float("-inf"))
+    return objective.argmax(-1) + 1  # argmax returns the first maximum: ties go to the smaller w
+
+
+def select_length(survival: torch.Tensor, cost: torch.Tensor, rho, w_max=None) -> torch.Tensor:
+    """w0 = argmax_{1 <= w <= w_max} [G(w) - ρ·C(w)], ties -> smaller w.
+
+    survival: [batch, B-1] p̂; cost: [B] or [batch, B] seconds (C(w), w = 1..B); rho: float, 0-dim or [batch]
+    tokens/second; w_max: None, int or [batch] long (e.g. room left before max_new_tokens). Returns [batch] long.
+    """
+    gain = expected_tokens(survival)  # [batch, B]
+    _check_cost(cost, gain.shape[-1])
+    return _best_length(gain - _as_column(rho, gain.device) * cost.to(gain.device), w_max)
+
+
+def ratio_length(survival: torch.Tensor, cost: torch.Tensor, w_max=None) -> torch.Tensor:
+    """The per-round-ratio rule (EVICT-like): argmax_w G(w)/C(w), ties -> smaller w. Shapes as select_length."""
+    gain = expected_tokens(survival)
+    _check_cost(cost, gain.shape[-1])
+    return _best_length(gain / cost.to(gain.device), w_max)
+
+
+def should_draft(spec_gain: torch.Tensor, spec_cost: torch.Tensor, rho: torch.Tensor,
+                 cost_ar: torch.Tensor) -> torch.Tensor:
+    """Draft the next round iff a speculative round is worth more than a plain AR step at price ρ.
+
+    A speculative round is expected to yield spec_gain tokens in spec_cost seconds (running averages of recent
+    speculative rounds); an AR step yields 1 token in cost_ar seconds (no drafting). The Dinkelbach value of each is
+    tokens - ρ·seconds, so: draft iff spec_gain - ρ·spec_cost > 1 - ρ·cost_ar. At the two fixed points this is the
+    intuitive rule (all-speculative: draft iff spec_gain/spec_cost > 1/cost_ar). All [batch] -> [batch] bool.
+    """
+    return spec_gain - rho * spec_cost > 1.0 - rho * cost_ar
+
+
+class DinkelbachThroughput:
+    """Running Dinkelbach price ρ = Σ tokens / Σ seconds over past rounds, plus the draft / don't-draft decision.
+
+    ρ_{t+1} = Σ_s γ^{t-s} tokens_s / Σ_s γ^{t-s} latency_s, over ALL rounds (speculative and AR): it is the throughput
+    of the policy actually run, which is Dinkelbach's iterate; choosing w by G - ρ·C with it is the next iteration.
+    Forgetting γ = 0.98 (memory ≈ 50 rounds) because ρ* drifts: acceptance changes with the text being generated and
+    C(w) grows with the context, so an infinite average is stale; near the optimum the argmax is flat in ρ, so the
+    extra noise of a 50-round window costs little; and a prior or early rounds must not weigh forever.
+    The state starts from `prior_rounds` pseudo AR rounds (ρ0 = 1/C_ar): speculation must beat plain decoding.
+
+    What is fed in (chosen by the caller, see strategies.HybridSpec): "measured" = tokens actually emitted and the
+    measured round latency (corrects calibration errors in p̂ and C; the default) or "predicted" = G(w) and C(w)
+    (smooth, needs no timing, but inherits any calibration bias).
+
+    Draft decision (made before drafting, so from history only): running means of speculative rounds' tokens and
+    latency, with a shorter memory (`draft_forgetting` = 0.9: they should reflect the current text), compared by
+    `should_draft`. While AR is chosen nothing new is learnt about speculation, so every `probe_every`-th consecutive
+    AR round is speculative anyway (a probe); since the speculative averages are discounted every round, a probe after
+    a long AR stretch dominates them and can switch drafting back on at once.
+
+    State tensors are [batch] on the device (one independent stream per row; a batch's shared round latency is
+    passed to every row). Updates are in place (capturable, no host sync).
+    """
+
+    def __init__(self, forgetting: float = 0.98, draft_forgetting: float = 0.9, probe_every: int = 16,
+                 prior_rounds: float = 4.0):
+        for name, value in (("forgetting", forgetting), ("draft_forgetting", draft_forgetting)):
+            if not 0.0 < value <= 1.0:
+                raise ValueError(f"{name} must be in (0, 1], got {value}; 1 means no forgetting.")
+        if probe_every < 1:
+            raise ValueError(f"probe_every must be >= 1 round, got {probe_every}.")
+        self.forgetting, self.draft_forgetting = forgetting, draft_forgetting
+        self.probe_every, self.prior_rounds = probe_every, prior_rounds
+        self.tokens = self.latency = None
+
+    def reset(self, cost_ar: torch.Tensor | float, batch: int, device: torch.device | str) -> None:
+        """Start (or restart) every stream from the AR prior: prior_rounds rounds of 1 token in cost_ar seconds."""
+        cost_ar = torch.as_tensor(cost_ar, dtype=torch.float32, device=device).expand(batch)
+        self.tokens = torch.full((batch,), float(self.prior_rounds), device=device)
+        self.latency = self.prior_rounds * cost_ar.clone()
+        self.spec_tokens = torch.zeros(batch, device=device)
+        self.spec_latency = torch.zeros(batch, device=device)
+        self.spec_weight = torch.zeros(batch, device=device)
+        self.ar_streak = torch.zeros(batch, dtype=torch.long, device=device)
+
+    @property
+    def batch(self) -> int | None:
+        return None if self.tokens is None else self.tokens.shape[0]
+
+    @property
+    def rho(self) -> torch.Tensor:
+        """Pooled throughput ρ [batch] fp32, tokens/second."""
+        return self.tokens / self.latency
+
+    def update(self, w: torch.Tensor, tokens: torch.Tensor, latency: torch.Tensor) -> None:
+        """Account one round. w: [batch] long tokens verified (0 = AR round, no drafting); tokens, latency: [batch]."""
+        tokens, latency = tokens.float(), latency.float()
+        spec = (w > 0).float()  # [batch]
+        self.tokens.mul_(self.forgetting).add_(tokens)
+        self.latency.mul_(self.forgetting).add_(latency)
+        for stat, value in ((self.spec_tokens, tokens), (self.spec_latency, latency), (self.spec_weight, 1.0)):
+            stat.mul_(self.draft_forgetting).add_(spec * value)
+        self.ar_streak.add_(1).mul_((w == 0).long())
+
+    def draft_decision(self, cost_ar: torch.Tensor) -> torch.Tensor:
+        """Whether each stream drafts the next round: [batch] bool (see the class docstring)."""
+        weight = self.spec_weight.clamp(min=1e-12)
+        pays = should_draft(self.spec_tokens / weight, self.spec_latency / weight, self.rho, cost_ar)
+        return pays | (self.spec_weight == 0) | (self.ar_streak >= self.probe_every)

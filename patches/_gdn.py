@@ -1,0 +1,89 @@
+"""The GDN layer's verify mode, shared by every model family.
+
+Outside verification the patched `forward` calls transformers' own forward unchanged, so plain `generate()` and
+training are untouched. During a HybridSpec verification the loop sets `layer._hybridspec_verify` to a
+`VerifySession`; the layer then computes its outputs for all w tokens with the block form (no per-token state),
+leaves the cache as it was, and records what the commit needs.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from hybridspec_hf.kernels import PendingGDNLayer, conv_verify, gdn_verify
+from hybridspec_hf.kernels.dispatch import select_verify
+
+# (layer, hidden_states [B, T, H]) -> mixed_qkv [B, T, C] (pre-conv), z [B, T, HV, dv], b [B, T, HV], a [B, T, HV]
+ProjectFn = Callable[[torch.nn.Module, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class VerifySession:
+    """State of one verification forward: where the cache lives and what each GDN layer left for the commit."""
+
+    cache: Any  # transformers Cache holding the committed GDN states
+    kernel_backend: str = "torch"
+    pending: list[PendingGDNLayer] = field(default_factory=list)
+
+
+def project_separate(layer: torch.nn.Module, hidden_states: torch.Tensor):
+    """Qwen3.5 layout: separate in_proj_qkv / in_proj_z / in_proj_b / in_proj_a."""
+    batch, seq_len, _ = hidden_states.shape
+    z = layer.in_proj_z(hidden_states).reshape(batch, seq_len, -1, layer.head_v_dim)
+    return layer.in_proj_qkv(hidden_states), z, layer.in_proj_b(hidden_states), layer.in_proj_a(hidden_states)
+
+
+def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    if name in ("silu", "swish"):
+        return F.silu
+    raise ValueError(f"GDN conv activation {name!r} is not supported by HybridSpec (expected 'silu').")
+
+
+def verify_forward(layer: torch.nn.Module, session: VerifySession, hidden_states: torch.Tensor, project: ProjectFn):
+    """The GDN layer's output for w tokens from the committed state, without writing the cache."""
+    batch, seq_len, _ = hidden_states.shape
+    cache_layer = session.cache.layers[layer.layer_idx]
+    conv_state = cache_layer.conv_states[0]  # [B, C, K]
+    state = cache_layer.recurrent_states[0]  # [B, HV, dk, dv]
+    if conv_state is None or state is None:
+        raise RuntimeError("HybridSpec verification needs a prefilled cache (GDN layer %d is empty)." % layer.layer_idx)
+
+    mixed_qkv, z, b, a = project(layer, hidden_states)
+    conv_input = mixed_qkv.transpose(1, 2)  # [B, C, T]
+    mixed = conv_verify(
+        conv_state, conv_input, layer.conv1d.weight.squeeze(1), layer.conv1d.bias, _activation(layer.activation)
+    ).transpose(1, 2)  # [B, T, C]
+    query, key, value = torch.split(mixed, [layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
+    query = query.reshape(batch, seq_len, -1, layer.head_k_dim)
+    key = key.reshape(batch, seq_len, -1, layer.head_k_dim)
+    value = value.reshape(batch, seq_len, -1, layer.head_v_dim)
+    beta = b.sigmoid()
+    g = -layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias)  # [B, T, HV] fp32
+
+    verified = select_verify(session.kernel_backend, value)(query, key, value, g, beta, state)
+    session.pending.append(PendingGDNLayer(state, conv_state, conv_input, key, verified))
+
+    core = layer.norm(verified.out.reshape(-1, layer.head_v_dim), z.reshape(-1, layer.head_v_dim))
+    return layer.out_proj(core.reshape(batch, seq_len, -1))
+
+
+def patch_gdn_class(cls: type, project: ProjectFn) -> None:
+    """Install verify mode on a GDN class (idempotent). Without a session the original forward runs unchanged."""
+    if getattr(cls, "_hybridspec_original_forward", None) is not None:
+        return
+    original = cls.forward
+
+    def forward(self, hidden_states, *args, **kwargs):
+        session = self.__dict__.get("_hybridspec_verify")
+        if session is None:
+            return original(self, hidden_states, *args, **kwargs)
+        return verify_forward(self, session, hidden_states, project)
+
+    forward.__doc__ = original.__doc__
+    forward.__wrapped__ = original
+    cls._hybridspec_original_forward = original
+    cls.forward = forward

@@ -1,0 +1,10 @@
+"""Qwen3.5 dense hybrid (`qwen3_5`): separate q/k/v/z/b/a projections, dense MLPs (no router: no routing correction)."""
+from transformers.models.qwen3_5 import modeling_qwen3_5 as modeling
+
+from ._gdn import project_separate
+
+NAME = "qwen3_5"
+GDN_CLASS = modeling.Qwen3_5GatedDeltaNet
+MODEL_CLASSES = (modeling.Qwen3_5ForCausalLM, modeling.Qwen3_5ForConditionalGeneration)
+ROUTER_CLASS = None
+project_gdn_inputs = project_separate

@@ -1,0 +1,10 @@
+"""Qwen3.5-MoE / Qwen3.6-MoE (`qwen3_5_moe`): separate q/k/v/z/b/a projections, every layer MoE."""
+from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as modeling
+
+from ._gdn import project_separate
+
+NAME = "qwen3_5_moe"
+GDN_CLASS = modeling.Qwen3_5MoeGatedDeltaNet
+MODEL_CLASSES = (modeling.Qwen3_5MoeForCausalLM, modeling.Qwen3_5MoeForConditionalGeneration)
+ROUTER_CLASS = modeling.Qwen3_5MoeTopKRouter
+project_gdn_inputs = project_separate

@@ -1,0 +1,18 @@
+"""Qwen3-Next (`qwen3_next`): fused in_proj_qkvz / in_proj_ba, interleaved per key head; `mlp_only_layers` allowed."""
+import torch
+from transformers.models.qwen3_next import modeling_qwen3_next as modeling
+
+NAME = "qwen3_next"
+GDN_CLASS = modeling.Qwen3NextGatedDeltaNet
+MODEL_CLASSES = (modeling.Qwen3NextForCausalLM,)
+ROUTER_CLASS = getattr(modeling, "Qwen3NextTopKRouter", None)
+
+
+def project_gdn_inputs(layer: torch.nn.Module, hidden_states: torch.Tensor):
+    """Un-interleave the fused projections into the conv input [B, T, C] = cat(q, k, v) and z, b, a."""
+    query, key, value, z, b, a = layer.fix_query_key_value_ordering(
+        layer.in_proj_qkvz(hidden_states), layer.in_proj_ba(hidden_states)
+    )
+    batch, seq_len = hidden_states.shape[:2]
+    mixed_qkv = torch.cat([x.reshape(batch, seq_len, -1) for x in (query, key, value)], dim=-1)
+    return mixed_qkv, z, b, a
