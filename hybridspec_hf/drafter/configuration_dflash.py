@@ -83,7 +83,7 @@ class DFlashConfig(PreTrainedConfig):
     eos_token_id: int | list[int] | None = None
 
     def __post_init__(self, **kwargs):
-        _reject_unsupported(kwargs)
+        _reject_unsupported(self.architectures, kwargs.get("dflash_config") or {})
         for key, value in (kwargs.pop("dflash_config", None) or {}).items():
             if key in DFLASH_KEYS:
                 setattr(self, key, value)
@@ -94,6 +94,9 @@ class DFlashConfig(PreTrainedConfig):
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.target_layer_ids is None and self.num_target_layers:
+            # SpecForge configs may leave the ids out: z-lab's default rule then applies (z-lab a3516f8..44947fb).
+            self.target_layer_ids = build_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
         if self.target_layer_ids is not None:
             self.target_layer_ids = [int(i) for i in self.target_layer_ids]
         # Same reading of the sliding fields as Qwen3Config, which z-lab's drafter is built on.
@@ -121,6 +124,21 @@ class DFlashConfig(PreTrainedConfig):
         return output
 
 
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """z-lab's default choice of target layers: the middle one for a 1-layer drafter, else evenly from 1 to L-3."""
+    if num_draft_layers < 1:
+        raise ValueError(f"num_draft_layers must be >= 1, got {num_draft_layers}.")
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    if num_target_layers < 4:
+        raise ValueError(
+            f"Spreading {num_draft_layers} feature layers over layers 1..L-3 needs a target with >= 4 layers, got "
+            f"{num_target_layers}; pass target_layer_ids explicitly."
+        )
+    start, end = 1, num_target_layers - 3
+    return [int(round(start + i * (end - start) / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
 def is_zlab_dflash_config(config_dict: dict[str, Any]) -> bool:
     """True for a z-lab / SpecForge DFlash config.json (a Qwen3 config carrying DFlash keys)."""
     architectures = config_dict.get("architectures") or []
@@ -129,10 +147,9 @@ def is_zlab_dflash_config(config_dict: dict[str, Any]) -> bool:
     )
 
 
-def _reject_unsupported(kwargs: dict[str, Any]) -> None:
+def _reject_unsupported(architectures: list[str] | None, dflash_config: dict[str, Any]) -> None:
     """Refuse DFlash variants whose weights this module cannot run, instead of silently dropping their weights."""
-    architectures = kwargs.get("architectures") or []
-    dflash_config = kwargs.get("dflash_config") or {}
+    architectures = architectures or []
     unsupported = [key for key in _UNSUPPORTED_DFLASH_KEYS if key in dflash_config]
     if str(dflash_config.get("attention_mode", "gqa")).lower() not in ("gqa", "mha"):
         unsupported.append(f"attention_mode={dflash_config['attention_mode']!r}")
@@ -144,4 +161,4 @@ def _reject_unsupported(kwargs: dict[str, Any]) -> None:
         )
 
 
-__all__ = ["DFlashConfig", "is_zlab_dflash_config"]
+__all__ = ["DFlashConfig", "build_target_layer_ids", "is_zlab_dflash_config"]

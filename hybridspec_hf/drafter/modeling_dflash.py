@@ -29,22 +29,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutput
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from .configuration_dflash import DFlashConfig
-
-
-def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """z-lab's default choice of target layers: the middle one for a 1-layer drafter, else evenly from 1 to L-3."""
-    if num_draft_layers < 1:
-        raise ValueError(f"num_draft_layers must be >= 1, got {num_draft_layers}.")
-    if num_draft_layers == 1:
-        return [num_target_layers // 2]
-    if num_target_layers < 4:
-        raise ValueError(
-            f"Spreading {num_draft_layers} feature layers over layers 1..L-3 needs a target with >= 4 layers, got "
-            f"{num_target_layers}; pass target_layer_ids explicitly."
-        )
-    start, end = 1, num_target_layers - 3
-    return [int(round(start + i * (end - start) / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+from .configuration_dflash import DFlashConfig, build_target_layer_ids
 
 
 def block_attention_mask(
@@ -424,7 +409,7 @@ class DFlashDrafter(PreTrainedModel):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Target embedding rows of `input_ids` [B, T] * input_embedding_scale -> [B, T, H] in the drafter's dtype."""
         embedding, _ = self._require_target()
-        weight = embedding.weight
+        weight = embedding.weight.detach()  # frozen: training never reaches the target's table
         rows = F.embedding(input_ids.to(weight.device), weight) * float(self.config.input_embedding_scale)
         return rows.to(device=self.device, dtype=self.dtype)
 
@@ -432,10 +417,12 @@ class DFlashDrafter(PreTrainedModel):
         """Target LM head on drafter hidden states [B, T, H] -> [B, T, V] (at least fp32), with z-lab's optional
         output_multiplier and final_logit_softcapping."""
         _, head = self._require_target()
-        weight = getattr(head, "weight", None)
-        if weight is not None:
-            hidden = hidden.to(device=weight.device, dtype=weight.dtype)
-        logits = head(hidden)
+        if isinstance(head, nn.Linear):  # frozen: gradients reach `hidden`, never the target's head
+            weight = head.weight.detach()
+            bias = None if head.bias is None else head.bias.detach()
+            logits = F.linear(hidden.to(device=weight.device, dtype=weight.dtype), weight, bias)
+        else:
+            logits = head(hidden)
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) * float(self.config.output_multiplier)
         softcap = self.config.final_logit_softcapping
         if softcap is not None and float(softcap) > 0:
@@ -502,7 +489,6 @@ class DFlashDrafter(PreTrainedModel):
         context_position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         cache: DFlashContextCache | None = None,
-        **kwargs,
     ) -> BaseModelOutput:
         """Run the drafter layers over block inputs, with the target context injected as K/V.
 
@@ -602,5 +588,4 @@ __all__ = [
     "DFlashDrafter",
     "block_attention_mask",
     "block_position_ids",
-    "build_target_layer_ids",
 ]

@@ -5,10 +5,12 @@ generate runs untouched (including its refusal of `assistant_model=` for statefu
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 
 import torch
+from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from hybridspec_hf import patches
@@ -42,6 +44,7 @@ def _hybridspec_generate(original, self, *args, generation_strategy=None, hybrid
             raise ValueError(f"generate(..., {key}=...) is not supported with generation_strategy={generation_strategy!r}: {why}.")
     drafter = kwargs.pop("assistant_model", None)
     _check_drafter(self, drafter, generation_strategy)
+    _move_stop_strings_to_criteria(self, args, kwargs)
     inputs = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
     if isinstance(inputs, torch.Tensor):
         _check_prompt(self, inputs)
@@ -55,6 +58,32 @@ def _hybridspec_generate(original, self, *args, generation_strategy=None, hybrid
         hybridspec_settings=settings,
         **kwargs,
     )
+
+
+def _move_stop_strings_to_criteria(model, args, kwargs) -> None:
+    """generate() drops `tokenizer` when a custom_generate callable is used, so stop strings would fail there:
+    build their StopStringCriteria here and pass it with the user's stopping criteria."""
+    tokenizer = kwargs.pop("tokenizer", None)
+    config = kwargs.get("generation_config", args[1] if len(args) > 1 else None)
+    stop_strings = kwargs.pop("stop_strings", None)
+    if stop_strings is None:
+        source = config if config is not None else model.generation_config
+        stop_strings = getattr(source, "stop_strings", None)
+        if stop_strings is not None:
+            config = copy.deepcopy(source)
+            config.stop_strings = None
+            if len(args) > 1:
+                raise ValueError("Pass generation_config= by keyword together with stop strings and HybridSpec.")
+            kwargs["generation_config"] = config
+    if stop_strings is None:
+        return
+    if tokenizer is None:
+        raise ValueError(
+            "There are one or more stop strings, but no tokenizer: pass the model's tokenizer as generate(..., tokenizer=...)."
+        )
+    criteria = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
+    criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
+    kwargs["stopping_criteria"] = criteria
 
 
 def _check_drafter(target, drafter, strategy: str) -> None:
@@ -132,14 +161,36 @@ def finish_output(generation_config, emitter, cache, cache_key: str):
 
 
 def enable() -> None:
-    """Install verify mode on the GDN layers and the generate() wrapper on the hybrid classes (idempotent)."""
+    """Install verify mode on the GDN layers and the generate() wrapper on the hybrid classes (idempotent).
+
+    GenerationMixin.generate gets a guard that only acts when `generation_strategy=` is passed to a model that
+    HybridSpec does not support (a clear error instead of transformers' "model_kwargs are not used").
+    """
     patches.install()
+    _guard_unsupported_models()
     for cls in patches.supported_classes():
         if "_hybridspec_original_generate" in cls.__dict__:
             continue
         original = cls.generate
         cls._hybridspec_original_generate = original
         cls.generate = _as_method(original)
+
+
+def _guard_unsupported_models() -> None:
+    from transformers.generation.utils import GenerationMixin
+
+    if "_hybridspec_original_generate" in GenerationMixin.__dict__:
+        return
+    original = GenerationMixin.generate
+
+    @functools.wraps(original)
+    def generate(self, *args, **kwargs):
+        if kwargs.get("generation_strategy") is not None:
+            patches.family_of(self)  # raises: supported classes have their own wrapper
+        return original(self, *args, **kwargs)
+
+    GenerationMixin._hybridspec_original_generate = original
+    GenerationMixin.generate = generate
 
 
 def _as_method(original):

@@ -30,6 +30,8 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
+from .length import on_device
+
 _FORMAT = "hybridspec.latency/1"
 
 
@@ -84,7 +86,7 @@ class LatencyModel:
 
     def bucket(self, context_len) -> torch.Tensor:
         """Bucket index [batch] long of context lengths (int or [batch]): nearest measured length in log space."""
-        ctx = torch.as_tensor(context_len, device=self.cost.device).reshape(-1).float()
+        ctx = on_device(context_len, self.cost.device, torch.float32).reshape(-1)
         lens = self.context_lens.float().clamp(min=1.0)
         edges = (lens[1:] * lens[:-1]).sqrt()  # [n_buckets-1] geometric midpoints
         return torch.bucketize(ctx, edges)
@@ -240,7 +242,8 @@ def fit_expert_model(observations: Iterable[torch.Tensor], num_experts: int | No
         cell_n.index_put_((rows, added[0].long()), torch.ones(w - 1, dtype=torch.float64), accumulate=True)
     per_layer = curve_sum / curve_n.clamp(min=1)
     uncond = cell_sum.sum(1) / cell_n.sum(1).clamp(min=1)  # [W-1]
-    given = (cell_sum + prior_strength * uncond[:, None]) / (cell_n + prior_strength)
+    shrunk = (cell_sum + prior_strength * uncond[:, None]) / (cell_n + prior_strength).clamp(min=1e-12)
+    given = torch.where(cell_n + prior_strength > 0, shrunk, uncond[:, None])  # empty cell: no information
     return ExpertModel(num_experts=num_experts, top_k=top_k, num_layers=layers,
                        distinct_per_layer=per_layer.float(), distinct_total=(per_layer * layers).float(),
                        extra_uncond=uncond.float(), extra_given_new=given.float(), counts=cell_n.float())

@@ -20,9 +20,17 @@ def expected_tokens(survival: torch.Tensor) -> torch.Tensor:
     return torch.cat([ones, 1.0 + survival.float().cumsum(-1)], -1)
 
 
+def on_device(value, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A tensor on device: a Python number becomes a fill kernel (no host-to-device copy), a tensor is moved or cast
+    only when needed. dtype None keeps a tensor's dtype and gives a number torch's default for its type."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device=device, dtype=dtype or value.dtype)
+    return torch.full((), value, dtype=dtype, device=device)
+
+
 def _as_column(value, device: torch.device) -> torch.Tensor:
     """Scalar, 0-dim or [batch] -> fp32 [batch or 1, 1] on device (broadcasts against [batch, B])."""
-    return torch.as_tensor(value, dtype=torch.float32, device=device).reshape(-1, 1)
+    return on_device(value, device, torch.float32).reshape(-1, 1)
 
 
 def _check_cost(cost: torch.Tensor, block_size: int) -> None:
@@ -35,7 +43,7 @@ def _best_length(objective: torch.Tensor, w_max) -> torch.Tensor:
     """argmax over w = 1..B of objective [batch, B], w <= w_max, ties -> smaller w. Returns [batch] long."""
     w = torch.arange(1, objective.shape[-1] + 1, device=objective.device)  # [B]
     if w_max is not None:
-        limit = torch.as_tensor(w_max, device=objective.device).reshape(-1, 1).clamp(min=1)
+        limit = on_device(w_max, objective.device).reshape(-1, 1).clamp(min=1)
         objective = objective.masked_fill(w > limit, float("-inf"))
     return objective.argmax(-1) + 1  # argmax returns the first maximum: ties go to the smaller w
 
@@ -107,7 +115,7 @@ class DinkelbachThroughput:
 
     def reset(self, cost_ar: torch.Tensor | float, batch: int, device: torch.device | str) -> None:
         """Start (or restart) every stream from the AR prior: prior_rounds rounds of 1 token in cost_ar seconds."""
-        cost_ar = torch.as_tensor(cost_ar, dtype=torch.float32, device=device).expand(batch)
+        cost_ar = on_device(cost_ar, device, torch.float32).expand(batch)
         self.tokens = torch.full((batch,), float(self.prior_rounds), device=device)
         self.latency = self.prior_rounds * cost_ar.clone()
         self.spec_tokens = torch.zeros(batch, device=device)
@@ -124,15 +132,15 @@ class DinkelbachThroughput:
         """Pooled throughput ρ [batch] fp32, tokens/second."""
         return self.tokens / self.latency
 
-    def update(self, w: torch.Tensor, tokens: torch.Tensor, latency: torch.Tensor) -> None:
-        """Account one round. w: [batch] long tokens verified (0 = AR round, no drafting); tokens, latency: [batch]."""
+    def update(self, tokens: torch.Tensor, latency: torch.Tensor, drafted: torch.Tensor) -> None:
+        """Account one round: tokens emitted, latency seconds, drafted (False = plain AR step), all [batch]."""
         tokens, latency = tokens.float(), latency.float()
-        spec = (w > 0).float()  # [batch]
+        spec = drafted.float()  # [batch]
         self.tokens.mul_(self.forgetting).add_(tokens)
         self.latency.mul_(self.forgetting).add_(latency)
         for stat, value in ((self.spec_tokens, tokens), (self.spec_latency, latency), (self.spec_weight, 1.0)):
             stat.mul_(self.draft_forgetting).add_(spec * value)
-        self.ar_streak.add_(1).mul_((w == 0).long())
+        self.ar_streak.add_(1).mul_((~drafted).long())
 
     def draft_decision(self, cost_ar: torch.Tensor) -> torch.Tensor:
         """Whether each stream drafts the next round: [batch] bool (see the class docstring)."""

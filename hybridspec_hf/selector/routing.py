@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .latency import LatencyModel
+from .length import on_device
 
 
 def count_new_experts(first_layer_topk_ids: torch.Tensor, w0: torch.Tensor | None = None) -> torch.Tensor:
@@ -38,10 +39,11 @@ def predicted_delta_latency(latency_model: LatencyModel, w0: torch.Tensor, n_new
     Rows with w0 >= B (no extra token exists) get +inf. Without an expert model (dense target) the η term is 0.
     latency_model must be on w0's device (LatencyModel.to).
     """
-    B = latency_model.block_size
-    cost = latency_model.cost_for(context_len)  # [batch, B]
+    B, batch = latency_model.block_size, w0.shape[0]
+    cost = latency_model.cost_for(context_len).expand(batch, -1)  # [batch, B]
+    sunk = latency_model.sunk_for(context_len).expand(batch, -1)  # [batch, B-1]
     i = (w0.long() - 1).clamp(0, B - 2).unsqueeze(1)  # [batch, 1] index of C(w0)
-    step = cost.gather(1, i + 1) - cost.gather(1, i) - latency_model.sunk_for(context_len).gather(1, i)
+    step = cost.gather(1, i + 1) - cost.gather(1, i) - sunk.gather(1, i)
     delta = step.squeeze(1)  # [batch]
     if latency_model.experts is not None and latency_model.eta != 0.0:
         delta = delta + latency_model.eta * latency_model.experts.extra_delta(w0, n_new)
@@ -63,4 +65,4 @@ def keep_extra_token(p_hat_w0: torch.Tensor, rho, delta_latency: torch.Tensor) -
     Returns [batch] bool. A +inf ΔL (no extra token) never keeps; a negative ΔL (the token is cheaper than the
     sunk stage-0 work saved) always keeps when p̂ > 0.
     """
-    return p_hat_w0 > torch.as_tensor(rho, dtype=torch.float32, device=p_hat_w0.device) * delta_latency
+    return p_hat_w0 > on_device(rho, p_hat_w0.device, torch.float32) * delta_latency

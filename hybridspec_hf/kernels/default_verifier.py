@@ -1,0 +1,259 @@
+"""The default GDN verifier that SGLang / vLLM use today, as the baseline our verify + commit is measured against.
+
+Verify runs the recurrence token by token (`gdn_torch.gdn_recurrence` is its float64 oracle),
+    S_i = e^{g_i} S_{i-1} + k_i z_iᵀ,  z_i = β_i (v_i - e^{g_i} S_{i-1}ᵀ k_i),  o_i = S_iᵀ q_i,
+and stores S_i after EVERY verified token into a preallocated fp32 buffer (L·B·w·HV·dk·dv·4 bytes: 960 MiB per
+request for Qwen3.5-35B-A3B at w = 16). The commit copies the accepted one back, state <- buffer[m-1] for m >= 1,
+for all layers in one launch (sglang's `fused_mamba_state_scatter_with_mask`), and rolls the conv window.
+
+Kernel: one program per (dv tile, value head, request) keeps its [dk, BV] state tile in registers for the whole
+window (fla's `fused_recurrent` layout). Two things make it the efficient version of that baseline rather than a
+straw man: both reductions of a step read the same decayed state (o_i = e^{g_i} S_{i-1}ᵀ q_i + (q_i·k_i) z_i, so the
+step has one dependent reduction instead of two), and the next token's inputs are loaded while the current token
+is computed. Conv: sglang copies the window from a per-token window cache its conv kernel writes; here the commit
+rolls it from the verified conv inputs (same bytes, and the conv kernel is common to both verifiers).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .gdn_torch import commit_conv_state, gdn_recurrence
+from .gdn_triton import (
+    HAS_TRITON,
+    MAX_WINDOW,
+    _LazyJit,
+    _check_verify_shapes,
+    _last_dim_contiguous,
+    _mask_invalid,
+    launch_commit,
+    select_backend,
+)
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+else:
+    tl = None
+
+
+@dataclass
+class DefaultVerifyResult:
+    """What the default verification leaves for the commit: a state per verified token."""
+
+    out: torch.Tensor  # [B, T, HV, dv] in v's dtype
+    states: torch.Tensor  # [B, T, HV, dk, dv] fp32, S after each token (a view of the preallocated buffer)
+
+
+@dataclass
+class PendingDefaultLayer:
+    """One layer waiting for the accepted count under the default verifier. Tensors are views of the layer's cache."""
+
+    state: torch.Tensor  # [B, HV, dk, dv] committed state (overwritten by the commit)
+    conv_state: torch.Tensor  # [B, C, K] last K conv inputs (written in place by the commit)
+    conv_input: torch.Tensor  # [B, C, T] the verified tokens' conv inputs
+    verified: DefaultVerifyResult
+
+
+def allocate_state_buffer(num_layers: int, state: torch.Tensor, max_tokens: int) -> torch.Tensor:
+    """The per-token state buffer the default verifier needs: [layers, B, w, HV, dk, dv] fp32 (its memory cost)."""
+    batch, num_v_heads, dk, dv = state.shape
+    return torch.empty(num_layers, batch, max_tokens, num_v_heads, dk, dv, dtype=torch.float32, device=state.device)
+
+
+def _recurrent_verify_kernel(
+    q, k, v, g, beta, state, out, states, valid_len,
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_gb, stride_gt, stride_gh,
+    stride_bb, stride_bt, stride_bh,
+    stride_sb, stride_sh, stride_sk,
+    stride_pb, stride_pt, stride_ph, stride_pk,
+    HV, GROUP, DK, DV, scale,
+    T: tl.constexpr, HAS_VALID: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):
+    i_v = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_b = tl.program_id(2).to(tl.int64)
+    i_hk = i_h // GROUP
+    n = T
+    if HAS_VALID:
+        n = tl.load(valid_len + i_b).to(tl.int32)
+    rk = tl.arange(0, BK)
+    rv = i_v * BV + tl.arange(0, BV)
+    mk = rk < DK
+    mv = rv < DV
+    mask_kv = mk[:, None] & mv[None, :]
+    p_q = q + i_b * stride_qb + i_hk * stride_qh + rk
+    p_k = k + i_b * stride_kb + i_hk * stride_kh + rk
+    p_v = v + i_b * stride_vb + i_h * stride_vh + rv
+    p_g = g + i_b * stride_gb + i_h * stride_gh
+    p_beta = beta + i_b * stride_bb + i_h * stride_bh
+    p_out = out + (i_b * T * HV + i_h) * DV + rv
+    p_states = states + i_b * stride_pb + i_h * stride_ph + rk[:, None] * stride_pk + rv[None, :]
+    b_s = tl.load(state + i_b * stride_sb + i_h * stride_sh + rk[:, None] * stride_sk + rv[None, :],
+                  mask=mask_kv, other=0.0).to(tl.float32)  # [BK, BV]
+
+    # token 0's inputs, then token t+1's while token t is computed (index clamped to the window)
+    b_q = tl.load(p_q, mask=mk, other=0.0)
+    b_k = tl.load(p_k, mask=mk, other=0.0)
+    b_v = tl.load(p_v, mask=mv, other=0.0)
+    b_g = tl.load(p_g)
+    b_beta = tl.load(p_beta)
+    for t in range(0, T):
+        t_next = tl.minimum(t + 1, T - 1)
+        n_q = tl.load(p_q + t_next * stride_qt, mask=mk, other=0.0)
+        n_k = tl.load(p_k + t_next * stride_kt, mask=mk, other=0.0)
+        n_v = tl.load(p_v + t_next * stride_vt, mask=mv, other=0.0)
+        n_g = tl.load(p_g + t_next * stride_gt)
+        n_beta = tl.load(p_beta + t_next * stride_bt)
+
+        f_q = b_q.to(tl.float32)
+        f_k = b_k.to(tl.float32)
+        f_q = f_q * (tl.rsqrt(tl.sum(f_q * f_q, 0) + 1e-6) * scale)
+        f_k = f_k * tl.rsqrt(tl.sum(f_k * f_k, 0) + 1e-6)
+        b_s = b_s * tl.exp(b_g.to(tl.float32))
+        b_sk = tl.sum(b_s * f_k[:, None], 0)  # [BV] e^{g} S_{t-1}ᵀ k
+        b_sq = tl.sum(b_s * f_q[:, None], 0)  # [BV] e^{g} S_{t-1}ᵀ q, independent of the update
+        b_z = b_beta.to(tl.float32) * (b_v.to(tl.float32) - b_sk)
+        b_s = b_s + f_k[:, None] * b_z[None, :]
+        b_o = b_sq + tl.sum(f_q * f_k, 0) * b_z  # S_tᵀ q
+        valid = t < n  # ignored tokens of a max-shape graph: zero output, no state stored
+        tl.store(p_out + t * HV * DV, tl.where(valid, b_o, 0.0).to(out.dtype.element_ty), mask=mv)
+        tl.store(p_states + t * stride_pt, b_s, mask=mask_kv & valid)
+        b_q, b_k, b_v, b_g, b_beta = n_q, n_k, n_v, n_g, n_beta
+
+
+if HAS_TRITON:
+    _recurrent_verify_kernel = _LazyJit(_recurrent_verify_kernel)
+
+
+def _recurrent_config(batch: int, num_v_heads: int, dv: int) -> tuple[int, int]:
+    """(BV, num_warps): 32-column tiles (128-byte rows of the [dk, dv] state per store), 4 warps."""
+    return min(32, triton.next_power_of_2(dv)), 4
+
+
+def default_verify_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    states: torch.Tensor,
+    scale: float | None = None,
+    valid_len: torch.Tensor | None = None,
+    *,
+    block_v: int | None = None,
+    num_warps: int | None = None,
+) -> DefaultVerifyResult:
+    """Token-by-token verification writing S after every token into `states` [B, >= T, HV, dk, dv] fp32.
+
+    Inputs as `gdn_triton.gdn_verify_triton`; `state` is not written. Rows of `states` for ignored tokens
+    (>= valid_len) are left as they were.
+    """
+    batch, t, num_k_heads, dk = q.shape
+    num_v_heads, dv = v.shape[2], v.shape[3]
+    _check_verify_shapes(q, k, v, g, beta, state)
+    _check_states_buffer(states, state, t)
+    q, k, v, state = (_last_dim_contiguous(x) for x in (q, k, v, state))
+    scale = dk**-0.5 if scale is None else scale
+    out = torch.empty(batch, t, num_v_heads, dv, dtype=v.dtype, device=v.device)
+    default_bv, default_warps = _recurrent_config(batch, num_v_heads, dv)
+    block_v = block_v or default_bv
+    grid = (triton.cdiv(dv, block_v), num_v_heads, batch)
+    _recurrent_verify_kernel[grid](
+        q, k, v, g, beta, state, out, states, valid_len if valid_len is not None else g,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride(), *beta.stride(), *state.stride()[:3],
+        *states.stride()[:4],
+        num_v_heads, num_v_heads // num_k_heads, dk, dv, scale,
+        T=t, HAS_VALID=valid_len is not None, BK=max(16, triton.next_power_of_2(dk)), BV=block_v,
+        num_warps=num_warps or default_warps,
+    )
+    return DefaultVerifyResult(out=out, states=states[:, :t])
+
+
+def _check_states_buffer(states: torch.Tensor, state: torch.Tensor, t: int) -> None:
+    batch, num_v_heads, dk, dv = state.shape
+    if (states.dim() != 5 or states.shape[0] != batch or states.shape[1] < t or states.shape[2:] != state.shape[1:]
+            or states.dtype != torch.float32 or states.stride(-1) != 1):
+        raise ValueError(
+            f"states must be a [B, >= T, HV, dk, dv] = [{batch}, >= {t}, {num_v_heads}, {dk}, {dv}] float32 buffer "
+            f"(last dim contiguous), got {tuple(states.shape)} {states.dtype}; see allocate_state_buffer"
+        )
+
+
+def commit_default_states_triton(layers: list[PendingDefaultLayer], num_committed: torch.Tensor) -> None:
+    """state <- states[b, m-1] and the conv roll, for every layer in ONE launch (m = 0 leaves both untouched)."""
+    if not layers:
+        return
+    launch_commit(
+        [layer.state for layer in layers],
+        [layer.verified.states for layer in layers],
+        [layer.conv_state for layer in layers],
+        [layer.conv_input for layer in layers],
+        num_committed,
+        num_key_heads=1,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# torch path and dispatch
+
+
+def default_verify_torch(q, k, v, g, beta, state, states, scale=None, valid_len=None) -> DefaultVerifyResult:
+    """CPU path: the fp32 recurrence (`gdn_recurrence`), per-token states copied into `states`."""
+    t = q.shape[1]
+    _check_states_buffer(states, state, t)
+    if valid_len is not None:
+        q, k, v, g, beta = (_mask_invalid(x, valid_len) for x in (q, k, v, g, beta))
+    out, per_token = gdn_recurrence(q, k, v, g, beta, state, scale, dtype=torch.float32)
+    if valid_len is not None:
+        keep = torch.arange(t, device=q.device).view(1, t) < valid_len.to(q.device).view(-1, 1)  # [B, T]
+        out = out * keep[:, :, None, None]
+        per_token = torch.where(keep[:, :, None, None, None], per_token, states[:, :t])
+    states[:, :t].copy_(per_token)
+    return DefaultVerifyResult(out=out.to(v.dtype), states=states[:, :t])
+
+
+def commit_default_states_torch(layers: list[PendingDefaultLayer], num_committed: torch.Tensor) -> None:
+    """CPU path of `commit_default_states_triton`."""
+    for layer in layers:
+        m = num_committed.to(device=layer.state.device, dtype=torch.long)  # [B]
+        last = (m - 1).clamp(min=0).view(-1, 1, 1, 1, 1).expand(-1, 1, *layer.state.shape[1:])
+        accepted = layer.verified.states.gather(1, last).squeeze(1)  # [B, HV, dk, dv]
+        keep = (m > 0).view(-1, 1, 1, 1)
+        layer.state.copy_(torch.where(keep, accepted.to(layer.state.dtype), layer.state))
+        commit_conv_state(layer.conv_state, layer.conv_input, num_committed)
+
+
+def default_verify(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    states: torch.Tensor,
+    scale: float | None = None,
+    valid_len: torch.Tensor | None = None,
+    kernel_backend: str = "auto",
+) -> DefaultVerifyResult:
+    """The default verifier: Triton on CUDA (or under TRITON_INTERPRET=1), torch otherwise."""
+    if select_backend(kernel_backend, q, state) == "triton":
+        return default_verify_triton(q, k, v, g, beta, state, states, scale, valid_len)
+    return default_verify_torch(q, k, v, g, beta, state, states, scale, valid_len)
+
+
+def commit_default_states(
+    layers: list[PendingDefaultLayer], num_committed: torch.Tensor, kernel_backend: str = "auto"
+) -> None:
+    """Copy each layer's accepted per-token state back and roll the conv window (one launch on the Triton path)."""
+    if not layers:
+        return
+    if select_backend(kernel_backend, layers[0].state) == "triton":
+        commit_default_states_triton(layers, num_committed)
+    else:
+        commit_default_states_torch(layers, num_committed)

@@ -1,0 +1,246 @@
+"""Verification-length strategies behind one interface: HybridSpec and the baselines the benchmark compares.
+
+The round loop talks to every strategy the same way (batch rows are independent streams):
+
+    draft = selector.should_draft(context_len)           # [batch] bool, before drafting (from history only)
+    ...draft, survival = estimator.survival(signals)...   # [batch, B-1]
+    w0 = selector.choose(survival, context_len, w_max)    # [batch] long, 1 <= w0 <= min(B, w_max)
+    if selector.routing_correction:                       # stage 0 ran on w0 + 1 tokens
+        keep = selector.keep_extra(survival, w0, count_new_experts(first_layer_ids), context_len, w_max)
+    ...stage 1, accept, commit...
+    selector.observe(w, emitted, latency, drafted)        # w = tokens verified; drafted False = plain AR step
+
+Strategy names (make_selector): "dflash" (FullBlock: w = B), "static" (StaticLength), "ratio" (PerRoundRatio,
+EVICT-like: argmax G(w)/C(w) per round), "confidence" (ConfidencePrefix, D-Cut / vLLM-threshold-like), "nominal"
+(HybridSpec without routing correction) and "hybridspec" (Dinkelbach length + AR option + routing correction).
+Only the HybridSpec strategies can choose a plain AR step (should_draft False); the baselines always draft.
+Every method is pure torch without host sync; `context_len` is an int or a [batch] long tensor on survival's device.
+"""
+from __future__ import annotations
+
+import abc
+import inspect
+from typing import Any, Mapping
+
+import torch
+
+from .latency import LatencyModel
+from .length import DinkelbachThroughput, expected_tokens, on_device, ratio_length, select_length
+from .routing import extra_survival, keep_extra_token, predicted_delta_latency
+
+
+class LengthSelector(abc.ABC):
+    """The interface. Subclasses implement `choose`; stateful ones also `should_draft` and `observe`."""
+
+    name = "base"
+    routing_correction = False
+
+    def should_draft(self, context_len) -> torch.Tensor:
+        """Whether each row drafts the next round -> [batch] bool. Baselines always draft."""
+        return torch.ones_like(torch.as_tensor(context_len).reshape(-1), dtype=torch.bool)
+
+    @abc.abstractmethod
+    def choose(self, survival: torch.Tensor, context_len, w_max=None) -> torch.Tensor:
+        """Tokens to verify w0 [batch] long from survival p̂ [batch, B-1]; w_max: None, int or [batch] (room left)."""
+
+    def keep_extra(self, survival: torch.Tensor, w0: torch.Tensor, n_new: torch.Tensor, context_len,
+                   w_max=None) -> torch.Tensor:
+        """Routing correction: keep the extra token d_{w0}? -> [batch] bool. Off (all False) unless overridden."""
+        return torch.zeros_like(w0, dtype=torch.bool)
+
+    def observe(self, w: torch.Tensor, emitted: torch.Tensor, latency: torch.Tensor | float | None = None,
+                drafted: torch.Tensor | bool = True) -> None:
+        """After a round: w [batch] long tokens verified, emitted [batch] tokens, latency seconds ([batch] or
+        scalar; None = use the calibrated C), drafted ([batch] bool or bool; False = a plain AR step, w = 1)."""
+
+    def reset(self) -> None:
+        """Forget per-stream state (a new generate call)."""
+
+
+def _clip(w: torch.Tensor, w_max) -> torch.Tensor:
+    if w_max is None:
+        return w
+    return torch.minimum(w, on_device(w_max, w.device).clamp(min=1))
+
+
+class FullBlock(LengthSelector):
+    """Vanilla DFlash: verify the whole block, w = B (capped by w_max)."""
+
+    name = "dflash"
+
+    def choose(self, survival, context_len, w_max=None):
+        full = torch.full(survival.shape[:1], survival.shape[1] + 1, dtype=torch.long, device=survival.device)
+        return _clip(full, w_max)
+
+
+class StaticLength(LengthSelector):
+    """A fixed w (capped by B and w_max); DESIGN.md §7's static baseline is w = 7."""
+
+    name = "static"
+
+    def __init__(self, w: int = 7):
+        if w < 1:
+            raise ValueError(f"StaticLength needs w >= 1 (the anchor is always verified), got {w}.")
+        self.w = w
+
+    def choose(self, survival, context_len, w_max=None):
+        w = min(self.w, survival.shape[1] + 1)
+        return _clip(torch.full(survival.shape[:1], w, dtype=torch.long, device=survival.device), w_max)
+
+
+class ConfidencePrefix(LengthSelector):
+    """D-Cut / vLLM-threshold-like: verify the anchor plus the longest draft prefix with survival >= threshold.
+
+    With the default (uncalibrated) estimator survival is the product of top-1 probabilities, i.e. D-Cut's score.
+    """
+
+    name = "confidence"
+
+    def __init__(self, threshold: float = 0.5, min_length: int = 1):
+        if not 0.0 <= threshold <= 1.0:
+            raise ValueError(f"threshold is a probability, got {threshold}.")
+        self.threshold, self.min_length = threshold, min_length
+
+    def choose(self, survival, context_len, w_max=None):
+        prefix = (survival >= self.threshold).long().cumprod(-1).sum(-1)  # [batch] leading run
+        return _clip((prefix + 1).clamp(min=min(self.min_length, survival.shape[1] + 1)), w_max)
+
+
+class _Calibrated(LengthSelector):
+    """A strategy that reads the latency model; keeps one copy of it per device (moved once, not per round)."""
+
+    def __init__(self, latency_model: LatencyModel):
+        if not isinstance(latency_model, LatencyModel):
+            raise TypeError(f"{type(self).__name__} needs a LatencyModel (selector.calibrate or LatencyModel.load), "
+                            f"got {type(latency_model).__name__}.")
+        self.latency_model = latency_model
+        self._by_device = {latency_model.cost.device: latency_model}
+
+    def _model(self, device: torch.device) -> LatencyModel:
+        if device not in self._by_device:
+            self._by_device[device] = self.latency_model.to(device)
+        return self._by_device[device]
+
+    def _costs(self, survival: torch.Tensor, context_len) -> torch.Tensor:
+        cost = self._model(survival.device).cost_for(context_len)  # [batch or 1, B]
+        if cost.shape[1] != survival.shape[1] + 1:
+            raise ValueError(f"the latency model was calibrated for B = {cost.shape[1]}, the drafts give "
+                             f"B = {survival.shape[1] + 1}; recalibrate for this drafter's block size.")
+        return cost.expand(survival.shape[0], -1)
+
+
+class PerRoundRatio(_Calibrated):
+    """EVICT-like: each round maximise its own G(w)/C(w) (same calibration as HybridSpec)."""
+
+    name = "ratio"
+
+    def choose(self, survival, context_len, w_max=None):
+        return ratio_length(survival, self._costs(survival, context_len), w_max)
+
+
+class HybridSpec(_Calibrated):
+    """Dinkelbach length selection with a plain-AR option and (optionally) the routing correction.
+
+    rho_source: "measured" (default; emitted tokens and measured latency feed ρ, predicted C(w) when no latency is
+    passed) or "predicted" (G(w) and C(w)). See length.DinkelbachThroughput for forgetting, draft_forgetting,
+    probe_every and prior_rounds. allow_ar=False always drafts.
+    """
+
+    name = "hybridspec"
+
+    def __init__(self, latency_model: LatencyModel, routing_correction: bool = True, rho_source: str = "measured",
+                 forgetting: float = 0.98, draft_forgetting: float = 0.9, probe_every: int = 16,
+                 prior_rounds: float = 4.0, allow_ar: bool = True):
+        super().__init__(latency_model)
+        if rho_source not in ("measured", "predicted"):
+            raise ValueError(f"rho_source must be 'measured' or 'predicted', got {rho_source!r}.")
+        self.routing_correction, self.rho_source, self.allow_ar = routing_correction, rho_source, allow_ar
+        self.name = "hybridspec" if routing_correction else "nominal"
+        self.throughput = DinkelbachThroughput(forgetting, draft_forgetting, probe_every, prior_rounds)
+
+    @property
+    def rho(self) -> torch.Tensor | None:
+        """Current pooled-throughput price ρ [batch] (tokens/second), None before the first round."""
+        return None if self.throughput.tokens is None else self.throughput.rho
+
+    def reset(self) -> None:
+        self.throughput.tokens = None
+
+    def _ready(self, batch: int, model: LatencyModel, context_len) -> None:
+        """(Re)start the streams when the batch or device changes; remember this round's C_ar."""
+        cost_ar = model.cost_ar_for(context_len).expand(batch)  # [batch]
+        tokens = self.throughput.tokens
+        if tokens is None or tokens.shape[0] != batch or tokens.device != cost_ar.device:
+            self.throughput.reset(cost_ar, batch, cost_ar.device)
+            self._gain = torch.ones(batch, model.block_size, device=cost_ar.device)  # last round's G(w)
+            self._cost = model.cost_for(context_len).expand(batch, -1)  # last round's C(w)
+        self._cost_ar = cost_ar
+
+    def should_draft(self, context_len):
+        ctx = torch.as_tensor(context_len)
+        if ctx.dim() == 0:
+            tokens = self.throughput.tokens
+            batch, device = (1, ctx.device) if tokens is None else (tokens.shape[0], tokens.device)
+        else:
+            batch, device = ctx.shape[0], ctx.device
+        self._ready(batch, self._model(device), context_len)
+        if not self.allow_ar:
+            return torch.ones(batch, dtype=torch.bool, device=device)
+        return self.throughput.draft_decision(self._cost_ar)
+
+    def choose(self, survival, context_len, w_max=None):
+        self._ready(survival.shape[0], self._model(survival.device), context_len)
+        self._cost = self._costs(survival, context_len)  # [batch, B]
+        self._gain = expected_tokens(survival)  # [batch, B]
+        return select_length(survival, self._cost, self.throughput.rho, w_max)
+
+    def keep_extra(self, survival, w0, n_new, context_len, w_max=None):
+        if not self.routing_correction:
+            return super().keep_extra(survival, w0, n_new, context_len, w_max)
+        delta = predicted_delta_latency(self._model(survival.device), w0, n_new, context_len)
+        keep = keep_extra_token(extra_survival(survival, w0), self.throughput.rho, delta)
+        return keep if w_max is None else keep & (w0 < on_device(w_max, w0.device))
+
+    def observe(self, w, emitted, latency=None, drafted=True):
+        if self.throughput.tokens is None:
+            raise RuntimeError("observe() before should_draft()/choose(): the selector has no round to account.")
+        if emitted.shape != w.shape:
+            raise ValueError(f"observe() wants w and emitted both [batch]; got {tuple(w.shape)} and "
+                             f"{tuple(emitted.shape)}.")
+        idx = (w.long() - 1).clamp(min=0).unsqueeze(1)  # [batch, 1]
+        spec = on_device(drafted, w.device, torch.bool).expand(w.shape[0])
+        predicted_tokens = torch.where(spec, self._gain.gather(1, idx).squeeze(1), torch.ones_like(self._cost_ar))
+        predicted_latency = torch.where(spec, self._cost.gather(1, idx).squeeze(1), self._cost_ar)
+        if self.rho_source == "predicted":
+            self.throughput.update(predicted_tokens, predicted_latency, spec)
+            return
+        seconds = predicted_latency if latency is None else on_device(latency, w.device, torch.float32).expand(
+            w.shape[0])
+        self.throughput.update(emitted.float(), seconds, spec)
+
+
+_STRATEGIES = {
+    "dflash": (FullBlock, {}),
+    "static": (StaticLength, {}),
+    "ratio": (PerRoundRatio, {}),
+    "confidence": (ConfidencePrefix, {}),
+    "nominal": (HybridSpec, {"routing_correction": False}),
+    "hybridspec": (HybridSpec, {"routing_correction": True}),
+}
+
+
+def make_selector(strategy: str, config: Mapping[str, Any] | None = None) -> LengthSelector:
+    """A strategy by name with its options, e.g. make_selector("hybridspec", {"latency_model": lm}).
+
+    config: the constructor's keyword arguments (latency_model for "ratio", "nominal" and "hybridspec"; w for
+    "static"; threshold for "confidence"; ...). Unknown names or options raise with the accepted ones listed.
+    """
+    if strategy not in _STRATEGIES:
+        raise ValueError(f"unknown verification strategy {strategy!r}; choose one of {sorted(_STRATEGIES)}.")
+    cls, fixed = _STRATEGIES[strategy]
+    options = {**dict(config or {}), **fixed}
+    accepted = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise ValueError(f"strategy {strategy!r} does not take {unknown}; it accepts {accepted}.")
+    return cls(**options)

@@ -1,0 +1,166 @@
+"""Tiny hybrid targets built in code, a float64 GDN oracle, and an oracle drafter for loop tests."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from transformers import (
+    Qwen3_5ForCausalLM,
+    Qwen3_5MoeConfig,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeForConditionalGeneration,
+    Qwen3_5MoeTextConfig,
+    Qwen3_5TextConfig,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
+)
+from transformers.models.qwen3_5 import modeling_qwen3_5
+from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
+from transformers.models.qwen3_next import modeling_qwen3_next
+
+from hybridspec_hf import DFlashDrafter
+from hybridspec_hf.kernels import gdn_recurrence
+
+VOCAB = 96
+
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=4,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+    max_position_embeddings=512,
+)
+_MOE = dict(moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2)
+_ATTN_LAST = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
+_ATTN_FIRST = ["full_attention", "linear_attention", "linear_attention", "linear_attention"]
+
+
+def _vision():
+    return dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32)
+
+
+# name -> builder of a float64 eval model. Odd shapes: value heads ≠ key heads, head dims not powers of two,
+# full attention first or last, few experts with top-k ≥ 2, mlp-only layers.
+TARGETS = {
+    "qwen3_5_moe": lambda: Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**_COMMON, **_MOE, layer_types=_ATTN_LAST)),
+    "qwen3_5_moe_odd": lambda: Qwen3_5MoeForCausalLM(
+        Qwen3_5MoeTextConfig(
+            **{**_COMMON, "linear_key_head_dim": 6, "linear_value_head_dim": 10, "linear_num_value_heads": 6,
+               "head_dim": 12, "num_hidden_layers": 5},
+            **{**_MOE, "num_experts": 3, "num_experts_per_tok": 2},
+            layer_types=_ATTN_FIRST + ["linear_attention"],
+        )
+    ),
+    "qwen3_5_moe_vlm": lambda: Qwen3_5MoeForConditionalGeneration(
+        Qwen3_5MoeConfig(text_config=dict(**_COMMON, **_MOE, layer_types=_ATTN_LAST), vision_config=_vision())
+    ),
+    "qwen3_next": lambda: Qwen3NextForCausalLM(
+        Qwen3NextConfig(**_COMMON, **_MOE, layer_types=_ATTN_FIRST, mlp_only_layers=[2], norm_topk_prob=True)
+    ),
+    "qwen3_5_dense": lambda: Qwen3_5ForCausalLM(Qwen3_5TextConfig(**_COMMON, layer_types=_ATTN_LAST)),
+}
+
+
+def make_target(name: str, seed: int = 0, dtype=torch.float64):
+    torch.manual_seed(seed)
+    model = TARGETS[name]().eval().to(dtype)
+    if hasattr(model, "set_experts_implementation") and dtype == torch.float64:
+        # transformers' default grouped_mm experts path has no float64 CPU kernel
+        with contextlib.suppress(Exception):
+            model.set_experts_implementation("eager")
+    _strengthen_gates(model)
+    return model
+
+
+def _strengthen_gates(model) -> None:
+    """Random init gives near-uniform logits; spread A_log so both strong and weak decay occur."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("A_log"):
+                param.copy_(torch.linspace(-3.0, 2.0, param.numel(), dtype=param.dtype))
+
+
+def _gdn_float64(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+                 use_qk_l2norm_in_kernel=True, **kwargs):
+    """Drop-in for transformers' torch GDN functions that computes (and keeps the state) in float64."""
+    assert use_qk_l2norm_in_kernel
+    batch, _, _, dk = key.shape
+    heads, dv = value.shape[-2:]
+    state = initial_state if initial_state is not None else torch.zeros(batch, heads, dk, dv, dtype=torch.float64)
+    out, states = gdn_recurrence(query, key, value, g, beta, state, dtype=torch.float64)
+    return out.to(query.dtype), (states[:, -1] if output_final_state else None)
+
+
+_GDN_MODULES = (modeling_qwen3_5_moe, modeling_qwen3_5, modeling_qwen3_next)
+
+
+@contextlib.contextmanager
+def float64_gdn():
+    """Make the AR oracle's GDN float64 end to end (transformers computes it in fp32 even for float64 models)."""
+    saved = [(m, m.torch_chunk_gated_delta_rule, m.torch_recurrent_gated_delta_rule) for m in _GDN_MODULES]
+    for module in _GDN_MODULES:
+        module.torch_chunk_gated_delta_rule = _gdn_float64
+        module.torch_recurrent_gated_delta_rule = _gdn_float64
+    try:
+        yield
+    finally:
+        for module, chunk, recurrent in saved:
+            module.torch_chunk_gated_delta_rule = chunk
+            module.torch_recurrent_gated_delta_rule = recurrent
+
+
+class OracleDrafter(DFlashDrafter):
+    """A real DFlash drafter whose logits are steered towards a known continuation, wrong at random positions.
+
+    Random-weight drafters are almost never right, which would test only the a = 0 path; this one makes every
+    acceptance length occur while still running the real drafter code and context cache.
+    """
+
+    def steer(self, reference: torch.Tensor, error_rate: float, seed: int) -> "OracleDrafter":
+        self.reference = reference[0]
+        self.error_rate = error_rate
+        self.generator = torch.Generator().manual_seed(seed)
+        return self
+
+    def draft(self, anchor_ids, new_context, cache, return_hidden=False):
+        logits = super().draft(anchor_ids, new_context, cache).clone()
+        anchor_position = cache.length
+        for k in range(1, self.config.block_size):
+            position = anchor_position + k
+            if position < self.reference.shape[0] and torch.rand((), generator=self.generator) >= self.error_rate:
+                logits[:, k - 1, self.reference[position]] = logits.abs().max() + 10.0
+        return logits
+
+
+def make_drafter(target, block_size: int = 8, reference=None, error_rate: float = 0.25, seed: int = 0):
+    torch.manual_seed(seed + 1)
+    drafter = OracleDrafter.from_target(target, num_layers=1, block_size=block_size)
+    drafter = drafter.to(torch.float64).eval()
+    drafter.bind_target(target)
+    if reference is not None:
+        drafter.steer(reference, error_rate, seed)
+    return drafter
+
+
+def cache_tensors(cache) -> list[torch.Tensor]:
+    """Every tensor that defines the cache's content (GDN conv/recurrent states, attention K/V up to length)."""
+    tensors = []
+    for layer in cache.layers:
+        if hasattr(layer, "recurrent_states"):
+            tensors += [layer.conv_states[0], layer.recurrent_states[0]]
+        else:
+            length = int(layer.get_seq_length())
+            tensors += [layer.keys[..., :length, :], layer.values[..., :length, :]]
+    return tensors
+
+
+def output_cache(output):
+    return output.cache if hasattr(output, "cache") and output.cache is not None else output.past_key_values

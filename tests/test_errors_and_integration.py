@@ -1,0 +1,128 @@
+"""Clear errors that leave the model usable; plain generate() untouched; the stock refusal kept."""
+import pytest
+import torch
+from _tiny import VOCAB, make_drafter, make_target
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
+
+import hybridspec_hf
+from hybridspec_hf import HybridSpecConfig
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = make_target("qwen3_5_moe", seed=11)
+    prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(11))
+    ar = target.generate(prompt, do_sample=False, max_new_tokens=12)
+    return target, prompt, make_drafter(target, 8, ar), ar
+
+
+def spec(target, prompt, drafter, **kwargs):
+    kwargs.setdefault("do_sample", False)
+    kwargs.setdefault("max_new_tokens", 12)
+    return target.generate(prompt, assistant_model=drafter, generation_strategy="dflash", **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(num_beams=2), "num_beams=2"),
+        (dict(use_cache=False), "use_cache=False"),
+        (dict(do_sample=True), "do_sample=True"),
+        (dict(num_return_sequences=2, num_beams=1), "num_return_sequences"),
+        (dict(output_attentions=True, return_dict_in_generate=True), "output_attentions"),
+        (dict(prompt_lookup_num_tokens=3), "prompt_lookup_num_tokens"),
+        (dict(cache_implementation="offloaded"), "cache_implementation"),
+        (dict(hybridspec_config=HybridSpecConfig(static_length=9)), None),  # only an error for "static"
+    ],
+)
+def test_unsupported_options_raise_clearly_and_model_keeps_working(pair, kwargs, message):
+    target, prompt, drafter, ar = pair
+    if message is None:
+        with pytest.raises(ValueError, match="static_length=9 exceeds"):
+            target.generate(prompt, assistant_model=drafter, generation_strategy="static", do_sample=False,
+                            max_new_tokens=12, **kwargs)
+    else:
+        with pytest.raises(ValueError, match=message):
+            spec(target, prompt, drafter, **kwargs)
+    assert torch.equal(spec(target, prompt, drafter), ar)
+
+
+def test_prompt_errors(pair):
+    target, prompt, drafter, ar = pair
+    with pytest.raises(ValueError, match="prompt is empty"):
+        spec(target, prompt[:, :0], drafter)
+    too_long = torch.zeros(1, target.config.max_position_embeddings, dtype=torch.long)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        spec(target, too_long, drafter)
+    with pytest.raises(ValueError, match="batch size 1"):
+        spec(target, prompt.repeat(2, 1), drafter)
+    padded = torch.cat([torch.zeros(1, 2, dtype=torch.long), prompt], dim=1)
+    mask = torch.cat([torch.zeros(1, 2, dtype=torch.long), torch.ones_like(prompt)], dim=1)
+    with pytest.raises(ValueError, match="padding"):
+        spec(target, padded, drafter, attention_mask=mask)
+    assert torch.equal(spec(target, prompt, drafter, attention_mask=torch.ones_like(prompt)), ar)
+
+
+def test_strategy_and_drafter_errors(pair):
+    target, prompt, drafter, _ = pair
+    with pytest.raises(ValueError, match="generation_strategy must be one of"):
+        target.generate(prompt, assistant_model=drafter, generation_strategy="medusa")
+    with pytest.raises(ValueError, match="needs a drafter"):
+        target.generate(prompt, generation_strategy="hybridspec")
+    with pytest.raises(TypeError, match="DFlashDrafter"):
+        target.generate(prompt, assistant_model=target, generation_strategy="dflash")
+    with pytest.raises(ValueError, match="without generation_strategy"):
+        target.generate(prompt, hybridspec_config=HybridSpecConfig())
+    other = make_target("qwen3_next")
+    with pytest.raises(ValueError):
+        target.generate(prompt, assistant_model=make_drafter(other, 8), generation_strategy="dflash")
+
+
+def test_drafter_mismatch_is_reported(pair):
+    target, prompt, drafter, _ = pair
+    bad = make_drafter(target, 8)
+    bad.config.target_layer_ids = [0, 99]
+    with pytest.raises(ValueError, match="99"):
+        spec(target, prompt, bad)
+
+
+def test_unsupported_target_is_reported():
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    target = make_target("qwen3_5_moe")
+    with pytest.raises(ValueError, match="HybridSpec supports hybrid Gated-DeltaNet targets"):
+        llama.generate(torch.ones(1, 3, dtype=torch.long), assistant_model=make_drafter(target, 8),
+                       generation_strategy="hybridspec")
+
+
+def test_stock_assisted_decoding_still_refuses_stateful_targets(pair):
+    target, prompt, drafter, ar = pair
+    with pytest.raises(ValueError, match="stateful"):
+        target.generate(prompt, assistant_model=drafter, do_sample=False, max_new_tokens=5)
+    assert torch.equal(spec(target, prompt, drafter), ar)
+
+
+def test_plain_generate_is_unaffected_by_the_patches():
+    """Outputs and caches of plain generate() equal those with every patch removed."""
+    gdn_cls = modeling_qwen3_5_moe.Qwen3_5MoeGatedDeltaNet
+    lm_cls = modeling_qwen3_5_moe.Qwen3_5MoeForCausalLM
+    target = make_target("qwen3_5_moe", seed=5, dtype=torch.float32)
+    prompt = torch.randint(0, VOCAB, (1, 9))
+    patched = target.generate(prompt, do_sample=False, max_new_tokens=20, return_dict_in_generate=True, output_logits=True)
+    saved = gdn_cls.forward, lm_cls.generate
+    gdn_cls.forward, lm_cls.generate = gdn_cls._hybridspec_original_forward, lm_cls._hybridspec_original_generate
+    try:
+        stock = target.generate(prompt, do_sample=False, max_new_tokens=20, return_dict_in_generate=True, output_logits=True)
+    finally:
+        gdn_cls.forward, lm_cls.generate = saved
+    assert torch.equal(patched.sequences, stock.sequences)
+    for mine, theirs in zip(patched.logits, stock.logits, strict=True):
+        assert torch.equal(mine, theirs)
+
+
+def test_enable_is_idempotent():
+    before = modeling_qwen3_5_moe.Qwen3_5MoeForCausalLM.generate
+    hybridspec_hf.enable()
+    hybridspec_hf.enable()
+    assert modeling_qwen3_5_moe.Qwen3_5MoeForCausalLM.generate is before
