@@ -1,9 +1,11 @@
 """What transformers users rely on keeps working with generation_strategy=...: streamer, processors, stop strings,
 scores/logits, stopping criteria, and exception safety."""
+import string
+
 import pytest
 import torch
 from _tiny import VOCAB, make_drafter, make_target
-from tokenizers import Tokenizer
+from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import WordLevel
 from transformers import PreTrainedTokenizerFast, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
@@ -81,8 +83,13 @@ def test_logits_processors_scores_and_logits_equal_ar(options, fp64_gdn):
 
 
 def char_tokenizer():
-    vocab = {chr(0x41 + i) if i < 26 else chr(0x61 + i - 26) if i < 52 else f"<{i}>": i for i in range(VOCAB)}
-    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="<95>")))
+    """One token per character (96 of them), so stop strings can end inside a verified block."""
+    chars = string.digits + string.ascii_letters + string.punctuation + " \n"
+    assert len(chars) == VOCAB
+    tokenizer = Tokenizer(WordLevel({c: i for i, c in enumerate(chars)}, unk_token=" "))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
 
 
 def test_stop_strings_stop_where_ar_stops(fp64_gdn):

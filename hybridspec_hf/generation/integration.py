@@ -119,7 +119,6 @@ def _check_prompt(model, input_ids: torch.Tensor) -> None:
 
 def check_generation_config(generation_config, input_ids: torch.Tensor, model_kwargs: dict) -> None:
     """Reject what the loop does not support, after generate() merged the model's defaults."""
-    _check_prompt_shape_only(input_ids)
     problems = []
     if generation_config.num_beams not in (None, 1):
         problems.append(f"num_beams={generation_config.num_beams} (beam search): use num_beams=1")
@@ -138,6 +137,7 @@ def check_generation_config(generation_config, input_ids: torch.Tensor, model_kw
         problems.append("attention_mask has padding: HybridSpec runs batch size 1 without padding; strip the pad tokens")
     if problems:
         raise ValueError("Unsupported generation options for HybridSpec: " + "; ".join(problems) + ".")
+    _check_prompt_shape_only(input_ids)
 
 
 def _check_prompt_shape_only(input_ids: torch.Tensor) -> None:
