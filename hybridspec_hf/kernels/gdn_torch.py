@@ -16,6 +16,7 @@ Value head h reads key head h // (HV // H) (grouped value heads, `repeat_interle
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -124,7 +125,11 @@ def gdn_commit(
 
 
 def conv_verify(
-    conv_state: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: bool
+    conv_state: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: Callable[[torch.Tensor], torch.Tensor] | None,
 ) -> torch.Tensor:
     """Depthwise causal conv of w new inputs after the cached ones, without writing the cache.
 
@@ -133,8 +138,8 @@ def conv_verify(
     """
     full = torch.cat([conv_state.to(x.dtype), x], dim=-1).to(weight.dtype)
     out = F.conv1d(full, weight.unsqueeze(1), bias, padding=0, groups=x.shape[1])[..., -x.shape[-1] :]
-    if activation:
-        out = F.silu(out)
+    if activation is not None:
+        out = activation(out)
     return out.to(x.dtype)
 
 
