@@ -25,7 +25,7 @@ def test_verify_and_every_commit_length_match_the_float64_recurrence(shape, deca
     outputs, states = gdn_recurrence(q, k, v, g, beta, state)  # float64 oracle, a state per token
     assert verified.out.dtype == torch.float32 and verified.z.dtype == torch.float32
     scale = outputs.abs().max()
-    assert (verified.out.double() - outputs).abs().max() / scale < 2e-6  # relative to the largest output
+    assert (verified.out.double() - outputs).abs().max() / scale < 1e-5  # fp32 compute, relative to the largest output
     for m in range(tokens + 1):
         committed = state.clone()
         per_request = torch.tensor([(m + i) % (tokens + 1) for i in range(batch)])

@@ -148,7 +148,8 @@ def test_commit_every_prefix(w):
     for layer in range(2):
         x = make_inputs(100 * w + layer, b, w, 1, 1, 24, 40, "mixed")
         conv_state, conv_input = conv_caches(layer, b, w)
-        res = gdn_verify_triton(*verify_args(x))
+        # layer 0 from the Triton verify; layer 1's Z from the torch one (same contract, spares interpreter time)
+        res = gdn_verify_triton(*verify_args(x)) if layer == 0 else ref.gdn_verify(*verify_args(x))
         layers.append(ref.PendingGDNLayer(x["state"].clone(), conv_state.clone(), conv_input, x["k"], res))
         inputs.append((x, conv_state))
     m = torch.arange(b, dtype=torch.int32)
@@ -185,10 +186,9 @@ def test_valid_len_ignores_trailing_tokens():
     res = gdn_verify_triton(*verify_args(x), valid_len=valid)
     torch_res = gdn_verify_auto(*verify_args(x), valid_len=valid, kernel_backend="torch")
     for req, n in enumerate(valid.tolist()):
-        prefix = {name: a[req: req + 1, :n] if a.dim() > 3 or name in ("g", "beta") else a[req: req + 1]
-                  for name, a in x.items()}
+        prefix = {name: a[req: req + 1, :n] for name, a in x.items() if name != "state"}
         prefix["state"] = x["state"][req: req + 1]
-        out64, states64 = oracle(prefix)
+        out64, _ = oracle(prefix)
         assert rel(res.out[req, :n], out64[0]) < ONE_STEP_TOL
         assert not res.out[req, n:].any() and not res.z[req, :, n:].any()
         assert rel(torch_res.z[req, :, :n], res.z[req, :, :n]) < ONE_STEP_TOL
