@@ -1,0 +1,108 @@
+"""`hybridspec demo | train-drafter` — the command line. Uses the public API only."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+
+def _random_pair(seed: int = 0):
+    """A tiny random Qwen3.5-MoE target and a fresh drafter (used when the trained pair is not installed)."""
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    from hybridspec_hf import DFlashDrafter
+
+    torch.manual_seed(seed)
+    config = Qwen3_5MoeTextConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, num_experts=8, num_experts_per_tok=2, max_position_embeddings=1024,
+    )
+    target = Qwen3_5MoeForCausalLM(config).eval()
+    drafter = DFlashDrafter.from_target(target, num_layers=1, block_size=8).eval()
+    return target, drafter, None
+
+
+def _load_pair(args):
+    if args.random:
+        return _random_pair()
+    try:
+        from hybridspec_hf.tiny_pair import load_tiny_pair
+    except ImportError:
+        print("(the trained tiny pair is not installed: using a tiny random pair)")
+        return _random_pair()
+    return load_tiny_pair()
+
+
+def _timed_generate(target, prompt, **kwargs):
+    start = time.perf_counter()
+    out = target.generate(prompt, do_sample=False, **kwargs)
+    return out, time.perf_counter() - start
+
+
+def demo(args) -> int:
+    """Prompt → AR and HybridSpec side by side on CPU: identical text, tokens/s, speedup, per-round summary."""
+    import hybridspec_hf
+
+    torch.set_num_threads(args.threads)
+    target, drafter, tokenizer = _load_pair(args)
+    if tokenizer is not None:
+        from hybridspec_hf.tiny_pair import demo_prompt
+
+        prompt_text = demo_prompt()
+        prompt = tokenizer(prompt_text, return_tensors="pt").input_ids
+    else:
+        prompt_text, prompt = None, torch.randint(0, target.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
+    spec = dict(assistant_model=drafter, generation_strategy=args.strategy)
+    for kwargs in ({}, spec):  # warm-up (first calls import and initialise lazily)
+        target.generate(prompt, do_sample=False, max_new_tokens=8, **kwargs)
+    ar, ar_s = _timed_generate(target, prompt, max_new_tokens=args.max_new_tokens)
+    ours, ours_s = _timed_generate(target, prompt, max_new_tokens=args.max_new_tokens, **spec)
+    telemetry = hybridspec_hf.get_telemetry(target)
+    new = ar.shape[1] - prompt.shape[1]
+
+    def text(ids):
+        return tokenizer.decode(ids[0, prompt.shape[1] :]) if tokenizer is not None else str(ids[0, prompt.shape[1] :].tolist())
+
+    if prompt_text is not None:
+        print("=== prompt\n" + prompt_text)
+    identical = torch.equal(ar, ours)
+    print(f"=== continuation ({new} tokens; AR and HybridSpec {'identical' if identical else 'DIFFERENT'})")
+    print(text(ar))
+    if not identical:
+        print("=== HybridSpec continuation\n" + text(ours))
+    print("=== speed (CPU, batch 1, greedy)")
+    print(f"AR:         {new / ar_s:8.1f} tokens/s")
+    print(f"{args.strategy + ':':12s}{new / ours_s:8.1f} tokens/s   speedup {ar_s / ours_s:.2f}x")
+    print(f"rounds: {len(telemetry.rounds)}, mean accepted drafts {telemetry.mean_accepted:.2f}, "
+          f"τ (tokens/round) {telemetry.mean_emitted:.2f}, mean verified w {telemetry.mean_verified:.2f}")
+    print("per round (w/accepted/emitted):", " ".join(f"{r.w}/{r.accepted}/{r.emitted}" for r in telemetry.rounds))
+    return 0 if identical else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hybridspec", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    p = commands.add_parser("demo", help="AR vs HybridSpec on the shipped tiny pair (CPU)")
+    p.add_argument("--strategy", default="dflash", choices=["hybridspec", "dflash", "static"])
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--random", action="store_true", help="use a tiny random pair instead of the trained one")
+    p.set_defaults(run=demo)
+    try:
+        from hybridspec_hf.drafter.training import add_train_drafter_arguments, run_train_drafter
+    except ImportError:
+        pass
+    else:
+        p = commands.add_parser("train-drafter", help="regenerate responses with a target and train a DFlash drafter")
+        add_train_drafter_arguments(p)
+        p.set_defaults(run=run_train_drafter)
+    args = parser.parse_args(argv)
+    return args.run(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""Train the tiny pair end to end in one process (one GPU call): target → responses → drafter → evaluation.
+
+    # on the H200 (the working tree travels; .data/tiny_pair is carried):
+    python scripts/tiny_pair/run_pipeline.py --work /tmp/tiny_pair --out $OUT --deadline-s 480
+    # CPU smoke test of the same code path, seconds per stage:
+    python scripts/tiny_pair/run_pipeline.py --work /tmp/tp --out /tmp/tp/out --smoke
+
+Stages, each bounded by the wall-clock deadline (measured from the start of this script):
+1. target: `train_target.py` for --target-budget-s, saved in bf16; held-out perplexity of the SAVED weights in fp32.
+2. responses: greedy continuations of the held-out prompts (evaluation set) first, which also times one generate
+   batch; from that, as many training prompts as fit --regen-budget-s are answered by the target.
+3. drafter: `hybridspec_hf.drafter.training.train_drafter` with the time left minus a reserve for the evaluation.
+4. evaluation: τ per block size on the held-out continuations, calibration, distinct-n (`evaluate_drafter`), with
+   the weights as saved (bf16) loaded in fp32.
+Everything lands in --out as at most 8 files: target.tar, drafter.tar, results.json, and the logs.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import platform
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import train_target as tt  # noqa: E402
+
+from hybridspec_hf.drafter import DFlashDrafter  # noqa: E402
+from hybridspec_hf.drafter.training import (  # noqa: E402
+    evaluate_drafter,
+    load_prompts,
+    regenerate_responses,
+    train_drafter,
+)
+from hybridspec_hf.tiny_pair import ASSETS_DIR  # noqa: E402
+
+START = time.perf_counter()
+
+
+def elapsed() -> float:
+    return time.perf_counter() - START
+
+
+def stage(name: str) -> None:
+    print(f"=== {name} at {elapsed():.0f} s", flush=True)
+
+
+def versions() -> dict:
+    import accelerate
+    import tokenizers
+    import transformers
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "accelerate": accelerate.__version__, "tokenizers": tokenizers.__version__,
+            "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+
+
+@torch.no_grad()
+def saved_target_perplexity(target_dir: Path, data: Path, seq_len: int, device, max_windows: int | None) -> dict:
+    """Held-out loss of the weights as shipped (bf16 on disk, upcast to fp32, no autocast)."""
+    from contextlib import nullcontext
+
+    from safetensors.torch import load_file
+    from transformers import Qwen3_5MoeForCausalLM
+
+    model = Qwen3_5MoeForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).to(device)
+    loss, scored = tt.heldout_loss(model, load_file(str(data))["heldout"], seq_len, 64, device, nullcontext, max_windows)
+    return {"heldout_loss_nats": loss, "heldout_perplexity": math.exp(loss), "heldout_tokens_scored": scored,
+            "dtype": "float32 from bf16 weights"}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work", required=True, help="scratch folder (models, response shards)")
+    parser.add_argument("--out", required=True, help="folder for what comes back (≤ 8 files)")
+    parser.add_argument("--data-dir", default=str(REPO / ".data" / "tiny_pair"))
+    parser.add_argument("--deadline-s", type=float, default=480.0)
+    parser.add_argument("--target-budget-s", type=float, default=200.0)
+    parser.add_argument("--regen-budget-s", type=float, default=75.0)
+    parser.add_argument("--eval-reserve-s", type=float, default=45.0)
+    parser.add_argument("--drafter-layers", type=int, default=3)
+    parser.add_argument("--max-new-tokens", type=int, default=192)
+    parser.add_argument("--regen-batch-size", type=int, default=512)
+    parser.add_argument("--max-train-prompts", type=int, default=8192)
+    parser.add_argument("--drafter-batch-size", type=int, default=32)
+    parser.add_argument("--drafter-lr", type=float, default=1e-3)
+    parser.add_argument("--smoke", action="store_true", help="toy sizes for a CPU dry run")
+    args = parser.parse_args(argv)
+    work, out, data_dir = Path(args.work), Path(args.out), Path(args.data_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "versions": versions(), "argv": sys.argv, "stages_s": {}}
+
+    try:
+        run_stages(args, work, out, data_dir, device, results)
+    except BaseException as e:
+        import traceback
+
+        results["error"] = traceback.format_exc()
+        raise e
+    finally:  # whatever finished comes back, also after a failure
+        (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+
+
+def run_stages(args, work: Path, out: Path, data_dir: Path, device, results: dict) -> None:
+    stage("target")
+    target_dir = work / "target"
+    target_args = argparse.ArgumentParser()
+    tt.add_arguments(target_args)
+    cli = ["--data", str(data_dir / "corpus.safetensors"), "--out", str(target_dir),
+           "--log", str(work / "target_log.json"), "--time-budget-s", str(args.target_budget_s)]
+    if args.smoke:
+        cli += ["--steps", "3", "--batch-size", "2", "--seq-len", "64", "--eval-every", "2", "--eval-windows", "2",
+                "--heldout-max-windows", "4", "--warmup-steps", "1", "--log-every", "1"]
+    target_result = tt.train_target(target_args.parse_args(cli))
+    results["target"] = {k: v for k, v in target_result.items() if k not in ("loss_curve", "heldout_curve")}
+    results["target"]["shipped_weights"] = saved_target_perplexity(
+        target_dir, data_dir / "corpus.safetensors", 64 if args.smoke else 512, device, 4 if args.smoke else None)
+    print(json.dumps(results["target"]["shipped_weights"]), flush=True)
+    results["target"]["loss_curve"] = target_result["loss_curve"]
+    results["target"]["heldout_curve"] = target_result["heldout_curve"]
+    results["stages_s"]["target"] = elapsed()
+    with tarfile.open(out / "target.tar", "w") as tar:
+        tar.add(target_dir, arcname="target")
+
+    stage("responses")
+    from transformers import AutoTokenizer, Qwen3_5MoeForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(str(ASSETS_DIR / "tokenizer"))
+    target = Qwen3_5MoeForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).to(device).eval()
+    drafter_dir = work / "drafter"
+    max_new = 16 if args.smoke else args.max_new_tokens
+    regen_batch = 4 if args.smoke else args.regen_batch_size
+    eval_prompts = load_prompts(data_dir / "heldout_prompts.jsonl")[: 4 if args.smoke else None]
+    train_prompts = load_prompts(data_dir / "train_prompts.jsonl")
+    common = dict(max_new_tokens=max_new, max_prompt_tokens=512, batch_size=regen_batch)
+    t0 = time.perf_counter()
+    eval_samples = regenerate_responses(target, tokenizer, eval_prompts, drafter_dir / "eval_regen", temperature=0.0,
+                                        desc="regenerate (eval, greedy)", **common)
+    per_prompt = (time.perf_counter() - t0) / max(1, math.ceil(len(eval_prompts) / regen_batch)) / regen_batch
+    budget = min(args.regen_budget_s, args.deadline_s - elapsed() - args.eval_reserve_s - 60)
+    n_train = max(regen_batch, min(args.max_train_prompts, int(budget / (1.15 * per_prompt)) // regen_batch * regen_batch))
+    if args.smoke:
+        n_train = 8
+    train_prompts = train_prompts[:n_train]
+    print(f"{per_prompt * 1e3:.1f} ms per prompt -> {n_train} training prompts", flush=True)
+    regenerate_responses(target, tokenizer, train_prompts, drafter_dir / "regen", temperature=0.0,
+                         desc="regenerate (train)", **common)
+    results["responses"] = {"eval_prompts": len(eval_prompts), "train_prompts": n_train,
+                            "seconds_per_prompt_estimate": per_prompt,
+                            "examples": [{"prompt": tokenizer.decode(s.prompt_ids),
+                                          "response": tokenizer.decode(s.response_ids)} for s in eval_samples[:6]]}
+    results["stages_s"]["responses"] = elapsed()
+
+    stage("drafter")
+    budget = args.deadline_s - elapsed() - args.eval_reserve_s
+    print(f"drafter training budget {budget:.0f} s", flush=True)
+    train_drafter(target, train_prompts, drafter_dir, tokenizer=tokenizer, num_layers=args.drafter_layers,
+                  block_size=16, steps=4 if args.smoke else 100_000, time_budget_s=None if args.smoke else budget,
+                  batch_size=2 if args.smoke else args.drafter_batch_size, num_anchors=8 if args.smoke else 64,
+                  lr=args.drafter_lr, warmup_ratio=0.04, weight_decay=0.01, grad_clip=1.0,
+                  max_new_tokens=max_new, max_prompt_tokens=512, regen_batch_size=regen_batch, temperature=0.0,
+                  save_dtype=torch.bfloat16, log_every=1 if args.smoke else 50)
+    results["drafter"] = json.loads((drafter_dir / "training_log.json").read_text())
+    results["stages_s"]["drafter"] = elapsed()
+    with tarfile.open(out / "drafter.tar", "w") as tar:
+        for name in ("config.json", "model.safetensors"):
+            tar.add(drafter_dir / name, arcname=f"drafter/{name}")
+
+    stage("evaluation")  # the weights as shipped: bf16 on disk, fp32 here, like the CPU demo
+    drafter = DFlashDrafter.from_pretrained(str(drafter_dir), dtype=torch.float32).to(device).eval()
+    drafter.bind_target(target)
+    results["drafter_eval"] = evaluate_drafter(target, drafter, tokenizer, eval_prompts, drafter_dir / "eval_regen",
+                                               block_sizes=(16, 8), **common)
+    results["stages_s"]["evaluation"] = elapsed()
+    print(json.dumps({"tau": {b: r["tau"] for b, r in results["drafter_eval"]["block_sizes"].items()},
+                      "ppl": results["target"]["shipped_weights"]["heldout_perplexity"],
+                      "distinct": results["drafter_eval"]["distinct_ngram_ratio"], "elapsed_s": elapsed()}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
