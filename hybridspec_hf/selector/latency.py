@@ -19,6 +19,7 @@ is never used silently, and the caller recalibrates with `LatencyModel.load(p, k
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import hashlib
 import json
@@ -29,8 +30,6 @@ from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
-
-from .length import on_device
 
 _FORMAT = "hybridspec.latency/1"
 
@@ -58,7 +57,8 @@ class ExpertModel:
         return self.extra_given_new[row, col] - self.extra_uncond[row]
 
     def to(self, device) -> "ExpertModel":
-        return _map_tensors(self, lambda t: t.to(device))
+        return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
+                                            if isinstance(getattr(self, f.name), torch.Tensor)})
 
 
 @dataclasses.dataclass
@@ -67,7 +67,7 @@ class LatencyModel:
 
     cost: torch.Tensor  # [n_buckets, B] fp32, C(w) for w = 1..B
     cost_ar: torch.Tensor  # [n_buckets] fp32
-    context_lens: torch.Tensor  # [n_buckets] long, ascending: where each bucket was measured
+    context_lens: torch.Tensor  # [n_buckets] long, ascending: where each bucket was measured (kept on the CPU)
     sunk: torch.Tensor | None = None  # [n_buckets, B-1] fp32 s(w); None -> zeros
     eta: float = 0.0  # seconds per extra distinct expert
     experts: ExpertModel | None = None
@@ -79,36 +79,45 @@ class LatencyModel:
                              f"{tuple(self.cost.shape)}, {tuple(self.cost_ar.shape)}, {tuple(self.context_lens.shape)}.")
         if self.sunk is None:
             self.sunk = torch.zeros(self.cost.shape[0], self.cost.shape[1] - 1, device=self.cost.device)
+        self.context_lens = self.context_lens.cpu()
+        lens = self.context_lens.double().clamp(min=1.0)
+        self._edges_host = (lens[1:] * lens[:-1]).sqrt().tolist()  # [n_buckets-1] geometric midpoints
+        self._edges = torch.tensor(self._edges_host, dtype=torch.float32, device=self.cost.device)
 
     @property
     def block_size(self) -> int:
         return self.cost.shape[1]
 
+    def _rows(self, context_len) -> slice | torch.Tensor:
+        """Table rows for context lengths: a slice for an int (a view: no kernel), a [batch] long tensor for a
+        tensor (bucketize on its device). Nearest measured length in log space."""
+        if isinstance(context_len, torch.Tensor):
+            return torch.bucketize(context_len.reshape(-1).float(), self._edges)
+        k = bisect.bisect_left(self._edges_host, context_len)  # = torch.bucketize(right=False)
+        return slice(k, k + 1)
+
     def bucket(self, context_len) -> torch.Tensor:
-        """Bucket index [batch] long of context lengths (int or [batch]): nearest measured length in log space."""
-        ctx = on_device(context_len, self.cost.device, torch.float32).reshape(-1)
-        lens = self.context_lens.float().clamp(min=1.0)
-        edges = (lens[1:] * lens[:-1]).sqrt()  # [n_buckets-1] geometric midpoints
-        return torch.bucketize(ctx, edges)
+        """Bucket index [batch] long of context lengths (int or [batch] tensor on the model's device)."""
+        rows = self._rows(context_len)
+        return torch.tensor([rows.start]) if isinstance(rows, slice) else rows
 
     def cost_for(self, context_len) -> torch.Tensor:
-        """C(w), w = 1..B, for each row's context -> [batch, B] fp32."""
-        return self.cost[self.bucket(context_len)]
+        """C(w), w = 1..B, for each row's context -> [batch or 1, B] fp32."""
+        return self.cost[self._rows(context_len)]
 
     def cost_ar_for(self, context_len) -> torch.Tensor:
-        """C_ar for each row's context -> [batch] fp32."""
-        return self.cost_ar[self.bucket(context_len)]
+        """C_ar for each row's context -> [batch or 1] fp32."""
+        return self.cost_ar[self._rows(context_len)]
 
     def sunk_for(self, context_len) -> torch.Tensor:
-        """s(w), w = 1..B-1, for each row's context -> [batch, B-1] fp32."""
-        return self.sunk[self.bucket(context_len)]
+        """s(w), w = 1..B-1, for each row's context -> [batch or 1, B-1] fp32."""
+        return self.sunk[self._rows(context_len)]
 
     def to(self, device) -> "LatencyModel":
-        """A copy on device (the key and η are host values)."""
-        moved = _map_tensors(self, lambda t: t.to(device))
-        if self.experts is not None:
-            moved.experts = self.experts.to(device)
-        return moved
+        """A copy on device (the key, η and context_lens stay host values)."""
+        return dataclasses.replace(self, cost=self.cost.to(device), cost_ar=self.cost_ar.to(device),
+                                   sunk=self.sunk.to(device),
+                                   experts=None if self.experts is None else self.experts.to(device))
 
     def to_dict(self) -> dict:
         data = {f.name: _jsonable(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "experts"}
@@ -303,10 +312,11 @@ def calibrate(measure_round: Callable[[int, int], float], ws: Sequence[int], con
         curve = _curve(times, "round", ws, c, block_size)
         cost.append(curve)
         cost_ar.append(statistics.median(times["round", 0, c]) if measure_ar else float(curve[0]))
-        step = curve[1:] - curve[:-1]
-        stage0 = _curve(times, "stage0", ws, c, block_size) if measure_stage0 else None
-        sunk.append(torch.minimum((stage0[1:] - stage0[:-1]).clamp(min=0), step) if stage0 is not None
-                    else torch.zeros_like(step))
+        step = curve.diff()  # [B-1] C(w+1) - C(w)
+        if measure_stage0 is None:
+            sunk.append(torch.zeros_like(step))
+        else:
+            sunk.append(torch.minimum(_curve(times, "stage0", ws, c, block_size).diff().clamp(min=0), step))
     return LatencyModel(cost=torch.stack(cost), cost_ar=torch.tensor(cost_ar, dtype=torch.float32),
                         context_lens=torch.tensor(contexts), sunk=torch.stack(sunk), key=dict(key or {}))
 
@@ -315,11 +325,6 @@ def _curve(times, name: str, ws: Sequence[int], context: int, block_size: int) -
     xs = [w for w in sorted(set(ws)) for _ in times[name, w, context]]
     ys = [t for w in sorted(set(ws)) for t in times[name, w, context]]
     return fit_cost_curve(xs, ys, block_size)
-
-
-def _map_tensors(obj, fn):
-    return dataclasses.replace(obj, **{f.name: fn(getattr(obj, f.name)) for f in dataclasses.fields(obj)
-                                       if isinstance(getattr(obj, f.name), torch.Tensor)})
 
 
 def _jsonable(value):

@@ -124,10 +124,6 @@ class DinkelbachThroughput:
         self.ar_streak = torch.zeros(batch, dtype=torch.long, device=device)
 
     @property
-    def batch(self) -> int | None:
-        return None if self.tokens is None else self.tokens.shape[0]
-
-    @property
     def rho(self) -> torch.Tensor:
         """Pooled throughput ρ [batch] fp32, tokens/second."""
         return self.tokens / self.latency

@@ -15,6 +15,10 @@ EVICT-like: argmax G(w)/C(w) per round), "confidence" (ConfidencePrefix, D-Cut /
 (HybridSpec without routing correction) and "hybridspec" (Dinkelbach length + AR option + routing correction).
 Only the HybridSpec strategies can choose a plain AR step (should_draft False); the baselines always draft.
 Every method is pure torch without host sync; `context_len` is an int or a [batch] long tensor on survival's device.
+- should_draft returns a device tensor, but drafting or not is host control flow: read it with the round's one
+  permitted sync (e.g. copied together with the emitted tokens), i.e. decide round t+1 at the end of round t.
+- The first round moves the latency model to the device (one-time copies); later rounds copy nothing host-to-device:
+  Python numbers become fill kernels. Under CUDA-graph capture pass tensors, since a number would be baked in.
 """
 from __future__ import annotations
 
@@ -172,17 +176,16 @@ class HybridSpec(_Calibrated):
         tokens = self.throughput.tokens
         if tokens is None or tokens.shape[0] != batch or tokens.device != cost_ar.device:
             self.throughput.reset(cost_ar, batch, cost_ar.device)
-            self._gain = torch.ones(batch, model.block_size, device=cost_ar.device)  # last round's G(w)
+            self._survival = torch.zeros(batch, model.block_size - 1, device=cost_ar.device)  # last round's p̂
             self._cost = model.cost_for(context_len).expand(batch, -1)  # last round's C(w)
         self._cost_ar = cost_ar
 
     def should_draft(self, context_len):
-        ctx = torch.as_tensor(context_len)
-        if ctx.dim() == 0:
+        if isinstance(context_len, torch.Tensor):
+            batch, device = context_len.reshape(-1).shape[0], context_len.device
+        else:  # an int: the streams' batch and device so far (one CPU stream before the first round)
             tokens = self.throughput.tokens
-            batch, device = (1, ctx.device) if tokens is None else (tokens.shape[0], tokens.device)
-        else:
-            batch, device = ctx.shape[0], ctx.device
+            batch, device = (1, torch.device("cpu")) if tokens is None else (tokens.shape[0], tokens.device)
         self._ready(batch, self._model(device), context_len)
         if not self.allow_ar:
             return torch.ones(batch, dtype=torch.bool, device=device)
@@ -190,8 +193,7 @@ class HybridSpec(_Calibrated):
 
     def choose(self, survival, context_len, w_max=None):
         self._ready(survival.shape[0], self._model(survival.device), context_len)
-        self._cost = self._costs(survival, context_len)  # [batch, B]
-        self._gain = expected_tokens(survival)  # [batch, B]
+        self._survival, self._cost = survival, self._costs(survival, context_len)  # kept for observe()
         return select_length(survival, self._cost, self.throughput.rho, w_max)
 
     def keep_extra(self, survival, w0, n_new, context_len, w_max=None):
@@ -209,10 +211,10 @@ class HybridSpec(_Calibrated):
                              f"{tuple(emitted.shape)}.")
         idx = (w.long() - 1).clamp(min=0).unsqueeze(1)  # [batch, 1]
         spec = on_device(drafted, w.device, torch.bool).expand(w.shape[0])
-        predicted_tokens = torch.where(spec, self._gain.gather(1, idx).squeeze(1), torch.ones_like(self._cost_ar))
         predicted_latency = torch.where(spec, self._cost.gather(1, idx).squeeze(1), self._cost_ar)
         if self.rho_source == "predicted":
-            self.throughput.update(predicted_tokens, predicted_latency, spec)
+            gain = expected_tokens(self._survival).gather(1, idx).squeeze(1)  # G(w) of the last choose()
+            self.throughput.update(torch.where(spec, gain, torch.ones_like(gain)), predicted_latency, spec)
             return
         seconds = predicted_latency if latency is None else on_device(latency, w.device, torch.float32).expand(
             w.shape[0])
