@@ -1,29 +1,52 @@
 """HybridSpecConfig: the knobs of a HybridSpec generate() call, passed as `hybridspec_config=`."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, fields
+from typing import Any
 
-STRATEGIES = ("hybridspec", "dflash", "static")
+# "hybridspec": Dinkelbach length + plain-decoding option + routing correction; "nominal": the same without routing
+# correction; "dflash": verify the whole block; "static": a fixed length; "ratio": per-round G(w)/C(w) (EVICT-like);
+# "confidence": longest draft prefix whose survival ≥ a threshold (D-Cut-like).
+STRATEGIES = ("hybridspec", "nominal", "dflash", "static", "ratio", "confidence")
+CALIBRATED_STRATEGIES = ("hybridspec", "nominal", "ratio")
 KERNEL_BACKENDS = ("auto", "torch", "triton")
+CALIBRATION_MODES = ("auto", "require")
 
 
 @dataclass
 class HybridSpecConfig:
     """Settings of one HybridSpec generation.
 
-    static_length: w for the "static" strategy, i.e. tokens the target verifies per round (anchor + drafts),
-        1 ≤ static_length ≤ the drafter's block size.
+    static_length: w for "static": tokens the target verifies per round (anchor + drafts), 1 ≤ w ≤ block size.
+    confidence_threshold: survival threshold of the "confidence" strategy.
     kernel_backend: GDN verify/commit kernels: "auto" (Triton on CUDA, torch elsewhere), "torch" or "triton".
+    latency_model: a `selector.LatencyModel` or a path to its JSON, for the calibrated strategies ("hybridspec",
+        "nominal", "ratio"). None: the cached calibration of this model/dtype/device/versions.
+    calibration: what a calibrated strategy does when no latency model is given or cached: "auto" calibrates now
+        (a progress bar; a few seconds for tiny models, about a minute for 35B on an H200) and caches the result;
+        "require" raises instead.
+    acceptance_estimator: a `selector.AcceptanceEstimator` or a path to its JSON; None: the uncalibrated
+        prefix-product of the drafter's top-1 probabilities (D-Cut's score).
+    selector: a `selector.LengthSelector` instance that replaces the strategy's own (advanced; used by calibration).
     """
 
     static_length: int = 7
+    confidence_threshold: float = 0.5
     kernel_backend: str = "auto"
+    latency_model: Any = None
+    calibration: str = "auto"
+    acceptance_estimator: Any = None
+    selector: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.static_length, int) or self.static_length < 1:
             raise ValueError(f"static_length must be an int ≥ 1 (tokens verified per round), got {self.static_length!r}.")
+        if not 0.0 <= self.confidence_threshold <= 1.0:
+            raise ValueError(f"confidence_threshold is a probability in [0, 1], got {self.confidence_threshold!r}.")
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}.")
+        if self.calibration not in CALIBRATION_MODES:
+            raise ValueError(f"calibration must be one of {CALIBRATION_MODES}, got {self.calibration!r}.")
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "selector"}

@@ -1,6 +1,6 @@
 """Model-family patches (shipped as `hybridspec_hf.patches`): one file per family, nothing else imports internals.
 
-Each family module exposes NAME, GDN_CLASS, MODEL_CLASSES, ROUTER_CLASS and `project_gdn_inputs`.
+Each family module exposes NAME, GDN_CLASS, MODEL_CLASSES, MOE_BLOCK_CLASS, ROUTER_CLASS and `project_gdn_inputs`.
 """
 from __future__ import annotations
 
@@ -47,9 +47,20 @@ def text_model(model: torch.nn.Module) -> torch.nn.Module:
     return decoder
 
 
+def moe_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Sparse MoE blocks in layer order (MLP-only / dense layers skipped); empty for dense hybrids.
+
+    Each has `.gate` (router returning (logits, scores, top-k ids [T, k])) and `.experts(hidden, ids, weights)`.
+    """
+    family = family_of(model)
+    if family.MOE_BLOCK_CLASS is None:
+        return []
+    return [m for m in text_model(model).modules() if isinstance(m, family.MOE_BLOCK_CLASS)]
+
+
 def gdn_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     family = family_of(model)
     return [m for m in text_model(model).modules() if isinstance(m, family.GDN_CLASS)]
 
 
-__all__ = ["VerifySession", "family_of", "gdn_layers", "install", "supported_classes", "text_model"]
+__all__ = ["VerifySession", "family_of", "gdn_layers", "install", "moe_blocks", "supported_classes", "text_model"]

@@ -6,5 +6,6 @@ from ._gdn import project_separate
 NAME = "qwen3_5"
 GDN_CLASS = modeling.Qwen3_5GatedDeltaNet
 MODEL_CLASSES = (modeling.Qwen3_5ForCausalLM, modeling.Qwen3_5ForConditionalGeneration)
+MOE_BLOCK_CLASS = None  # dense MLPs: no router, no routing correction
 ROUTER_CLASS = None
 project_gdn_inputs = project_separate

@@ -6,5 +6,6 @@ from ._gdn import project_separate
 NAME = "qwen3_5_moe"
 GDN_CLASS = modeling.Qwen3_5MoeGatedDeltaNet
 MODEL_CLASSES = (modeling.Qwen3_5MoeForCausalLM, modeling.Qwen3_5MoeForConditionalGeneration)
+MOE_BLOCK_CLASS = modeling.Qwen3_5MoeSparseMoeBlock  # .gate (router -> logits, scores, top-k ids) and .experts
 ROUTER_CLASS = modeling.Qwen3_5MoeTopKRouter
 project_gdn_inputs = project_separate

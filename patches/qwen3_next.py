@@ -5,6 +5,7 @@ from transformers.models.qwen3_next import modeling_qwen3_next as modeling
 NAME = "qwen3_next"
 GDN_CLASS = modeling.Qwen3NextGatedDeltaNet
 MODEL_CLASSES = (modeling.Qwen3NextForCausalLM,)
+MOE_BLOCK_CLASS = modeling.Qwen3NextSparseMoeBlock  # .gate (router -> logits, scores, top-k ids) and .experts
 ROUTER_CLASS = getattr(modeling, "Qwen3NextTopKRouter", None)
 
 

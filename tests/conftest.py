@@ -1,4 +1,5 @@
 import os
+import tempfile
 import sys
 
 import pytest
@@ -6,6 +7,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HYBRIDSPEC_CACHE", tempfile.mkdtemp(prefix="hybridspec-cache-"))
 torch.set_num_threads(1)  # tiny models: threads only add overhead, and CI has 2 cores
 
 from _tiny import float64_gdn  # noqa: E402

@@ -125,3 +125,19 @@ def test_ar_oracle_without_float64_swap_diverges_only_at_near_ties():
         ar = reference(target, prompt, 24)
         drafter = make_drafter(target, 8, ar.sequences, error_rate=0.2, seed=seed)
         assert_same_as_ar(run(target, prompt, drafter, "dflash", 24), ar)
+
+
+@pytest.mark.parametrize("strategy", ["hybridspec", "nominal", "ratio", "confidence"])
+@pytest.mark.parametrize("name", ["qwen3_5_moe_odd", "qwen3_5_moe_vlm", "qwen3_next", "qwen3_5_dense"])
+def test_device_side_strategies_match_ar(name, strategy, fp64_gdn):
+    """Max-shape verification with a device-side valid length (and the routing correction) stays exact."""
+    target = make_target(name)
+    generator = torch.Generator().manual_seed(len(name))
+    for prompt_len in (1, 9, 40):
+        prompt = torch.randint(0, VOCAB, (1, prompt_len), generator=generator)
+        max_new = int(torch.randint(5, 40, (1,), generator=generator))
+        ar = reference(target, prompt, max_new)
+        drafter = make_drafter(target, 8, ar.sequences, error_rate=0.3, seed=prompt_len)
+        assert_same_as_ar(run(target, prompt, drafter, strategy, max_new), ar)
+    rounds = hybridspec_hf.get_telemetry(target).rounds
+    assert all(1 <= r.w <= 8 and r.w0 is not None for r in rounds if r.drafted)

@@ -380,6 +380,10 @@ def acceptance_lengths(target, drafter: DFlashDrafter, samples: Sequence[Sample]
             "tau": taus.float().mean().item() if len(taus) else float("nan"), "num_anchors": len(taus),
             "tau_histogram": torch.bincount(taus, minlength=b + 1)[1:].tolist() if len(taus) else [],
         }
+        if b != block_sizes[0] and per_block[block_sizes[0]]:
+            # The largest block's draft cut to b tokens (a verifier that checks only the first b-1 drafts).
+            largest = torch.cat(per_block[block_sizes[0]])
+            result["block_sizes"][str(b)]["tau_truncated_from_largest"] = largest.clamp(max=b).float().mean().item()
     if probs:
         result["calibration"] = calibration_table(torch.cat(probs), torch.cat(matched), torch.cat(reached),
                                                    calibration_bins)

@@ -1,47 +1,46 @@
-"""The HybridSpec round loop: draft → choose length → verify w tokens → accept → commit. Read top to bottom.
+"""The HybridSpec round loop: draft → choose length → stage 0 → routing correction → stage 1 → accept → commit.
 
 `hybridspec_decode` is a `custom_generate` callable: transformers' generate() has already prepared the generation
 config, logits processors, stopping criteria, cache and position ids; this replaces only the decode loop.
 Invariant after every round: the target's cache equals what AR decoding would hold after the same tokens.
+
+Host syncs: one per round, the hand-off of the round's tokens to the streamer and stopping criteria (which decide
+m). Everything from drafting to the hand-off and from there to the end of the commit stays on the device when the
+strategy chooses w on the device (tested with syncs made to raise).
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
 
+from hybridspec_hf import patches
 from hybridspec_hf.config import HybridSpecConfig
 from hybridspec_hf.generation.acceptance import greedy_accept
+from hybridspec_hf.generation.routing import VerifyWindow
+from hybridspec_hf.generation.strategy import RoundStrategy
 from hybridspec_hf.generation.target import TargetRunner
 from hybridspec_hf.generation.telemetry import GenerationTelemetry, RoundRecord
 from hybridspec_hf.patches._cache import check_supported_cache
+from hybridspec_hf.selector import count_new_experts
+
+_sync_allowed = True
 
 
-class LengthRule:
-    """The strategy's choice of w (tokens verified per round, anchor included), the seam for the selector.
+def host_syncs_allowed() -> bool:
+    """False inside a round except during its hand-off (tests make device→host syncs raise there)."""
+    return _sync_allowed
 
-    "dflash" verifies the whole block; "static" a fixed length. `choose` sees the draft logits so that
-    draft-side selectors can plug in here; `observe` is told how each round went.
-    """
 
-    def __init__(self, strategy: str, config: HybridSpecConfig, block_size: int):
-        if strategy == "static" and config.static_length > block_size:
-            raise ValueError(
-                f"static_length={config.static_length} exceeds the drafter's block_size={block_size}; "
-                f"choose 1 ≤ static_length ≤ {block_size}."
-            )
-        self.strategy = strategy
-        self.fixed = config.static_length if strategy == "static" else block_size
-
-    def planned(self) -> int | None:
-        """w known before drafting (skips drafting when it is 1), or None when it depends on the drafts."""
-        return self.fixed
-
-    def choose(self, draft_logits: torch.Tensor | None, context_len: int) -> int:
-        return self.fixed
-
-    def observe(self, record: RoundRecord) -> None:
-        pass
+@contextlib.contextmanager
+def _sync_free(free: bool):
+    global _sync_allowed
+    previous, _sync_allowed = _sync_allowed, not free
+    try:
+        yield
+    finally:
+        _sync_allowed = previous
 
 
 class Emitter:
@@ -67,6 +66,19 @@ class Emitter:
         self.finished = bool(self.stopping_criteria(self.input_ids, scores).all())
 
 
+def score_positions(logits_processor, prefix: torch.Tensor, tokens: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+    """Logits processors applied to each verified position with the prefix AR would have seen there.
+
+    prefix: [B, L] ending with the anchor; tokens: [B, T] the verified tokens (anchor first); raw: [B, T, V] fp32.
+    """
+    if len(logits_processor) == 0:
+        return raw
+    scores = torch.empty_like(raw)
+    for i in range(raw.shape[1]):
+        scores[:, i] = logits_processor(torch.cat([prefix, tokens[:, 1 : i + 1]], dim=1), raw[:, i])
+    return scores
+
+
 def hybridspec_decode(
     model,
     input_ids: torch.LongTensor,
@@ -89,18 +101,17 @@ def hybridspec_decode(
     check_generation_config(generation_config, input_ids, model_kwargs)
     cache_key = "cache" if model_kwargs.get("cache") is not None else "past_key_values"
     cache = model_kwargs.pop(cache_key)
-    model_kwargs.pop("cache", None), model_kwargs.pop("past_key_values", None)
+    for key in ("cache", "past_key_values", "use_cache", "logits_to_keep"):
+        model_kwargs.pop(key, None)
     check_supported_cache(cache)
     position_ids = model_kwargs.pop("position_ids")
     attention_mask = model_kwargs.pop("attention_mask", None)
-    for key in ("use_cache", "logits_to_keep"):
-        model_kwargs.pop(key, None)
 
     block_size = drafter.config.block_size
-    rule = LengthRule(hybridspec_strategy, settings, block_size)
+    moe_blocks = patches.moe_blocks(model)
+    strategy = RoundStrategy.build(hybridspec_strategy, settings, model, drafter, has_router=bool(moe_blocks))
     telemetry = GenerationTelemetry(strategy=hybridspec_strategy, block_size=block_size, prompt_tokens=input_ids.shape[1])
     model.hybridspec_telemetry = telemetry
-    max_length = generation_config.max_length
     emitter = Emitter(
         input_ids,
         stopping_criteria,
@@ -113,60 +124,80 @@ def hybridspec_decode(
 
     start = time.perf_counter()
     runner = TargetRunner(model, cache, cache_key, drafter.config.target_layer_ids, settings.kernel_backend)
-    with runner.session():
+    window = VerifyWindow(moe_blocks)
+    try:
         # Prefill: exactly AR's first forward; its features become the drafter's first context.
         logits, context = runner.prefill(input_ids, position_ids, attention_mask, **model_kwargs)
         raw = logits.float()
         scores = logits_processor(emitter.input_ids, raw)
         emitter.emit(scores.argmax(dim=-1), scores, raw)
+        telemetry.prefill_tokens = 1
         telemetry.prefill_s = time.perf_counter() - start
         draft_cache = drafter.new_context_cache()
+        draft_next = True
 
         while not emitter.finished:
             round_start = time.perf_counter()
-            room = max_length - emitter.input_ids.shape[1]  # tokens that may still be emitted
+            committed_len = emitter.input_ids.shape[1] - 1  # tokens in the target's cache
+            w_max = min(block_size, generation_config.max_length - emitter.input_ids.shape[1])  # room left
             anchor = emitter.input_ids[:, -1:]
+            plan = strategy.plan(w_max)
+            with _sync_free(strategy.device_side):
+                # 1. Draft (not when the round is a plain decoding step).
+                drafted = draft_next and plan.max_tokens > 1
+                if drafted:
+                    draft_logits = drafter.draft(anchor, context, draft_cache)  # [B, block-1, V]
+                    context = context[:, :0]
+                    drafts = draft_logits.argmax(dim=-1).to(anchor.device)
+                    tokens = torch.cat([anchor, drafts[:, : plan.max_tokens - 1]], dim=1)  # [B, T]
+                else:
+                    tokens = anchor
 
-            # 1. Draft (skipped when the rule already knows that only the anchor is verified).
-            planned = rule.planned()
-            drafted = planned is None or min(planned, room) > 1
-            if drafted:
-                draft_logits = drafter.draft(anchor, context, draft_cache)  # [B, block-1, V]
-                context = context[:, :0]
-                drafts = draft_logits.argmax(dim=-1).to(anchor.device)
-            else:
-                draft_logits, drafts = None, anchor[:, :0]
+                # 2. Choose w0 on the device; stage 0 runs w0 + 1 tokens when the routing correction is on.
+                choice = strategy.choose(draft_logits, committed_len, w_max) if drafted and plan.device_side else None
+                if choice is not None:
+                    window.arm(choice.valid, choice.on_first_router)
 
-            # 2. Choose w (anchor + drafts verified).
-            w = min(rule.choose(draft_logits, emitter.input_ids.shape[1]), room) if drafted else 1
+                # 3. Verify (stage 0 → routing correction at the first MoE router → stage 1, one forward).
+                try:
+                    logits, features, session = runner.verify(tokens)
+                finally:
+                    window.disarm()
+                raw = logits.float()  # [B, T, V]: AR compares fp32 logits
 
-            # 3. Verify w tokens from the committed state.
-            tokens = torch.cat([anchor, drafts[:, : w - 1]], dim=1)  # [B, w]
-            logits, features, session = runner.verify(tokens)
-            raw = logits.float()  # [B, w, V], AR compares fp32 logits
+                # 4. Accept on the device.
+                scores = score_positions(logits_processor, emitter.input_ids, tokens, raw)
+                target_tokens = scores.argmax(dim=-1)  # [B, T]
+                valid = choice.valid if choice is not None else None
+                accepted = greedy_accept(tokens[:, 1:], target_tokens, valid)
+                next_draft = strategy.should_draft(committed_len)
 
-            # 4. Accept: position i is scored with the prefix AR would have seen before it.
-            scores = torch.empty_like(raw)
-            prefix = emitter.input_ids
-            for i in range(w):
-                scores[:, i] = logits_processor(torch.cat([prefix, tokens[:, 1 : i + 1]], dim=1), raw[:, i])
-            target_tokens = scores.argmax(dim=-1)  # [B, w]
-            accepted = int(greedy_accept(tokens[:, 1:], target_tokens)[0])
-
-            # 5. Emit token by token until a stopping criterion fires; m = tokens emitted this round.
+            # 5. Hand-off: the round's one device→host transfer; emit token by token until a criterion fires.
+            handoff = strategy.handoff(accepted, valid, choice, next_draft, tokens.shape[1]).tolist()
+            a, w, kept, n_new, draft_next = handoff[0], handoff[1], handoff[2], handoff[3], bool(handoff[4])
             committed = 0
-            for i in range(accepted + 1):
+            for i in range(a + 1):
                 emitter.emit(target_tokens[:, i], scores[:, i], raw[:, i])
                 committed += 1
                 if emitter.finished:
                     break
 
             # 6. Commit m tokens: GDN states S_m, conv windows, attention KV; their features feed the drafter.
-            runner.commit(session, w, committed)
-            context = torch.cat([context, features[:, :committed]], dim=1)
-            record = RoundRecord(w, accepted, committed, committed, time.perf_counter() - round_start, drafted)
-            telemetry.rounds.append(record)
-            rule.observe(record)
+            with _sync_free(strategy.device_side):
+                runner.commit(session, tokens.shape[1], committed)
+                context = torch.cat([context, features[:, :committed]], dim=1)
+                seconds = time.perf_counter() - round_start
+                strategy.observe(w, committed, seconds, drafted, like=accepted)
+            corrected = choice is not None and strategy.corrects
+            telemetry.rounds.append(RoundRecord(
+                w, a, committed, committed, seconds, drafted,
+                w0=w - kept if choice is not None else None,
+                extra_kept=bool(kept) if corrected else None,
+                n_new=n_new if corrected else None,
+            ))
+    finally:
+        runner.close()
+        window.remove()
 
     telemetry.total_s = time.perf_counter() - start
     if streamer is not None:

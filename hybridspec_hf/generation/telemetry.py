@@ -12,7 +12,8 @@ from dataclasses import asdict, dataclass, field
 class RoundRecord:
     """One round. w: tokens the target verified (anchor + drafts); accepted: drafts accepted (a);
     emitted: tokens emitted (a + 1 unless cut short by EOS/stop/length); committed: tokens committed into the
-    target's state (m); wall_s: wall time of the round in seconds (drafting to commit)."""
+    target's state (m); wall_s: wall time of the round in seconds (drafting to commit); drafted: False for a plain
+    decoding step (the selector switched speculation off)."""
 
     w: int
     accepted: int
@@ -20,6 +21,9 @@ class RoundRecord:
     committed: int
     wall_s: float
     drafted: bool = True
+    w0: int | None = None  # the selector's nominal length (device-side strategies)
+    extra_kept: bool | None = None  # routing correction: the extra token d_{w0} was kept
+    n_new: int | None = None  # new first-MoE-layer experts of the extra token
 
 
 @dataclass
@@ -27,6 +31,7 @@ class GenerationTelemetry:
     strategy: str
     block_size: int
     prompt_tokens: int = 0
+    prefill_tokens: int = 0
     prefill_s: float = 0.0
     total_s: float = 0.0
     rounds: list[RoundRecord] = field(default_factory=list)
@@ -34,7 +39,7 @@ class GenerationTelemetry:
     @property
     def new_tokens(self) -> int:
         """Tokens generated, including the one from the prefill."""
-        return sum(r.emitted for r in self.rounds) + (1 if self.prefill_s or self.rounds else 0)
+        return sum(r.emitted for r in self.rounds) + self.prefill_tokens
 
     @property
     def mean_emitted(self) -> float:

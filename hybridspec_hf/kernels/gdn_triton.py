@@ -104,9 +104,12 @@ def pointer_table(rows: list[list[torch.Tensor]]) -> torch.Tensor:
 
 def same_layout(tensors: list[torch.Tensor], name: str) -> None:
     """One launch serves all layers with layer 0's strides: every layer must agree in shape, strides and dtype."""
+    def strides(t):  # a size-1 dimension is only ever indexed at 0: its stride does not matter
+        return tuple(s if n > 1 else 0 for n, s in zip(t.shape, t.stride()))
+
     first = tensors[0]
     for i, t in enumerate(tensors[1:], start=1):
-        if t.shape != first.shape or t.stride() != first.stride() or t.dtype != first.dtype or t.device != first.device:
+        if t.shape != first.shape or strides(t) != strides(first) or t.dtype != first.dtype or t.device != first.device:
             raise ValueError(
                 f"layer {i}'s {name} has shape {tuple(t.shape)}, strides {t.stride()}, {t.dtype} on {t.device}; "
                 f"layer 0's has {tuple(first.shape)}, {first.stride()}, {first.dtype} on {first.device}. "
@@ -127,7 +130,7 @@ def _mask_invalid(x: torch.Tensor, valid_len: torch.Tensor) -> torch.Tensor:
     """Zero tokens at positions >= valid_len[b] of a [B, T, ...] tensor (torch path of `valid_len`)."""
     positions = torch.arange(x.shape[1], device=x.device).view(1, -1, *([1] * (x.dim() - 2)))
     keep = positions < valid_len.to(x.device).view(-1, *([1] * (x.dim() - 1)))
-    return x * keep.to(x.dtype)
+    return torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))  # not x * keep: NaN * 0 = NaN
 
 
 # ----------------------------------------------------------------------------------------------------------------

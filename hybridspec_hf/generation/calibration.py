@@ -1,0 +1,175 @@
+"""Latency calibration on the user's device: C(w) of whole rounds by context bucket, C_ar, the expert-count model
+and η, cached per (model config, drafter config, dtype, device name, library versions).
+
+`calibrate_latency` times real HybridSpec rounds through generate() with a forced length (so every measured round
+is the same code path as a real one: drafting, the max-shape verification with its valid length, acceptance, the
+hand-off and the commit) and records the routers' choices for the expert model. First use of a calibrated strategy
+without a cache calibrates automatically (HybridSpecConfig.calibration="auto", the default) and says so; pass
+calibration="require" to get an error instead, or latency_model= to use a saved one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from hybridspec_hf import patches
+from hybridspec_hf.config import HybridSpecConfig
+from hybridspec_hf.selector import LatencyModel, LengthSelector, calibrate, fit_eta, fit_expert_model, make_cache_key
+
+logger = logging.getLogger(__name__)
+
+
+class ForcedLength(LengthSelector):
+    """Always verifies w tokens (w = 0: a plain decoding step without drafting). For calibration."""
+
+    name = "forced"
+
+    def __init__(self, w: int):
+        self.w = w
+
+    def should_draft(self, context_len) -> torch.Tensor:
+        return torch.tensor([self.w > 0])
+
+    def choose(self, survival, context_len, w_max=None) -> torch.Tensor:
+        w = min(max(self.w, 1), survival.shape[1] + 1, w_max or self.w)
+        return torch.full(survival.shape[:1], w, dtype=torch.long, device=survival.device)
+
+
+def cache_key(target, drafter, kernel_backend: str) -> dict:
+    import transformers
+
+    device = next(target.parameters()).device
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{device.type}:{os.cpu_count()}cpu"
+    config = {"target": target.config.to_dict(), "drafter": drafter.config.to_dict(), "kernels": kernel_backend}
+    return make_cache_key(config, next(target.parameters()).dtype, device_name, {"transformers": transformers.__version__})
+
+
+def cache_path(key: dict) -> Path:
+    root = Path(os.environ.get("HYBRIDSPEC_CACHE", Path.home() / ".cache" / "hybridspec_hf"))
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return root / "latency" / f"{digest}.json"
+
+
+def resolve_latency_model(settings: HybridSpecConfig, target, drafter) -> LatencyModel:
+    """The latency model for a calibrated strategy: given, cached, or calibrated now (settings.calibration)."""
+    if settings.latency_model is not None:
+        from hybridspec_hf.generation.strategy import latency_model_from
+
+        return latency_model_from(settings.latency_model)
+    key = cache_key(target, drafter, settings.kernel_backend)
+    path = cache_path(key)
+    model = LatencyModel.load(path, key) if path.exists() else None
+    if model is not None:
+        return model
+    if settings.calibration == "require":
+        raise ValueError(
+            f"No latency calibration for this model/device (looked in {path}). Run `hybridspec calibrate`, pass "
+            "HybridSpecConfig(latency_model=...), or use calibration='auto'."
+        )
+    logger.warning("HybridSpec: no latency calibration for this model on this device yet; calibrating now "
+                   "(cached in %s).", path)
+    model = calibrate_latency(target, drafter, kernel_backend=settings.kernel_backend)
+    model.key = key
+    path.parent.mkdir(parents=True, exist_ok=True)
+    model.save(path)
+    return model
+
+
+class _RoutingRecorder:
+    """Router choices of every MoE layer during calibration forwards: per forward [layers, T, k]."""
+
+    def __init__(self, blocks):
+        self.current: list[torch.Tensor] = []
+        self.forwards: list[torch.Tensor] = []
+        self._handles = [b.gate.register_forward_hook(self._hook) for b in blocks]
+        self.num_layers = len(blocks)
+
+    def _hook(self, module, args, output):
+        self.current.append(output[2].detach().cpu())
+        if len(self.current) == self.num_layers:
+            self.forwards.append(torch.stack(self.current))
+            self.current = []
+
+    def remove(self):
+        for handle in self._handles:
+            handle.remove()
+
+
+def calibrate_latency(
+    target,
+    drafter,
+    *,
+    context_lens: tuple[int, ...] = (64, 512),
+    repeats: int = 3,
+    rounds_per_call: int = 3,
+    kernel_backend: str = "auto",
+    prompt_ids: torch.Tensor | None = None,
+    progress: bool = True,
+) -> LatencyModel:
+    """Measure C(w) for w = 1..B and C_ar at each context length, fit the expert model and η.
+
+    prompt_ids: [1, L] real text to take prompts from (random tokens otherwise; real text gives real routing).
+    """
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    block_size = drafter.config.block_size
+    device = next(target.parameters()).device
+    limit = target.config.get_text_config().max_position_embeddings
+    context_lens = tuple(c for c in context_lens if c + 2 * block_size < limit) or (min(64, limit // 4),)
+    generator = torch.Generator().manual_seed(0)
+    vocab = target.config.get_text_config().vocab_size
+    blocks = patches.moe_blocks(target)
+    recorder = _RoutingRecorder(blocks) if blocks else None
+    samples: list[tuple[int, float, int]] = []  # (w, seconds, forward index) for η and the expert model
+
+    class AfterRounds(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            done = len(target.hybridspec_telemetry.rounds) >= rounds_per_call
+            return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
+
+    def prompt(context: int) -> torch.Tensor:
+        if prompt_ids is not None and prompt_ids.shape[1] > context:
+            start = int(torch.randint(0, prompt_ids.shape[1] - context, (1,), generator=generator))
+            return prompt_ids[:, start : start + context].to(device)
+        return torch.randint(0, vocab, (1, context), generator=generator).to(device)
+
+    def measure_round(w: int, context: int) -> float:
+        first = len(recorder.forwards) if recorder else 0
+        target.generate(
+            prompt(context), do_sample=False, max_new_tokens=block_size * (rounds_per_call + 1),
+            assistant_model=drafter, generation_strategy="hybridspec",
+            stopping_criteria=StoppingCriteriaList([AfterRounds()]),
+            hybridspec_config=HybridSpecConfig(selector=ForcedLength(w), kernel_backend=kernel_backend),
+        )
+        rounds = target.hybridspec_telemetry.rounds
+        times = sorted(r.wall_s for r in rounds)
+        if recorder and w > 0:
+            for index, r in enumerate(rounds):  # forward 0 is the prefill
+                samples.append((r.w, r.wall_s, first + 1 + index))
+        return times[len(times) // 2]
+
+    try:
+        model = calibrate(measure_round, list(range(1, block_size + 1)), context_lens, repeats=repeats,
+                          progress=progress)
+    finally:
+        if recorder:
+            recorder.remove()
+    if recorder and samples:
+        observations = [recorder.forwards[i][:, :w] for w, _, i in samples if i < len(recorder.forwards)]
+        experts = fit_expert_model(observations, num_experts=blocks[0].experts.num_experts
+                                   if hasattr(blocks[0].experts, "num_experts") else None)
+        distinct = [float(_distinct_total(obs)) for obs in observations]
+        eta = fit_eta([s for _, s, _ in samples[: len(distinct)]], distinct, [w for w, _, _ in samples[: len(distinct)]])
+        model = dataclasses.replace(model, experts=experts, eta=eta)
+    return model
+
+
+def _distinct_total(observation: torch.Tensor) -> int:
+    """Distinct experts summed over MoE layers; observation [layers, w, k]."""
+    return sum(int(layer.unique().numel()) for layer in observation)

@@ -1,0 +1,54 @@
+"""Stage 0 / routing correction / stage 1 inside one max-shape verification (DESIGN.md §4 steps 3-4, §6 (a)).
+
+The verification runs min(B, room) tokens. A device-side valid length says how many of them count. At the first MoE
+router (the end of stage 0) a hook sees the extra token's experts and sets valid = w0 + keep; every experts call
+from there on (stage 1) gives tokens beyond `valid` no experts of their own (they reuse token 0's, with weight 0),
+so no new expert weights are read for them. Causality makes the valid tokens' outputs independent of the rest.
+No host sync anywhere.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+class VerifyWindow:
+    """Hooks on the target's MoE blocks for one generate() call; inert while `valid` is None (prefill)."""
+
+    def __init__(self, moe_blocks: list[torch.nn.Module]):
+        self.valid: torch.Tensor | None = None  # [1] long: tokens of the verification that count
+        self.on_first_router: Callable[[torch.Tensor], None] | None = None
+        self.first_router_ids: torch.Tensor | None = None  # [T, k] of the last verification
+        self._handles = []
+        if moe_blocks:
+            self._handles.append(moe_blocks[0].gate.register_forward_hook(self._router_hook))
+        for block in moe_blocks:
+            self._handles.append(block.experts.register_forward_pre_hook(self._experts_hook))
+
+    def arm(self, valid: torch.Tensor, on_first_router: Callable[[torch.Tensor], None] | None = None) -> None:
+        self.valid, self.on_first_router = valid, on_first_router
+
+    def disarm(self) -> None:
+        self.valid, self.on_first_router = None, None
+
+    def _router_hook(self, module, args, output) -> None:
+        if self.valid is None:
+            return
+        self.first_router_ids = output[2]
+        if self.on_first_router is not None:
+            self.on_first_router(output[2])
+
+    def _experts_hook(self, module, args):
+        if self.valid is None:
+            return None
+        hidden, ids, weights = args[:3]
+        invalid = (torch.arange(ids.shape[0], device=ids.device) >= self.valid).unsqueeze(1)  # [T, 1]
+        ids = torch.where(invalid, ids[:1].expand_as(ids), ids)
+        weights = weights.masked_fill(invalid, 0)
+        return (hidden, ids, weights, *args[3:])
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()

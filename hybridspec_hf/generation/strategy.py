@@ -1,0 +1,133 @@
+"""What a strategy decides in a round, on top of the selector (`hybridspec_hf.selector`).
+
+"dflash" and "static" know w on the host before drafting: the target verifies exactly w tokens. The other strategies
+choose w0 on the device from the drafts (no sync): the target verifies min(B, room) tokens and a device-side valid
+length says how many count (DESIGN.md §6 (a)); with the routing correction, stage 0 sees w0 + 1 tokens and the
+first-router hook sets valid = w0 + keep.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from hybridspec_hf.config import CALIBRATED_STRATEGIES, HybridSpecConfig
+from hybridspec_hf.selector import AcceptanceEstimator, LatencyModel, count_new_experts, draft_signals, make_selector
+
+
+@dataclass
+class RoundPlan:
+    max_tokens: int  # tokens the verification forward runs (anchor + drafts)
+    device_side: bool  # w is chosen on the device within max_tokens
+
+
+@dataclass
+class Choice:
+    """The device-side choice of one round. valid is updated in place by the first-router hook."""
+
+    w0: torch.Tensor  # [1] long, the nominal length
+    valid: torch.Tensor  # [1] long, tokens that count: w0, or w0 + 1 while the extra token is kept
+    keep: torch.Tensor  # [1] bool, extra token kept
+    n_new: torch.Tensor  # [1] long, new first-layer experts of the extra token
+    on_first_router: Callable[[torch.Tensor], None] | None
+
+
+class RoundStrategy:
+    def __init__(self, name: str, fixed_length: int | None, selector, estimator, corrects: bool):
+        self.name = name
+        self.fixed_length = fixed_length
+        self.selector = selector
+        self.estimator = estimator
+        self.corrects = corrects  # routing correction on (needs a MoE router)
+
+    @classmethod
+    def build(cls, name: str, settings: HybridSpecConfig, target, drafter, has_router: bool) -> "RoundStrategy":
+        block_size = drafter.config.block_size
+        if name == "static" and settings.static_length > block_size:
+            raise ValueError(
+                f"static_length={settings.static_length} exceeds the drafter's block_size={block_size}; "
+                f"choose 1 ≤ static_length ≤ {block_size}."
+            )
+        if settings.selector is not None:
+            selector = settings.selector
+        elif name == "dflash":
+            return cls(name, block_size, None, None, False)
+        elif name == "static":
+            return cls(name, settings.static_length, None, None, False)
+        elif name == "confidence":
+            selector = make_selector(name, {"threshold": settings.confidence_threshold})
+        else:
+            from hybridspec_hf.generation.calibration import resolve_latency_model
+
+            assert name in CALIBRATED_STRATEGIES
+            selector = make_selector(name, {"latency_model": resolve_latency_model(settings, target, drafter)})
+        selector.reset()
+        estimator = _estimator(settings.acceptance_estimator, block_size)
+        return cls(name, None, selector, estimator, bool(selector.routing_correction and has_router))
+
+    @property
+    def device_side(self) -> bool:
+        return self.fixed_length is None
+
+    def plan(self, w_max: int) -> RoundPlan:
+        if self.fixed_length is not None:
+            return RoundPlan(min(self.fixed_length, w_max), False)
+        return RoundPlan(w_max, True)
+
+    def choose(self, draft_logits: torch.Tensor, context_len: int, w_max: int) -> Choice:
+        """w0 from the drafts' survival estimates; arms the routing correction for the extra token."""
+        estimator = self.estimator.to(draft_logits.device)
+        survival = estimator.survival(draft_signals(draft_logits))  # [1, B-1]
+        w0 = self.selector.choose(survival, context_len, w_max)  # [1] long
+        keep = torch.zeros_like(w0, dtype=torch.bool)
+        n_new = torch.zeros_like(w0)
+        if not self.corrects:
+            return Choice(w0, w0.clone(), keep, n_new, None)
+        valid = w0 + (w0 < w_max).long()  # stage 0 includes the extra token when there is room for it
+
+        def correct(first_layer_ids: torch.Tensor) -> None:  # [T, k] router choices at the first MoE layer
+            ids = first_layer_ids.view(1, -1, first_layer_ids.shape[-1])
+            n_new.copy_(count_new_experts(ids, w0))
+            keep.copy_(self.selector.keep_extra(survival, w0, n_new, context_len, w_max))
+            valid.copy_(w0 + keep.long())
+
+        return Choice(w0, valid, keep, n_new, correct)
+
+    def should_draft(self, context_len: int):
+        """Whether the next round drafts (decided from the rounds so far; read at the hand-off)."""
+        if self.selector is None:
+            return True
+        return self.selector.should_draft(context_len)
+
+    def handoff(self, accepted, valid, choice: Choice | None, next_draft, tokens: int) -> torch.Tensor:
+        """The round's one transfer: [a, w, kept, n_new, draft_next] as one long tensor."""
+        like = accepted.view(-1)[:1]
+        w = valid.view(-1)[:1] if valid is not None else torch.full_like(like, tokens)
+        kept = choice.keep.view(-1)[:1].long() if choice is not None else torch.zeros_like(like)
+        n_new = choice.n_new.view(-1)[:1] if choice is not None else torch.zeros_like(like)
+        draft = next_draft.view(-1)[:1].long() if isinstance(next_draft, torch.Tensor) else torch.full_like(like, int(next_draft))
+        return torch.cat([like, w, kept, n_new, draft.to(like.device)])
+
+    def observe(self, w: int, emitted: int, seconds: float, drafted: bool, like: torch.Tensor) -> None:
+        if self.selector is None:
+            return
+        device = like.device
+        self.selector.observe(torch.tensor([w], device=device), torch.tensor([emitted], device=device), seconds, drafted)
+
+
+def _estimator(value, block_size: int) -> AcceptanceEstimator:
+    if value is None:
+        return AcceptanceEstimator.default(block_size)
+    if isinstance(value, AcceptanceEstimator):
+        return value
+    return AcceptanceEstimator.load(value)
+
+
+def latency_model_from(value) -> LatencyModel:
+    if isinstance(value, LatencyModel):
+        return value
+    model = LatencyModel.load(value)
+    if model is None:
+        raise ValueError(f"Could not read a latency model from {value!r}; run `hybridspec calibrate` to make one.")
+    return model
