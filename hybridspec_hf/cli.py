@@ -1,4 +1,4 @@
-"""`hybridspec demo | train-drafter` — the command line. Uses the public API only."""
+"""`hybridspec demo | calibrate | train-drafter` — the command line. Uses the public API only."""
 from __future__ import annotations
 
 import argparse
@@ -6,6 +6,8 @@ import sys
 import time
 
 import torch
+
+from hybridspec_hf.config import STRATEGIES
 
 
 def _random_pair(seed: int = 0):
@@ -83,15 +85,40 @@ def demo(args) -> int:
     return 0 if identical else 1
 
 
+def calibrate(args) -> int:
+    """Measure C(w), C_ar, the expert model and η for the tiny pair (or --random) on this machine and cache them."""
+    from hybridspec_hf.generation.calibration import cache_key, cache_path, calibrate_latency
+
+    torch.set_num_threads(args.threads)
+    target, drafter, tokenizer = _load_pair(args)
+    model = calibrate_latency(target, drafter, context_lens=tuple(args.context), repeats=args.repeats,
+                              kernel_backend=args.kernel_backend)
+    model.key = cache_key(target, drafter, args.kernel_backend)
+    path = args.output or cache_path(model.key)
+    model.save(path)
+    ms = ", ".join(f"{float(c) * 1e3:.1f}" for c in model.cost[0])
+    print(f"C(w) [ms] at context {int(model.context_lens[0])}: {ms}; plain step {float(model.cost_ar[0]) * 1e3:.1f} ms")
+    print(f"η = {model.eta * 1e6:.1f} µs per distinct expert; saved {path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hybridspec", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     p = commands.add_parser("demo", help="AR vs HybridSpec on the shipped tiny pair (CPU)")
-    p.add_argument("--strategy", default="dflash", choices=["hybridspec", "dflash", "static"])
+    p.add_argument("--strategy", default="hybridspec", choices=list(STRATEGIES))
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--random", action="store_true", help="use a tiny random pair instead of the trained one")
     p.set_defaults(run=demo)
+    p = commands.add_parser("calibrate", help="measure round latency C(w) on this device and cache it")
+    p.add_argument("--context", type=int, nargs="+", default=[64, 512], help="context-length buckets")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--kernel-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--output", default=None, help="JSON path (default: the cache used by generate())")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--random", action="store_true", help="use a tiny random pair instead of the trained one")
+    p.set_defaults(run=calibrate)
     try:
         from hybridspec_hf.drafter.training import add_train_drafter_arguments, run_train_drafter
     except ImportError:

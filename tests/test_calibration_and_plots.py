@@ -1,0 +1,59 @@
+"""Latency calibration through real rounds, its cache, the first-use policy, and the plot helpers."""
+import pytest
+import torch
+from _tiny import VOCAB, make_drafter, make_target
+
+import hybridspec_hf
+from hybridspec_hf import HybridSpecConfig
+from hybridspec_hf.generation.calibration import cache_key, cache_path, calibrate_latency
+from hybridspec_hf.selector import LatencyModel
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = make_target("qwen3_5_moe", seed=4, dtype=torch.float32)
+    prompt = torch.randint(0, VOCAB, (1, 10), generator=torch.Generator().manual_seed(4))
+    reference = target.generate(prompt, do_sample=False, max_new_tokens=24)
+    return target, make_drafter(target, 8, reference, error_rate=0.3).float(), prompt, reference
+
+
+def test_calibration_measures_every_w_and_fits_the_expert_model(pair):
+    target, drafter, _, _ = pair
+    model = calibrate_latency(target, drafter, context_lens=(16, 48), repeats=1, progress=False)
+    assert model.cost.shape == (2, 8) and bool((model.cost > 0).all())
+    assert bool((model.cost[:, 1:] >= model.cost[:, :-1]).all()), "C(w) is fitted non-decreasing"
+    assert model.experts is not None and model.experts.num_layers == 4 and model.eta >= 0
+
+
+def test_first_use_policy_require_raises_and_auto_caches(pair, tmp_path, monkeypatch):
+    target, drafter, prompt, reference = pair
+    monkeypatch.setenv("HYBRIDSPEC_CACHE", str(tmp_path))
+    kwargs = dict(do_sample=False, max_new_tokens=24, assistant_model=drafter, generation_strategy="hybridspec")
+    with pytest.raises(ValueError, match="hybridspec calibrate"):
+        target.generate(prompt, hybridspec_config=HybridSpecConfig(calibration="require"), **kwargs)
+    assert torch.equal(target.generate(prompt, **kwargs), reference)  # calibrates and caches
+    path = cache_path(cache_key(target, drafter, "auto"))
+    assert path.exists() and LatencyModel.load(path, cache_key(target, drafter, "auto")) is not None
+    assert torch.equal(target.generate(prompt, hybridspec_config=HybridSpecConfig(calibration="require"), **kwargs),
+                       reference)
+    stale = {**cache_key(target, drafter, "auto"), "dtype": "torch.float16"}
+    with pytest.warns(UserWarning, match="stale"):
+        assert LatencyModel.load(path, stale) is None
+
+
+def test_plot_helpers_draw(pair, tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from hybridspec_hf import plots
+
+    target, drafter, prompt, _ = pair
+    model = calibrate_latency(target, drafter, context_lens=(16,), repeats=1, progress=False)
+    target.generate(prompt, do_sample=False, max_new_tokens=24, assistant_model=drafter,
+                    generation_strategy="hybridspec", hybridspec_config=HybridSpecConfig(latency_model=model))
+    telemetry = hybridspec_hf.get_telemetry(target)
+    for axes in (plots.chosen_length_histogram(telemetry), plots.acceptance_vs_length(telemetry),
+                 plots.latency_curves(model), plots.predicted_vs_measured(telemetry, model),
+                 plots.reliability(torch.rand(200), torch.rand(200) < 0.5)):
+        assert axes.has_data()
+    axes.figure.savefig(tmp_path / "plot.png")
