@@ -28,7 +28,6 @@ def spec(target, prompt, drafter, **kwargs):
     [
         (dict(num_beams=2), "num_beams=2"),
         (dict(use_cache=False), "use_cache=False"),
-        (dict(do_sample=True), "do_sample=True"),
         (dict(num_return_sequences=2, num_beams=1), "num_return_sequences"),
         (dict(output_attentions=True, return_dict_in_generate=True), "output_attentions"),
         (dict(prompt_lookup_num_tokens=3), "prompt_lookup_num_tokens"),

@@ -38,6 +38,7 @@ from .modeling_dflash import DFlashDrafter, block_attention_mask, block_position
 # Loss decay γ per block size from the DFlash paper / ModelOpt (B=16 → 7, 10 → 5, 8 → 4); other sizes use B/2.
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 PROMPT_FIELDS = ("prompt", "text", "question", "instruction")
+NOVELTY_NGRAM = 8  # a block continuation is "novel" when its first 8 tokens occur nowhere earlier
 
 
 # ------------------------------------------------------------------------------------------------------ data
@@ -246,6 +247,23 @@ def target_features(target, input_ids: torch.Tensor, layer_ids: Sequence[int],
     return (features, logits) if return_logits else features
 
 
+@torch.no_grad()
+def precompute_features(target, samples: Sequence[Sample], layer_ids: Sequence[int], pad_id: int, device,
+                        dtype: torch.dtype, batch_size: int = 64) -> list[torch.Tensor]:
+    """Target features of every sample, [len(sample.ids), n_feat*H] each in `dtype` on `device` (one target pass)."""
+    from tqdm.auto import tqdm
+
+    order = sorted(range(len(samples)), key=lambda i: len(samples[i].ids))  # similar lengths share a batch
+    features: list[torch.Tensor | None] = [None] * len(samples)
+    for start in tqdm(range(0, len(order), batch_size), desc="target features", unit="batch"):
+        batch = order[start:start + batch_size]
+        ids, _, lengths = pad_samples([samples[i] for i in batch], pad_id, device)
+        out = target_features(target, ids, layer_ids).to(dtype)
+        for row, i in enumerate(batch):
+            features[i] = out[row, :int(lengths[row])].clone()
+    return features
+
+
 # --------------------------------------------------------------------------------------------------- loss
 def pad_samples(samples: Sequence[Sample], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded ids [B, S] and per-row response start and length [B]."""
@@ -346,11 +364,14 @@ def acceptance_lengths(target, drafter: DFlashDrafter, samples: Sequence[Sample]
     out, so τ is not capped by response ends. Also: mean τ, the per-position acceptance, and for the largest block a
     calibration table of the drafter's top-1 probability against how often that token matched (over all positions,
     and over positions the greedy verifier actually reaches, i.e. after an accepted prefix).
+    `tau_novel` is τ over the anchors whose next 8 tokens do not occur earlier in the sequence: repetition loops
+    and copies are trivial to draft, so this is the τ on text the target did not just repeat.
     """
     block_sizes = sorted(set(block_sizes), reverse=True)
     layer_ids = drafter.config.target_layer_ids
     device = drafter.device
     per_block = {b: [] for b in block_sizes}
+    novel_block = {b: [] for b in block_sizes}
     probs, matched, reached = [], [], []
     cut = 0
     for sample in samples:
@@ -359,8 +380,10 @@ def acceptance_lengths(target, drafter: DFlashDrafter, samples: Sequence[Sample]
         length = greedy_consistent_length(sample, logits[0].argmax(-1))
         cut += length < len(sample.ids)
         lengths = torch.tensor([length], device=device)
+        novel = novel_continuations(sample.ids[:length], NOVELTY_NGRAM)
         for b in block_sizes:
-            candidates = torch.arange(len(sample.prompt_ids), length - b + 1, device=device)
+            candidates = torch.arange(len(sample.prompt_ids), max(len(sample.prompt_ids), length - b + 1),
+                                      device=device)
             for chunk in candidates.split(anchors_per_forward):
                 anchors = chunk[None]
                 valid = torch.ones_like(anchors, dtype=torch.bool)
@@ -368,6 +391,7 @@ def acceptance_lengths(target, drafter: DFlashDrafter, samples: Sequence[Sample]
                 labels, _ = block_labels(ids[:, :length], lengths, anchors, valid, b)
                 match = block_logits.argmax(-1) == labels  # [1, n, b-1]
                 per_block[b].append(1 + match.long().cumprod(dim=2).sum(dim=2).flatten().cpu())
+                novel_block[b].append(novel[chunk.cpu()])
                 if b == block_sizes[0]:
                     probs.append(block_logits.softmax(-1).amax(-1).flatten().cpu())
                     matched.append(match.flatten().cpu())
@@ -380,6 +404,9 @@ def acceptance_lengths(target, drafter: DFlashDrafter, samples: Sequence[Sample]
             "tau": taus.float().mean().item() if len(taus) else float("nan"), "num_anchors": len(taus),
             "tau_histogram": torch.bincount(taus, minlength=b + 1)[1:].tolist() if len(taus) else [],
         }
+        is_novel = torch.cat(novel_block[b]) if novel_block[b] else torch.zeros(0, dtype=torch.bool)
+        result["block_sizes"][str(b)]["novel_anchor_fraction"] = is_novel.float().mean().item() if len(taus) else None
+        result["block_sizes"][str(b)]["tau_novel"] = taus[is_novel].float().mean().item() if is_novel.any() else None
         if b != block_sizes[0] and per_block[block_sizes[0]]:
             # The largest block's draft cut to b tokens (a verifier that checks only the first b-1 drafts).
             largest = torch.cat(per_block[block_sizes[0]])
@@ -389,6 +416,17 @@ def acceptance_lengths(target, drafter: DFlashDrafter, samples: Sequence[Sample]
                                                    calibration_bins)
         result["calibration_block_size"] = block_sizes[0]
     return result
+
+
+def novel_continuations(ids: Sequence[int], n: int) -> torch.Tensor:
+    """novel[p] = the n tokens after position p (ids[p+1:p+n+1]) occur nowhere earlier in `ids`. bool [len(ids)]."""
+    first: dict[tuple, int] = {}
+    for start in range(len(ids) - n + 1):
+        first.setdefault(tuple(ids[start:start + n]), start)
+    novel = torch.zeros(len(ids), dtype=torch.bool)
+    for p in range(len(ids) - n):
+        novel[p] = first[tuple(ids[p + 1:p + 1 + n])] == p + 1
+    return novel
 
 
 def calibration_table(probs: torch.Tensor, matched: torch.Tensor, reached: torch.Tensor, bins: int) -> list[dict]:
@@ -459,7 +497,8 @@ def train_drafter(target, prompts, output_dir: str | Path, *, tokenizer=None, nu
                   max_prompt_tokens: int = 512, regen_batch_size: int = 64, temperature: float = 0.0,
                   eval_prompts=None, eval_block_sizes: Sequence[int] = (16, 8), prompt_field: str | None = None,
                   target_dtype: torch.dtype | None = None, save_dtype: torch.dtype | None = None,
-                  mixed_precision: str | None = None, log_every: int = 50, seed: int = 0,
+                  mixed_precision: str | None = None, cache_features: bool | None = None,
+                  feature_cache_gib: float = 16.0, log_every: int = 50, seed: int = 0,
                   accelerator=None) -> DFlashDrafter:
     """Regenerate responses with `target`, train a DFlash drafter on them, save it, and report τ.
 
@@ -470,7 +509,7 @@ def train_drafter(target, prompts, output_dir: str | Path, *, tokenizer=None, nu
             `training_log.json` (loss curve, recipe) and `eval.json` (τ per block size, calibration).
         num_layers, block_size, target_layer_ids, mask_token_id, drafter_overrides: `DFlashDrafter.from_target`.
             mask_token_id defaults to the tokenizer's mask token, else the last vocabulary row.
-        steps: optimizer steps; with `time_budget_s` the count is set from the speed of the first 10 steps so the
+        steps: optimizer steps; with `time_budget_s` the count is set from the speed of steps 5..15 so the
             schedule ends inside the budget (steps then is an upper bound).
         batch_size: sequences per step; num_anchors: anchor blocks per sequence (all in one forward).
         gamma: loss decay; default 7 / 5 / 4 for block 16 / 10 / 8, else block_size / 2.
@@ -479,6 +518,10 @@ def train_drafter(target, prompts, output_dir: str | Path, *, tokenizer=None, nu
         target_dtype: dtype of a target loaded from a path (default bf16 on CUDA, fp32 on CPU).
         save_dtype: dtype of the saved drafter weights (default: as trained, fp32).
         mixed_precision: accelerate's setting; default "bf16" on CUDA, "no" on CPU.
+        cache_features: run the frozen target once over every sequence and keep its features on the device
+            (bf16 on CUDA) instead of once per step; default: on CUDA when they fit in `feature_cache_gib`.
+            Same features either way (the target is frozen, no dropout); the cache rounds them to bf16, which
+            autocast does to the drafter's fc input anyway.
     Returns the trained drafter in fp32, bound to the target. The evaluation uses the weights as saved and reloaded.
     """
     from accelerate import Accelerator
@@ -509,6 +552,15 @@ def train_drafter(target, prompts, output_dir: str | Path, *, tokenizer=None, nu
     drafter = DFlashDrafter.from_target(target, num_layers=num_layers, block_size=block_size,
                                         target_layer_ids=list(target_layer_ids) if target_layer_ids else None,
                                         mask_token_id=mask_token_id, **(drafter_overrides or {}))
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    layer_ids = drafter.config.target_layer_ids
+    feature_bytes = sum(len(s.ids) for s in samples) * len(layer_ids) * drafter.config.hidden_size * 2
+    if cache_features is None:
+        cache_features = device.type == "cuda" and feature_bytes < feature_cache_gib * 2**30
+    cached = None
+    if cache_features:
+        cache_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        cached = precompute_features(target, samples, layer_ids, pad_id, device, cache_dtype, batch_size=regen_batch_size)
     drafter = drafter.to(dtype=torch.float32)
     drafter.train()
     decay = [p for n, p in drafter.named_parameters() if p.ndim >= 2]
@@ -516,7 +568,6 @@ def train_drafter(target, prompts, output_dir: str | Path, *, tokenizer=None, nu
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
     model, optimizer = accelerator.prepare(drafter, optimizer)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     generator = torch.Generator().manual_seed(seed + accelerator.process_index)
     total_steps = steps
     warmup = max(1, int(warmup_ratio * total_steps))
@@ -529,7 +580,10 @@ def train_drafter(target, prompts, output_dir: str | Path, *, tokenizer=None, nu
             group["lr"] = lr * scale
         pick = torch.randint(0, len(samples), (batch_size,), generator=generator).tolist()
         ids, starts, lengths = pad_samples([samples[i] for i in pick], pad_id, device)
-        features = target_features(target, ids, drafter.config.target_layer_ids)
+        if cached is None:
+            features = target_features(target, ids, layer_ids)
+        else:
+            features = torch.nn.utils.rnn.pad_sequence([cached[i] for i in pick], batch_first=True)
         anchors, valid = sample_anchors(starts, lengths, ids.shape[1], num_anchors, generator)
         labels, exists = block_labels(ids, lengths, anchors, valid, block_size)
         with accelerator.autocast():
@@ -543,9 +597,12 @@ def train_drafter(target, prompts, output_dir: str | Path, *, tokenizer=None, nu
         sequences_seen += batch_size
         anchors_seen += int(valid.sum())
         window.append(metrics)
-        if step == 10 and time_budget_s:
-            per_step = (time.perf_counter() - train_started) / step
-            total_steps = max(step + 1, min(steps, int(time_budget_s / per_step)))
+        if step == 5:
+            calibration_started = time.perf_counter()  # steps 1-5 carry one-off start-up costs
+        if step == 15 and time_budget_s:
+            per_step = (time.perf_counter() - calibration_started) / 10
+            left = time_budget_s - (time.perf_counter() - train_started)
+            total_steps = max(step + 1, min(steps, step + int(left / per_step)))
             warmup = max(1, min(warmup, int(warmup_ratio * total_steps)))
             accelerator.print(f"{per_step * 1e3:.1f} ms/step -> {total_steps} steps in {time_budget_s:.0f} s")
         if step % log_every == 0 or step == total_steps:
@@ -563,7 +620,7 @@ def train_drafter(target, prompts, output_dir: str | Path, *, tokenizer=None, nu
 
     drafter = accelerator.unwrap_model(model)
     drafter.eval()
-    log = {"recipe": {"num_layers": num_layers, "block_size": block_size, "target_layer_ids": drafter.config.target_layer_ids,
+    log = {"feature_cache": bool(cached is not None), "recipe": {"num_layers": num_layers, "block_size": block_size, "target_layer_ids": drafter.config.target_layer_ids,
                       "mask_token_id": drafter.config.mask_token_id, "steps": step, "batch_size": batch_size,
                       "num_anchors": num_anchors, "lr": lr, "warmup_ratio": warmup_ratio, "min_lr_ratio": min_lr_ratio,
                       "weight_decay": weight_decay, "grad_clip": grad_clip, "gamma": gamma,

@@ -16,3 +16,34 @@ def greedy_accept(drafts: torch.Tensor, target_tokens: torch.Tensor, valid: torc
         positions = torch.arange(drafts.shape[1], device=drafts.device)
         matches &= positions.unsqueeze(0) < (valid.view(-1, 1) - 1)
     return matches.long().cumprod(dim=1).sum(dim=1)
+
+
+def speculative_sample(
+    drafts: torch.Tensor, probs: torch.Tensor, valid: torch.Tensor | None = None, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lossless acceptance when sampling, for drafts proposed deterministically (target-only verification).
+
+    Draft d_i is accepted with probability p_i(d_i); at the first rejection the emitted token is sampled from p_i
+    with d_i's mass removed (renormalised), and after the last verified draft from p. Each emitted token then has
+    exactly the target's distribution: P(y) = p(x)[y = x] + (1 - p(x)) p(y) / (1 - p(x)) [y ≠ x] = p(y). The
+    verification length must be chosen from draft-side information only (it is), never from the target's outputs.
+
+    drafts: [B, T-1]; probs: [B, T, V] target probabilities after logits processors/warpers at each verified
+    position; valid: [B] tokens that count. Returns (a [B] drafts accepted, token [B] the token emitted after them).
+    """
+    batch, tokens, vocab = probs.shape
+    p_draft = probs[:, :-1].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)  # [B, T-1]
+    coins = torch.rand(p_draft.shape, device=probs.device, generator=generator)
+    accept = coins < p_draft
+    limit = torch.full((batch,), tokens, device=probs.device) if valid is None else valid.view(-1)
+    positions = torch.arange(tokens - 1, device=probs.device)
+    accept &= positions.unsqueeze(0) < (limit.view(-1, 1) - 1)
+    a = accept.long().cumprod(dim=1).sum(dim=1)  # [B]
+    row = probs.gather(1, a.view(-1, 1, 1).expand(-1, 1, vocab)).squeeze(1)  # [B, V] p at position a
+    rejected = a < limit - 1  # a draft was verified at position a and rejected
+    rejected_token = drafts.gather(1, a.clamp(max=max(tokens - 2, 0)).view(-1, 1)) if tokens > 1 else None
+    if rejected_token is not None:
+        removed = torch.zeros_like(row).scatter_(1, rejected_token, 1.0) * rejected.view(-1, 1)
+        row = row * (1 - removed)
+    token = torch.multinomial(row / row.sum(-1, keepdim=True), 1, generator=generator).squeeze(1)
+    return a, token

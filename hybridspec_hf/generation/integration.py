@@ -122,8 +122,6 @@ def check_generation_config(generation_config, input_ids: torch.Tensor, model_kw
     problems = []
     if generation_config.num_beams not in (None, 1):
         problems.append(f"num_beams={generation_config.num_beams} (beam search): use num_beams=1")
-    if generation_config.do_sample:
-        problems.append("do_sample=True: HybridSpec is greedy-only in this version; pass do_sample=False")
     if (generation_config.num_return_sequences or 1) > 1:
         problems.append(f"num_return_sequences={generation_config.num_return_sequences}: use 1")
     if generation_config.output_attentions or generation_config.output_hidden_states:

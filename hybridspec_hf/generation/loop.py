@@ -17,7 +17,7 @@ import torch
 
 from hybridspec_hf import patches
 from hybridspec_hf.config import HybridSpecConfig
-from hybridspec_hf.generation.acceptance import greedy_accept
+from hybridspec_hf.generation.acceptance import greedy_accept, speculative_sample
 from hybridspec_hf.generation.routing import VerifyWindow
 from hybridspec_hf.generation.strategy import RoundStrategy
 from hybridspec_hf.generation.target import TargetRunner
@@ -93,7 +93,8 @@ def hybridspec_decode(
     hybridspec_settings: HybridSpecConfig | None = None,
     **model_kwargs,
 ):
-    """Exact speculative decoding of a hybrid GDN target with a DFlash drafter (batch size 1, greedy)."""
+    """Exact speculative decoding of a hybrid GDN target with a DFlash drafter (batch size 1; greedy output equals
+    AR token for token, sampling keeps the target distribution)."""
     from hybridspec_hf.generation.integration import check_generation_config, finish_output
 
     drafter, settings = hybridspec_drafter, hybridspec_settings or HybridSpecConfig()
@@ -130,7 +131,8 @@ def hybridspec_decode(
         logits, context = runner.prefill(input_ids, position_ids, attention_mask, **model_kwargs)
         raw = logits.float()
         scores = logits_processor(emitter.input_ids, raw)
-        emitter.emit(scores.argmax(dim=-1), scores, raw)
+        first = torch.multinomial(scores.softmax(-1), 1).squeeze(1) if generation_config.do_sample else scores.argmax(-1)
+        emitter.emit(first, scores, raw)
         telemetry.prefill_tokens = 1
         telemetry.prefill_s = time.perf_counter() - start
         draft_cache = drafter.new_context_cache()
@@ -165,11 +167,16 @@ def hybridspec_decode(
                     window.disarm()
                 raw = logits.float()  # [B, T, V]: AR compares fp32 logits
 
-                # 4. Accept on the device.
+                # 4. Accept on the device: greedy, or lossless speculative sampling.
                 scores = score_positions(logits_processor, emitter.input_ids, tokens, raw)
-                target_tokens = scores.argmax(dim=-1)  # [B, T]
                 valid = choice.valid if choice is not None else None
-                accepted = greedy_accept(tokens[:, 1:], target_tokens, valid)
+                if generation_config.do_sample:
+                    accepted, sampled = speculative_sample(tokens[:, 1:], scores.softmax(dim=-1), valid)
+                    target_tokens = torch.cat([tokens[:, 1:], sampled[:, None]], dim=1)
+                    target_tokens = target_tokens.scatter(1, accepted.view(-1, 1), sampled.view(-1, 1))
+                else:
+                    target_tokens = scores.argmax(dim=-1)  # [B, T]
+                    accepted = greedy_accept(tokens[:, 1:], target_tokens, valid)
                 next_draft = strategy.should_draft(committed_len)
 
             # 5. Hand-off: the round's one device→host transfer; emit token by token until a criterion fires.

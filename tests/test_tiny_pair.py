@@ -1,0 +1,185 @@
+"""The shipped tiny pair (sizes, offline loading, a target that writes code) and the drafter-training pipeline."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import pytest
+import torch
+from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+from hybridspec_hf.drafter import DFlashDrafter
+from hybridspec_hf.drafter.training import (
+    Sample,
+    acceptance_lengths,
+    add_train_drafter_arguments,
+    block_labels,
+    distinct_ngram_ratio,
+    load_prompts,
+    novel_continuations,
+    run_train_drafter,
+    sample_anchors,
+    target_features,
+    train_drafter,
+)
+from hybridspec_hf.tiny_pair import ASSETS_DIR, code_prompts, heldout_prompts, load_stdlib_split, load_tiny_pair, \
+    load_tiny_tokenizer, StdlibFile
+
+MiB = 2**20
+
+
+def shipped_files():
+    return [p for p in ASSETS_DIR.rglob("*") if p.is_file()]
+
+
+def test_assets_fit_the_size_budget():
+    files = shipped_files()
+    names = {p.relative_to(ASSETS_DIR).as_posix() for p in files}
+    for needed in ("target/model.safetensors", "target/config.json", "drafter/model.safetensors",
+                   "drafter/config.json", "tokenizer/tokenizer.json", "stdlib_split.json"):
+        assert needed in names
+    too_big = {p.name: p.stat().st_size for p in files if p.stat().st_size > 15 * MiB}
+    assert not too_big, f"files over 15 MiB: {too_big}"
+    assert sum(p.stat().st_size for p in files) <= 30 * MiB
+
+
+def test_split_is_pinned_and_heldout_is_disjoint():
+    split = load_stdlib_split()
+    by_split = {}
+    for entry in split["files"]:
+        by_split.setdefault(entry["split"], set()).add(entry["path"])
+        assert len(entry["sha256"]) == 64
+    assert not by_split["train"] & by_split["heldout"]
+    assert 0.01 < len(by_split["heldout"]) / (len(by_split["train"]) + len(by_split["heldout"])) < 0.06
+    assert not any(p.startswith(("site-packages/", "dist-packages/")) for p in by_split["train"])
+
+
+@pytest.fixture(scope="module")
+def pair():
+    old = os.environ.get("HF_HUB_OFFLINE")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    try:
+        yield load_tiny_pair()
+    finally:
+        if old is None:
+            os.environ.pop("HF_HUB_OFFLINE")
+        else:
+            os.environ["HF_HUB_OFFLINE"] = old
+
+
+def test_pair_loads_offline_in_float32_and_the_drafter_is_bound(pair):
+    target, drafter, tokenizer = pair
+    assert isinstance(target, Qwen3_5MoeForCausalLM) and isinstance(drafter, DFlashDrafter)
+    assert target.dtype == torch.float32 and drafter.dtype == torch.float32
+    assert "full_attention" in target.config.layer_types and "linear_attention" in target.config.layer_types
+    assert target.config.linear_num_value_heads == 2 * target.config.linear_num_key_heads
+    drafter.validate_target(target)  # raises if not bound to this target
+    assert drafter.config.mask_token_id == tokenizer.mask_token_id
+    assert tokenizer.eos_token_id == target.config.eos_token_id
+
+
+# A held-out file's opening, fixed here so the test does not depend on this interpreter's stdlib.
+PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    \"\"\"Parse the command line and run.\"\"\"\n"
+
+
+def test_target_writes_deterministic_non_degenerate_code(pair):
+    target, _, tokenizer = pair
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    runs = [target.generate(ids, max_new_tokens=32, do_sample=False)[0, ids.shape[1]:].tolist() for _ in range(2)]
+    assert runs[0] == runs[1]
+    assert len(set(runs[0])) >= 8, tokenizer.decode(runs[0])
+    text = tokenizer.decode(runs[0])
+    assert any(word in text for word in ("    ", "(", "=")), text  # looks like Python, not noise
+
+
+def test_drafter_drafts_the_targets_continuation(pair):
+    """One real draft round through the inference API: the block must get some tokens right."""
+    target, drafter, tokenizer = pair
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    greedy = target.generate(ids, max_new_tokens=16, do_sample=False)[0]
+    prefix = greedy[: ids.shape[1] + 1]  # prompt + the first generated token (the anchor)
+    features = target_features(target, prefix[None, :-1], drafter.config.target_layer_ids)
+    draft = drafter.draft(prefix[None, -1:], features, drafter.new_context_cache()).argmax(-1)[0]
+    expected = greedy[ids.shape[1] + 1: ids.shape[1] + drafter.config.block_size]
+    assert draft.shape[0] == drafter.config.block_size - 1
+    assert (draft[: len(expected)] == expected).sum() >= 1
+
+
+def test_code_prompts_are_deterministic_line_windows():
+    files = [StdlibFile("a.py", "".join(f"x{i} = {i}  # line {i}\n" for i in range(200)))]
+    a, b = code_prompts(files, 5, seed=3), code_prompts(files, 5, seed=3)
+    assert a == b and len(a) == 5
+    assert all(p.endswith("\n") and p.startswith("x") and 120 <= len(p) <= 320 for p in a)
+
+
+def test_heldout_prompts_skip_files_with_another_hash():
+    prompts = heldout_prompts(4)  # on another Python version some files warn and are skipped
+    assert prompts and all(isinstance(p, str) and p for p in prompts)
+
+
+def test_anchor_labels_and_novelty():
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 0, 0]])
+    starts, lengths = torch.tensor([2]), torch.tensor([6])
+    anchors, valid = sample_anchors(starts, lengths, 8, 16, torch.Generator().manual_seed(0))
+    assert anchors[valid].tolist() == [2, 3, 4]  # inside the response, one label at least
+    labels, exists = block_labels(ids, lengths, anchors[:, :1], valid[:, :1], block_size=4)
+    assert labels[0, 0].tolist() == [8, 9, 10] and exists[0, 0].tolist() == [True, True, True]
+    assert novel_continuations([1, 2, 1, 2, 1, 2, 3], 2).tolist() == [False, True, False, False, False, False, False]
+    assert distinct_ngram_ratio([[1, 1, 1, 1]], 2) == pytest.approx(1 / 3)
+
+
+def tiny_random_target(tokenizer) -> Qwen3_5MoeForCausalLM:
+    config = Qwen3_5MoeTextConfig(
+        vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=4, head_dim=16, num_attention_heads=2,
+        num_key_value_heads=1, linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=16,
+        linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16, max_position_embeddings=256, tie_word_embeddings=True,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    return Qwen3_5MoeForCausalLM(config).eval()
+
+
+def test_training_pipeline_regenerates_trains_saves_reloads_and_reports_tau(tmp_path):
+    tokenizer = load_tiny_tokenizer()
+    target = tiny_random_target(tokenizer)
+    prompts = [f"def f{i}(x):\n    return x + {i}\n" for i in range(6)]
+    drafter = train_drafter(target, prompts, tmp_path, tokenizer=tokenizer, num_layers=1, block_size=4, steps=3,
+                            batch_size=2, num_anchors=4, max_new_tokens=8, regen_batch_size=4,
+                            eval_prompts=prompts[:2], eval_block_sizes=(4, 2), log_every=1)
+    log = json.loads((tmp_path / "training_log.json").read_text())
+    assert len(log["loss_curve"]) == 3 and log["recipe"]["block_size"] == 4
+    result = json.loads((tmp_path / "eval.json").read_text())
+    for b in ("4", "2"):
+        assert 1.0 <= result["block_sizes"][b]["tau"] <= int(b)
+    assert "calibration" in result and "distinct_ngram_ratio" in result
+    reloaded = DFlashDrafter.from_pretrained(str(tmp_path)).bind_target(target)
+    for name, tensor in drafter.state_dict().items():
+        torch.testing.assert_close(reloaded.state_dict()[name], tensor)
+    # resumable: the response shards are reused, not regenerated
+    shards = sorted((tmp_path / "regen").glob("shard-*.jsonl"))
+    mtimes = [p.stat().st_mtime_ns for p in shards]
+    args = add_train_drafter_arguments(argparse.ArgumentParser()).parse_args([
+        "--target", str(tmp_path / "t"), "--prompts", str(tmp_path / "p.jsonl"), "--output-dir", str(tmp_path),
+        "--num-layers", "1", "--block-size", "4", "--steps", "1", "--batch-size", "2", "--num-anchors", "4",
+        "--max-new-tokens", "8", "--regen-batch-size", "4", "--tokenizer", str(ASSETS_DIR / "tokenizer")])
+    target.save_pretrained(str(tmp_path / "t"))
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    assert load_prompts(tmp_path / "p.jsonl") == prompts
+    run_train_drafter(args)
+    assert [p.stat().st_mtime_ns for p in shards] == mtimes
+
+
+def test_offline_tau_is_block_size_on_a_copying_target():
+    """τ's definition on a case computed by hand: a drafter that always matches gives τ = B."""
+    tokenizer = load_tiny_tokenizer()
+    target = tiny_random_target(tokenizer)
+    drafter = DFlashDrafter.from_target(target, num_layers=1, block_size=4, mask_token_id=tokenizer.mask_token_id)
+    prompt = [5, 6, 7]
+    response = target.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False)[0, 3:].tolist()
+    sample = Sample(prompt, response)
+    result = acceptance_lengths(target, drafter, [sample], block_sizes=(4,))
+    block = result["block_sizes"]["4"]
+    assert block["num_anchors"] == len(response) - 3
+    assert 1.0 <= block["tau"] <= 4.0 and sum(block["tau_histogram"]) == block["num_anchors"]
