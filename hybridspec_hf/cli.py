@@ -52,9 +52,9 @@ def demo(args) -> int:
     torch.set_num_threads(args.threads)
     target, drafter, tokenizer = _load_pair(args)
     if tokenizer is not None:
-        from hybridspec_hf.tiny_pair import demo_prompt
+        from hybridspec_hf.tiny_pair import heldout_prompts
 
-        prompt_text = demo_prompt()
+        prompt_text = heldout_prompts(args.prompt_index + 1)[args.prompt_index]  # a file never trained on
         prompt = tokenizer(prompt_text, return_tensors="pt").input_ids
     else:
         prompt_text, prompt = None, torch.randint(0, target.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--strategy", default="hybridspec", choices=list(STRATEGIES))
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--prompt-index", type=int, default=0, help="which held-out stdlib prompt")
     p.add_argument("--random", action="store_true", help="use a tiny random pair instead of the trained one")
     p.set_defaults(run=demo)
     p = commands.add_parser("calibrate", help="measure round latency C(w) on this device and cache it")

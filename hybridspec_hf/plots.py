@@ -79,11 +79,10 @@ def reliability(predicted: torch.Tensor, outcome: torch.Tensor, bins: int = 10, 
     return ax
 
 
-def predicted_vs_measured(telemetry, latency_model, ax=None):
-    """Each round's measured wall time against the calibrated C(w) it was chosen with."""
+def predicted_vs_measured(telemetry, ax=None):
+    """Each round's measured wall time against the calibrated latency it was chosen with (calibrated strategies)."""
     ax = _axes(ax)
-    cost = latency_model.cost[0].cpu()
-    pairs = [(float(cost[r.w - 1]) * 1e3, r.wall_s * 1e3) for r in telemetry.rounds if r.drafted]
+    pairs = [(r.predicted_s * 1e3, r.wall_s * 1e3) for r in telemetry.rounds if r.predicted_s is not None]
     if pairs:
         xs, ys = zip(*pairs, strict=True)
         ax.scatter(xs, ys, s=8)

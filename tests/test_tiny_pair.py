@@ -123,8 +123,9 @@ def test_anchor_labels_and_novelty():
     starts, lengths = torch.tensor([2]), torch.tensor([6])
     anchors, valid = sample_anchors(starts, lengths, 8, 16, torch.Generator().manual_seed(0))
     assert anchors[valid].tolist() == [2, 3, 4]  # inside the response, one label at least
-    labels, exists = block_labels(ids, lengths, anchors[:, :1], valid[:, :1], block_size=4)
+    labels, exists = block_labels(ids, lengths, torch.tensor([[2, 4]]), torch.tensor([[True, True]]), block_size=4)
     assert labels[0, 0].tolist() == [8, 9, 10] and exists[0, 0].tolist() == [True, True, True]
+    assert exists[0, 1].tolist() == [True, False, False]  # past the sequence end: no label
     assert novel_continuations([1, 2, 1, 2, 1, 2, 3], 2).tolist() == [False, True, False, False, False, False, False]
     assert distinct_ngram_ratio([[1, 1, 1, 1]], 2) == pytest.approx(1 / 3)
 

@@ -201,6 +201,7 @@ def hybridspec_decode(
                 w0=w - kept if choice is not None else None,
                 extra_kept=bool(kept) if corrected else None,
                 n_new=n_new if corrected else None,
+                predicted_s=strategy.predicted_latency(w, committed_len, drafted),
             ))
     finally:
         runner.close()

@@ -109,6 +109,15 @@ class RoundStrategy:
         draft = next_draft.view(-1)[:1].long() if isinstance(next_draft, torch.Tensor) else torch.full_like(like, int(next_draft))
         return torch.cat([like, w, kept, n_new, draft.to(like.device)])
 
+    def predicted_latency(self, w: int, context_len: int, drafted: bool) -> float | None:
+        """C(w) (or C_ar) of the calibration this round was chosen with; None for uncalibrated strategies."""
+        model = getattr(self.selector, "latency_model", None)
+        if model is None:
+            return None
+        if not drafted:
+            return float(model.cost_ar_for(context_len).reshape(-1)[0])  # the CPU copy: no device sync
+        return float(model.cost_for(context_len).reshape(-1)[w - 1])
+
     def observe(self, w: int, emitted: int, seconds: float, drafted: bool, like: torch.Tensor) -> None:
         if self.selector is None:
             return

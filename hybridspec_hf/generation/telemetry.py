@@ -24,6 +24,7 @@ class RoundRecord:
     w0: int | None = None  # the selector's nominal length (device-side strategies)
     extra_kept: bool | None = None  # routing correction: the extra token d_{w0} was kept
     n_new: int | None = None  # new first-MoE-layer experts of the extra token
+    predicted_s: float | None = None  # calibrated latency of this round's choice (C(w), or C_ar for a plain step)
 
 
 @dataclass
