@@ -172,15 +172,14 @@ def test_training_pipeline_regenerates_trains_saves_reloads_and_reports_tau(tmp_
     assert [p.stat().st_mtime_ns for p in shards] == mtimes
 
 
-def test_offline_tau_is_block_size_on_a_copying_target():
-    """τ's definition on a case computed by hand: a drafter that always matches gives τ = B."""
+def test_offline_tau_counts_every_full_block_and_skips_short_responses():
     tokenizer = load_tiny_tokenizer()
     target = tiny_random_target(tokenizer)
     drafter = DFlashDrafter.from_target(target, num_layers=1, block_size=4, mask_token_id=tokenizer.mask_token_id)
     prompt = [5, 6, 7]
     response = target.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False)[0, 3:].tolist()
-    sample = Sample(prompt, response)
-    result = acceptance_lengths(target, drafter, [sample], block_sizes=(4,))
+    short = Sample(prompt, response[:2])  # shorter than a block: no anchor
+    result = acceptance_lengths(target, drafter, [Sample(prompt, response), short], block_sizes=(4,))
     block = result["block_sizes"]["4"]
-    assert block["num_anchors"] == len(response) - 3
+    assert block["num_anchors"] == len(response) - 3  # anchors p with p + 3 inside the response
     assert 1.0 <= block["tau"] <= 4.0 and sum(block["tau_histogram"]) == block["num_anchors"]

@@ -500,7 +500,7 @@ def train_drafter(target, prompts, output_dir: str | Path, *, tokenizer=None, nu
                   eval_prompts=None, eval_block_sizes: Sequence[int] = (16, 8), prompt_field: str | None = None,
                   target_dtype: torch.dtype | None = None, save_dtype: torch.dtype | None = None,
                   mixed_precision: str | None = None, cache_features: bool | None = None,
-                  feature_cache_gib: float = 16.0, log_every: int = 50, seed: int = 0,
+                  feature_cache_gib: float = 16.0, init_drafter=None, log_every: int = 50, seed: int = 0,
                   accelerator=None) -> DFlashDrafter:
     """Regenerate responses with `target`, train a DFlash drafter on them, save it, and report τ.
 
@@ -525,6 +525,8 @@ def train_drafter(target, prompts, output_dir: str | Path, *, tokenizer=None, nu
             (bf16 on CUDA) instead of once per step; default: on CUDA when they fit in `feature_cache_gib`.
             Same features either way (the target is frozen, no dropout); the cache rounds them to bf16, which
             autocast does to the drafter's fc input anyway.
+        init_drafter: a `DFlashDrafter` or a saved one's path to continue training from (its config wins over
+            num_layers / block_size / target_layer_ids / mask_token_id); default: a fresh one from the target.
     Returns the trained drafter in fp32, bound to the target. The evaluation uses the weights as saved and reloaded.
     """
     from accelerate import Accelerator
@@ -538,7 +540,6 @@ def train_drafter(target, prompts, output_dir: str | Path, *, tokenizer=None, nu
     target, tokenizer = _load_target(target, tokenizer, target_dtype, device)
     if mask_token_id is None:
         mask_token_id = getattr(tokenizer, "mask_token_id", None)
-    gamma = gamma or DEFAULT_GAMMA.get(block_size, block_size / 2)
     torch.manual_seed(seed)
 
     started = time.perf_counter()
@@ -552,9 +553,16 @@ def train_drafter(target, prompts, output_dir: str | Path, *, tokenizer=None, nu
         raise ValueError("No response has 2 or more tokens; raise max_new_tokens or check the target's eos.")
     regen_seconds = time.perf_counter() - started
 
-    drafter = DFlashDrafter.from_target(target, num_layers=num_layers, block_size=block_size,
-                                        target_layer_ids=list(target_layer_ids) if target_layer_ids else None,
-                                        mask_token_id=mask_token_id, **(drafter_overrides or {}))
+    if init_drafter is None:
+        drafter = DFlashDrafter.from_target(target, num_layers=num_layers, block_size=block_size,
+                                            target_layer_ids=list(target_layer_ids) if target_layer_ids else None,
+                                            mask_token_id=mask_token_id, **(drafter_overrides or {}))
+    else:
+        if isinstance(init_drafter, (str, os.PathLike)):
+            init_drafter = DFlashDrafter.from_pretrained(str(init_drafter), dtype=torch.float32)
+        drafter = init_drafter.to(device).bind_target(target)
+        num_layers, block_size = drafter.config.num_hidden_layers, drafter.config.block_size
+    gamma = gamma or DEFAULT_GAMMA.get(block_size, block_size / 2)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     layer_ids = drafter.config.target_layer_ids
     feature_bytes = sum(len(s.ids) for s in samples) * len(layer_ids) * drafter.config.hidden_size * 2
@@ -691,8 +699,10 @@ def add_train_drafter_arguments(parser: argparse.ArgumentParser) -> argparse.Arg
     parser.add_argument("--target-layer-ids", type=int, nargs="+", default=None)
     parser.add_argument("--mask-token-id", type=int, default=None)
     parser.add_argument("--intermediate-size", type=int, default=None, help="drafter MLP width (default 3×hidden)")
+    parser.add_argument("--init-drafter", default=None, help="saved drafter to continue training from")
     parser.add_argument("--steps", type=int, default=1000)
-    parser.add_argument("--time-budget-s", type=float, default=None)
+    parser.add_argument("--time-budget-s", type=float, default=None,
+                        help="train for this many seconds (the lr schedule follows the clock); --steps caps it")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--num-anchors", type=int, default=64)
     parser.add_argument("--lr", type=float, default=6e-4)
@@ -729,7 +739,8 @@ def run_train_drafter(args: argparse.Namespace) -> DFlashDrafter:
         regen_batch_size=args.regen_batch_size, temperature=args.temperature, eval_prompts=args.eval_prompts,
         eval_block_sizes=args.eval_block_sizes, prompt_field=args.prompt_field,
         target_dtype=dtype(args.target_dtype), save_dtype=dtype(args.save_dtype),
-        mixed_precision=args.mixed_precision, log_every=args.log_every, seed=args.seed)
+        mixed_precision=args.mixed_precision, init_drafter=args.init_drafter, log_every=args.log_every,
+        seed=args.seed)
 
 
 __all__ = [

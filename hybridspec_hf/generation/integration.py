@@ -117,7 +117,7 @@ def _check_prompt(model, input_ids: torch.Tensor) -> None:
         )
 
 
-def check_generation_config(generation_config, input_ids: torch.Tensor, model_kwargs: dict) -> None:
+def check_generation_config(model, generation_config, input_ids: torch.Tensor, model_kwargs: dict) -> None:
     """Reject what the loop does not support, after generate() merged the model's defaults."""
     problems = []
     if generation_config.num_beams not in (None, 1):
@@ -135,14 +135,7 @@ def check_generation_config(generation_config, input_ids: torch.Tensor, model_kw
         problems.append("attention_mask has padding: HybridSpec runs batch size 1 without padding; strip the pad tokens")
     if problems:
         raise ValueError("Unsupported generation options for HybridSpec: " + "; ".join(problems) + ".")
-    _check_prompt_shape_only(input_ids)
-
-
-def _check_prompt_shape_only(input_ids: torch.Tensor) -> None:
-    if input_ids.shape[0] != 1:
-        raise ValueError(f"HybridSpec generates one sequence at a time (batch size 1); got {input_ids.shape[0]}.")
-    if input_ids.shape[1] == 0:
-        raise ValueError("The prompt is empty: HybridSpec needs at least one prompt token.")
+    _check_prompt(model, input_ids)  # again: generate() may have expanded it (beams, return sequences)
 
 
 def finish_output(generation_config, emitter, cache, cache_key: str):

@@ -99,7 +99,7 @@ def hybridspec_decode(
 
     drafter, settings = hybridspec_drafter, hybridspec_settings or HybridSpecConfig()
     streamer = hybridspec_streamer if hybridspec_streamer is not None else streamer
-    check_generation_config(generation_config, input_ids, model_kwargs)
+    check_generation_config(model, generation_config, input_ids, model_kwargs)
     cache_key = "cache" if model_kwargs.get("cache") is not None else "past_key_values"
     cache = model_kwargs.pop(cache_key)
     for key in ("cache", "past_key_values", "use_cache", "logits_to_keep"):

@@ -93,6 +93,7 @@ def main(argv=None) -> None:
     parser.add_argument("--max-train-prompts", type=int, default=8192)
     parser.add_argument("--drafter-batch-size", type=int, default=32)
     parser.add_argument("--drafter-lr", type=float, default=1e-3)
+    parser.add_argument("--target-dir", default=None, help="use this trained target and skip stage 1")
     parser.add_argument("--smoke", action="store_true", help="toy sizes for a CPU dry run")
     args = parser.parse_args(argv)
     work, out, data_dir = Path(args.work), Path(args.out), Path(args.data_dir)
@@ -114,8 +115,17 @@ def main(argv=None) -> None:
 
 
 def run_stages(args, work: Path, out: Path, data_dir: Path, device, results: dict) -> None:
+    if args.target_dir:
+        target_dir = Path(args.target_dir)
+        results["target"] = {"from": str(target_dir)}
+    else:
+        target_dir = work / "target"
+        train_target_stage(args, target_dir, work, out, data_dir, device, results)
+    drafter_stages(args, target_dir, work, out, data_dir, device, results)
+
+
+def train_target_stage(args, target_dir: Path, work: Path, out: Path, data_dir: Path, device, results: dict) -> None:
     stage("target")
-    target_dir = work / "target"
     target_args = argparse.ArgumentParser()
     tt.add_arguments(target_args)
     cli = ["--data", str(data_dir / "corpus.safetensors"), "--out", str(target_dir),
@@ -134,6 +144,8 @@ def run_stages(args, work: Path, out: Path, data_dir: Path, device, results: dic
     with tarfile.open(out / "target.tar", "w") as tar:
         tar.add(target_dir, arcname="target")
 
+
+def drafter_stages(args, target_dir: Path, work: Path, out: Path, data_dir: Path, device, results: dict) -> None:
     stage("responses")
     from transformers import AutoTokenizer, Qwen3_5MoeForCausalLM
 
@@ -185,7 +197,7 @@ def run_stages(args, work: Path, out: Path, data_dir: Path, device, results: dic
                                                block_sizes=(16, 8), **common)
     results["stages_s"]["evaluation"] = elapsed()
     print(json.dumps({"tau": {b: r["tau"] for b, r in results["drafter_eval"]["block_sizes"].items()},
-                      "ppl": results["target"]["shipped_weights"]["heldout_perplexity"],
+                      "ppl": results["target"].get("shipped_weights", {}).get("heldout_perplexity"),
                       "distinct": results["drafter_eval"]["distinct_ngram_ratio"], "elapsed_s": elapsed()}), flush=True)
 
 
