@@ -14,8 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hybridspec_hf.kernels import PendingGDNLayer, conv_verify, gdn_verify
-from hybridspec_hf.kernels.dispatch import select_verify
+from hybridspec_hf.kernels import PendingGDNLayer, conv_verify, gdn_verify_auto
 
 # (layer, hidden_states [B, T, H]) -> mixed_qkv [B, T, C] (pre-conv), z [B, T, HV, dv], b [B, T, HV], a [B, T, HV]
 ProjectFn = Callable[[torch.nn.Module, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -26,7 +25,8 @@ class VerifySession:
     """State of one verification forward: where the cache lives and what each GDN layer left for the commit."""
 
     cache: Any  # transformers Cache holding the committed GDN states
-    kernel_backend: str = "torch"
+    kernel_backend: str = "auto"
+    valid_len: Any = None  # [B] long device tensor: tokens of the verification that count (None: all)
     pending: list[PendingGDNLayer] = field(default_factory=list)
 
 
@@ -64,7 +64,8 @@ def verify_forward(layer: torch.nn.Module, session: VerifySession, hidden_states
     beta = b.sigmoid()
     g = -layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias)  # [B, T, HV] fp32
 
-    verified = select_verify(session.kernel_backend, value)(query, key, value, g, beta, state)
+    verified = gdn_verify_auto(query, key, value, g, beta, state, valid_len=session.valid_len,
+                               kernel_backend=session.kernel_backend)
     session.pending.append(PendingGDNLayer(state, conv_state, conv_input, key, verified))
 
     core = layer.norm(verified.out.reshape(-1, layer.head_v_dim), z.reshape(-1, layer.head_v_dim))

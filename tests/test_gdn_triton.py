@@ -331,3 +331,25 @@ def test_package_imports_without_triton():
             "assert not t.HAS_TRITON and t.select_backend('auto', __import__('torch').zeros(1)) == 'torch'")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+def test_round_loop_with_triton_kernels_matches_the_torch_path():
+    """The GPU path of the loop (Triton verify + one-launch commit), run here by its CPU twin under the interpreter:
+    same tokens and same committed caches as kernel_backend="torch"."""
+    from _tiny import VOCAB, cache_tensors, make_drafter, make_target, output_cache
+
+    from hybridspec_hf import HybridSpecConfig
+
+    target = make_target("qwen3_5_moe_odd", seed=1, dtype=torch.float32)
+    prompt = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(1))
+    drafter = make_drafter(target, 8, target.generate(prompt, do_sample=False, max_new_tokens=24), 0.25).float()
+    outs = {}
+    for backend in ("torch", "triton"):
+        outs[backend] = target.generate(
+            prompt, do_sample=False, max_new_tokens=16, assistant_model=drafter, generation_strategy="confidence",
+            return_dict_in_generate=True, hybridspec_config=HybridSpecConfig(kernel_backend=backend),
+        )
+    assert torch.equal(outs["torch"].sequences, outs["triton"].sequences)
+    for mine, theirs in zip(cache_tensors(output_cache(outs["triton"])), cache_tensors(output_cache(outs["torch"])),
+                            strict=True):
+        assert rel(mine, theirs) < 1e-5

@@ -126,7 +126,8 @@ def test_anchor_labels_and_novelty():
     labels, exists = block_labels(ids, lengths, torch.tensor([[2, 4]]), torch.tensor([[True, True]]), block_size=4)
     assert labels[0, 0].tolist() == [8, 9, 10] and exists[0, 0].tolist() == [True, True, True]
     assert exists[0, 1].tolist() == [True, False, False]  # past the sequence end: no label
-    assert novel_continuations([1, 2, 1, 2, 1, 2, 3], 2).tolist() == [False, True, False, False, False, False, False]
+    # the 2 tokens after p: (2,1) new, (1,2) seen, (2,1) seen, (1,2) seen, (2,3) new; the last two have no 2 after
+    assert novel_continuations([1, 2, 1, 2, 1, 2, 3], 2).tolist() == [True, False, False, False, True, False, False]
     assert distinct_ngram_ratio([[1, 1, 1, 1]], 2) == pytest.approx(1 / 3)
 
 

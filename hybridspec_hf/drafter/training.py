@@ -4,8 +4,9 @@
 
 1. Regenerate: the target answers every prompt (batched `generate`, greedy or sampled), so the drafter learns the
    target's own distribution. Responses are written in shards under `<output_dir>/regen/`; a rerun skips done shards.
-2. Train: the frozen target runs each (prompt + response) once; forward hooks on its decoder layers `target_layer_ids`
-   take their OUTPUTS (z-lab's `hidden_states[i + 1]`) as context features. Random anchors are drawn inside the
+2. Train: the frozen target runs over the (prompt + response) sequences (once up front when the features fit on the
+   device, else once per batch); forward hooks on its decoder layers `target_layer_ids` take their OUTPUTS (z-lab's
+   `hidden_states[i + 1]`) as context features. Random anchors are drawn inside the
    responses; each anchor p gives one block `[x_p, MASK × (B-1)]` and all blocks of a sequence run in ONE drafter
    forward under `block_attention_mask` (context keys strictly before the anchor + its own block, bidirectionally).
    Block position k (1..B-1) predicts x_{p+k}; cross-entropy weighted by exp(-(k-1)/γ). AdamW, warm-up + cosine,
@@ -718,6 +719,8 @@ def add_train_drafter_arguments(parser: argparse.ArgumentParser) -> argparse.Arg
     parser.add_argument("--target-dtype", choices=["float32", "bfloat16", "float16"], default=None)
     parser.add_argument("--save-dtype", choices=["float32", "bfloat16", "float16"], default=None)
     parser.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"], default=None)
+    parser.add_argument("--cache-features", action=argparse.BooleanOptionalAction, default=None,
+                        help="keep the target's features of all sequences in memory (default: on CUDA if they fit)")
     parser.add_argument("--log-every", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
     return parser
@@ -739,7 +742,8 @@ def run_train_drafter(args: argparse.Namespace) -> DFlashDrafter:
         regen_batch_size=args.regen_batch_size, temperature=args.temperature, eval_prompts=args.eval_prompts,
         eval_block_sizes=args.eval_block_sizes, prompt_field=args.prompt_field,
         target_dtype=dtype(args.target_dtype), save_dtype=dtype(args.save_dtype),
-        mixed_precision=args.mixed_precision, init_drafter=args.init_drafter, log_every=args.log_every,
+        mixed_precision=args.mixed_precision, cache_features=args.cache_features, init_drafter=args.init_drafter,
+        log_every=args.log_every,
         seed=args.seed)
 
 

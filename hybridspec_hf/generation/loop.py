@@ -162,7 +162,7 @@ def hybridspec_decode(
 
                 # 3. Verify (stage 0 → routing correction at the first MoE router → stage 1, one forward).
                 try:
-                    logits, features, session = runner.verify(tokens)
+                    logits, features, session = runner.verify(tokens, choice.valid if choice is not None else None)
                 finally:
                     window.disarm()
                 raw = logits.float()  # [B, T, V]: AR compares fp32 logits

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 import torch
 
 from hybridspec_hf import patches
-from hybridspec_hf.kernels.dispatch import select_commit
+from hybridspec_hf.kernels import commit_gdn_states_auto
 from hybridspec_hf.patches._cache import drop_last_tokens
 
 
@@ -92,12 +92,13 @@ class TargetRunner:
         steps = torch.arange(1, count + 1, device=self.positions.device)
         return self.positions + steps
 
-    def verify(self, tokens: torch.Tensor):
-        """Target logits for w tokens [B, w] from the committed state: ([B, w, V], features, session).
+    def verify(self, tokens: torch.Tensor, valid: torch.Tensor | None = None):
+        """Target logits for T tokens [B, T] from the committed state: ([B, T, V], features, session).
 
-        GDN layers run the block form and leave their state untouched; attention layers append w positions.
+        GDN layers run the block form and leave their state untouched; attention layers append T positions.
+        valid: optional [B] device tensor, the tokens that count (the GDN kernels skip the rest).
         """
-        session = patches.VerifySession(cache=self.cache, kernel_backend=self.kernel_backend)
+        session = patches.VerifySession(cache=self.cache, kernel_backend=self.kernel_backend, valid_len=valid)
         for layer in self.gdn_layers:
             layer._hybridspec_verify = session
         try:
@@ -114,7 +115,7 @@ class TargetRunner:
             num_committed = torch.full(
                 (self.cache_batch_size(session),), committed, dtype=torch.int32, device=session.pending[0].state.device
             )
-            select_commit(self.kernel_backend, session.pending[0].state)(session.pending, num_committed)
+            commit_gdn_states_auto(session.pending, num_committed, self.kernel_backend)
         drop_last_tokens(self.cache, verified - committed)
         if self.mask_length is not None:
             self.mask_length -= verified - committed

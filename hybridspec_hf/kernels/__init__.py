@@ -1,6 +1,7 @@
 """GDN verify/commit kernels. A leaf package: torch (+ triton) only.
 
-`gdn_torch` is the CPU implementation and the reference for every Triton kernel beside it.
+`gdn_torch` is the CPU implementation and the reference for every Triton kernel beside it. `gdn_triton` and
+`default_verifier` import without triton (their `*_auto` / `kernel_backend="auto"` entry points then use torch).
 """
 from .gdn_torch import (
     GDNVerifyResult,
@@ -13,8 +14,25 @@ from .gdn_torch import (
     gdn_verify,
     l2norm,
 )
+from .default_verifier import (
+    DefaultVerifyResult,
+    PendingDefaultLayer,
+    allocate_state_buffer,
+    commit_default_states,
+    default_verify,
+)
+from .gdn_triton import HAS_TRITON, commit_gdn_states_auto, gdn_verify_auto, select_backend
 
 __all__ = [
+    "HAS_TRITON",
+    "DefaultVerifyResult",
+    "PendingDefaultLayer",
+    "allocate_state_buffer",
+    "commit_default_states",
+    "commit_gdn_states_auto",
+    "default_verify",
+    "gdn_verify_auto",
+    "select_backend",
     "GDNVerifyResult",
     "PendingGDNLayer",
     "commit_conv_state",

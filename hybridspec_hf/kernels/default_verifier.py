@@ -131,7 +131,10 @@ if HAS_TRITON:
 
 
 def _recurrent_config(batch: int, num_v_heads: int, dv: int) -> tuple[int, int]:
-    """(BV, num_warps): 32-column tiles (128-byte rows of the [dk, dv] state per store), 4 warps."""
+    """(BV, num_warps), the fastest of (4, 1), (8, 1), (16, 2), (32, 4) measured on an H200 at dk = dv = 128
+    (benchmarks/results/gdn_kernels.json, sweep): more, narrower programs while there are few heads."""
+    if batch * num_v_heads < 128:
+        return min(16, triton.next_power_of_2(dv)), 2
     return min(32, triton.next_power_of_2(dv)), 4
 
 

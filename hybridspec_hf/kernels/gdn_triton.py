@@ -13,7 +13,18 @@ and the conv-state roll, in the same launch (extra programs), so a round's whole
 
 Precision: q/k are l2-normalised in fp32 (eps 1e-6 inside the rsqrt, like `gdn_torch.l2norm`), gates, Z and the state
 are fp32, and every dot uses `input_precision="ieee"` by default: DESIGN.md §5 measured TF32 drift of 2e-5 (K S_0)
-to 3e-4 (the commit's Kᵀ(d⊙Z)); "tf32x3" (three TF32 passes, ~fp32 accuracy) can be chosen per call.
+to 3e-4 (the commit's Kᵀ(d⊙Z)). Measured on an H200 against float64 (benchmarks/results/gdn_kernels.json): ieee
+gives Z 6e-8, every S_m 4e-7 and 2e-7 after 200 rounds; "tf32x3" (three TF32 passes) is as accurate (3e-7 after
+200 rounds) and can be chosen per call: it made the commit 7-13% faster but the verify 15-50% slower.
+The solve is forward substitution (fla's in-register scheme) rather than the product form (I-A)(I+A²)(I+A⁴)(I+A⁸):
+with aligned keys and β ≈ 1 the powers of A grow like binomial coefficients (|A⁸| reached 2.7e3) and cancel in fp32:
+7e-5 relative error in X against 9e-8 for substitution, which only forms entries of X itself (random keys: both
+1e-9). Test: test_aligned_keys_need_a_stable_solve.
+
+Status (H200, benchmarks/results/gdn_kernels.md): exact to fp32 and no per-token state (7.6 MiB of Z + G against
+960 MiB at w = 16), but the verify is latency-bound (8-11 µs per layer at batch 1, ~20 µs at batch 8) and the commit
+streams ~2 TB/s, so verify + commit is 0.6-1.35x the default verifier at batch 1 and 0.8-2.3x at batch 8;
+benchmarks/results/gdn_kernels_gpu_runs.md says why and what to try next.
 
 Kernels are bound to `triton.jit` at launch (`_LazyJit`), so `TRITON_INTERPRET=1` set after import (tests) takes
 effect. Launches need no host sync; the commit's per-layer pointer tables are cached by address, so call once
@@ -146,8 +157,8 @@ def _verify_kernel(
     stride_bb, stride_bt, stride_bh,
     stride_sb, stride_sh, stride_sk,
     HV, GROUP, DK, DV, scale,
-    T: tl.constexpr, HAS_VALID: tl.constexpr, BT: tl.constexpr, HALF: tl.constexpr, BK: tl.constexpr,
-    BKC: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
+    T: tl.constexpr, HAS_VALID: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr,
+    BV: tl.constexpr, PRECISION: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -160,59 +171,55 @@ def _verify_kernel(
     rv = i_v * BV + tl.arange(0, BV)
     mt = rt < n  # rows >= n load as zero and so give zero Z and O rows
     mv = rv < DV
+    p_q = q + i_b * stride_qb + rt[:, None] * stride_qt + i_hk * stride_qh
+    p_k = k + i_b * stride_kb + rt[:, None] * stride_kt + i_hk * stride_kh
+    p_s = state + i_b * stride_sb + i_h * stride_sh + rv[None, :]
 
-    # Every load is issued up front (one memory round trip per program). dk is split into BK // BKC slices held as
-    # the batch dimension of 3-D dots: an fp32 FMA dot keeps its whole inner dimension in registers, and slicing
-    # this way needs neither a loop (a round trip per slice) nor register slicing.
-    rc = tl.arange(0, BK // BKC)
-    rj = tl.arange(0, BKC)
-    col = rc[:, None, None] * BKC + rj[None, None, :]  # [NC, 1, BKC] dk index as the inner (last) dim
-    row = rc[:, None, None] * BKC + rj[None, :, None]  # [NC, BKC, 1] dk index as the middle dim
-    mask_tk = mt[None, :, None] & (col < DK)
-    b_q = tl.load(q + i_b * stride_qb + i_hk * stride_qh + rt[None, :, None] * stride_qt + col, mask=mask_tk, other=0.0)
-    b_k = tl.load(k + i_b * stride_kb + i_hk * stride_kh + rt[None, :, None] * stride_kt + col, mask=mask_tk, other=0.0)
-    b_s = tl.load(state + i_b * stride_sb + i_h * stride_sh + row * stride_sk + rv[None, None, :],
-                  mask=(row < DK) & mv[None, None, :], other=0.0).to(tl.float32)  # [NC, BKC, BV] S_0 tile
-    b_v = tl.load(v + i_b * stride_vb + rt[:, None] * stride_vt + i_h * stride_vh + rv[None, :],
-                  mask=mt[:, None] & mv[None, :], other=0.0).to(tl.float32)  # [BT, BV]
-    b_g = tl.load(g + i_b * stride_gb + rt * stride_gt + i_h * stride_gh, mask=mt, other=0.0).to(tl.float32)
-    b_beta = tl.load(beta + i_b * stride_bb + rt * stride_bt + i_h * stride_bh, mask=mt, other=0.0).to(tl.float32)
-    b_q = b_q.to(tl.float32)  # [NC, BT, BKC]
-    b_k = b_k.to(tl.float32)
-
-    # raw products, then the l2 normalisation as row/column scales: (D_q Q)(D_k K)ᵀ = D_q (Q Kᵀ) D_k, etc.
-    b_kt = tl.permute(b_k, [0, 2, 1])  # [NC, BKC, BT]
-    b_ks = tl.sum(tl.dot(b_k, b_s, input_precision=PRECISION), 0)  # [BT, BV] K S_0
-    b_qs = tl.sum(tl.dot(b_q, b_s, input_precision=PRECISION), 0)  # [BT, BV] Q S_0
-    b_kk = tl.sum(tl.dot(b_k, b_kt, input_precision=PRECISION), 0)  # [BT, BT] K Kᵀ
-    b_qk = tl.sum(tl.dot(b_q, b_kt, input_precision=PRECISION), 0)  # [BT, BT] Q Kᵀ
-    b_rk = tl.rsqrt(tl.sum(tl.sum(b_k * b_k, 2), 0) + 1e-6)  # l2norm: x / sqrt(|x|² + eps), eps inside
-    b_rq = tl.rsqrt(tl.sum(tl.sum(b_q * b_q, 2), 0) + 1e-6) * scale
+    # Raw products over dk in BKC-wide slices (an fp32 FMA dot holds its whole inner slice in registers), then the
+    # l2 normalisation as row/column scales: (D_q Q)(D_k K)ᵀ = D_q (Q Kᵀ) D_k, (D_k K) S_0 = D_k (K S_0).
+    b_ks = tl.zeros([BT, BV], dtype=tl.float32)  # K S_0
+    b_qs = tl.zeros([BT, BV], dtype=tl.float32)  # Q S_0
+    b_kk = tl.zeros([BT, BT], dtype=tl.float32)  # K Kᵀ
+    b_qk = tl.zeros([BT, BT], dtype=tl.float32)  # Q Kᵀ
+    b_k2 = tl.zeros([BT], dtype=tl.float32)  # |k_i|²
+    b_q2 = tl.zeros([BT], dtype=tl.float32)  # |q_i|²
+    for c in range(0, BK, BKC):
+        rk = c + tl.arange(0, BKC)
+        mk = rk < DK
+        b_q = tl.load(p_q + rk[None, :], mask=mt[:, None] & mk[None, :], other=0.0).to(tl.float32)
+        b_k = tl.load(p_k + rk[None, :], mask=mt[:, None] & mk[None, :], other=0.0).to(tl.float32)
+        b_s = tl.load(p_s + rk[:, None] * stride_sk, mask=mk[:, None] & mv[None, :], other=0.0).to(tl.float32)
+        b_ks += tl.dot(b_k, b_s, input_precision=PRECISION)
+        b_qs += tl.dot(b_q, b_s, input_precision=PRECISION)
+        b_kk += tl.dot(b_k, tl.trans(b_k), input_precision=PRECISION)
+        b_qk += tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION)
+        b_k2 += tl.sum(b_k * b_k, 1)
+        b_q2 += tl.sum(b_q * b_q, 1)
+    b_rk = tl.rsqrt(b_k2 + 1e-6)  # l2norm: x / sqrt(|x|² + eps), eps inside
+    b_rq = tl.rsqrt(b_q2 + 1e-6) * scale
     b_ks = b_ks * b_rk[:, None]
     b_qs = b_qs * b_rq[:, None]
     b_kk = b_kk * b_rk[:, None] * b_rk[None, :]
     b_qk = b_qk * b_rq[:, None] * b_rk[None, :]
 
+    b_v = tl.load(v + i_b * stride_vb + rt[:, None] * stride_vt + i_h * stride_vh + rv[None, :],
+                  mask=mt[:, None] & mv[None, :], other=0.0).to(tl.float32)  # [BT, BV]
+    b_g = tl.load(g + i_b * stride_gb + rt * stride_gt + i_h * stride_gh, mask=mt, other=0.0).to(tl.float32)
+    b_beta = tl.load(beta + i_b * stride_bb + rt * stride_bt + i_h * stride_bh, mask=mt, other=0.0).to(tl.float32)
     b_G = tl.cumsum(b_g, 0)  # [BT] fp32
     lower = rt[:, None] >= rt[None, :]
     b_decay = tl.exp(tl.where(lower, b_G[:, None] - b_G[None, :], float("-inf")))  # Γ, masked before exp
     b_a = tl.where(rt[:, None] > rt[None, :], b_beta[:, None] * b_kk * b_decay, 0.0)
 
-    # X = (I + A)^-1. Forward substitution on the two 8 x 8 diagonal blocks at once (rows i and i + 8 share a step:
-    # their entries sit in disjoint columns), x_i = -a_i - Σ_j A_ij x_j with x = D - I, then the exact block merge
-    # X = D - D A_21 D (A_21 = the lower-left block; (D A_21)² = 0). Rows >= n have a_i = 0: their steps are no-ops.
-    first = rt[None, :] < BT // 2
-    diag_block = (rt[:, None] < BT // 2) == first
-    b_x = -tl.where(diag_block, b_a, 0.0)
-    for i in range(2, HALF):
-        rows_i = (rt[:, None] == i) | (rt[:, None] == i + BT // 2)
-        b_row = tl.sum(tl.where(rows_i, b_x, 0.0), 0)  # row i in columns < 8, row i + 8 in columns >= 8
+    # X = (I + A)^-1 by forward substitution on its rows: x_i = -a_i - Σ_{j<i} A_ij x_j (x = X - I, rows 0, 1 closed).
+    # Rows >= n have a_i = 0, so their steps are no-ops; the bound stays the compile-time T.
+    b_x = -b_a
+    for i in range(2, T):
+        row_i = rt[:, None] == i
+        b_row = tl.sum(tl.where(row_i, b_x, 0.0), 0)
         b_row = b_row + tl.sum(b_row[:, None] * b_x, 0)
-        b_x = tl.where(rows_i & diag_block, b_row[None, :], b_x)
-    b_x = b_x + tl.where(rt[:, None] == rt[None, :], 1.0, 0.0)  # D
-    if T > BT // 2:
-        b_off = tl.where(diag_block, 0.0, b_a)  # A_21
-        b_x = b_x - tl.dot(tl.dot(b_x, b_off, input_precision=PRECISION), b_x, input_precision=PRECISION)
+        b_x = tl.where(row_i, b_row[None, :], b_x)
+    b_x = b_x + tl.where(rt[:, None] == rt[None, :], 1.0, 0.0)
 
     b_gamma = tl.exp(b_G)
     b_r = b_beta[:, None] * (b_v - b_gamma[:, None] * b_ks)  # [BT, BV]
@@ -230,10 +237,12 @@ if HAS_TRITON:
     _verify_kernel = _LazyJit(_verify_kernel)
 
 
-def _verify_config(batch: int, num_v_heads: int, dv: int) -> tuple[int, int]:
-    """(BV, num_warps): split dv so small batches still put >= ~2 programs on each of the H200's 132 SMs."""
-    block_v = 32 if batch * num_v_heads < 512 else 64
-    return min(block_v, triton.next_power_of_2(dv)), 4
+def _verify_config(batch: int, num_v_heads: int, dv: int) -> tuple[int, int, int]:
+    """(BV, BKC, num_warps), the fastest measured on an H200 (benchmarks/results/gdn_kernels.json, sweep):
+    32-column dv tiles while there are few heads (4 programs per head fill the SMs at batch 1), 64 from 128 heads."""
+    if batch * num_v_heads < 128:
+        return min(32, triton.next_power_of_2(dv)), 32, 4
+    return min(64, triton.next_power_of_2(dv)), 16, 4
 
 
 def gdn_verify_triton(
@@ -247,7 +256,7 @@ def gdn_verify_triton(
     valid_len: torch.Tensor | None = None,
     *,
     block_v: int | None = None,
-    block_k: int = 32,
+    block_k: int | None = None,
     num_warps: int | None = None,
     precision: str = "ieee",
     outputs: GDNVerifyResult | None = None,
@@ -276,16 +285,15 @@ def gdn_verify_triton(
             f"{tuple(outputs.g_cum.shape)}"
         )
     out, z, g_cum = outputs.out, outputs.z, outputs.g_cum
-    default_bv, default_warps = _verify_config(batch, num_v_heads, dv)
+    default_bv, default_bk, default_warps = _verify_config(batch, num_v_heads, dv)
     block_v = block_v or default_bv
-    block_k = min(block_k, _padded(dk))
+    block_k = min(block_k or default_bk, _padded(dk))
     grid = (triton.cdiv(dv, block_v), num_v_heads, batch)
     _verify_kernel[grid](
         q, k, v, g, beta, state, out, z, g_cum, valid_len if valid_len is not None else g,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride(), *beta.stride(), *state.stride()[:3],
         num_v_heads, num_v_heads // num_k_heads, dk, dv, scale,
-        T=t, HAS_VALID=valid_len is not None, BT=MAX_WINDOW, HALF=min(t, MAX_WINDOW // 2), BK=_padded(dk),
-        BKC=block_k, BV=block_v,
+        T=t, HAS_VALID=valid_len is not None, BT=MAX_WINDOW, BK=_padded(dk), BKC=block_k, BV=block_v,
         PRECISION=precision, num_warps=num_warps or default_warps,
     )
     return outputs
@@ -347,14 +355,10 @@ def _commit_kernel(
         i_l = rest // B
         m = tl.minimum(tl.load(num_committed + i_b).to(tl.int32), T)
         if m > 0:
-            # the whole [dk, BV] tile at once, dk split as the batch dim of a 3-D dot (see the verify kernel)
             rv = i_v * BV + tl.arange(0, BV)
-            rc = tl.arange(0, BK // BKC)
-            rj = tl.arange(0, BKC)
-            row = rc[:, None, None] * BKC + rj[None, :, None]  # [NC, BKC, 1] dk index
-            mask = (row < DK) & (rv < DV)[None, None, :]
+            mv = rv < DV
             p_state = tl.load(table + i_l).to(tl.pointer_type(STATE_DTYPE))
-            p_state = p_state + i_b * stride_sb + i_h * stride_sh + row * stride_sk + rv[None, None, :]
+            p_state = p_state + i_b * stride_sb + i_h * stride_sh + rv[None, :]
             p_src = tl.load(table + n_layers + i_l).to(tl.pointer_type(SRC_DTYPE))
             if FOLD:
                 p_z = tl.load(table + 2 * n_layers + i_l).to(tl.pointer_type(tl.float32))
@@ -364,20 +368,33 @@ def _commit_kernel(
                 p_g = p_g + i_b * stride_gb + i_h * stride_gh
                 b_G = tl.load(p_g + rt * stride_gt, mask=mt, other=0.0)
                 b_gm = tl.load(p_g + (m - 1) * stride_gt)
-                b_z = tl.load(p_z + i_b * stride_zb + i_h * stride_zh + rt[:, None] * stride_zt + rv[None, :],
-                              mask=mt[:, None] & (rv < DV)[None, :], other=0.0)  # [BT, BV]
-                b_kt = tl.load(p_src + i_b * stride_ab + (i_h // GROUP) * stride_ah + rt[None, None, :] * stride_at + row,
-                               mask=mt[None, None, :] & (row < DK), other=0.0).to(tl.float32)  # [NC, BKC, BT] raw Kᵀ
-                b_s = tl.load(p_state, mask=mask, other=0.0).to(tl.float32)  # [NC, BKC, BV] S_0
-                b_rk = tl.rsqrt(tl.sum(tl.sum(b_kt * b_kt, 1), 0) + 1e-6)  # the verify's fp32 l2norm of k
                 b_d = tl.exp(tl.where(mt, b_gm - b_G, float("-inf")))  # e^{G_m - G_j}, j < m only
-                b_dz = (b_d * b_rk)[:, None] * b_z  # [BT, BV] rows of Z scaled by decay and 1 / |k_j|
-                b_dz = tl.broadcast_to(b_dz[None, :, :], (BK // BKC, BT, BV))
-                b_s = tl.exp(b_gm) * b_s + tl.dot(b_kt, b_dz, input_precision=PRECISION)
+                b_dz = b_d[:, None] * tl.load(p_z + i_b * stride_zb + i_h * stride_zh + rt[:, None] * stride_zt
+                                              + rv[None, :], mask=mt[:, None] & mv[None, :], other=0.0)  # [BT, BV]
+                p_k = p_src + i_b * stride_ab + rt[:, None] * stride_at + (i_h // GROUP) * stride_ah
+                b_k2 = tl.zeros([BT], dtype=tl.float32)
+                for c in range(0, BK, BKC):
+                    rk = c + tl.arange(0, BKC)
+                    b_k = tl.load(p_k + rk[None, :], mask=mt[:, None] & (rk < DK)[None, :], other=0.0).to(tl.float32)
+                    b_k2 += tl.sum(b_k * b_k, 1)
+                b_rk = tl.rsqrt(b_k2 + 1e-6)  # the verify's fp32 l2norm of k, recomputed from raw k
+                b_gamma = tl.exp(b_gm)
+                for c in range(0, BK, BKC):  # S_m rows c .. c+BKC
+                    rk = c + tl.arange(0, BKC)
+                    mk = rk < DK
+                    b_k = tl.load(p_k + rk[None, :], mask=mt[:, None] & mk[None, :], other=0.0).to(tl.float32)
+                    b_k = b_k * b_rk[:, None]
+                    mask = mk[:, None] & mv[None, :]
+                    b_s = tl.load(p_state + rk[:, None] * stride_sk, mask=mask, other=0.0).to(tl.float32)
+                    b_s = b_gamma * b_s + tl.dot(tl.trans(b_k), b_dz, input_precision=PRECISION)
+                    tl.store(p_state + rk[:, None] * stride_sk, b_s.to(STATE_DTYPE), mask=mask)
             else:
-                b_s = tl.load(p_src + i_b * stride_ab + (m - 1) * stride_at + i_h * stride_ah + row * stride_ak
-                              + rv[None, None, :], mask=mask, other=0.0)
-            tl.store(p_state, b_s.to(STATE_DTYPE), mask=mask)
+                p_src = p_src + i_b * stride_ab + (m - 1) * stride_at + i_h * stride_ah + rv[None, :]
+                for c in range(0, BK, BKC):
+                    rk = c + tl.arange(0, BKC)
+                    mask = (rk < DK)[:, None] & mv[None, :]
+                    b_s = tl.load(p_src + rk[:, None] * stride_ak, mask=mask, other=0.0)
+                    tl.store(p_state + rk[:, None] * stride_sk, b_s.to(STATE_DTYPE), mask=mask)
     else:
         # conv roll: new window = columns m .. m+KC-1 of cat(conv_state, conv_input), per channel block
         nc = tl.cdiv(C, BC)
@@ -461,7 +478,13 @@ def launch_commit(
 
 
 def commit_gdn_states_triton(
-    layers: list[PendingGDNLayer], num_committed: torch.Tensor, *, block_v: int | None = None, precision: str = "ieee"
+    layers: list[PendingGDNLayer],
+    num_committed: torch.Tensor,
+    *,
+    block_v: int | None = None,
+    block_k: int = 32,
+    num_warps: int = 4,
+    precision: str = "ieee",
 ) -> None:
     """Triton `gdn_torch.commit_gdn_states`: S_m and the conv roll of every layer in ONE launch, no host sync.
 
@@ -482,6 +505,8 @@ def commit_gdn_states_triton(
         z=[layer.verified.z for layer in layers],
         g_cum=[layer.verified.g_cum for layer in layers],
         block_v=block_v,
+        block_k=block_k,
+        num_warps=num_warps,
         precision=precision,
     )
 

@@ -1,0 +1,574 @@
+"""GDN verify + commit at Qwen3.5-35B-A3B shapes: ours vs the default verifier vs fla's chunk kernel (what HF runs).
+
+Shapes: 30 GDN layers, H = 16 key heads, HV = 32 value heads, dk = dv = 128, fp32 state, bf16 q/k/v/beta,
+fp32 g, conv state [B, 8192, 4] bf16; batch 1 and 8; w = 2, 4, 8, 12, 16; random inputs.
+Every figure is the median over many replays of one CUDA graph per shape that runs the step for all 30 layers on
+each of several input sets in turn (sets together larger than the L2), divided by the number of sets run.
+
+    python benchmarks/gdn_kernels.py --out DIR [--sweep] [--fla] [--check]
+
+Writes DIR/gdn_kernels.json and DIR/gdn_kernels.md. `--fla-worker` is the isolated fla timing (a subprocess:
+fla once hit an illegal memory access when one process captured many shapes).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import types
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if "hybridspec_hf" not in sys.modules:
+    # kernels/ is a leaf (torch + triton): load it without the package __init__ (the transformers integration), so
+    # the benchmark runs from a bare source checkout on the GPU image
+    _package = types.ModuleType("hybridspec_hf")
+    _package.__path__ = [os.path.join(REPO, "hybridspec_hf")]
+    sys.modules["hybridspec_hf"] = _package
+
+from hybridspec_hf.kernels import gdn_torch as ref  # noqa: E402
+from hybridspec_hf.kernels.default_verifier import (  # noqa: E402
+    DefaultVerifyResult,
+    PendingDefaultLayer,
+    commit_default_states_triton,
+    default_verify_triton,
+)
+from hybridspec_hf.kernels.gdn_triton import (  # noqa: E402
+    GDNVerifyResult,
+    PendingGDNLayer,
+    commit_gdn_states_triton,
+    gdn_verify_triton,
+)
+
+LAYERS, H, HV, DK, DV, CONV_K = 30, 16, 32, 128, 128, 4
+CONV_DIM = 2 * H * DK + HV * DV  # 8192
+L2_BYTES = 60e6
+DEV = "cuda"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# inputs
+
+
+def make_layer(batch: int, w: int, gen: torch.Generator) -> dict:
+    """One GDN layer's verification inputs and caches (random, realistic ranges)."""
+    def randn(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=gen, device=DEV).to(dtype)
+
+    a_log = torch.rand(HV, generator=gen, device=DEV) * 2.77  # A ~ U(1, 16)
+    g = -a_log.exp() * torch.nn.functional.softplus(randn(batch, w, HV, dtype=torch.float32) - 2.0)
+    conv_input = randn(batch, w, CONV_DIM).transpose(1, 2)  # [B, C, T] view, as transformers hands it over
+    return dict(
+        q=randn(batch, w, H, DK), k=randn(batch, w, H, DK), v=randn(batch, w, HV, DV), g=g,
+        beta=randn(batch, w, HV, dtype=torch.float32).sigmoid().to(torch.bfloat16),
+        state=randn(batch, HV, DK, DV, dtype=torch.float32) * 0.05,
+        conv_state=randn(batch, CONV_DIM, CONV_K), conv_input=conv_input,
+    )
+
+
+class InputSet:
+    """All layers of one input set plus every approach's scratch for it."""
+
+    def __init__(self, batch: int, w: int, gen: torch.Generator, default_buffer: bool = True):
+        self.batch, self.w = batch, w
+        self.layers = [make_layer(batch, w, gen) for _ in range(LAYERS)]
+        self.num_committed = torch.full((batch,), w, dtype=torch.int32, device=DEV)
+        self.ours = [GDNVerifyResult(
+            out=torch.empty(batch, w, HV, DV, dtype=torch.bfloat16, device=DEV),
+            z=torch.empty(batch, HV, w, DV, device=DEV), g_cum=torch.empty(batch, HV, w, device=DEV),
+        ) for _ in range(LAYERS)]
+        self.pending = [PendingGDNLayer(x["state"], x["conv_state"], x["conv_input"], x["k"], r)
+                        for x, r in zip(self.layers, self.ours)]
+        self.buffer = torch.empty(LAYERS, batch, w, HV, DK, DV, device=DEV) if default_buffer else None
+        self.default_pending = None
+
+    def set_accepted(self, mode: str, gen: torch.Generator) -> list[int]:
+        if mode == "all":
+            m = torch.full((self.batch,), self.w, dtype=torch.int32)
+        else:  # rejection at a random position: m uniform in 1..w
+            m = torch.randint(1, self.w + 1, (self.batch,), generator=gen, device=DEV, dtype=torch.int32).cpu()
+        self.num_committed.copy_(m)
+        return m.tolist()
+
+
+def ours_verify(s: InputSet, **cfg) -> None:
+    for x, r in zip(s.layers, s.ours):
+        gdn_verify_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"], outputs=r, **cfg.get("verify", {}))
+
+
+def ours_commit(s: InputSet, **cfg) -> None:
+    commit_gdn_states_triton(s.pending, s.num_committed, **cfg.get("commit", {}))
+
+
+def default_verify_all(s: InputSet, **cfg) -> None:
+    results = []
+    for i, x in enumerate(s.layers):
+        results.append(default_verify_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"], s.buffer[i],
+                                             **cfg.get("default", {})))
+    if s.default_pending is None:  # the per-token state views are static: build once (outside any capture)
+        s.default_pending = [PendingDefaultLayer(x["state"], x["conv_state"], x["conv_input"],
+                                                 DefaultVerifyResult(out=r.out, states=r.states))
+                             for x, r in zip(s.layers, results)]
+
+
+def default_commit(s: InputSet, **cfg) -> None:
+    commit_default_states_triton(s.default_pending, s.num_committed)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# timing
+
+
+def capture(fn) -> torch.cuda.CUDAGraph:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return graph
+
+
+def time_graph(graph: torch.cuda.CUDAGraph, steps_per_replay: int, replays: int = 40) -> dict:
+    """Median (and spread) over `replays` replays of µs per step."""
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / steps_per_replay)
+    times.sort()
+    return dict(median_us=statistics.median(times), p10_us=times[len(times) // 10], p90_us=times[-len(times) // 10 - 1])
+
+
+def time_step(sets: list[InputSet], step, repeat: int, **cfg) -> dict:
+    """One graph: `step` on every set in turn, `repeat` times; µs per step (all 30 layers of one set)."""
+    def run():
+        for _ in range(repeat):
+            for s in sets:
+                step(s, **cfg)
+    graph = capture(run)
+    result = time_graph(graph, repeat * len(sets))
+    del graph
+    return result
+
+
+def copy_bandwidth() -> dict:
+    """Device-to-device copy, bytes read + written per second (the memory ceiling for the rooflines). Buffers of
+    256 Mi and 128 Mi fp32 elements (1 GiB / 512 MiB: 32-bit indexing), the faster one."""
+    best = None
+    for n in (1 << 28, 1 << 27):
+        src = torch.randn(n, device=DEV)
+        dst = torch.empty_like(src)
+        graph = capture(lambda: dst.copy_(src))
+        for _ in range(200):  # clocks up from idle first
+            graph.replay()
+        t = time_graph(graph, 1, replays=50)
+        result = dict(TBps=2 * n * 4 / (t["median_us"] * 1e-6) / 1e12, bytes=2 * n * 4, **t)
+        best = result if best is None or result["TBps"] > best["TBps"] else best
+        del src, dst, graph
+    return best
+
+
+def n_sets_for(batch: int, w: int) -> int:
+    """Enough sets that consecutive steps never find their state in L2 (>= 3x L2 of state in rotation)."""
+    state_bytes = LAYERS * batch * HV * DK * DV * 4
+    return max(2, min(4, int(3 * L2_BYTES // state_bytes) + 1))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# bytes (fewest moved: each input read once, each output written once) and memory
+
+
+def bytes_model(batch: int, w: int, m: list[int]) -> dict:
+    state = HV * DK * DV * 4
+    committed = sum(1 for x in m if x > 0)
+    inputs = w * (2 * H * DK * 2 + HV * DV * 2 + HV * 4 + HV * 2)  # q, k, v bf16; g fp32; beta bf16
+    verify_common = batch * (state + inputs + w * HV * DV * 2)  # + out bf16
+    ours_verify = verify_common + batch * HV * w * (DV + 1) * 4  # + z, g_cum
+    conv = sum(2 * CONV_DIM * CONV_K * 2 + CONV_DIM * x * 2 for x in m if x > 0)
+    ours_commit = committed * 2 * state + sum(x * (H * DK * 2 + HV * (DV + 1) * 4) for x in m) + conv
+    default_verify = verify_common + batch * w * state
+    default_commit = committed * 2 * state + conv
+    return {name: LAYERS * b for name, b in dict(
+        ours_verify=ours_verify, ours_commit=ours_commit, ours_total=ours_verify + ours_commit,
+        default_verify=default_verify, default_commit=default_commit, default_total=default_verify + default_commit,
+    ).items()}
+
+
+def extra_memory_mib(batch: int, w: int) -> dict:
+    """Scratch each approach keeps between verify and commit (the outputs o are needed by both)."""
+    return dict(ours=LAYERS * batch * HV * w * (DV + 1) * 4 / 2**20,
+                default=LAYERS * batch * w * HV * DK * DV * 4 / 2**20)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# correctness on the GPU (compiled kernels; the CPU tests run the interpreter)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def check_correctness(precision: str, gen: torch.Generator) -> dict:
+    """Real head sizes, grouped heads, bf16 inputs; every prefix m = 0..16 against the float64 recurrence."""
+    batch, w = 17, 16
+    x = make_layer(batch, w, gen)
+    x["state"] = x["state"] * 20  # a state of norm ~1 per column
+    out64, states64 = ref.gdn_recurrence(x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"])
+    res = gdn_verify_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"], precision=precision)
+    verify64 = ref.gdn_verify(*(x[n].double() for n in ("q", "k", "v", "g", "beta", "state")))
+    m = torch.arange(batch, dtype=torch.int32, device=DEV)  # request b commits m = b
+    state = x["state"].clone()
+    commit_gdn_states_triton([PendingGDNLayer(state, x["conv_state"].clone(), x["conv_input"], x["k"], res)], m,
+                             precision=precision)
+    s_err = max(rel(state[b], states64[b, b - 1] if b else x["state"][b]) for b in range(batch))
+    buffer = torch.empty(batch, w, HV, DK, DV, device=DEV)
+    dres = default_verify_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"], buffer)
+    dstate = x["state"].clone()
+    commit_default_states_triton([PendingDefaultLayer(dstate, x["conv_state"].clone(), x["conv_input"], dres)], m)
+    d_err = max(rel(dstate[b], states64[b, b - 1] if b else x["state"][b]) for b in range(batch))
+    fp32 = gdn_verify_triton(*(x[n].float() for n in ("q", "k", "v", "g", "beta", "state")), precision=precision)
+    return dict(
+        out_vs_recurrence64=rel(res.out.float(), out64.float()),  # includes the bf16 rounding of out
+        out_fp32_vs_recurrence64=rel(fp32.out, out64),  # the kernel's own arithmetic
+        z_vs_fp64=rel(res.z, verify64.z), state_every_m_vs_recurrence64=s_err,
+        default_out_vs_recurrence64=rel(dres.out.float(), out64.float()),
+        default_states_vs_recurrence64=rel(dres.states, states64), default_commit_vs_recurrence64=d_err,
+    )
+
+
+def drift(precision: str, rounds: int, gen: torch.Generator) -> dict:
+    """verify -> commit rounds vs the float64 recurrence of the committed tokens. Each round is a 16-token max shape
+    with a random valid_len w (one compiled kernel, as in a max-shape CUDA graph) and random m in 1..w."""
+    batch, heads, v_heads, t = 2, 2, 4, 16
+    state = torch.randn(batch, v_heads, DK, DV, generator=gen, device=DEV) * 0.5
+    state64 = state.double()
+    errors = []
+    for _ in range(rounds):
+        w = int(torch.randint(1, t + 1, (1,), generator=gen, device=DEV))
+        q, k = (torch.randn(batch, t, heads, DK, generator=gen, device=DEV).bfloat16() for _ in range(2))
+        v = torch.randn(batch, t, v_heads, DV, generator=gen, device=DEV).bfloat16()
+        g = -torch.rand(batch, t, v_heads, generator=gen, device=DEV) * 0.5
+        beta = torch.rand(batch, t, v_heads, generator=gen, device=DEV)
+        m = torch.randint(1, w + 1, (batch,), generator=gen, device=DEV, dtype=torch.int32)
+        valid = torch.full((batch,), w, dtype=torch.int32, device=DEV)
+        res = gdn_verify_triton(q, k, v, g, beta, state, valid_len=valid, precision=precision)
+        conv = torch.randn(batch, 8, CONV_K, device=DEV)
+        commit_gdn_states_triton([PendingGDNLayer(state, conv, torch.randn(batch, 8, t, device=DEV), k, res)], m,
+                                 precision=precision)
+        _, states64 = ref.gdn_recurrence(q[:, :w], k[:, :w], v[:, :w], g[:, :w], beta[:, :w], state64)
+        state64 = states64[torch.arange(batch, device=DEV), m.long() - 1]
+        errors.append(rel(state, state64))
+    return dict(rounds=rounds, max_rel=max(errors), final_rel=errors[-1], first_rel=errors[0])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# sweeps and the main table
+
+
+def bench_shape(batch: int, w: int, cfg: dict, gen: torch.Generator, modes=("all", "random")) -> list[dict]:
+    sets = [InputSet(batch, w, gen) for _ in range(n_sets_for(batch, w))]
+    for s in sets:  # warm: JIT for this T, pointer tables, per-token views
+        ours_verify(s, **cfg)
+        ours_commit(s, **cfg)
+        default_verify_all(s, **cfg)
+        default_commit(s, **cfg)
+    torch.cuda.synchronize()
+    repeat = 2
+    verify = dict(ours=time_step(sets, ours_verify, repeat, **cfg), default=time_step(sets, default_verify_all, repeat,
+                                                                                          **cfg))
+    rows = []
+    for mode in modes:
+        ms = [s.set_accepted(mode, gen) for s in sets]
+        commit = dict(ours=time_step(sets, ours_commit, repeat, **cfg), default=time_step(sets, default_commit, repeat))
+
+        def ours_total(s, **c):
+            ours_verify(s, **c)
+            ours_commit(s, **c)
+
+        def default_total(s, **c):
+            default_verify_all(s, **c)
+            default_commit(s, **c)
+        total = dict(ours=time_step(sets, ours_total, repeat, **cfg), default=time_step(sets, default_total, repeat,
+                                                                                         **cfg))
+        rows.append(dict(batch=batch, w=w, accept=mode, m_first_set=ms[0], n_sets=len(sets),
+                         verify_us={k: v["median_us"] for k, v in verify.items()},
+                         commit_us={k: v["median_us"] for k, v in commit.items()},
+                         total_us={k: v["median_us"] for k, v in total.items()},
+                         spread=dict(verify=verify, commit=commit, total=total),
+                         bytes=bytes_model(batch, w, ms[0]), extra_memory_MiB=extra_memory_mib(batch, w)))
+    del sets
+    torch.cuda.empty_cache()
+    return rows
+
+
+VERIFY_VARIANTS = {  # name: gdn_verify_triton keywords
+    "ieee_bv32_bk16_w4": dict(precision="ieee", block_v=32, block_k=16, num_warps=4),
+    "ieee_bv32_bk32_w4": dict(precision="ieee", block_v=32, block_k=32, num_warps=4),
+    "ieee_bv64_bk16_w4": dict(precision="ieee", block_v=64, block_k=16, num_warps=4),
+    "tf32x3_bv32_bk16_w4": dict(precision="tf32x3", block_v=32, block_k=16, num_warps=4),
+    "tf32x3_bv64_bk16_w4": dict(precision="tf32x3", block_v=64, block_k=16, num_warps=4),
+}
+COMMIT_VARIANTS = {  # commit_gdn_states_triton keywords
+    "ieee_bv32_bk32_w4": dict(precision="ieee", block_v=32, block_k=32, num_warps=4),
+    "ieee_bv64_bk32_w4": dict(precision="ieee", block_v=64, block_k=32, num_warps=4),
+    "tf32x3_bv64_bk32_w4": dict(precision="tf32x3", block_v=64, block_k=32, num_warps=4),
+}
+DEFAULT_VARIANTS = {  # default_verify_triton keywords
+    "bv4_w1": dict(block_v=4, num_warps=1),
+    "bv8_w1": dict(block_v=8, num_warps=1),
+    "bv16_w2": dict(block_v=16, num_warps=2),
+    "bv32_w4": dict(block_v=32, num_warps=4),
+}
+
+
+def sweep(gen: torch.Generator, batches, windows) -> dict:
+    """Every variant above on 30-layer graphs, all drafts accepted: {shape: {kind/variant: µs}}. Restricted to
+    precision="ieee" for the main table unless --precision says otherwise (tf32x3 is reported for comparison)."""
+    out = {}
+    for batch in batches:
+        for w in windows:
+            sets = [InputSet(batch, w, gen) for _ in range(n_sets_for(batch, w))]
+            key = f"b{batch}_w{w}"
+            out[key] = {}
+            for kind, variants, step in (("verify", VERIFY_VARIANTS, ours_verify), ("commit", COMMIT_VARIANTS, ours_commit),
+                                         ("default", DEFAULT_VARIANTS, default_verify_all)):
+                for name, kw in variants.items():
+                    c = {kind: kw}
+                    try:
+                        for s in sets:
+                            step(s, **c)
+                        out[key][f"{kind}/{name}"] = time_step(sets, step, 2, **c)["median_us"]
+                    except Exception as e:  # a variant that fails to build must not end the run
+                        out[key][f"{kind}/{name}"] = float("inf")
+                        print("variant failed", kind, name, repr(e)[:300], flush=True)
+            print(key, json.dumps({k: round(v, 1) for k, v in out[key].items()}), flush=True)
+            del sets
+            torch.cuda.empty_cache()
+    return out
+
+
+def best_config(sweep_result: dict, batch: int, precision: str) -> dict:
+    """Fastest variant of each kernel for this batch (summed over the swept windows), ours at `precision`."""
+    shapes = [k for k in sweep_result if k.startswith(f"b{batch}_")]
+    cfg = {}
+    for kind, variants in (("verify", VERIFY_VARIANTS), ("commit", COMMIT_VARIANTS), ("default", DEFAULT_VARIANTS)):
+        names = [n for n in variants if kind == "default" or variants[n]["precision"] == precision]
+        name = min(names, key=lambda n: sum(sweep_result[s][f"{kind}/{n}"] for s in shapes))
+        cfg[kind] = dict(variants[name])
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# fla (isolated process)
+
+
+def fla_worker(batches, windows, out_path: str) -> None:
+    """fla 0.6.0 chunk_gated_delta_rule for 30 layers, as transformers calls it (q/k repeated to HV heads,
+    l2norm in kernel, initial state in, final state out). Warm every shape before any capture."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    gen = torch.Generator(device=DEV).manual_seed(7)
+    shapes = [(b, w) for b in batches for w in windows]
+    inputs = {}
+    for b, w in shapes:
+        sets = []
+        for _ in range(n_sets_for(b, w)):
+            layers = []
+            for _ in range(LAYERS):
+                x = make_layer(b, w, gen)
+                x["q"] = x["q"].repeat_interleave(HV // H, dim=2)
+                x["k"] = x["k"].repeat_interleave(HV // H, dim=2)
+                layers.append(x)
+            sets.append(layers)
+        inputs[(b, w)] = sets
+
+    def step(layers):
+        for x in layers:
+            chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["state"],
+                                   output_final_state=True, use_qk_l2norm_in_kernel=True)
+
+    for shape in shapes:  # autotune / JIT everything first
+        for layers in inputs[shape]:
+            step(layers)
+    torch.cuda.synchronize()
+    results = {}
+    for shape in shapes:
+        sets = inputs[shape]
+
+        def run():
+            for layers in sets:
+                step(layers)
+        try:
+            graph = capture(run)
+            results[f"b{shape[0]}_w{shape[1]}"] = time_graph(graph, len(sets), replays=20)["median_us"]
+            del graph
+        except Exception as e:  # record and go on: one shape's failure must not lose the others
+            results[f"b{shape[0]}_w{shape[1]}"] = f"error: {e!r}"[:300]
+        json.dump(results, open(out_path, "w"), indent=1)
+        print("fla", shape, results[f"b{shape[0]}_w{shape[1]}"], flush=True)
+
+
+def run_fla(batches, windows, out_dir: str, timeout: int) -> dict:
+    path = os.path.join(out_dir, "fla_chunk.json")
+    cmd = [sys.executable, os.path.abspath(__file__), "--fla-worker", path, "--batches", *map(str, batches),
+           "--windows", *map(str, windows)]
+    try:
+        proc = subprocess.run(cmd, timeout=timeout, capture_output=True, text=True)
+        status = f"rc={proc.returncode}" + ("" if proc.returncode == 0 else f" {proc.stderr[-1500:]}")
+    except subprocess.TimeoutExpired:
+        status = f"timed out after {timeout} s"
+    results = json.load(open(path)) if os.path.exists(path) else {}
+    try:
+        import fla
+        version = fla.__version__
+    except Exception as e:  # noqa: BLE001
+        version = f"not importable: {e!r}"
+    return dict(status=status, version=version, us=results)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# report
+
+
+NOMINAL_COPY_TBPS = 4.25  # H200 device-to-device copy measured in earlier sessions (shared/measurements)
+
+
+def markdown(report: dict) -> str:
+    bw = report["copy_bandwidth"]["TBps"]
+    fla = report.get("fla", {})
+    lines = [
+        f"# GDN verify + commit, Qwen3.5-35B-A3B shapes ({report['gpu']}, {report['date']})",
+        "",
+        f"torch {report['torch']}, triton {report['triton']}, fla {fla.get('version', 'not run')} "
+        f"({fla.get('status', '')}); {report['inputs']} inputs; command `{report['command']}`.",
+        f"Copy bandwidth measured in this run: {bw:.2f} TB/s (read + write); rooflines are given at it and at "
+        f"{NOMINAL_COPY_TBPS} TB/s.",
+        f"Configs (per batch, from the sweep): `{json.dumps(report['config'])}`.",
+        "",
+        "All 30 GDN layers per figure, µs: median of CUDA-graph replays over rotating input sets. 'ours' = block "
+        "verify (one launch per layer) + one-launch commit; 'default' = token-by-token verify storing S per token + "
+        "one-launch copy of the accepted one; fla = `chunk_gated_delta_rule` (verify only, what transformers runs; it "
+        "has no commit). accept 'random' = m uniform in 1..w per request.",
+        "",
+        "| B | w | accept | ours verify | ours commit | ours total | default verify | default commit | default total "
+        "| speedup (total) | fla chunk |",
+        "|" + "---|" * 11,
+    ]
+    for r in report["rows"]:
+        v, c, t = r["verify_us"], r["commit_us"], r["total_us"]
+        f = fla.get("us", {}).get(f"b{r['batch']}_w{r['w']}")
+        lines.append(
+            f"| {r['batch']} | {r['w']} | {r['accept']} | {v['ours']:.1f} | {c['ours']:.1f} | {t['ours']:.1f} | "
+            f"{v['default']:.1f} | {c['default']:.1f} | {t['default']:.1f} | {t['default'] / t['ours']:.2f}× | "
+            f"{f'{f:.1f}' if isinstance(f, float) else '—'} |"
+        )
+    lines += [
+        "",
+        "Bytes = fewest bytes moved (each input read once, each output written once; the default verifier's per-token "
+        "states included). Achieved = bytes / measured total time. Scratch = memory each approach keeps between verify "
+        "and commit (ours: Z + G; default: one state per token).",
+        "",
+        "| B | w | accept | ours MB | ours TB/s | ours % copy | ours × roofline (measured / 4.25) | default MB | "
+        "default TB/s | default % copy | default × roofline (measured / 4.25) | scratch ours MiB | scratch default MiB |",
+        "|" + "---|" * 13,
+    ]
+    for r in report["rows"]:
+        b, t = r["bytes"], r["total_us"]
+        cells = []
+        for who in ("ours", "default"):
+            tbps = b[f"{who}_total"] / (t[who] * 1e-6) / 1e12
+            cells += [f"{b[f'{who}_total'] / 1e6:.0f}", f"{tbps:.2f}", f"{100 * tbps / bw:.0f}%",
+                      f"{bw / tbps:.2f} / {NOMINAL_COPY_TBPS / tbps:.2f}"]
+        lines.append(f"| {r['batch']} | {r['w']} | {r['accept']} | " + " | ".join(cells) +
+                     f" | {r['extra_memory_MiB']['ours']:.1f} | {r['extra_memory_MiB']['default']:.0f} |")
+    if "sweep" in report:
+        lines += ["", "Sweep (µs, 30 layers, all accepted): " + "; ".join(
+            f"{shape}: " + ", ".join(f"{k} {v:.0f}" for k, v in res.items()) for shape, res in report["sweep"].items())]
+    if "correctness" in report:
+        lines += ["", f"GPU correctness vs float64 (relative): `{json.dumps(report['correctness'])}`; "
+                      f"drift: `{json.dumps(report.get('drift'))}`."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--windows", type=int, nargs="+", default=[2, 4, 8, 12, 16])
+    parser.add_argument("--sweep", action="store_true", help="time tile/precision variants and use the best")
+    parser.add_argument("--check", action="store_true", help="GPU correctness + drift before timing")
+    parser.add_argument("--fla", action="store_true", help="time fla chunk_gated_delta_rule in a subprocess")
+    parser.add_argument("--fla-timeout", type=int, default=200)
+    parser.add_argument("--fla-json", default=None, help="fla timings of an earlier run (fla_chunk.json) to report")
+    parser.add_argument("--drift-rounds", type=int, default=200)
+    parser.add_argument("--precision", default="ieee", help="dot precision of ours in the main table")
+    parser.add_argument("--fla-worker", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.fla_worker:
+        fla_worker(args.batches, args.windows, args.fla_worker)
+        return
+    os.makedirs(args.out, exist_ok=True)
+    import triton
+
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    report = dict(
+        gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        command=" ".join([os.path.basename(sys.executable), *sys.argv]), inputs="random", rows=[],
+    )
+    path = os.path.join(args.out, "gdn_kernels.json")
+
+    def save():
+        json.dump(report, open(path, "w"), indent=1)
+        open(os.path.join(args.out, "gdn_kernels.md"), "w").write(markdown(report))
+
+    t0 = time.time()
+    report["copy_bandwidth"] = copy_bandwidth()
+    print("copy", report["copy_bandwidth"], flush=True)
+    if args.check:
+        report["correctness"] = {p: check_correctness(p, gen) for p in ("ieee", "tf32x3")}
+        report["drift"] = {p: drift(p, args.drift_rounds, gen) for p in ("ieee", "tf32x3")}
+        print("correctness", json.dumps(report["correctness"]), "\ndrift", json.dumps(report["drift"]), flush=True)
+        print(f"[{time.time() - t0:.0f} s]", flush=True)
+    if args.sweep:
+        report["sweep"] = sweep(gen, args.batches, [16])
+        print(f"[{time.time() - t0:.0f} s]", flush=True)
+    report["config"] = {}
+    for batch in args.batches:
+        cfg = dict(verify=dict(precision=args.precision), commit=dict(precision=args.precision))  # code defaults
+        if args.sweep:
+            cfg = best_config(report["sweep"], batch, args.precision)
+        report["config"][f"b{batch}"] = cfg
+        for w in args.windows:
+            report["rows"] += bench_shape(batch, w, cfg, gen)
+            r = report["rows"][-2:]
+            print(f"b{batch} w{w}", [(x["accept"], x["total_us"]) for x in r], f"[{time.time() - t0:.0f} s]", flush=True)
+            save()
+    if args.fla:
+        report["fla"] = run_fla(args.batches, args.windows, args.out, args.fla_timeout)
+        print("fla", report["fla"], flush=True)
+    elif args.fla_json:
+        report["fla"] = dict(version="0.6.0", status=f"from an earlier run on the same GPU kind: {args.fla_json}",
+                             us=json.load(open(args.fla_json)))
+    save()
+    print(markdown(report))
+
+
+if __name__ == "__main__":
+    main()
