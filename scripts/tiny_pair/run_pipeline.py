@@ -2,6 +2,9 @@
 
     # on the H200 (the working tree travels; .data/tiny_pair is carried):
     python scripts/tiny_pair/run_pipeline.py --work /tmp/tiny_pair --out $OUT --deadline-s 480
+    # drafter only, for a target trained earlier (carried in .data/tiny_pair/target):
+    python scripts/tiny_pair/run_pipeline.py --work /tmp/tiny_pair --out $OUT --target-dir .data/tiny_pair/target \
+        --deadline-s 175 --regen-budget-s 40 --eval-reserve-s 30
     # CPU smoke test of the same code path, seconds per stage:
     python scripts/tiny_pair/run_pipeline.py --work /tmp/tp --out /tmp/tp/out --smoke
 
@@ -9,7 +12,8 @@ Stages, each bounded by the wall-clock deadline (measured from the start of this
 1. target: `train_target.py` for --target-budget-s, saved in bf16; held-out perplexity of the SAVED weights in fp32.
 2. responses: greedy continuations of the held-out prompts (evaluation set) first, which also times one generate
    batch; from that, as many training prompts as fit --regen-budget-s are answered by the target.
-3. drafter: `hybridspec_hf.drafter.training.train_drafter` with the time left minus a reserve for the evaluation.
+3. drafter: `hybridspec_hf.drafter.training.train_drafter` for the time left minus a reserve for the evaluation
+   (its learning-rate schedule follows the clock).
 4. evaluation: τ per block size on the held-out continuations, calibration, distinct-n (`evaluate_drafter`), with
    the weights as saved (bf16) loaded in fp32.
 Everything lands in --out as at most 8 files: target.tar, drafter.tar, results.json, and the logs.
@@ -179,7 +183,7 @@ def drafter_stages(args, target_dir: Path, work: Path, out: Path, data_dir: Path
     budget = args.deadline_s - elapsed() - args.eval_reserve_s
     print(f"drafter training budget {budget:.0f} s", flush=True)
     train_drafter(target, train_prompts, drafter_dir, tokenizer=tokenizer, num_layers=args.drafter_layers,
-                  block_size=16, steps=4 if args.smoke else 100_000, time_budget_s=None if args.smoke else budget,
+                  block_size=16, steps=4 if args.smoke else 100_000, time_budget_s=60 if args.smoke else budget,
                   batch_size=2 if args.smoke else args.drafter_batch_size, num_anchors=8 if args.smoke else 64,
                   lr=args.drafter_lr, warmup_ratio=0.04, weight_decay=0.01, grad_clip=1.0,
                   max_new_tokens=max_new, max_prompt_tokens=512, regen_batch_size=regen_batch, temperature=0.0,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -21,6 +22,9 @@ import torch
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from hybridspec_hf.drafter.training import warmup_cosine_lr  # noqa: E402
 
 
 def tiny_target_config(vocab_size: int = 4096, eos_token_id: int = 0, pad_token_id: int = 1):
@@ -41,13 +45,6 @@ def tiny_target_config(vocab_size: int = 4096, eos_token_id: int = 0, pad_token_
         max_position_embeddings=2048, tie_word_embeddings=True, router_aux_loss_coef=1e-3,
         eos_token_id=eos_token_id, pad_token_id=pad_token_id, bos_token_id=None,
     )
-
-
-def lr_at(step: int, total: int, warmup: int, peak: float, floor_ratio: float) -> float:
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return peak * (floor_ratio + (1 - floor_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def random_windows(stream: torch.Tensor, batch_size: int, seq_len: int, generator: torch.Generator) -> torch.Tensor:
@@ -123,7 +120,7 @@ def train_target(args) -> dict:
     tokens_seen, start = 0, time.perf_counter()
     step = 0
     while step < total_steps:
-        lr = lr_at(step, total_steps, args.warmup_steps, args.lr, args.min_lr_ratio)
+        lr = args.lr * warmup_cosine_lr(step, total_steps, args.warmup_steps, args.min_lr_ratio)
         for group in optimizer.param_groups:
             group["lr"] = lr
         x = random_windows(train_stream, args.batch_size, args.seq_len, generator).to(device, non_blocking=True)
