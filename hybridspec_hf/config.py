@@ -10,6 +10,7 @@ from typing import Any
 STRATEGIES = ("hybridspec", "nominal", "dflash", "static", "ratio", "confidence")
 CALIBRATED_STRATEGIES = ("hybridspec", "nominal", "ratio")
 KERNEL_BACKENDS = ("auto", "torch", "triton")
+VERIFY_SHAPES = ("auto", "max", "exact")
 CALIBRATION_MODES = ("auto", "require")
 
 
@@ -28,6 +29,10 @@ class HybridSpecConfig:
     acceptance_estimator: a `selector.AcceptanceEstimator` or a path to its JSON; None: the uncalibrated
         prefix-product of the drafter's top-1 probabilities (D-Cut's score).
     selector: a `selector.LengthSelector` instance that replaces the strategy's own (advanced; used by calibration).
+    verify_shape: for strategies that choose w on the device: "max" verifies min(B, room) tokens with a device-side
+        valid length (no host sync; on a GPU extra rows are nearly free), "exact" reads w0 (+1 for the routing
+        correction) on the host and verifies only those tokens (on a CPU every row costs and a sync is free);
+        "auto": "max" on CUDA, "exact" elsewhere.
     """
 
     static_length: int = 7
@@ -37,6 +42,7 @@ class HybridSpecConfig:
     calibration: str = "auto"
     acceptance_estimator: Any = None
     selector: Any = field(default=None, repr=False)
+    verify_shape: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.static_length, int) or self.static_length < 1:
@@ -45,6 +51,8 @@ class HybridSpecConfig:
             raise ValueError(f"confidence_threshold is a probability in [0, 1], got {self.confidence_threshold!r}.")
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}.")
+        if self.verify_shape not in VERIFY_SHAPES:
+            raise ValueError(f"verify_shape must be one of {VERIFY_SHAPES}, got {self.verify_shape!r}.")
         if self.calibration not in CALIBRATION_MODES:
             raise ValueError(f"calibration must be one of {CALIBRATION_MODES}, got {self.calibration!r}.")
 

@@ -127,9 +127,10 @@ def test_ar_oracle_without_float64_swap_diverges_only_at_near_ties():
         assert_same_as_ar(run(target, prompt, drafter, "dflash", 24), ar)
 
 
+@pytest.mark.parametrize("verify_shape", ["max", "exact"])
 @pytest.mark.parametrize("strategy", ["hybridspec", "nominal", "ratio", "confidence"])
 @pytest.mark.parametrize("name", ["qwen3_5_moe_odd", "qwen3_5_moe_vlm", "qwen3_next", "qwen3_5_dense"])
-def test_device_side_strategies_match_ar(name, strategy, fp64_gdn):
+def test_device_side_strategies_match_ar(name, strategy, verify_shape, fp64_gdn):
     """Max-shape verification with a device-side valid length (and the routing correction) stays exact."""
     target = make_target(name)
     generator = torch.Generator().manual_seed(len(name))
@@ -138,6 +139,7 @@ def test_device_side_strategies_match_ar(name, strategy, fp64_gdn):
         max_new = int(torch.randint(5, 40, (1,), generator=generator))
         ar = reference(target, prompt, max_new)
         drafter = make_drafter(target, 8, ar.sequences, error_rate=0.3, seed=prompt_len)
-        assert_same_as_ar(run(target, prompt, drafter, strategy, max_new), ar)
+        settings = HybridSpecConfig(verify_shape=verify_shape)
+        assert_same_as_ar(run(target, prompt, drafter, strategy, max_new, hybridspec_config=settings), ar)
     rounds = hybridspec_hf.get_telemetry(target).rounds
     assert all(1 <= r.w <= 8 and r.w0 is not None for r in rounds if r.drafted)

@@ -106,7 +106,7 @@ def calibrate_latency(
     drafter,
     *,
     context_lens: tuple[int, ...] = (64, 512),
-    repeats: int = 3,
+    repeats: int = 2,
     rounds_per_call: int = 3,
     kernel_backend: str = "auto",
     prompt_ids: torch.Tensor | None = None,
@@ -141,8 +141,9 @@ def calibrate_latency(
 
     def measure_round(w: int, context: int) -> float:
         first = len(recorder.forwards) if recorder else 0
+        ids = prompt(context)
         target.generate(
-            prompt(context), do_sample=False, max_new_tokens=block_size * (rounds_per_call + 1),
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=block_size * (rounds_per_call + 1),
             assistant_model=drafter, generation_strategy="hybridspec",
             stopping_criteria=StoppingCriteriaList([AfterRounds()]),
             hybridspec_config=HybridSpecConfig(selector=ForcedLength(w), kernel_backend=kernel_backend),
@@ -155,7 +156,7 @@ def calibrate_latency(
         return times[len(times) // 2]
 
     try:
-        model = calibrate(measure_round, list(range(1, block_size + 1)), context_lens, repeats=repeats,
+        model = calibrate(measure_round, measured_lengths(block_size), context_lens, repeats=repeats,
                           progress=progress)
     finally:
         if recorder:
@@ -168,6 +169,11 @@ def calibrate_latency(
         eta = fit_eta([s for _, s, _ in samples[: len(distinct)]], distinct, [w for w, _, _ in samples[: len(distinct)]])
         model = dataclasses.replace(model, experts=experts, eta=eta)
     return model
+
+
+def measured_lengths(block_size: int) -> list[int]:
+    """The w measured: all of them up to 8, then a spread (C(w) is interpolated between, and fitted monotone)."""
+    return sorted({w for w in (1, 2, 3, 4, 5, 6, 8, 10, 12, 14, block_size) if w <= block_size})
 
 
 def _distinct_total(observation: torch.Tensor) -> int:

@@ -158,6 +158,8 @@ def hybridspec_decode(
                 # 2. Choose w0 on the device; stage 0 runs w0 + 1 tokens when the routing correction is on.
                 choice = strategy.choose(draft_logits, committed_len, w_max) if drafted and plan.device_side else None
                 if choice is not None:
+                    if strategy.exact_shape:  # CPU: verify only w0 (+ the extra token); this read is a free sync
+                        tokens = tokens[:, : int(choice.valid.max())]
                     window.arm(choice.valid, choice.on_first_router)
 
                 # 3. Verify (stage 0 → routing correction at the first MoE router → stage 1, one forward).

@@ -34,8 +34,10 @@ class Choice:
 
 
 class RoundStrategy:
-    def __init__(self, name: str, fixed_length: int | None, selector, estimator, corrects: bool):
+    def __init__(self, name: str, fixed_length: int | None, selector, estimator, corrects: bool,
+                 exact_shape: bool = False):
         self.name = name
+        self.exact_shape = exact_shape  # verify only the chosen tokens (one host read of w0) instead of max shape
         self.fixed_length = fixed_length
         self.selector = selector
         self.estimator = estimator
@@ -64,16 +66,20 @@ class RoundStrategy:
             selector = make_selector(name, {"latency_model": resolve_latency_model(settings, target, drafter)})
         selector.reset()
         estimator = _estimator(settings.acceptance_estimator, block_size)
-        return cls(name, None, selector, estimator, bool(selector.routing_correction and has_router))
+        shape = settings.verify_shape
+        if shape == "auto":
+            shape = "max" if next(target.parameters()).device.type == "cuda" else "exact"
+        return cls(name, None, selector, estimator, bool(selector.routing_correction and has_router), shape == "exact")
 
     @property
     def device_side(self) -> bool:
-        return self.fixed_length is None
+        """w is chosen on the device and the round runs without host syncs until the hand-off."""
+        return self.fixed_length is None and not self.exact_shape
 
     def plan(self, w_max: int) -> RoundPlan:
         if self.fixed_length is not None:
             return RoundPlan(min(self.fixed_length, w_max), False)
-        return RoundPlan(w_max, True)
+        return RoundPlan(w_max, True)  # exact_shape trims to the choice after choose()
 
     def choose(self, draft_logits: torch.Tensor, context_len: int, w_max: int) -> Choice:
         """w0 from the drafts' survival estimates; arms the routing correction for the extra token."""
