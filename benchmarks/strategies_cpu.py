@@ -15,7 +15,7 @@ from common import environment, write_results
 import hybridspec_hf
 from hybridspec_hf import HybridSpecConfig
 from hybridspec_hf.generation.calibration import calibrate_latency
-from hybridspec_hf.tiny_pair import heldout_prompts, load_tiny_pair
+from hybridspec_hf.tiny_pair import ASSETS_DIR, heldout_prompts, load_tiny_pair
 
 STRATEGIES = ["dflash", "static", "confidence", "ratio", "nominal", "hybridspec"]
 
@@ -33,7 +33,8 @@ def main() -> None:
         drafter.config.block_size = args.block_size
     prompts = [tokenizer(t, return_tensors="pt").input_ids for t in heldout_prompts(args.prompts)]
     latency = calibrate_latency(target, drafter, context_lens=(64, 256), repeats=3, prompt_ids=torch.cat(prompts, 1))
-    settings = HybridSpecConfig(latency_model=latency)
+    fitted = ASSETS_DIR / "acceptance_estimator.json"  # fitted on training-split traces (acceptance_traces.py)
+    settings = HybridSpecConfig(latency_model=latency, acceptance_estimator=str(fitted) if fitted.exists() else None)
     runs = {"ar": {}} | {s: dict(assistant_model=drafter, generation_strategy=s, hybridspec_config=settings)
                          for s in STRATEGIES}
     for kwargs in runs.values():  # warm-up

@@ -39,6 +39,19 @@ def _load_pair(args):
     return load_tiny_pair()
 
 
+def _settings(tokenizer):
+    """The trained pair ships an acceptance estimator fitted on its traces (benchmarks/acceptance_traces.py)."""
+    from hybridspec_hf import HybridSpecConfig
+
+    if tokenizer is not None:
+        from hybridspec_hf.tiny_pair import ASSETS_DIR
+
+        fitted = ASSETS_DIR / "acceptance_estimator.json"
+        if fitted.exists():
+            return HybridSpecConfig(acceptance_estimator=str(fitted))
+    return HybridSpecConfig()
+
+
 def _timed_generate(target, prompt, **kwargs):
     start = time.perf_counter()
     out = target.generate(prompt, do_sample=False, **kwargs)
@@ -58,7 +71,7 @@ def demo(args) -> int:
         prompt = tokenizer(prompt_text, return_tensors="pt").input_ids
     else:
         prompt_text, prompt = None, torch.randint(0, target.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
-    spec = dict(assistant_model=drafter, generation_strategy=args.strategy)
+    spec = dict(assistant_model=drafter, generation_strategy=args.strategy, hybridspec_config=_settings(tokenizer))
     for kwargs in ({}, spec):  # warm-up (first calls import and initialise lazily)
         target.generate(prompt, do_sample=False, max_new_tokens=8, **kwargs)
     ar, ar_s = _timed_generate(target, prompt, max_new_tokens=args.max_new_tokens)
