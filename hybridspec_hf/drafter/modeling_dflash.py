@@ -166,7 +166,8 @@ class DFlashRotaryEmbedding(nn.Module):
                 exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).to(dtype) / dim
                 inv_freq = 1.0 / (float(params.get("rope_theta", 10000.0)) ** exponents)
             elif rope_type in ("dynamic", "longrope") or rope_type not in ROPE_INIT_FUNCTIONS:
-                raise NotImplementedError(f"DFlashDrafter supports static RoPE types only, got rope_type={rope_type!r}.")
+                raise ValueError(f"DFlashDrafter supports static RoPE types (default, linear, yarn, llama3), got "
+                                 f"rope_type={rope_type!r}; set rope_parameters to one of those.")
             else:
                 inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](self.config, device)
             self._inv_freq[key] = inv_freq.to(device=device, dtype=dtype)
