@@ -2,7 +2,9 @@
 
     python examples/qwen35_moe_hybridspec.py --target Qwen/Qwen3.5-35B-A3B --drafter z-lab/Qwen3.5-35B-A3B-DFlash
 
-Prints AR and HybridSpec side by side (greedy, identical text) with tokens/s and the per-round summary. On a GPU the
+Prints AR and HybridSpec side by side (greedy) with tokens/s, whether the texts are identical (in bf16 a w-token
+verification can round differently from one-token AR steps, so they may part at a near-tie) and the per-round
+summary. On a GPU the
 rounds are not yet captured in CUDA graphs, so expect the transformers eager forward's host-bound speed.
 """
 import argparse
