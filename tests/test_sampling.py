@@ -45,6 +45,9 @@ def test_sampled_generation_matches_ar_distribution_end_to_end():
 
 
 def test_sampling_is_reproducible_with_a_seed():
+    """With a length rule that does not read the clock ("dflash", "static", "confidence") a seed fixes the output.
+    (The calibrated strategies pick w from measured throughput, so the random stream, not the distribution,
+    can differ between runs.)"""
     target = make_target("qwen3_next", seed=3, dtype=torch.float32)
     prompt = torch.randint(0, VOCAB, (1, 5))
     drafter = make_drafter(target, 8, target.generate(prompt, do_sample=False, max_new_tokens=20)).float()
@@ -52,5 +55,5 @@ def test_sampling_is_reproducible_with_a_seed():
     for _ in range(2):
         torch.manual_seed(123)
         outs.append(target.generate(prompt, do_sample=True, max_new_tokens=20, assistant_model=drafter,
-                                    generation_strategy="hybridspec"))
+                                    generation_strategy="confidence"))
     assert torch.equal(*outs) and outs[0].shape[1] == 25
