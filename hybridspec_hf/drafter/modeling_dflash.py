@@ -410,15 +410,19 @@ class DFlashDrafter(PreTrainedModel):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Target embedding rows of `input_ids` [B, T] * input_embedding_scale -> [B, T, H] in the drafter's dtype."""
         embedding, _ = self._require_target()
-        weight = embedding.weight.detach()  # frozen: training never reaches the target's table
-        rows = F.embedding(input_ids.to(weight.device), weight) * float(self.config.input_embedding_scale)
+        weight = embedding.weight
+        if _is_sharded(weight):  # tensor-parallel target: its module's hooks gather the sharded table
+            with torch.no_grad():
+                rows = embedding(input_ids.to(weight.device)) * float(self.config.input_embedding_scale)
+        else:  # frozen: training never reaches the target's table
+            rows = F.embedding(input_ids.to(weight.device), weight.detach()) * float(self.config.input_embedding_scale)
         return rows.to(device=self.device, dtype=self.dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Target LM head on drafter hidden states [B, T, H] -> [B, T, V] (at least fp32), with z-lab's optional
         output_multiplier and final_logit_softcapping."""
         _, head = self._require_target()
-        if isinstance(head, nn.Linear):  # frozen: gradients reach `hidden`, never the target's head
+        if isinstance(head, nn.Linear) and not _is_sharded(head.weight):  # frozen: gradients reach `hidden` only
             weight = head.weight.detach()
             bias = None if head.bias is None else head.bias.detach()
             logits = F.linear(hidden.to(device=weight.device, dtype=weight.dtype), weight, bias)
@@ -573,6 +577,11 @@ class DFlashDrafter(PreTrainedModel):
             visible = visible[:, None]
             masks[kind] = visible if attention_mask is None else visible & attention_mask.to(visible.device)
         return masks
+
+
+def _is_sharded(weight: torch.Tensor) -> bool:
+    """A tensor-parallel (DTensor) parameter: use the target's module, whose hooks shard and gather."""
+    return type(weight).__name__ == "DTensor"
 
 
 def _rope_theta(text_config) -> float:

@@ -64,7 +64,7 @@ def resolve_latency_model(settings: HybridSpecConfig, target, drafter) -> Latenc
         return latency_model_from(settings.latency_model)
     key = cache_key(target, drafter, settings.kernel_backend)
     path = cache_path(key)
-    model = LatencyModel.load(path, key) if path.exists() else None
+    model = _load_cached(path, key)
     if model is not None:
         return model
     if settings.calibration == "require":
@@ -76,9 +76,41 @@ def resolve_latency_model(settings: HybridSpecConfig, target, drafter) -> Latenc
                    "(cached in %s).", path)
     model = calibrate_latency(target, drafter, kernel_backend=settings.kernel_backend)
     model.key = key
-    path.parent.mkdir(parents=True, exist_ok=True)
-    model.save(path)
+    if _distributed():  # tensor parallel: every rank must choose the same w, so all use the mean calibration
+        model = _mean_over_ranks(model)
+    if not _distributed() or torch.distributed.get_rank() == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        model.save(path)
     return model
+
+
+def _load_cached(path: Path, key: dict) -> LatencyModel | None:
+    """The cached calibration; under tensor parallelism rank 0 reads it and every rank gets rank 0's copy (ranks
+    must agree on whether to calibrate, since calibrating runs collective forwards)."""
+    if not _distributed():
+        return LatencyModel.load(path, key) if path.exists() else None
+    payload = [None]
+    if torch.distributed.get_rank() == 0:
+        model = LatencyModel.load(path, key) if path.exists() else None
+        payload = [None if model is None else model.to_dict()]
+    torch.distributed.broadcast_object_list(payload, src=0)
+    return None if payload[0] is None else LatencyModel.from_dict(payload[0])
+
+
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+
+
+def _mean_over_ranks(model: LatencyModel) -> LatencyModel:
+    """The latency model averaged over the ranks (one collective at set-up, none per round)."""
+    tensors = {"cost": model.cost.clone(), "cost_ar": model.cost_ar.clone(), "eta": torch.tensor([float(model.eta)])}
+    if model.sunk is not None:
+        tensors["sunk"] = model.sunk.clone()
+    for value in tensors.values():
+        torch.distributed.all_reduce(value)
+        value /= torch.distributed.get_world_size()
+    eta = float(tensors.pop("eta"))
+    return dataclasses.replace(model, eta=eta, **tensors)
 
 
 class _RoutingRecorder:

@@ -125,9 +125,13 @@ class RoundStrategy:
         return float(model.cost_for(context_len).reshape(-1)[w - 1])
 
     def observe(self, w: int, emitted: int, seconds: float, drafted: bool, like: torch.Tensor) -> None:
+        """Feed the selector. Under tensor parallelism the measured seconds differ between ranks, so ρ uses the
+        calibrated C(w) instead (ranks must take identical decisions)."""
         if self.selector is None:
             return
         device = like.device
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            seconds = None
         self.selector.observe(torch.tensor([w], device=device), torch.tensor([emitted], device=device), seconds, drafted)
 
 
