@@ -9,7 +9,8 @@ import hybridspec_hf
 from hybridspec_hf import DFlashDrafter
 
 
-def main(path: str, strategies: list[str]) -> None:
+def main(path: str, out_dir: str, strategies: list[str]) -> None:
+    """Writes out_dir/rank{R}.txt: MATCH or DIFFER (files, since the ranks share stdout)."""
     torch.set_num_threads(1)
     sharded = Qwen3_5MoeForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32)
     single = Qwen3_5MoeForCausalLM.from_pretrained(path, dtype=torch.float32)  # this process alone, no collectives
@@ -25,8 +26,10 @@ def main(path: str, strategies: list[str]) -> None:
                                    generation_strategy=strategy)
             results.append(torch.equal(out, reference))
     rounds = len(hybridspec_hf.get_telemetry(sharded).rounds)
-    print(f"rank {os.environ['RANK']}: {'MATCH' if all(results) else 'DIFFER'} {results} rounds={rounds}", flush=True)
+    verdict = f"{'MATCH' if all(results) else 'DIFFER'} {results} rounds={rounds}"
+    with open(os.path.join(out_dir, f"rank{os.environ['RANK']}.txt"), "w") as handle:
+        handle.write(verdict)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2:])
+    main(sys.argv[1], sys.argv[2], sys.argv[3:])
