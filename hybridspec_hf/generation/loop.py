@@ -157,6 +157,7 @@ def hybridspec_decode(
 
                 # 2. Choose w0 on the device; stage 0 runs w0 + 1 tokens when the routing correction is on.
                 choice = strategy.choose(draft_logits, committed_len, w_max) if drafted and plan.device_side else None
+                valid = choice.valid if choice is not None else None  # [B] tokens that count, or all
                 if choice is not None:
                     if strategy.exact_shape:  # CPU: verify only w0 (+ the extra token); this read is a free sync
                         tokens = tokens[:, : int(choice.valid.max())]
@@ -164,14 +165,13 @@ def hybridspec_decode(
 
                 # 3. Verify (stage 0 → routing correction at the first MoE router → stage 1, one forward).
                 try:
-                    logits, features, session = runner.verify(tokens, choice.valid if choice is not None else None)
+                    logits, features, session = runner.verify(tokens, valid)
                 finally:
                     window.disarm()
                 raw = logits.float()  # [B, T, V]: AR compares fp32 logits
 
                 # 4. Accept on the device: greedy, or lossless speculative sampling.
                 scores = score_positions(logits_processor, emitter.input_ids, tokens, raw)
-                valid = choice.valid if choice is not None else None
                 if generation_config.do_sample:
                     accepted, sampled = speculative_sample(tokens[:, 1:], scores.softmax(dim=-1), valid)
                     target_tokens = torch.cat([tokens[:, 1:], sampled[:, None]], dim=1)

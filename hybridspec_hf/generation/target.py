@@ -4,8 +4,6 @@ Wraps one generate() call's cache and position bookkeeping so the round loop rea
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 
 from hybridspec_hf import patches
@@ -124,10 +122,3 @@ class TargetRunner:
     @staticmethod
     def cache_batch_size(session: patches.VerifySession) -> int:
         return session.pending[0].state.shape[0]
-
-    @contextmanager
-    def session(self):
-        try:
-            yield self
-        finally:
-            self.close()
