@@ -7,11 +7,13 @@ from typing import Any
 # "hybridspec": Dinkelbach length + plain-decoding option + routing correction; "nominal": the same without routing
 # correction; "dflash": verify the whole block; "static": a fixed length; "ratio": per-round G(w)/C(w) (EVICT-like);
 # "confidence": longest draft prefix whose survival ≥ a threshold (D-Cut-like).
-STRATEGIES = ("hybridspec", "nominal", "dflash", "static", "ratio", "confidence")
+# "ar": plain decoding through the same machinery (GPU-resident on CUDA): the baseline speedups are measured against.
+STRATEGIES = ("hybridspec", "nominal", "dflash", "static", "ratio", "confidence", "ar")
 CALIBRATED_STRATEGIES = ("hybridspec", "nominal", "ratio")
 KERNEL_BACKENDS = ("auto", "torch", "triton")
 VERIFY_SHAPES = ("auto", "max", "exact")
 CALIBRATION_MODES = ("auto", "require")
+CUDA_GRAPH_MODES = ("auto", "on", "off")
 
 
 @dataclass
@@ -43,6 +45,7 @@ class HybridSpecConfig:
     acceptance_estimator: Any = None
     selector: Any = field(default=None, repr=False)
     verify_shape: str = "auto"
+    cuda_graphs: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.static_length, int) or self.static_length < 1:
@@ -53,6 +56,8 @@ class HybridSpecConfig:
             raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}.")
         if self.verify_shape not in VERIFY_SHAPES:
             raise ValueError(f"verify_shape must be one of {VERIFY_SHAPES}, got {self.verify_shape!r}.")
+        if self.cuda_graphs not in CUDA_GRAPH_MODES:
+            raise ValueError(f"cuda_graphs must be one of {CUDA_GRAPH_MODES}, got {self.cuda_graphs!r}.")
         if self.calibration not in CALIBRATION_MODES:
             raise ValueError(f"calibration must be one of {CALIBRATION_MODES}, got {self.calibration!r}.")
 

@@ -8,6 +8,7 @@ from types import ModuleType
 
 import torch
 
+from ._cache import is_linear_cache_layer
 from ._gdn import VerifySession, patch_gdn_class
 
 
@@ -63,4 +64,4 @@ def gdn_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in text_model(model).modules() if isinstance(m, family.GDN_CLASS)]
 
 
-__all__ = ["VerifySession", "family_of", "gdn_layers", "install", "moe_blocks", "supported_classes", "text_model"]
+__all__ = ["VerifySession", "family_of", "gdn_layers", "install", "is_linear_cache_layer", "moe_blocks", "supported_classes", "text_model"]

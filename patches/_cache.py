@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 
 
-def _is_linear(layer) -> bool:
+def is_linear_cache_layer(layer) -> bool:
+    """A GDN (linear-attention) cache layer: conv and recurrent states instead of keys and values."""
     return hasattr(layer, "recurrent_states") and hasattr(layer, "conv_states")
 
 
@@ -17,7 +18,7 @@ def drop_last_tokens(cache, num_tokens: int) -> None:
     if num_tokens <= 0:
         return
     for layer in cache.layers:
-        if _is_linear(layer) or not getattr(layer, "is_initialized", False):
+        if is_linear_cache_layer(layer) or not getattr(layer, "is_initialized", False):
             continue
         if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):  # StaticLayer
             layer.cumulative_length.sub_(num_tokens)
@@ -36,7 +37,7 @@ def drop_last_tokens(cache, num_tokens: int) -> None:
 def check_supported_cache(cache) -> None:
     """Reject caches whose layers we cannot roll back (e.g. sliding-window, quantized or offloaded layers)."""
     for layer in cache.layers:
-        if _is_linear(layer):
+        if is_linear_cache_layer(layer):
             continue
         name = type(layer).__name__
         if name not in ("DynamicLayer", "StaticLayer"):

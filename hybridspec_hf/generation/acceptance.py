@@ -45,5 +45,14 @@ def speculative_sample(
     if rejected_token is not None:
         removed = torch.zeros_like(row).scatter_(1, rejected_token, 1.0) * rejected.view(-1, 1)
         row = row * (1 - removed)
-    token = torch.multinomial(row / row.sum(-1, keepdim=True), 1, generator=generator).squeeze(1)
-    return a, token
+    return a, sample_tokens(row, generator)
+
+
+def sample_tokens(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of probs [..., V] (any non-negative weights), without a host sync.
+
+    argmax_i p_i / E_i with E_i ~ Exp(1) picks i with probability p_i / Σ p (E_i / p_i are exponential races with
+    rates p_i) — `torch.multinomial` reads the row sums on the host, which a CUDA graph cannot capture.
+    """
+    races = torch.empty_like(probs, dtype=torch.float32).exponential_(generator=generator)
+    return (probs.float() / races).argmax(dim=-1)

@@ -21,24 +21,46 @@ import torch
 from hybridspec_hf import patches
 from hybridspec_hf.config import HybridSpecConfig
 from hybridspec_hf.selector import LatencyModel, LengthSelector, calibrate, fit_eta, fit_expert_model, make_cache_key
+from hybridspec_hf.selector.length import on_device
 
 logger = logging.getLogger(__name__)
 
 
 class ForcedLength(LengthSelector):
-    """Always verifies w tokens (w = 0: a plain decoding step without drafting). For calibration."""
+    """Always verifies w tokens (w = 0: a plain decoding step without drafting). For calibration.
+
+    `set(w)` changes w in place, also on the device: GPU-resident rounds captured with this selector read w from a
+    device tensor, so one capture serves every w.
+    """
 
     name = "forced"
 
     def __init__(self, w: int):
         self.w = w
+        self._on_device: dict[torch.device, torch.Tensor] = {}
 
-    def should_draft(self, context_len) -> torch.Tensor:
-        return torch.tensor([self.w > 0])
+    def set(self, w: int) -> None:
+        self.w = w
+        for tensor in self._on_device.values():
+            tensor.fill_(w)
+
+    def restart(self, context_len: torch.Tensor) -> None:
+        """Create the device copy of w before any graph capture (a fill inside a graph would be replayed)."""
+        self._tensor(context_len.device)
+
+    def _tensor(self, device: torch.device) -> torch.Tensor:
+        if device not in self._on_device:
+            self._on_device[device] = torch.full((1,), self.w, dtype=torch.long, device=device)
+        return self._on_device[device]
+
+    def should_draft(self, context_len):
+        if isinstance(context_len, torch.Tensor):
+            return self._tensor(context_len.device) > 0
+        return self.w > 0
 
     def choose(self, survival, context_len, w_max=None) -> torch.Tensor:
-        w = min(max(self.w, 1), survival.shape[1] + 1, w_max or self.w)
-        return torch.full(survival.shape[:1], w, dtype=torch.long, device=survival.device)
+        w = self._tensor(survival.device).clamp(min=1, max=survival.shape[1] + 1).expand(survival.shape[0])
+        return w if w_max is None else torch.minimum(w, on_device(w_max, w.device))
 
 
 def cache_key(target, drafter, kernel_backend: str) -> dict:
@@ -123,6 +145,8 @@ class _RoutingRecorder:
         self.num_layers = len(blocks)
 
     def _hook(self, module, args, output):
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return  # graph capture runs no kernels: nothing to record (replays record through `take_live`)
         self.current.append(output[2].detach().cpu())
         if len(self.current) == self.num_layers:
             self.forwards.append(torch.stack(self.current))
@@ -171,25 +195,43 @@ def calibrate_latency(
             return prompt_ids[:, start : start + context].to(device)
         return torch.randint(0, vocab, (1, context), generator=generator).to(device)
 
-    def measure_round(w: int, context: int) -> float:
-        first = len(recorder.forwards) if recorder else 0
+    forced = ForcedLength(0)  # one selector for every measurement: GPU-resident rounds are captured once
+    medians: dict[tuple[int, int], list[float]] = {}  # (w, context) -> round medians of GPU-resident calls
+
+    def run(w: int, context: int, cuda_graphs: str):
+        forced.set(w)
         ids = prompt(context)
         target.generate(
             ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=block_size * (rounds_per_call + 1),
             assistant_model=drafter, generation_strategy="hybridspec",
             stopping_criteria=StoppingCriteriaList([AfterRounds()]),
-            hybridspec_config=HybridSpecConfig(selector=ForcedLength(w), kernel_backend=kernel_backend),
+            hybridspec_config=HybridSpecConfig(selector=forced, kernel_backend=kernel_backend, cuda_graphs=cuda_graphs),
         )
-        rounds = target.hybridspec_telemetry.rounds
-        times = sorted(r.wall_s for r in rounds)
-        if recorder and w > 0:
-            for index, r in enumerate(rounds):  # forward 0 is the prefill
+        return target.hybridspec_telemetry
+
+    def measure_round(w: int, context: int) -> float:
+        first = len(recorder.forwards) if recorder else 0
+        telemetry = run(w, context, "auto")
+        times = sorted(r.wall_s for r in telemetry.rounds)
+        median = times[len(times) // 2]
+        if telemetry.path == "cuda_graphs":  # routers run inside graphs: routing is recorded in a pass below
+            medians.setdefault((w, context), []).append(median)
+        elif recorder and w > 0:
+            for index, r in enumerate(telemetry.rounds):  # forward 0 is the prefill
                 samples.append((r.w, r.wall_s, first + 1 + index))
-        return times[len(times) // 2]
+        return median
 
     try:
         model = calibrate(measure_round, measured_lengths(block_size), context_lens, repeats=repeats,
                           progress=progress)
+        if recorder and medians:  # routing of the same lengths and contexts, eagerly; timings from the graphs
+            for (w, context), times in sorted(medians.items()):
+                if w == 0:
+                    continue
+                first = len(recorder.forwards)
+                telemetry = run(w, context, "off")
+                for index, r in enumerate(telemetry.rounds):
+                    samples.append((r.w, sorted(times)[len(times) // 2], first + 1 + index))
     finally:
         if recorder:
             recorder.remove()

@@ -89,6 +89,8 @@ def _move_stop_strings_to_criteria(model, args, kwargs) -> None:
 def _check_drafter(target, drafter, strategy: str) -> None:
     from hybridspec_hf.drafter import DFlashDrafter
 
+    if drafter is None and strategy == "ar":
+        return
     if drafter is None:
         raise ValueError(
             f"generation_strategy={strategy!r} needs a drafter: pass assistant_model=DFlashDrafter "

@@ -17,8 +17,9 @@ import torch
 
 from hybridspec_hf import patches
 from hybridspec_hf.config import HybridSpecConfig
-from hybridspec_hf.generation.acceptance import greedy_accept, speculative_sample
+from hybridspec_hf.generation.acceptance import greedy_accept, sample_tokens, speculative_sample
 from hybridspec_hf.generation.routing import VerifyWindow
+from hybridspec_hf.graphs.capture import host_syncs
 from hybridspec_hf.generation.strategy import RoundStrategy
 from hybridspec_hf.generation.target import TargetRunner
 from hybridspec_hf.generation.telemetry import GenerationTelemetry, RoundRecord
@@ -79,6 +80,47 @@ def score_positions(logits_processor, prefix: torch.Tensor, tokens: torch.Tensor
     return scores
 
 
+def _use_resident_rounds(settings, model, drafter, strategy, generation_config, logits_processor, cache,
+                         telemetry) -> bool:  # noqa: PLR0913
+    """GPU-resident rounds for this call? ("auto": on CUDA when possible; "on": required; "off": never)."""
+    from hybridspec_hf.generation.resident import unsupported_reason
+
+    telemetry.path = "eager"
+    if settings.cuda_graphs == "off":
+        return False
+    reason = unsupported_reason(model, drafter, strategy, generation_config, logits_processor, cache)
+    if reason is not None:
+        if settings.cuda_graphs == "on":
+            raise ValueError(f"HybridSpecConfig(cuda_graphs='on') cannot run this call GPU-resident: {reason}. "
+                             "Use cuda_graphs='auto' (falls back to the eager loop) or change that option.")
+        telemetry.path_reason = reason
+        return False
+    on_cuda = next(model.parameters()).device.type == "cuda"
+    if settings.cuda_graphs == "auto" and not on_cuda:
+        return False
+    telemetry.path = "cuda_graphs" if on_cuda else "static_eager"
+    return True
+
+
+def _resident(model, drafter, strategy, logits_processor, generation_config, stopping_criteria, streamer, emitter,
+              runner, cache, context, first, telemetry) -> None:
+    """The rest of the call on GPU-resident rounds (generation/resident.py); the prefill ran eagerly."""
+    from hybridspec_hf.generation.resident import HostEmitter, resident_decode, resident_rounds
+
+    positions = runner.positions  # [1, 1] or [R, 1, 1]: position id of the last cached token
+    rows = positions.shape[0] if positions.dim() == 3 else 1
+    with host_syncs():  # set-up of the call: capture (first call only), loading the prefilled cache
+        rounds = resident_rounds(model, drafter, strategy, logits_processor, generation_config.do_sample,
+                                 generation_config.max_length, rows)
+        telemetry.capture_s, rounds.capture_s = rounds.capture_s, 0.0  # reported by the call that captured
+        host = HostEmitter(emitter.input_ids, generation_config, stopping_criteria, streamer)
+        rounds.start(cache, positions, context, first, generation_config.max_length)
+    resident_decode(rounds, host, telemetry, rounds.strategy.predicted_latency)  # syncs only at each hand-off
+    with host_syncs():
+        rounds.finish(cache, host.length - 1)
+        emitter.input_ids = host.sequences()
+
+
 def hybridspec_decode(
     model,
     input_ids: torch.LongTensor,
@@ -108,7 +150,7 @@ def hybridspec_decode(
     position_ids = model_kwargs.pop("position_ids")
     attention_mask = model_kwargs.pop("attention_mask", None)
 
-    block_size = drafter.config.block_size
+    block_size = drafter.config.block_size if drafter is not None else 1
     moe_blocks = patches.moe_blocks(model)
     strategy = RoundStrategy.build(hybridspec_strategy, settings, model, drafter, has_router=bool(moe_blocks))
     telemetry = GenerationTelemetry(strategy=hybridspec_strategy, block_size=block_size, prompt_tokens=input_ids.shape[1])
@@ -124,19 +166,31 @@ def hybridspec_decode(
         streamer.put(input_ids.cpu())  # generate() streams the prompt only for its own `streamer` argument
 
     start = time.perf_counter()
-    runner = TargetRunner(model, cache, cache_key, drafter.config.target_layer_ids, settings.kernel_backend)
+    feature_ids = drafter.config.target_layer_ids if drafter is not None else []
+    runner = TargetRunner(model, cache, cache_key, feature_ids, settings.kernel_backend)
     window = VerifyWindow(moe_blocks)
+    resident = _use_resident_rounds(settings, model, drafter, strategy, generation_config, logits_processor, cache,
+                                    telemetry)
     try:
         # Prefill: exactly AR's first forward; its features become the drafter's first context.
-        logits, context = runner.prefill(input_ids, position_ids, attention_mask, **model_kwargs)
-        raw = logits.float()
-        scores = logits_processor(emitter.input_ids, raw)
-        first = torch.multinomial(scores.softmax(-1), 1).squeeze(1) if generation_config.do_sample else scores.argmax(-1)
-        emitter.emit(first, scores, raw)
+        with host_syncs() if resident else contextlib.nullcontext():
+            logits, context = runner.prefill(input_ids, position_ids, attention_mask, **model_kwargs)
+            raw = logits.float()
+            scores = logits_processor(emitter.input_ids, raw)
+            first = sample_tokens(scores.softmax(-1)) if generation_config.do_sample else scores.argmax(-1)
+            emitter.emit(first, scores, raw)
         telemetry.prefill_tokens = 1
         telemetry.prefill_s = time.perf_counter() - start
-        draft_cache = drafter.new_context_cache()
-        draft_next = True
+        if resident:
+            if not emitter.finished:
+                _resident(model, drafter, strategy, logits_processor, generation_config, stopping_criteria, streamer,
+                          emitter, runner, cache, context, first, telemetry)
+            telemetry.total_s = time.perf_counter() - start
+            if streamer is not None:
+                streamer.end()
+            return finish_output(generation_config, emitter, cache, cache_key)
+        draft_cache = drafter.new_context_cache() if drafter is not None else None
+        draft_next = drafter is not None
 
         while not emitter.finished:
             round_start = time.perf_counter()
@@ -194,7 +248,8 @@ def hybridspec_decode(
             # 6. Commit m tokens: GDN states S_m, conv windows, attention KV; their features feed the drafter.
             with _sync_free(strategy.device_side):
                 runner.commit(session, tokens.shape[1], committed)
-                context = torch.cat([context, features[:, :committed]], dim=1)
+                if context is not None:
+                    context = torch.cat([context, features[:, :committed]], dim=1)
                 seconds = time.perf_counter() - round_start
                 strategy.observe(w, committed, seconds, drafted, like=accepted)
             corrected = choice is not None and strategy.corrects

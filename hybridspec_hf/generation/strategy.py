@@ -35,8 +35,10 @@ class Choice:
 
 class RoundStrategy:
     def __init__(self, name: str, fixed_length: int | None, selector, estimator, corrects: bool,
-                 exact_shape: bool = False):
+                 exact_shape: bool = False, kernel_backend: str = "auto", identity: tuple = ()):
         self.name = name
+        self.kernel_backend = kernel_backend
+        self._identity = identity  # what the decisions depend on: equal identities choose alike (graph reuse)
         self.exact_shape = exact_shape  # verify only the chosen tokens (one host read of w0) instead of max shape
         self.fixed_length = fixed_length
         self.selector = selector
@@ -45,6 +47,10 @@ class RoundStrategy:
 
     @classmethod
     def build(cls, name: str, settings: HybridSpecConfig, target, drafter, has_router: bool) -> "RoundStrategy":
+        identity = (name, repr(settings.to_dict()), id(settings.selector))
+        plain = dict(kernel_backend=settings.kernel_backend, identity=identity)
+        if name == "ar":  # plain decoding through the same machinery: the baseline
+            return cls(name, 1, None, None, False, **plain)
         block_size = drafter.config.block_size
         if name == "static" and settings.static_length > block_size:
             raise ValueError(
@@ -54,22 +60,29 @@ class RoundStrategy:
         if settings.selector is not None:
             selector = settings.selector
         elif name == "dflash":
-            return cls(name, block_size, None, None, False)
+            return cls(name, block_size, None, None, False, **plain)
         elif name == "static":
-            return cls(name, settings.static_length, None, None, False)
+            return cls(name, settings.static_length, None, None, False, **plain)
         elif name == "confidence":
             selector = make_selector(name, {"threshold": settings.confidence_threshold})
         else:
             from hybridspec_hf.generation.calibration import resolve_latency_model
 
             assert name in CALIBRATED_STRATEGIES
-            selector = make_selector(name, {"latency_model": resolve_latency_model(settings, target, drafter)})
+            latency = resolve_latency_model(settings, target, drafter)
+            selector = make_selector(name, {"latency_model": latency})
+            identity = (*identity, latency.digest())
         selector.reset()
         estimator = _estimator(settings.acceptance_estimator, block_size)
         shape = settings.verify_shape
         if shape == "auto":
             shape = "max" if next(target.parameters()).device.type == "cuda" else "exact"
-        return cls(name, None, selector, estimator, bool(selector.routing_correction and has_router), shape == "exact")
+        return cls(name, None, selector, estimator, bool(selector.routing_correction and has_router), shape == "exact",
+                   settings.kernel_backend, identity)
+
+    def identity(self) -> tuple:
+        """Strategies with equal identities take the same decisions from the same device state."""
+        return self._identity
 
     @property
     def device_side(self) -> bool:

@@ -28,8 +28,10 @@ class FeatureCapture:
 
         return hook
 
-    def take(self) -> torch.Tensor:
-        """Concatenated features of the last forward: [B, T, n_feat * H]."""
+    def take(self) -> torch.Tensor | None:
+        """Concatenated features of the last forward: [B, T, n_feat * H] (None without feature layers)."""
+        if not self.layer_ids:
+            return None
         features = torch.cat([self.outputs[i] for i in self.layer_ids], dim=-1)
         self.outputs.clear()
         return features

@@ -36,6 +36,9 @@ class GenerationTelemetry:
     prefill_s: float = 0.0
     total_s: float = 0.0
     rounds: list[RoundRecord] = field(default_factory=list)
+    path: str = "eager"  # "cuda_graphs" (GPU-resident rounds), "static_eager" (the same rounds, uncaptured) or "eager"
+    path_reason: str | None = None  # why cuda_graphs="auto" ran the eager loop, when it did
+    capture_s: float = 0.0  # time spent capturing graphs in this call (0 when reused)
 
     @property
     def new_tokens(self) -> int:

@@ -113,6 +113,10 @@ class LatencyModel:
         """s(w), w = 1..B-1, for each row's context -> [batch or 1, B-1] fp32."""
         return self.sunk[self._rows(context_len)]
 
+    def digest(self) -> str:
+        """A content hash (two loads of one calibration are equal)."""
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:16]
+
     def to(self, device) -> "LatencyModel":
         """A copy on device (the key, η and context_lens stay host values)."""
         return dataclasses.replace(self, cost=self.cost.to(device), cost_ar=self.cost_ar.to(device),

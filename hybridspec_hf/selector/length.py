@@ -123,6 +123,13 @@ class DinkelbachThroughput:
         self.spec_weight = torch.zeros(batch, device=device)
         self.ar_streak = torch.zeros(batch, dtype=torch.long, device=device)
 
+    def restart(self, cost_ar: torch.Tensor) -> None:
+        """`reset` in place, keeping every tensor's address (CUDA graphs hold them). cost_ar: [batch]."""
+        self.tokens.fill_(float(self.prior_rounds))
+        self.latency.copy_(self.prior_rounds * cost_ar.expand_as(self.latency))
+        for stat in (self.spec_tokens, self.spec_latency, self.spec_weight, self.ar_streak):
+            stat.zero_()
+
     @property
     def rho(self) -> torch.Tensor:
         """Pooled throughput ρ [batch] fp32, tokens/second."""

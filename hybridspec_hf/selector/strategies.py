@@ -170,6 +170,15 @@ class HybridSpec(_Calibrated):
     def reset(self) -> None:
         self.throughput.tokens = None
 
+    def restart(self, context_len: torch.Tensor) -> None:
+        """A new generation in place: the streams restart from the prior without new tensors (graph-captured rounds
+        hold their addresses); the first call allocates them. context_len: [batch] long on the rounds' device."""
+        if self.throughput.tokens is None or self.throughput.tokens.device != context_len.device:
+            self.throughput.tokens = None
+            self.should_draft(context_len)
+            return
+        self.throughput.restart(self._model(context_len.device).cost_ar_for(context_len))
+
     def _ready(self, batch: int, model: LatencyModel, context_len) -> None:
         """(Re)start the streams when the batch or device changes; remember this round's C_ar."""
         cost_ar = model.cost_ar_for(context_len).expand(batch)  # [batch]

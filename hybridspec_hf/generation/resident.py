@@ -1,0 +1,343 @@
+"""GPU-resident rounds: the round loop of `loop.py` over static buffers, replayed from CUDA graphs.
+
+A round is two replays and one hand-off:
+
+    spec graph    draft → choose w0 → verify (stage 0 → routing correction → stage 1) → accept → hand-off copy
+    host          wait for the hand-off (the round's one device→host transfer), emit tokens to streamer and stopping
+                  criteria until one fires: m = tokens emitted
+    commit graph  S_m of every GDN layer + conv windows (one launch), lengths, drafter context, selector update
+
+A plain decoding step (the "ar" strategy, or HybridSpec's plain-decoding option) is one graph: the stock forward of
+one token (caches advance in place), the token, and its hand-off. EOS, max_length and host-only criteria (stop
+strings, user criteria) are all decided on the host after the hand-off; they can only shorten m, which the commit
+graph reads from a device buffer the host fills. On the CPU the same functions run eagerly (no capture), so the CPU
+tests cover this path.
+
+One `ResidentRounds` is built per (target, drafter, strategy settings, sampling, capacity) and reused by later
+generate() calls; `resident_rounds` keeps one per target.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from hybridspec_hf import patches
+from hybridspec_hf.generation.acceptance import greedy_accept, sample_tokens, speculative_sample
+from hybridspec_hf.generation.routing import VerifyWindow
+from hybridspec_hf.generation.telemetry import RoundRecord
+from hybridspec_hf.graphs.capture import Replay, host_syncs
+from hybridspec_hf.graphs.static_target import StaticTarget
+
+# Logits processors that read only the scores of their own row (no prefix, no length, no state): they can be
+# applied to all verified positions at once inside a graph. Anything else runs the eager loop.
+ROW_WISE_PROCESSORS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper",
+                       "EpsilonLogitsWarper", "EtaLogitsWarper", "TypicalLogitsWarper")
+_CAPACITY_STEP = 512
+
+
+def unsupported_reason(model, drafter, strategy, generation_config, logits_processor, cache) -> str | None:
+    """Why this generate() call cannot run GPU-resident rounds (None: it can)."""
+    names = [type(p).__name__ for p in logits_processor]
+    other = sorted(set(names) - set(ROW_WISE_PROCESSORS))
+    if other:
+        return f"logits processors {other} depend on the prefix or keep state"
+    if generation_config.return_dict_in_generate and (generation_config.output_scores or
+                                                      generation_config.output_logits):
+        return "output_scores/output_logits keep every row of every round"
+    if strategy.exact_shape:
+        return "verify_shape='exact' reads w0 on the host"
+    attn = getattr(model.config.get_text_config(), "_attn_implementation", None) or "sdpa"
+    if attn not in ("sdpa", "eager"):
+        return f"attn_implementation={attn!r} (needs 'sdpa' or 'eager')"
+    if type(cache).__name__ not in ("DynamicCache", "StaticCache"):
+        return f"cache {type(cache).__name__}"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Key:
+    drafter: int
+    strategy: int
+    sampling: bool
+    processors: tuple
+    capacity: int
+    position_rows: int
+
+
+def resident_rounds(model, drafter, strategy, logits_processor, do_sample: bool, max_length: int,
+                    position_rows: int) -> "ResidentRounds":
+    """The target's `ResidentRounds` for these settings: the cached one when it fits, else a new one (the old one
+    is released first, so one set of graphs and static caches per target is alive at a time)."""
+    block = drafter.config.block_size if drafter is not None else 1
+    capacity = -(-(max_length + block) // _CAPACITY_STEP) * _CAPACITY_STEP
+    key = _Key(id(drafter), strategy.identity(), do_sample, tuple(repr(p.__dict__) for p in logits_processor),
+               capacity, position_rows)
+    current = model.__dict__.get("_hybridspec_resident")
+    if current is not None and current.key == key:
+        return current
+    if current is not None:
+        release_resident_rounds(model)
+    rounds = ResidentRounds(model, drafter, strategy, logits_processor, do_sample, capacity, position_rows, key)
+    model.__dict__["_hybridspec_resident"] = rounds
+    return rounds
+
+
+def release_resident_rounds(model) -> None:
+    """Free the target's captured rounds (graphs, static caches)."""
+    current = model.__dict__.pop("_hybridspec_resident", None)
+    if current is not None:
+        current.close()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+class ResidentRounds:
+    """Static buffers and graphs of GPU-resident rounds (see the module docstring)."""
+
+    def __init__(self, model, drafter, strategy, logits_processor, do_sample: bool, capacity: int,
+                 position_rows: int, key: _Key):
+        self.key = key
+        self.model, self.drafter, self.strategy = model, drafter, strategy
+        self.logits_processor, self.do_sample = logits_processor, do_sample
+        self.device = next(model.parameters()).device
+        feature_ids = list(drafter.config.target_layer_ids) if drafter is not None and strategy.name != "ar" else []
+        self.target = StaticTarget(model, capacity, feature_ids, position_rows, strategy.kernel_backend)
+        self.context = None
+        if drafter is not None and strategy.name != "ar":
+            from hybridspec_hf.drafter import StaticDraftContext
+
+            self.context = StaticDraftContext(drafter, capacity, self.device, drafter.dtype)
+        moe = patches.moe_blocks(model)
+        self.window = VerifyWindow(moe)
+        self.block_size = drafter.config.block_size if self.context is not None else 1
+        self.verify_tokens = self.block_size if strategy.fixed_length is None else strategy.fixed_length
+        long = dict(dtype=torch.long, device=self.device)
+        self.last_token = torch.zeros(1, 1, **long)  # the anchor: last emitted token, not yet in the cache
+        self.max_length = torch.zeros(1, **long)  # generate()'s max_length (prompt + new tokens)
+        self.count = torch.zeros(1, **long)  # m: tokens of the last verification to commit (filled by the host)
+        self.one = torch.ones(1, **long)
+        pinned = self.device.type == "cuda"
+        # hand-off: [target tokens (T), a, w, kept, n_new, draft_next]
+        self.handoff = torch.zeros(self.verify_tokens + 5, dtype=torch.long, pin_memory=pinned)
+        self.handoff_ready = torch.cuda.Event() if pinned else None
+        self.pending: patches.VerifySession | None = None
+        self.features = self.valid = self.target_tokens = None
+        self.reset_selector()
+        start = time.perf_counter()
+        with torch.no_grad():
+            self.step = Replay(self._step, self.device)
+            self.spec = Replay(self._spec, self.device) if self.context is not None else None
+            self.commit = Replay(self._commit, self.device, pool=self.spec.pool()) if self.spec else None
+        self.capture_s = time.perf_counter() - start
+        self.graph_bytes = torch.cuda.memory_reserved(self.device) if pinned else 0
+
+    def close(self) -> None:
+        self.window.remove()
+        self.target.close()
+        self.step = self.spec = self.commit = None
+
+    @property
+    def captured(self) -> bool:
+        return self.step.captured
+
+    def reset_selector(self) -> None:
+        """A new generate() call: the selector's streams restart from its prior, in place (graphs hold them)."""
+        selector = self.strategy.selector
+        if selector is not None:
+            restart = getattr(selector, "restart", None)
+            restart(self.target.length) if restart is not None else selector.reset()
+
+    # ------------------------------------------------------------------------------------------ captured functions
+    def _scores(self, raw: torch.Tensor) -> torch.Tensor:
+        """Row-wise logits processors on raw [T, V] fp32 logits (every row as AR would process it)."""
+        if len(self.logits_processor) == 0:
+            return raw
+        prefix = self.last_token.expand(raw.shape[0], 1)  # row-wise processors ignore it
+        return self.logits_processor(prefix, raw)
+
+    def _flag(self, value) -> torch.Tensor:
+        """A [1] long on the device from a bool or a bool tensor (strategies answer either)."""
+        if isinstance(value, torch.Tensor):
+            return value.reshape(-1)[:1].long().to(self.device)
+        return torch.full((1,), int(bool(value)), dtype=torch.long, device=self.device)
+
+    def _write_handoff(self, values: torch.Tensor) -> None:
+        self.handoff.copy_(values, non_blocking=True)
+
+    def _step(self):
+        """A plain decoding step: the stock forward of the anchor (caches advance in place), its token."""
+        context_len = self.target.length.clone()
+        logits, features = self.target.forward(self.last_token)
+        scores = self._scores(logits[0].float())  # [1, V]
+        token = sample_tokens(scores.softmax(-1)) if self.do_sample else scores.argmax(-1)  # [1]
+        if self.context is not None:
+            self.context.append(features, 1)
+        self.target.advance(self.one)
+        self.last_token.copy_(token.view(1, 1))
+        draft_next = self._flag(self.strategy.should_draft(context_len)) if self.spec is not None else \
+            torch.zeros(1, dtype=torch.long, device=self.device)
+        if self.strategy.selector is not None:
+            self.strategy.selector.observe(self.one, self.one, None, False)
+        zeros = torch.zeros(self.handoff.shape[0] - 6, dtype=torch.long, device=self.device)
+        self._write_handoff(torch.cat([token.view(1), zeros, torch.zeros_like(self.one), self.one,
+                                       torch.zeros_like(self.one), torch.zeros_like(self.one),
+                                       draft_next]))
+
+    def _spec(self):
+        """Draft, choose, verify, accept: everything of a speculative round before the host decides m."""
+        t = self.verify_tokens
+        context_len = self.target.length.clone()
+        draft_logits = self.drafter.draft_static(self.last_token, self.context)  # [1, B-1, V]
+        drafts = draft_logits.argmax(-1)
+        tokens = torch.cat([self.last_token, drafts[:, : t - 1]], dim=1)  # [1, T]
+        room = self.max_length - (self.target.length + 1)  # tokens generate() still allows
+        w_max = room.clamp(min=1, max=t)
+        choice = None
+        if self.strategy.fixed_length is None:
+            choice = self.strategy.choose(draft_logits, context_len, w_max)
+            valid = choice.valid
+            self.window.arm(valid, choice.on_first_router)
+        else:
+            valid = w_max
+        session = patches.VerifySession(cache=self.target.cache, kernel_backend=self.strategy.kernel_backend,
+                                        valid_len=valid)
+        try:
+            logits, features = self.target.forward(tokens, verify=session)
+        finally:
+            self.window.disarm()
+        scores = self._scores(logits[0].float())  # [T, V]
+        if self.do_sample:
+            accepted, sampled = speculative_sample(tokens[:, 1:], scores.softmax(-1)[None], valid)
+            target_tokens = torch.cat([tokens[:, 1:], sampled[:, None]], dim=1)
+            target_tokens = target_tokens.scatter(1, accepted.view(-1, 1), sampled.view(-1, 1))
+        else:
+            target_tokens = scores.argmax(-1)[None]  # [1, T]
+            accepted = greedy_accept(tokens[:, 1:], target_tokens, valid)
+        draft_next = self._flag(self.strategy.should_draft(context_len))
+        keep = choice.keep.long() if choice is not None else torch.zeros_like(self.one)
+        n_new = choice.n_new if choice is not None else torch.zeros_like(self.one)
+        self.pending, self.features, self.valid, self.target_tokens = session, features, valid, target_tokens
+        self._write_handoff(torch.cat([target_tokens.view(-1), accepted.view(1), valid.view(1), keep.view(1),
+                                       n_new.view(1), draft_next]))
+
+    def _commit(self):
+        """Keep m = self.count tokens of the last verification."""
+        self.target.commit(self.pending, self.count)
+        self.context.append(self.features, self.count)
+        self.last_token.copy_(self.target_tokens.gather(1, (self.count - 1).clamp(min=0).view(1, 1)))
+        if self.strategy.selector is not None:
+            self.strategy.selector.observe(self.valid.view(1), self.count, None, True)
+
+    # ------------------------------------------------------------------------------------------ host side
+    def start(self, cache, last_position: torch.Tensor, prompt_features: torch.Tensor, first_token: torch.Tensor,
+              max_length: int) -> None:
+        """Load a prefilled call into the static buffers (eager, once per generate() call)."""
+        self.target.load(cache, last_position)
+        if self.context is not None:
+            self.context.reset()
+            self.context.append(prompt_features, prompt_features.shape[1])
+        self.last_token.copy_(first_token.view(1, 1))
+        self.max_length.fill_(max_length)
+        self.reset_selector()
+
+    def run_step(self) -> list[int]:
+        self.step()
+        return self._read_handoff()
+
+    def run_spec(self) -> list[int]:
+        self.spec()
+        return self._read_handoff()
+
+    def run_commit(self, count: int) -> None:
+        self.count.fill_(count)
+        self.commit()
+
+    def _read_handoff(self) -> list[int]:
+        """The round's one device→host wait: the hand-off copy was enqueued (non-blocking) by the graph."""
+        if self.handoff_ready is not None:
+            self.handoff_ready.record()
+            with host_syncs():
+                self.handoff_ready.synchronize()
+        return self.handoff.tolist()
+
+    def finish(self, cache, length: int) -> None:
+        """Write the committed state back into the caller's cache."""
+        self.target.store(cache, length)
+
+
+# ---------------------------------------------------------------------------------------------- the decode loop
+class HostEmitter:
+    """Emits tokens on the host, one at a time as AR would: streamer, EOS, max_length and the remaining stopping
+    criteria (stop strings, user criteria; called with CPU input_ids and scores=None)."""
+
+    _DEVICE_SIDE = ("MaxLengthCriteria", "EosTokenCriteria")
+
+    def __init__(self, input_ids: torch.Tensor, generation_config, stopping_criteria, streamer):
+        self.input_ids = input_ids  # [1, L] on the model's device: prompt + the prefill's token
+        self.tokens: list[int] = []
+        self.streamer = streamer
+        self.max_length = generation_config.max_length
+        eos = getattr(generation_config, "_eos_token_tensor", None)
+        eos = generation_config.eos_token_id if eos is None else eos.reshape(-1).tolist()
+        self.eos = set([eos] if isinstance(eos, int) else (eos or []))
+        self.criteria = [c for c in stopping_criteria if type(c).__name__ not in self._DEVICE_SIDE]
+        self.host_ids = input_ids.cpu() if self.criteria else None
+        self.finished = input_ids.shape[1] >= self.max_length
+
+    @property
+    def length(self) -> int:
+        return self.input_ids.shape[1] + len(self.tokens)
+
+    def emit(self, token: int) -> None:
+        self.tokens.append(token)
+        if self.streamer is not None:
+            self.streamer.put(torch.tensor([token]))
+        self.finished = token in self.eos or self.length >= self.max_length
+        if self.criteria:
+            self.host_ids = torch.cat([self.host_ids, torch.tensor([[token]])], dim=1)
+            self.finished |= any(bool(c(self.host_ids, None).all()) for c in self.criteria)
+
+    def sequences(self) -> torch.Tensor:
+        new = torch.tensor([self.tokens], dtype=self.input_ids.dtype).to(self.input_ids.device)
+        return torch.cat([self.input_ids, new], dim=1)
+
+
+def resident_decode(rounds: ResidentRounds, emitter: HostEmitter, telemetry, predicted_latency) -> None:
+    """Rounds until a criterion fires; the caller prefilled and `rounds.start(...)`-ed. Host time per round: one
+    replay (two for a speculative round), one wait for the hand-off, and the emission of its tokens."""
+    t = rounds.verify_tokens
+    draft_next = rounds.spec is not None
+    last = time.perf_counter()
+    context_len = emitter.length - 1
+    while not emitter.finished:
+        if draft_next:
+            handoff = rounds.run_spec()
+            a, w, kept, n_new, draft_next = handoff[t : t + 5]
+            committed = 0
+            for token in handoff[: a + 1]:
+                emitter.emit(token)
+                committed += 1
+                if emitter.finished:
+                    break
+            rounds.run_commit(committed)
+            drafted = True
+        else:
+            handoff = rounds.run_step()
+            a, w, kept, n_new, draft_next = 0, 1, 0, 0, handoff[t + 4]
+            emitter.emit(handoff[0])
+            committed, drafted = 1, False
+        draft_next = bool(draft_next) and rounds.spec is not None
+        now = time.perf_counter()
+        corrected = drafted and rounds.strategy.corrects
+        device_side = drafted and rounds.strategy.fixed_length is None
+        telemetry.rounds.append(RoundRecord(
+            w, a, committed, committed, now - last, drafted,
+            w0=w - kept if device_side else None,
+            extra_kept=bool(kept) if corrected else None,
+            n_new=n_new if corrected else None,
+            predicted_s=predicted_latency(w, context_len, drafted),
+        ))
+        context_len += committed
+        last = now

@@ -1,0 +1,175 @@
+"""The target with static shapes and device-side lengths: what a CUDA graph can replay (DESIGN.md §6).
+
+One `StaticTarget` per (model, capacity, block size) lives across generate() calls. It owns a transformers
+`StaticCache` of `capacity` positions and the device-side bookkeeping around it:
+
+- `length` [1] long: tokens in the cache (committed); every attention layer's `cumulative_length` is set to it
+  after each commit, so a verification writes its T keys at length .. length+T-1;
+- `next_position` [R, 1, 1] long: the position id of the next token (R = rows of mRoPE position ids, or 1);
+- masks built on the device from `length` (a mask dict, so transformers' mask code, which syncs on 5.17, never
+  runs).
+
+Nothing here reads a device value on the host. A generate() call prefills with its own cache as AR does, `load`s
+that cache into the static one, runs rounds, and `store`s the result back into the caller's cache, so the caller
+sees exactly the cache AR decoding would have left.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from hybridspec_hf import patches
+from hybridspec_hf.kernels import commit_gdn_states_auto
+
+
+def _attention_layers(cache) -> list:
+    return [layer for layer in cache.layers if not patches.is_linear_cache_layer(layer)]
+
+
+def _linear_layers(cache) -> list:
+    return [layer for layer in cache.layers if patches.is_linear_cache_layer(layer)]
+
+
+class StaticTarget:
+    """Static cache + static-shape forwards of one target. `capacity` counts cache positions (prompt, generated
+    tokens and the B positions a verification may write past the committed length)."""
+
+    def __init__(self, model, capacity: int, feature_layer_ids: list[int], position_rows: int = 1,
+                 kernel_backend: str = "auto"):
+        from transformers import StaticCache
+
+        from hybridspec_hf.generation.target import FeatureCapture
+
+        self.model = model
+        self.capacity = capacity
+        self.kernel_backend = kernel_backend
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        text_config = model.config.get_text_config()
+        self.cache = StaticCache(config=text_config, max_cache_len=capacity)
+        # transformers ≥ 5.23 names the forward's cache argument `cache` (`past_key_values` is deprecated there)
+        self.cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self.gdn_layers = patches.gdn_layers(model)
+        self.capture = FeatureCapture(patches.text_model(model).layers, feature_layer_ids)
+        self.length = torch.zeros(1, dtype=torch.long, device=self.device)
+        # position_rows: 1 for position ids [1, T], R for mRoPE position ids [R, 1, T] (as generate() passes them)
+        self.next_position = torch.zeros(position_rows, 1, 1, dtype=torch.long, device=self.device)
+        self.key_positions = torch.arange(capacity, device=self.device)  # [capacity]
+        self.attn_impl = getattr(text_config, "_attn_implementation", None) or "sdpa"
+        if self.attn_impl not in ("sdpa", "eager"):
+            raise ValueError(
+                f"GPU-resident rounds need attn_implementation 'sdpa' or 'eager' (masks with device-side lengths); the "
+                f"model uses {self.attn_impl!r}. Load it with attn_implementation='sdpa' or pass "
+                "HybridSpecConfig(cuda_graphs='off')."
+            )
+        self._initialise()
+
+    def close(self) -> None:
+        self.capture.remove()
+
+    # ------------------------------------------------------------------------------------------------ set-up
+    def _initialise(self) -> None:
+        """Allocate every cache tensor now (transformers allocates lazily, on the first update): a forward over a
+        few tokens, then back to empty. Graph captures need the tensors to exist and keep their addresses."""
+        vocab = self.model.config.get_text_config().vocab_size
+        ids = torch.randint(0, vocab, (1, 2), device=self.device, generator=None)
+        positions = torch.arange(2, device=self.device).view(1, 1, 2).expand(self.next_position.shape[0], 1, 2)
+        with torch.no_grad():
+            self.model(input_ids=ids, position_ids=self._position_ids(positions), use_cache=True,
+                       logits_to_keep=1, attention_mask=self.mask(2), **{self.cache_kwarg: self.cache})
+        self.capture.take()
+        self.reset()
+
+    def reset(self) -> None:
+        """Empty cache: length 0 (GDN states are overwritten by `load`)."""
+        self.length.zero_()
+        self.next_position.zero_()
+        for layer in _attention_layers(self.cache):
+            layer.cumulative_length.zero_()
+
+    def _position_ids(self, positions: torch.Tensor) -> torch.Tensor:
+        """[R, 1, T] -> what the model takes: [1, T] for plain RoPE, [R, 1, T] for mRoPE."""
+        return positions[0] if positions.shape[0] == 1 else positions
+
+    # ------------------------------------------------------------------------------------------------ masks
+    def mask(self, num_tokens: int) -> dict:
+        """The mask dict for T new tokens at cache positions length .. length+T-1 (causal over the static cache)."""
+        query = self.length + torch.arange(num_tokens, device=self.device)  # [T]
+        visible = self.key_positions.view(1, -1) <= query.view(-1, 1)  # [T, capacity]
+        if self.attn_impl == "eager":
+            visible = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill(
+                ~visible, torch.finfo(self.dtype).min)
+        return {"full_attention": visible[None, None], "linear_attention": None}
+
+    # ------------------------------------------------------------------------------------------------ forwards
+    def forward(self, tokens: torch.Tensor, verify: patches.VerifySession | None = None):
+        """Logits [1, T, V] and features [1, T, F] of T tokens [1, T] after the committed ones.
+
+        verify=None: the stock forward (AR: GDN and attention caches advance by T in place; use T = 1).
+        With a session: GDN layers verify without writing their state; attention writes T keys past `length`.
+        """
+        num_tokens = tokens.shape[1]
+        positions = self.next_position + torch.arange(num_tokens, device=self.device).view(1, 1, -1)
+        if verify is not None:
+            for layer in self.gdn_layers:
+                layer._hybridspec_verify = verify
+        try:
+            outputs = self.model(input_ids=tokens, position_ids=self._position_ids(positions),
+                                 attention_mask=self.mask(num_tokens), use_cache=True, logits_to_keep=num_tokens,
+                                 **{self.cache_kwarg: self.cache})
+        finally:
+            for layer in self.gdn_layers:
+                layer.__dict__.pop("_hybridspec_verify", None)
+        return outputs.logits, self.capture.take()
+
+    def advance(self, count: torch.Tensor) -> None:
+        """count [1] long tokens were committed: move the lengths (device-side) and realign attention layers."""
+        self.length.add_(count)
+        self.next_position.add_(count.view(1, 1, 1))
+        for layer in _attention_layers(self.cache):
+            layer.cumulative_length.copy_(self.length.view(()))
+
+    def commit(self, session: patches.VerifySession, count: torch.Tensor) -> None:
+        """Keep `count` ([1] long, 0 ≤ count ≤ T) of a verification's tokens: S_m and conv windows of every GDN
+        layer in one launch, then the lengths (attention keys past the new length are masked from now on)."""
+        if session.pending:
+            commit_gdn_states_auto(session.pending, count.to(torch.int32), self.kernel_backend)
+        self.advance(count)
+
+    # ------------------------------------------------------------------------------------------------ caller's cache
+    def load(self, cache, position: torch.Tensor) -> None:
+        """Copy a prefilled transformers cache (Dynamic or Static) into the static one.
+
+        position: [R, 1, 1] (or anything that reshapes to it) position id of the last cached token.
+        """
+        length = int(cache.get_seq_length())
+        if length + 1 > self.capacity:
+            raise ValueError(f"the prompt ({length} tokens) does not fit the static cache ({self.capacity}).")
+        for mine, theirs in zip(self.cache.layers, cache.layers):
+            if patches.is_linear_cache_layer(mine):
+                mine.conv_states[0].copy_(theirs.conv_states[0])
+                mine.recurrent_states[0].copy_(theirs.recurrent_states[0])
+            else:
+                mine.keys[:, :, :length].copy_(theirs.keys[:, :, :length])
+                mine.values[:, :, :length].copy_(theirs.values[:, :, :length])
+        self.length.fill_(length)
+        self.next_position.copy_(position.reshape(-1, 1, 1).expand_as(self.next_position) + 1)
+        for layer in _attention_layers(self.cache):
+            layer.cumulative_length.fill_(length)
+
+    def store(self, cache, length: int) -> None:
+        """Write the committed state (`length` tokens, known on the host) back into the caller's cache."""
+        for mine, theirs in zip(self.cache.layers, cache.layers):
+            if patches.is_linear_cache_layer(mine):
+                theirs.conv_states[0].copy_(mine.conv_states[0])
+                theirs.recurrent_states[0].copy_(mine.recurrent_states[0])
+            elif isinstance(getattr(theirs, "cumulative_length", None), torch.Tensor):  # StaticLayer
+                theirs.keys[:, :, :length].copy_(mine.keys[:, :, :length])
+                theirs.values[:, :, :length].copy_(mine.values[:, :, :length])
+                theirs.keys[:, :, length:].zero_()
+                theirs.values[:, :, length:].zero_()
+                theirs.cumulative_length.fill_(length)
+            else:  # DynamicLayer
+                theirs.keys = mine.keys[:, :, :length].clone()
+                theirs.values = mine.values[:, :, :length].clone()
