@@ -218,12 +218,23 @@ class DFlashAttention(nn.Module):
         cos: torch.Tensor,  # [B, Tq, D] of the block positions
         sin: torch.Tensor,
         mask: torch.Tensor | None,  # bool [B|1, 1, Tq, Tk+Tq], True = attend; None = all
+        block_slots: torch.Tensor | None = None,  # [B, H_kv, Tq, D] long: static path, see below
     ) -> torch.Tensor:
+        """Attention output [B, Tq, H] of the block.
+
+        Eager path: keys are cat([context K/V, block K/V]). Static path (`block_slots` given, context K/V are the
+        whole static buffers [B, H_kv, S, D]): the block's K/V are scattered into their slots of those buffers and
+        the block attends over all S slots with `mask` [B, 1, Tq, S]; no cat, so shapes and addresses stay fixed.
+        """
         batch, length = x.shape[:2]
         q = self.q_norm(self.q_proj(x).view(batch, length, self.num_heads, self.head_dim)).transpose(1, 2)
         q = _rotate(q, cos, sin)
         k, v = self.key_value(x, cos, sin)
-        if context_key is not None:
+        if block_slots is not None:
+            context_key.scatter_(2, block_slots, k)
+            context_value.scatter_(2, block_slots, v)
+            k, v = context_key, context_value
+        elif context_key is not None:
             k, v = torch.cat([context_key, k], dim=2), torch.cat([context_value, v], dim=2)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
@@ -256,8 +267,8 @@ class DFlashDecoderLayer(GradientCheckpointingLayer):
         self.input_layernorm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, context_key, context_value, cos, sin, mask) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), context_key, context_value, cos, sin, mask)
+    def forward(self, x, context_key, context_value, cos, sin, mask, block_slots=None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), context_key, context_value, cos, sin, mask, block_slots)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -461,6 +472,13 @@ class DFlashDrafter(PreTrainedModel):
             logits [B, block_size-1, V] (at least fp32); row k-1 predicts the token at anchor position + k.
             With return_hidden=True also the drafter's final hidden states of those rows, [B, block_size-1, H].
         """
+        hidden = self(self._block_embeddings(anchor_ids), context_hidden=new_context, cache=cache).last_hidden_state
+        hidden = hidden[:, 1:]
+        logits = self.compute_logits(hidden)
+        return (logits, hidden) if return_hidden else logits
+
+    def _block_embeddings(self, anchor_ids: torch.Tensor) -> torch.Tensor:
+        """Embeddings of the block [anchor, MASK x (B-1)] for anchor_ids [B, 1] -> [B, block_size, H]."""
         if self.config.mask_token_id is None:
             raise ValueError("config.mask_token_id is None; set it to the mask row the drafter was trained with.")
         if anchor_ids.dim() != 2 or anchor_ids.shape[1] != 1:
@@ -469,10 +487,7 @@ class DFlashDrafter(PreTrainedModel):
             (anchor_ids.shape[0], self.config.block_size - 1), self.config.mask_token_id,
             dtype=anchor_ids.dtype, device=anchor_ids.device,
         )
-        noise = self.embed(torch.cat([anchor_ids, masks], dim=1))  # [B, bs, H]
-        hidden = self(noise, context_hidden=new_context, cache=cache).last_hidden_state[:, 1:]
-        logits = self.compute_logits(hidden)
-        return (logits, hidden) if return_hidden else logits
+        return self.embed(torch.cat([anchor_ids, masks], dim=1))
 
     # ----------------------------------------------------------------------------------------------- forward
     def project_context(self, context_hidden: torch.Tensor) -> torch.Tensor:
@@ -521,7 +536,7 @@ class DFlashDrafter(PreTrainedModel):
         dtype = self.dtype
         q_cos, q_sin = self.rotary_emb(positions.query, dtype)
         c_cos, c_sin = (None, None) if context is None else self.rotary_emb(positions.context, dtype)
-        layer_masks = self._layer_masks(positions, attention_mask)
+        layer_masks = self._layer_masks(positions.query, positions.keys, attention_mask)
         hidden = noise_embeds.to(device=self.device, dtype=dtype)
         for i, layer in enumerate(self.layers):
             key, value = self._context_key_value(i, layer, context, c_cos, c_sin, cache)
@@ -555,8 +570,14 @@ class DFlashDrafter(PreTrainedModel):
             query=rows(position_ids, start + num_context, length),
         )
 
-    def _layer_masks(self, positions: _Positions, attention_mask: torch.Tensor | None) -> dict:
-        """Boolean mask per distinct (is_causal, sliding_window) of the layers: the given mask AND the layer's limits."""
+    def _layer_masks(
+        self, query_positions: torch.Tensor, key_positions: torch.Tensor, attention_mask: torch.Tensor | None
+    ) -> dict:
+        """Boolean mask per distinct (is_causal, sliding_window) of the layers: the given mask AND the layer's limits.
+
+        query_positions [B, Tq] and key_positions [B, Tk] long; attention_mask bool, broadcastable to
+        [B, 1, Tq, Tk], or None. Pure tensor maths (no host sync), so the static drafting path uses it too.
+        """
         if attention_mask is not None and attention_mask.dtype != torch.bool:
             raise ValueError(f"attention_mask must be boolean (True = attend), got {attention_mask.dtype}.")
         masks = {}
@@ -568,7 +589,7 @@ class DFlashDrafter(PreTrainedModel):
             if not causal and window is None:
                 masks[kind] = attention_mask
                 continue
-            q, k = positions.query[:, :, None], positions.keys[:, None, :]  # [B, Tq, 1], [B, 1, Tk]
+            q, k = query_positions[:, :, None], key_positions[:, None, :]  # [B, Tq, 1], [B, 1, Tk]
             visible = torch.ones_like(q == k)
             if causal:
                 visible &= k <= q
