@@ -398,6 +398,10 @@ class DFlashDrafter(PreTrainedModel):
     Inference (the round loop):
         cache = drafter.new_context_cache()
         logits = drafter.draft(anchor_ids, new_context, cache)   # [B, block_size-1, V]
+    Graph-captured rounds (same maths; static shapes, device-side lengths, no host sync):
+        ctx = StaticDraftContext(drafter, capacity, drafter.device, drafter.dtype)
+        ctx.append(features, count)                              # count: int or [B] long on the device
+        logits = drafter.draft_static(anchor_ids, ctx)           # [B, block_size-1, V]
     Training: `forward(noise_embeds, context_hidden, position_ids=..., context_position_ids=..., attention_mask=...)`
     with `block_attention_mask` / `block_position_ids`, then `compute_logits(hidden)`.
     """
