@@ -1,6 +1,7 @@
 """DFlash drafter: z-lab checkpoint compatibility, shared target tables, context cache and attention pattern."""
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -13,6 +14,7 @@ from transformers import AutoConfig, AutoModel
 from hybridspec_hf.drafter import (
     DFlashConfig,
     DFlashDrafter,
+    StaticDraftContext,
     block_attention_mask,
     block_position_ids,
     build_target_layer_ids,
@@ -322,6 +324,237 @@ def test_sliding_layers_are_causal_and_windowed_like_zlab(target):
     moved = noise.clone()
     moved[:, 3] += 1.0  # causal inside the block: block token 3 reaches rows 3.. only
     assert changed_rows(noise=moved) == [False] * 3 + [True] * 3
+
+
+# ------------------------------------------------------------------------------------------- static (graph) path
+# Static vs eager drafting: the same maths, but attention runs over all capacity + block_size slots with a boolean
+# mask instead of over the exact keys, so sums run in another order. Tolerance relative to the largest logit.
+_STATIC_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
+
+# (rows given n, rows counted per batch row, draft afterwards): a prompt-sized first append whose junk reaches past
+# the block, block-sized appends with every count 0..6, and two appends without a draft between (a round that did
+# not draft). Row 1 ends exactly at capacity 24, so its last block sits in the spare slots.
+_SCHEDULE = [
+    (12, (3, 7), True),
+    (6, (6, 2), True),
+    (6, (0, 0), True),
+    (6, (2, 6), False),
+    (6, (5, 1), True),
+    (6, (1, 3), True),
+    (6, (4, 5), True),
+]
+_STATIC_LAYERS = {  # DFlashConfig overrides: full bidirectional, sliding (causal + window < block), causal full
+    "full": {},
+    "sliding": dict(layer_types=["sliding_attention", "full_attention"], use_sliding_window=True, sliding_window=4),
+    "causal": dict(is_causal=True),
+}
+
+
+def _static_drafter(dtype, layers="full") -> DFlashDrafter:
+    return _drafter(make_target("qwen3_5_moe", dtype=dtype), **_STATIC_LAYERS[layers])
+
+
+def _round_inputs(drafter, batch, junk):
+    """Per step of _SCHEDULE: (features [B, n, F] whose rows past each row's count hold `junk`, count, anchors)."""
+    generator = torch.Generator().manual_seed(5)
+    width = drafter.fc.in_features
+    steps = []
+    for step, (n, counts, _) in enumerate(_SCHEDULE):
+        features = torch.randn(batch, n, width, generator=generator, dtype=drafter.dtype)
+        for row in range(batch):
+            features[row, counts[row]:] = junk(n - counts[row], width)
+        counts = counts[:batch]
+        count = counts[0] if step % 2 == 0 and len(set(counts)) == 1 else torch.tensor(counts)  # host int / device
+        steps.append((features, count, torch.randint(0, VOCAB - 1, (batch, 1), generator=generator)))
+    return steps
+
+
+def _static_rounds(drafter, steps, batch, before_draft=None, ctx=None) -> list[torch.Tensor]:
+    """Logits of every draft of _SCHEDULE through StaticDraftContext.append + draft_static."""
+    ctx = ctx if ctx is not None else StaticDraftContext(drafter, 24, drafter.device, drafter.dtype, batch_size=batch)
+    addresses = [t.data_ptr() for t in ctx.keys + ctx.values + [ctx.length]]
+    drafts = []
+    for (features, count, anchors), (_, _, draft) in zip(steps, _SCHEDULE):
+        ctx.append(features, count)
+        if draft:
+            if before_draft is not None:
+                before_draft(ctx)
+            drafts.append(drafter.draft_static(anchors, ctx))
+    assert [t.data_ptr() for t in ctx.keys + ctx.values + [ctx.length]] == addresses  # nothing reallocated
+    return drafts
+
+
+def _eager_rounds(drafter, steps, batch) -> list[torch.Tensor]:
+    """The same drafts through draft() and DFlashContextCache, one batch-1 cache per row (its length is shared)."""
+    drafts = [[] for _ in range(batch)]
+    for row in range(batch):
+        cache, pending = drafter.new_context_cache(), []
+        for (features, _, anchors), (_, counts, draft) in zip(steps, _SCHEDULE):
+            pending.append(features[row:row + 1, : counts[row]])
+            if draft:
+                drafts[row].append(drafter.draft(anchors[row:row + 1], torch.cat(pending, dim=1), cache))
+                pending = []
+    return [torch.cat(rows) for rows in zip(*drafts)]
+
+
+def _nan_inf_and_huge(rows, width):
+    return torch.tensor([float("nan"), float("inf"), -1e30])[torch.arange(rows * width) % 3].view(rows, width)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("layers", sorted(_STATIC_LAYERS))
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_static_drafting_equals_eager_drafting(dtype, layers, batch):
+    drafter = _static_drafter(dtype, layers)
+    steps = _round_inputs(drafter, batch, junk=lambda rows, width: 1e3 * torch.randn(rows, width))
+    tolerance = _STATIC_TOLERANCE[dtype]
+    for static, eager in zip(_static_rounds(drafter, steps, batch), _eager_rounds(drafter, steps, batch), strict=True):
+        assert static.shape == (batch, 5, VOCAB)
+        torch.testing.assert_close(static, eager, rtol=tolerance, atol=tolerance * eager.abs().max().item())
+
+
+def test_rows_past_the_count_never_reach_the_drafts():
+    """Junk features (NaN, inf, huge) and junk K/V in every slot past the length leave the logits bit for bit."""
+    drafter = _static_drafter(torch.float64, "sliding")
+    clean = _static_rounds(drafter, _round_inputs(drafter, 2, junk=lambda rows, width: torch.zeros(rows, width)), 2)
+
+    def poison(ctx):  # finite: a NaN key would be masked, but its value still meets a 0 weight (0 * NaN = NaN)
+        beyond = ctx.positions[None, None, :, None] >= ctx.length[:, None, None, None]  # [B, 1, S, 1]
+        for buffer in ctx.keys + ctx.values:
+            buffer.copy_(torch.where(beyond, 1e6 * torch.randn_like(buffer), buffer))
+
+    poisoned = _static_rounds(drafter, _round_inputs(drafter, 2, junk=_nan_inf_and_huge), 2, before_draft=poison)
+    for a, b in zip(clean, poisoned, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_reset_starts_a_new_generation_in_the_same_buffers():
+    drafter = _static_drafter(torch.float64)
+    steps = _round_inputs(drafter, 2, junk=lambda rows, width: torch.randn(rows, width))
+    ctx = StaticDraftContext(drafter, 24, drafter.device, drafter.dtype, batch_size=2)
+    first = _static_rounds(drafter, steps, 2, ctx=ctx)
+    ctx.reset()
+    assert ctx.length.tolist() == [0, 0]
+    for a, b in zip(first, _static_rounds(drafter, steps, 2, ctx=ctx), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@contextlib.contextmanager
+def _no_host_reads():
+    """Make Python-level device->host reads and data-dependent shapes raise (boolean-mask indexing included).
+
+    The CPU stand-in for torch.cuda.set_sync_debug_mode("error"), which the CUDA test below uses.
+    """
+    names = ["item", "tolist", "__bool__", "__int__", "__index__", "__float__", "nonzero", "__getitem__"]
+    originals = {name: getattr(torch.Tensor, name) for name in names}
+    original_tensor = torch.tensor
+
+    def refuse(name):
+        def method(self, *args, **kwargs):
+            index = args[0] if args else None
+            indices = index if isinstance(index, tuple) else (index,)
+            masks = [i for i in indices if isinstance(i, torch.Tensor) and i.dtype == torch.bool]
+            if name == "__getitem__" and not masks:  # plain slicing and integer indexing stay on the device
+                return originals[name](self, *args, **kwargs)
+            raise RuntimeError(f"host read Tensor.{name} in the static drafting path")
+        return method
+
+    def refuse_tensor(*args, **kwargs):
+        raise RuntimeError("torch.tensor(...) in the static drafting path (a host->device copy from a Python list)")
+
+    for name in names:
+        setattr(torch.Tensor, name, refuse(name))
+    torch.tensor = refuse_tensor
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+        torch.tensor = original_tensor
+
+
+def test_static_drafting_makes_no_host_read():
+    drafter = _static_drafter(torch.float32, "sliding")
+    steps = _round_inputs(drafter, 2, junk=lambda rows, width: torch.randn(rows, width))
+    expected = _eager_rounds(drafter, steps, 2)
+    ctx = StaticDraftContext(drafter, 24, drafter.device, drafter.dtype, batch_size=2)
+    drafts = []
+    for (features, count, anchors), (_, counts, draft) in zip(steps, _SCHEDULE):
+        count = count if isinstance(count, torch.Tensor) else torch.tensor(counts[:2])
+        with _no_host_reads():
+            ctx.append(features, count)
+            drafts.append(drafter.draft_static(anchors, ctx) if draft else None)
+    for static, eager in zip([d for d in drafts if d is not None], expected, strict=True):
+        torch.testing.assert_close(static, eager, rtol=1e-5, atol=1e-5 * eager.abs().max().item())
+
+
+@pytest.mark.parametrize("case", ["count_above_rows", "past_capacity", "rows_above_slots", "batch", "float_count",
+                                  "dtype", "other_batch_draft"])
+def test_static_context_misuse_is_explained(case):
+    drafter = _static_drafter(torch.float64)
+    ctx = StaticDraftContext(drafter, 10, drafter.device, drafter.dtype)
+    width = drafter.fc.in_features
+    checks = {
+        "count_above_rows": (lambda: ctx.append(torch.zeros(1, 4, width), 5), "count=5 must be in \\[0, 4\\]"),
+        "past_capacity": (lambda: ctx.append(torch.zeros(1, 12, width), 11), "exceeds the static context's capacity"),
+        "rows_above_slots": (lambda: ctx.append(torch.zeros(1, 17, width), torch.tensor([0])), "cannot fit"),
+        "batch": (lambda: ctx.append(torch.zeros(2, 4, width), 1), "batch size 2, the static context holds 1"),
+        "float_count": (lambda: ctx.append(torch.zeros(1, 4, width), torch.tensor([1.0])), "integer tensor"),
+        "dtype": (lambda: StaticDraftContext(drafter, 10, "cpu", torch.float32), "Pass drafter.device and .dtype"),
+        "other_batch_draft": (lambda: drafter.draft_static(torch.tensor([[1], [2]]), ctx), "batch size 2"),
+    }
+    action, message = checks[case]
+    with pytest.raises(ValueError, match=message):
+        action()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_append_and_draft_static_replay_as_one_cuda_graph(dtype):
+    """append + draft_static captured once, replayed with new inputs under sync-debug "error", equal eager drafts.
+
+    Tolerance fp32: 1e-4 relative to the largest logit (eager attends without a mask, the graph with one: CUDA
+    picks different attention kernels); fp64: 1e-10 (math kernel both ways).
+    """
+    drafter = _drafter(make_target("qwen3_5_moe", dtype=dtype).cuda())
+    block, width = drafter.config.block_size, drafter.fc.in_features
+    generator = torch.Generator().manual_seed(6)
+    prompt = torch.randn(1, 12, width, generator=generator, dtype=dtype).cuda()
+    counts = [6, 0, 3, 6, 1, 2]
+    rounds = [(torch.randn(1, block, width, generator=generator, dtype=dtype).cuda(), torch.tensor([c]).cuda(),
+               torch.randint(0, VOCAB - 1, (1, 1), generator=generator).cuda()) for c in counts]
+    ctx = StaticDraftContext(drafter, 64, drafter.device, dtype)
+    ctx.append(prompt, 12)  # the prompt-sized append runs eagerly
+    features, count, anchor = (torch.zeros_like(x) for x in rounds[0])  # the graph's static inputs; count 0:
+    side = torch.cuda.Stream()  # the warm-up leaves the length alone
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        ctx.append(features, count)
+        drafter.draft_static(anchor, ctx)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ctx.append(features, count)
+        logits = drafter.draft_static(anchor, ctx)
+    replayed = []
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for new_features, new_count, new_anchor in rounds:
+            features.copy_(new_features)
+            count.copy_(new_count)
+            anchor.copy_(new_anchor)
+            graph.replay()
+            replayed.append(logits.clone())
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    cache = drafter.new_context_cache()
+    context = prompt
+    tolerance = {torch.float64: 1e-10, torch.float32: 1e-4}[dtype]
+    for (new_features, _, new_anchor), n, static in zip(rounds, counts, replayed, strict=True):
+        eager = drafter.draft(new_anchor, torch.cat([context, new_features[:, :n]], dim=1), cache)
+        context = new_features[:, :0]
+        torch.testing.assert_close(static, eager, rtol=tolerance, atol=tolerance * eager.abs().max().item())
+    assert int(ctx.length) == 12 + sum(counts)
 
 
 # ------------------------------------------------------------------------------------------- validation

@@ -3,7 +3,13 @@
 from transformers import AutoConfig, AutoModel
 
 from .configuration_dflash import DFlashConfig, build_target_layer_ids
-from .modeling_dflash import DFlashContextCache, DFlashDrafter, block_attention_mask, block_position_ids
+from .modeling_dflash import (
+    DFlashContextCache,
+    DFlashDrafter,
+    StaticDraftContext,
+    block_attention_mask,
+    block_position_ids,
+)
 
 # AutoConfig/AutoModel.from_pretrained on a directory we saved (model_type "dflash_drafter").
 AutoConfig.register(DFlashConfig.model_type, DFlashConfig, exist_ok=True)
@@ -13,6 +19,7 @@ __all__ = [
     "DFlashConfig",
     "DFlashContextCache",
     "DFlashDrafter",
+    "StaticDraftContext",
     "block_attention_mask",
     "block_position_ids",
     "build_target_layer_ids",

@@ -121,6 +121,113 @@ class DFlashContextCache:
             store[layer] = grown
 
 
+class StaticDraftContext:
+    """Context K/V of one drafter for graph-captured rounds (DESIGN.md §6): fixed buffers, device-side lengths.
+
+    Buffers are [B, H_kv, capacity + block_size, D] per layer, allocated once; slot p holds position p. `length` is
+    a [B] long tensor on the device: positions 0..length[b]-1 of row b are valid, and rows may differ. `append`
+    writes a static number n of rows at length..length+n-1 and counts only `count` of them; `draft_static` writes
+    the block's K/V at length..length+block_size-1 (the block_size spare slots leave room for it at full capacity)
+    and masks every slot past the block, so rows written but not counted are never seen. Nothing here reads a
+    device value on the host, reallocates or changes a shape: append + draft_static can be captured in one CUDA
+    graph and replayed. The eager equivalent, with the same maths, is `DFlashContextCache` + `DFlashDrafter.draft`.
+
+    The device cannot check `length + count <= capacity` for free, so the caller must keep it (capacity = the
+    generation's max length). A write past the buffers lands in the last slot instead of out of bounds; the
+    logits are then meaningless, but memory is safe. Change `length` only through `reset` and `append`.
+    """
+
+    def __init__(
+        self, drafter: DFlashDrafter, capacity: int, device: torch.device | str, dtype: torch.dtype,
+        batch_size: int = 1,
+    ):
+        config = drafter.config
+        if capacity < 1 or batch_size < 1:
+            raise ValueError(f"capacity and batch_size must be >= 1, got capacity={capacity}, batch_size={batch_size}.")
+        if dtype != drafter.dtype or torch.device(device).type != drafter.device.type:
+            raise ValueError(
+                f"The static context must live where the drafter computes: got device={device}, dtype={dtype}; the "
+                f"drafter is on {drafter.device} in {drafter.dtype}. Pass drafter.device and .dtype."
+            )
+        self.drafter = drafter
+        self.capacity = capacity
+        self.batch_size = batch_size
+        slots = capacity + config.block_size
+        shape = (batch_size, config.num_key_value_heads, slots, config.head_dim)
+        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_hidden_layers)]
+        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_hidden_layers)]
+        self.length = torch.zeros(batch_size, dtype=torch.long, device=device)  # [B]
+        self.positions = torch.arange(slots, device=device)  # [S] the position each slot holds
+        self._host_length: int | None = 0  # exact length while every count was a host int (free overflow check)
+
+    def reset(self) -> None:
+        """Forget the whole context (new generation); the buffers stay where they are."""
+        self.length.zero_()
+        self._host_length = 0
+
+    @torch.no_grad()
+    def append(self, features: torch.Tensor, count: int | torch.Tensor) -> None:
+        """Project n new context rows and write their K/V at length..length+n-1; then length += count on the device.
+
+        Args:
+            features: [B, n, n_feat*H] raw target features, as `draft`'s new_context; n is static (the graph's).
+            count: how many of the n rows are real, 0 <= count <= n: an int, or a [B] (or scalar) integer tensor on
+                the device. Rows count..n-1 are written but not counted: the next append or draft overwrites them.
+        Rows past count are zeroed before the projection: they may be garbage (NaN in an uninitialised scratch
+        buffer), and a masked key still multiplies its value by 0 in attention, and 0 * NaN = NaN.
+        """
+        batch, num_rows = features.shape[:2]
+        self._check_append(batch, num_rows, count)
+        if num_rows > 0:
+            drafter = self.drafter
+            real = self.positions[:num_rows] < (count.reshape(-1, 1) if isinstance(count, torch.Tensor) else count)
+            features = torch.where(real[..., None], features.to(real.device), 0)  # [B, n, n_feat*H]
+            context = drafter.project_context(features)  # [B, n, H]
+            positions = self.length[:, None] + self.positions[:num_rows]  # [B, n]
+            cos, sin = drafter.rotary_emb(positions, drafter.dtype)
+            slots = self.slot_index(positions)  # [B, H_kv, n, D]
+            for layer, keys, values in zip(drafter.layers, self.keys, self.values, strict=True):
+                key, value = layer.self_attn.key_value(context, cos, sin)  # [B, H_kv, n, D] each
+                keys.scatter_(2, slots, key)
+                values.scatter_(2, slots, value)
+        self.length.add_(count)
+        if self._host_length is not None:  # a device count hides the length from the host from here on
+            self._host_length = None if isinstance(count, torch.Tensor) else self._host_length + count
+
+    def slot_index(self, positions: torch.Tensor) -> torch.Tensor:
+        """scatter_ index along the slot dimension for rows at `positions` [B, n] -> [B, H_kv, n, D] long.
+
+        Clamped to the last slot: an overflowing write (a broken precondition) must not leave the buffers.
+        """
+        batch, heads, slots, dim = self.keys[0].shape
+        return positions.clamp(max=slots - 1)[:, None, :, None].expand(batch, heads, positions.shape[1], dim)
+
+    def _check_append(self, batch: int, num_rows: int, count: int | torch.Tensor) -> None:
+        """Shape and range checks that need no device value; the exact one only while the length is host-known."""
+        slots = self.positions.shape[0]
+        if batch != self.batch_size:
+            raise ValueError(f"features have batch size {batch}, the static context holds {self.batch_size}.")
+        if num_rows > slots:
+            raise ValueError(
+                f"append of {num_rows} rows cannot fit the static context ({self.capacity} positions + "
+                f"{slots - self.capacity} spare slots); build it with a larger capacity."
+            )
+        if isinstance(count, torch.Tensor):
+            if count.dtype.is_floating_point or count.dtype == torch.bool or count.shape not in ((), (batch,)):
+                raise ValueError(
+                    f"count must be an int or an integer tensor of shape [{batch}] (or a scalar), got "
+                    f"{count.dtype} of shape {tuple(count.shape)}."
+                )
+            return
+        if not 0 <= count <= num_rows:
+            raise ValueError(f"count={count} must be in [0, {num_rows}] (the rows given).")
+        if self._host_length is not None and self._host_length + count > self.capacity:
+            raise ValueError(
+                f"appending {count} positions to {self._host_length} exceeds the static context's capacity "
+                f"{self.capacity}; build it with capacity >= the generation's max length."
+            )
+
+
 class DFlashRMSNorm(nn.Module):
     """RMSNorm in at least fp32 (fp64 stays fp64), as Qwen3RMSNorm does for bf16/fp32."""
 
@@ -218,12 +325,23 @@ class DFlashAttention(nn.Module):
         cos: torch.Tensor,  # [B, Tq, D] of the block positions
         sin: torch.Tensor,
         mask: torch.Tensor | None,  # bool [B|1, 1, Tq, Tk+Tq], True = attend; None = all
+        block_slots: torch.Tensor | None = None,  # [B, H_kv, Tq, D] long: static path, see below
     ) -> torch.Tensor:
+        """Attention output [B, Tq, H] of the block.
+
+        Eager path: keys are cat([context K/V, block K/V]). Static path (`block_slots` given, context K/V are the
+        whole static buffers [B, H_kv, S, D]): the block's K/V are scattered into their slots of those buffers and
+        the block attends over all S slots with `mask` [B, 1, Tq, S]; no cat, so shapes and addresses stay fixed.
+        """
         batch, length = x.shape[:2]
         q = self.q_norm(self.q_proj(x).view(batch, length, self.num_heads, self.head_dim)).transpose(1, 2)
         q = _rotate(q, cos, sin)
         k, v = self.key_value(x, cos, sin)
-        if context_key is not None:
+        if block_slots is not None:
+            context_key.scatter_(2, block_slots, k)
+            context_value.scatter_(2, block_slots, v)
+            k, v = context_key, context_value
+        elif context_key is not None:
             k, v = torch.cat([context_key, k], dim=2), torch.cat([context_value, v], dim=2)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
@@ -256,8 +374,8 @@ class DFlashDecoderLayer(GradientCheckpointingLayer):
         self.input_layernorm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, context_key, context_value, cos, sin, mask) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), context_key, context_value, cos, sin, mask)
+    def forward(self, x, context_key, context_value, cos, sin, mask, block_slots=None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), context_key, context_value, cos, sin, mask, block_slots)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -280,6 +398,10 @@ class DFlashDrafter(PreTrainedModel):
     Inference (the round loop):
         cache = drafter.new_context_cache()
         logits = drafter.draft(anchor_ids, new_context, cache)   # [B, block_size-1, V]
+    Graph-captured rounds (same maths; static shapes, device-side lengths, no host sync):
+        ctx = StaticDraftContext(drafter, capacity, drafter.device, drafter.dtype)
+        ctx.append(features, count)                              # count: int or [B] long on the device
+        logits = drafter.draft_static(anchor_ids, ctx)           # [B, block_size-1, V]
     Training: `forward(noise_embeds, context_hidden, position_ids=..., context_position_ids=..., attention_mask=...)`
     with `block_attention_mask` / `block_position_ids`, then `compute_logits(hidden)`.
     """
@@ -461,6 +583,46 @@ class DFlashDrafter(PreTrainedModel):
             logits [B, block_size-1, V] (at least fp32); row k-1 predicts the token at anchor position + k.
             With return_hidden=True also the drafter's final hidden states of those rows, [B, block_size-1, H].
         """
+        hidden = self(self._block_embeddings(anchor_ids), context_hidden=new_context, cache=cache).last_hidden_state
+        hidden = hidden[:, 1:]
+        logits = self.compute_logits(hidden)
+        return (logits, hidden) if return_hidden else logits
+
+    @torch.no_grad()
+    def draft_static(self, anchor_ids: torch.Tensor, ctx: StaticDraftContext) -> torch.Tensor:
+        """`draft` for CUDA-graph capture: same maths, static shapes, no host sync (DESIGN.md §6).
+
+        The block [anchor, MASK x (B-1)] sits at positions ctx.length .. ctx.length+B-1 of each row and attends to
+        context positions < ctx.length plus the block, under each layer's causal / sliding-window rules. New context
+        goes in beforehand with `ctx.append(features, count)`. The block's K/V are written into ctx's spare slots
+        (overwritten by the next append), and the mask is built on the device from ctx.length over all
+        capacity + B slots; every query sees at least its own key, so no row of the mask is all False.
+        Args:
+            anchor_ids: [B, 1] long, the last emitted token of each row.
+            ctx: the `StaticDraftContext` of this generation (this drafter's, batch size B).
+        Returns:
+            logits [B, block_size-1, V] (at least fp32); row k-1 predicts the token at anchor position + k.
+        """
+        if ctx.drafter is not self or anchor_ids.shape[0] != ctx.batch_size:
+            raise ValueError(
+                f"ctx must be a StaticDraftContext of this drafter with batch size {anchor_ids.shape[0]}, got one of "
+                f"{'this' if ctx.drafter is self else 'another'} drafter with batch size {ctx.batch_size}."
+            )
+        size = self.config.block_size
+        hidden = self._block_embeddings(anchor_ids)  # [B, bs, H]
+        query = ctx.length[:, None] + ctx.positions[:size]  # [B, bs] block positions
+        visible = ctx.positions < (ctx.length + size)[:, None]  # [B, S]: context, then the block
+        keys = ctx.positions.expand(anchor_ids.shape[0], -1)  # [B, S]
+        layer_masks = self._layer_masks(query, keys, visible[:, None, None])
+        cos, sin = self.rotary_emb(query, self.dtype)
+        slots = ctx.slot_index(query)  # [B, H_kv, bs, D]
+        for layer, key, value in zip(self.layers, ctx.keys, ctx.values, strict=True):
+            mask = layer_masks[(layer.self_attn.is_causal, layer.self_attn.sliding_window)]
+            hidden = layer(hidden, key, value, cos, sin, mask, block_slots=slots)
+        return self.compute_logits(self.norm(hidden)[:, 1:])
+
+    def _block_embeddings(self, anchor_ids: torch.Tensor) -> torch.Tensor:
+        """Embeddings of the block [anchor, MASK x (B-1)] for anchor_ids [B, 1] -> [B, block_size, H]."""
         if self.config.mask_token_id is None:
             raise ValueError("config.mask_token_id is None; set it to the mask row the drafter was trained with.")
         if anchor_ids.dim() != 2 or anchor_ids.shape[1] != 1:
@@ -469,10 +631,7 @@ class DFlashDrafter(PreTrainedModel):
             (anchor_ids.shape[0], self.config.block_size - 1), self.config.mask_token_id,
             dtype=anchor_ids.dtype, device=anchor_ids.device,
         )
-        noise = self.embed(torch.cat([anchor_ids, masks], dim=1))  # [B, bs, H]
-        hidden = self(noise, context_hidden=new_context, cache=cache).last_hidden_state[:, 1:]
-        logits = self.compute_logits(hidden)
-        return (logits, hidden) if return_hidden else logits
+        return self.embed(torch.cat([anchor_ids, masks], dim=1))
 
     # ----------------------------------------------------------------------------------------------- forward
     def project_context(self, context_hidden: torch.Tensor) -> torch.Tensor:
@@ -521,7 +680,7 @@ class DFlashDrafter(PreTrainedModel):
         dtype = self.dtype
         q_cos, q_sin = self.rotary_emb(positions.query, dtype)
         c_cos, c_sin = (None, None) if context is None else self.rotary_emb(positions.context, dtype)
-        layer_masks = self._layer_masks(positions, attention_mask)
+        layer_masks = self._layer_masks(positions.query, positions.keys, attention_mask)
         hidden = noise_embeds.to(device=self.device, dtype=dtype)
         for i, layer in enumerate(self.layers):
             key, value = self._context_key_value(i, layer, context, c_cos, c_sin, cache)
@@ -555,8 +714,14 @@ class DFlashDrafter(PreTrainedModel):
             query=rows(position_ids, start + num_context, length),
         )
 
-    def _layer_masks(self, positions: _Positions, attention_mask: torch.Tensor | None) -> dict:
-        """Boolean mask per distinct (is_causal, sliding_window) of the layers: the given mask AND the layer's limits."""
+    def _layer_masks(
+        self, query_positions: torch.Tensor, key_positions: torch.Tensor, attention_mask: torch.Tensor | None
+    ) -> dict:
+        """Boolean mask per distinct (is_causal, sliding_window) of the layers: the given mask AND the layer's limits.
+
+        query_positions [B, Tq] and key_positions [B, Tk] long; attention_mask bool, broadcastable to
+        [B, 1, Tq, Tk], or None. Pure tensor maths (no host sync), so the static drafting path uses it too.
+        """
         if attention_mask is not None and attention_mask.dtype != torch.bool:
             raise ValueError(f"attention_mask must be boolean (True = attend), got {attention_mask.dtype}.")
         masks = {}
@@ -568,7 +733,7 @@ class DFlashDrafter(PreTrainedModel):
             if not causal and window is None:
                 masks[kind] = attention_mask
                 continue
-            q, k = positions.query[:, :, None], positions.keys[:, None, :]  # [B, Tq, 1], [B, 1, Tk]
+            q, k = query_positions[:, :, None], key_positions[:, None, :]  # [B, Tq, 1], [B, 1, Tk]
             visible = torch.ones_like(q == k)
             if causal:
                 visible &= k <= q
@@ -596,6 +761,7 @@ def _rope_theta(text_config) -> float:
 __all__ = [
     "DFlashContextCache",
     "DFlashDrafter",
+    "StaticDraftContext",
     "block_attention_mask",
     "block_position_ids",
 ]
