@@ -132,10 +132,24 @@ class OracleDrafter(DFlashDrafter):
 
     def draft(self, anchor_ids, new_context, cache, return_hidden=False):
         logits = super().draft(anchor_ids, new_context, cache).clone()  # [B, bs-1, V]
-        positions = cache.length + torch.arange(1, self.config.block_size)  # tokens the block predicts
-        inside = positions < self.reference.shape[0]
-        right = torch.rand(positions.shape, generator=self.generator) >= self.error_rate
-        tokens = self.reference[positions.clamp(max=self.reference.shape[0] - 1)]
+        return self._steered(logits, cache.length)
+
+    def draft_static(self, anchor_ids, ctx):
+        """The same steering on the graph path (the anchor sits at ctx.length, a device tensor)."""
+        return self._steered(super().draft_static(anchor_ids, ctx).clone(), ctx.length)
+
+    def _steered(self, logits, anchor_position):
+        if getattr(self, "reference", None) is None:
+            return logits
+        device = logits.device
+        reference = self.reference.to(device)
+        positions = anchor_position + torch.arange(1, self.config.block_size, device=device)  # tokens predicted
+        inside = positions < reference.shape[0]
+        if device.type == "cpu":
+            right = torch.rand(positions.shape, generator=self.generator) >= self.error_rate
+        else:  # the default CUDA generator: graph-safe
+            right = torch.rand(positions.shape, device=device) >= self.error_rate
+        tokens = reference[positions.clamp(max=reference.shape[0] - 1)]
         boost = torch.where(inside & right, logits.abs().amax() + 10.0, 0.0)  # [bs-1]; no host sync
         return logits.scatter_add(2, tokens.view(1, -1, 1).expand(logits.shape[0], -1, 1),
                                   boost.view(1, -1, 1).expand(logits.shape[0], -1, 1).to(logits.dtype))

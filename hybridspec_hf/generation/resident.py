@@ -79,7 +79,9 @@ def resident_rounds(model, drafter, strategy, logits_processor, do_sample: bool,
         return current
     if current is not None:
         release_resident_rounds(model)
-    rounds = ResidentRounds(model, drafter, strategy, logits_processor, do_sample, capacity, position_rows, key)
+    devices = [next(model.parameters()).device] if next(model.parameters()).device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):  # warm-up and capture draw random numbers: the seed stays the user's
+        rounds = ResidentRounds(model, drafter, strategy, logits_processor, do_sample, capacity, position_rows, key)
     model.__dict__["_hybridspec_resident"] = rounds
     return rounds
 

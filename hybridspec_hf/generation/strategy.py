@@ -76,7 +76,8 @@ class RoundStrategy:
         estimator = _estimator(settings.acceptance_estimator, block_size)
         shape = settings.verify_shape
         if shape == "auto":
-            shape = "max" if next(target.parameters()).device.type == "cuda" else "exact"
+            on_cuda = next(target.parameters()).device.type == "cuda"
+            shape = "max" if on_cuda or settings.cuda_graphs == "on" else "exact"  # resident rounds are max-shape
         return cls(name, None, selector, estimator, bool(selector.routing_correction and has_router), shape == "exact",
                    settings.kernel_backend, identity)
 

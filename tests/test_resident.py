@@ -1,0 +1,132 @@
+"""GPU-resident rounds (generation/resident.py) run eagerly on the CPU with cuda_graphs="on": the same static-buffer
+code that CUDA graphs replay. Greedy output equals generate(); the returned cache equals AR's."""
+import pytest
+import torch
+from _tiny import TARGETS, VOCAB, cache_tensors, make_drafter, make_target, output_cache
+from test_exactness import assert_same_as_ar, reference, run
+from transformers import StaticCache
+
+import hybridspec_hf
+from hybridspec_hf import HybridSpecConfig
+
+ON = HybridSpecConfig(cuda_graphs="on")
+
+
+@pytest.mark.parametrize("strategy", ["dflash", "static", "hybridspec", "nominal", "ratio", "confidence", "ar"])
+@pytest.mark.parametrize("name", list(TARGETS))
+def test_resident_rounds_match_ar(name, strategy, fp64_gdn):
+    target = make_target(name)
+    generator = torch.Generator().manual_seed(len(name) + len(strategy))
+    for prompt_len in (1, 9, 33):
+        prompt = torch.randint(0, VOCAB, (1, prompt_len), generator=generator)
+        max_new = int(torch.randint(3, 40, (1,), generator=generator))
+        ar = reference(target, prompt, max_new)
+        drafter = make_drafter(target, 8, ar.sequences, error_rate=0.25, seed=prompt_len)
+        settings = HybridSpecConfig(cuda_graphs="on", static_length=5)
+        assert_same_as_ar(run(target, prompt, drafter, strategy, max_new, hybridspec_config=settings), ar)
+        telemetry = hybridspec_hf.get_telemetry(target)
+        assert telemetry.path == "static_eager"
+    if strategy != "ar":
+        assert max(r.accepted for r in telemetry.rounds) > 0, "the oracle drafter should get drafts accepted"
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_moe", "qwen3_next"])
+def test_max_new_tokens_and_eos_at_every_offset(name, fp64_gdn):
+    target = make_target(name)
+    prompt = torch.randint(0, VOCAB, (1, 6))
+    full = reference(target, prompt, 40)
+    for max_new in range(1, 19):
+        ar = reference(target, prompt, max_new)
+        drafter = make_drafter(target, 8, full.sequences, error_rate=0.1, seed=max_new)
+        out = run(target, prompt, drafter, "hybridspec", max_new, hybridspec_config=ON)
+        assert_same_as_ar(out, ar)
+        assert out.shape[1] == prompt.shape[1] + max_new
+    for index in (2, 7, 12):
+        eos = int(full.sequences[0, 6 + index])
+        ar = reference(target, prompt, 30, eos_token_id=[VOCAB - 1, eos], pad_token_id=0)
+        drafter = make_drafter(target, 8, ar.sequences, error_rate=0.0, seed=index)
+        out = run(target, prompt, drafter, "dflash", 30, eos_token_id=[VOCAB - 1, eos], pad_token_id=0,
+                  hybridspec_config=ON)
+        assert_same_as_ar(out, ar)
+
+
+@pytest.mark.parametrize("cache_implementation", [None, "static"])
+def test_returned_cache_equals_ar_and_rounds_are_reused(cache_implementation, fp64_gdn):
+    target = make_target("qwen3_5_moe")
+    prompt = torch.randint(0, VOCAB, (1, 11))
+
+    def kwargs():
+        if cache_implementation is None:
+            return {}
+        return dict(past_key_values=StaticCache(config=target.config, max_cache_len=64))
+
+    ar = reference(target, prompt, 13, **kwargs())
+    drafter = make_drafter(target, 8, reference(target, prompt, 40).sequences, error_rate=0.2)
+    ours = run(target, prompt, drafter, "hybridspec", 13, return_dict_in_generate=True, hybridspec_config=ON,
+               **kwargs())
+    assert torch.equal(ours.sequences, ar.sequences)
+    for mine, theirs in zip(cache_tensors(output_cache(ours)), cache_tensors(output_cache(ar)), strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-12)
+    rounds = target.__dict__["_hybridspec_resident"]
+    # a second call with the same settings reuses the rounds; continuing from the returned cache stays exact
+    ar2 = target.generate(ar.sequences, past_key_values=output_cache(ar), do_sample=False, max_new_tokens=9)
+    ours2 = run(target, ours.sequences, drafter, "hybridspec", 9, past_key_values=output_cache(ours),
+                hybridspec_config=ON)
+    assert torch.equal(ours2, ar2)
+    assert target.__dict__["_hybridspec_resident"] is rounds
+
+
+def test_stop_strings_streamer_and_user_criteria(fp64_gdn):
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    target = make_target("qwen3_5_moe")
+    prompt = torch.randint(0, VOCAB, (1, 7))
+    full = reference(target, prompt, 30).sequences
+    stop_at = prompt.shape[1] + 9
+
+    class StopAtLength(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= stop_at, dtype=torch.bool)
+
+    class Collect:
+        def __init__(self):
+            self.tokens = []
+
+        def put(self, value):
+            self.tokens += value.reshape(-1).tolist()
+
+        def end(self):
+            self.tokens.append("end")
+
+    streamer = Collect()
+    drafter = make_drafter(target, 8, full, error_rate=0.0)
+    out = run(target, prompt, drafter, "dflash", 30, hybridspec_config=ON, streamer=streamer,
+              stopping_criteria=StoppingCriteriaList([StopAtLength()]))
+    assert torch.equal(out, full[:, :stop_at])
+    assert streamer.tokens == full[0].tolist()[:stop_at] + ["end"]
+
+
+def test_sampling_runs_resident_and_seed_fixes_output():
+    target = make_target("qwen3_5_moe", dtype=torch.float32)
+    prompt = torch.randint(0, VOCAB, (1, 5))
+    drafter = make_drafter(target, 8).to(torch.float32)
+    outs = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        outs.append(target.generate(prompt, do_sample=True, temperature=0.8, top_k=20, max_new_tokens=24,
+                                    assistant_model=drafter, generation_strategy="dflash", hybridspec_config=ON))
+        assert hybridspec_hf.get_telemetry(target).path == "static_eager"
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_cuda_graphs_on_refuses_what_it_cannot_run_and_auto_falls_back():
+    target = make_target("qwen3_5_moe", dtype=torch.float32)
+    prompt = torch.randint(0, VOCAB, (1, 5))
+    drafter = make_drafter(target, 8).to(torch.float32)
+    with pytest.raises(ValueError, match="repetition|RepetitionPenalty"):
+        target.generate(prompt, max_new_tokens=8, repetition_penalty=1.3, assistant_model=drafter,
+                        generation_strategy="dflash", hybridspec_config=ON)
+    out = target.generate(prompt, max_new_tokens=8, repetition_penalty=1.3, assistant_model=drafter,
+                          generation_strategy="dflash", hybridspec_config=HybridSpecConfig(cuda_graphs="auto"))
+    assert out.shape[1] == 13 and hybridspec_hf.get_telemetry(target).path == "eager"
+    assert target.generate(prompt, max_new_tokens=8, do_sample=False).shape[1] == 13  # plain generate() intact
