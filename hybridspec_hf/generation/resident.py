@@ -53,6 +53,10 @@ def unsupported_reason(model, drafter, strategy, generation_config, logits_proce
         return f"attn_implementation={attn!r} (needs 'sdpa' or 'eager')"
     if type(cache).__name__ not in ("DynamicCache", "StaticCache"):
         return f"cache {type(cache).__name__}"
+    experts = getattr(model.config.get_text_config(), "_experts_implementation", None)
+    if next(model.parameters()).device.type == "cuda" and experts == "eager" and patches.moe_blocks(model):
+        return ("experts_implementation='eager' reads routing on the host (use model.set_experts_implementation("
+                "'grouped_mm') or 'batched_mm')")
     return None
 
 

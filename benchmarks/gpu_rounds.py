@@ -1,0 +1,238 @@
+"""GPU-resident rounds on one GPU: ms/token and round cost C(w), side by side in one process.
+
+    python benchmarks/gpu_rounds.py --part tiny   # shipped tiny pair: fp32 exactness, bf16 tokens/s per strategy
+    python benchmarks/gpu_rounds.py --part big    # Qwen3.5-35B-A3B shape, random bf16 weights: AR and C(w)
+
+Big part: random weights and a random router (uniform routing: about 8 → 102 distinct experts per layer from w = 1
+to 16); a random DFlash drafter, so τ ≈ 1 and every round shows the cost of verifying w tokens. Acceptance is not
+measured there. Tiny part: trained weights, held-out stdlib prompts, real acceptance and routing.
+Writes benchmarks/results/gpu_rounds_{part}.json and .md (or --out DIR).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import environment, write_results  # noqa: E402
+
+import hybridspec_hf  # noqa: E402
+from hybridspec_hf import DFlashDrafter, HybridSpecConfig  # noqa: E402
+
+STRATEGIES = ["ar", "dflash", "static", "hybridspec", "nominal", "ratio", "confidence"]
+
+
+def qwen35_35b_a3b_config():
+    from transformers import Qwen3_5MoeTextConfig
+
+    layers = 40
+    return Qwen3_5MoeTextConfig(
+        vocab_size=248320, hidden_size=2048, num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=2,
+        head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=256, num_experts_per_tok=8,
+        moe_intermediate_size=512, shared_expert_intermediate_size=512, max_position_embeddings=262144,
+        layer_types=["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(layers)],
+        tie_word_embeddings=False,
+    )
+
+
+def median(values):
+    return statistics.median(values) if values else float("nan")
+
+
+def run_generate(target, prompt, strategy, drafter, max_new, settings=None, **kwargs):
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    if strategy == "hf":
+        out = target.generate(prompt, do_sample=False, max_new_tokens=max_new, **kwargs)
+        telemetry = None
+    else:
+        out = target.generate(prompt, do_sample=False, max_new_tokens=max_new, assistant_model=drafter,
+                              generation_strategy=strategy, hybridspec_config=settings or HybridSpecConfig(),
+                              **kwargs)
+        telemetry = hybridspec_hf.get_telemetry(target)
+    torch.cuda.synchronize()
+    return out, time.perf_counter() - start, telemetry
+
+
+# --------------------------------------------------------------------------------------------------- tiny pair
+def tiny(args) -> tuple[dict, str]:
+    from hybridspec_hf.tiny_pair import heldout_prompts, load_tiny_pair
+
+    report: dict = {"exact_fp32": {}, "speed_bf16": {}}
+    texts = heldout_prompts(args.prompts)
+    target, drafter, tokenizer = load_tiny_pair(dtype=torch.float32, device="cuda")
+    target.set_experts_implementation("batched_mm")  # capturable in fp32 (grouped_mm is a bf16 kernel)
+    prompts = [tokenizer(t, return_tensors="pt").input_ids.cuda() for t in texts]
+    for strategy in ("ar", "dflash", "hybridspec"):
+        same = 0
+        for prompt in prompts:
+            ar, _, _ = run_generate(target, prompt, "hf", None, args.tokens)
+            out, _, tel = run_generate(target, prompt, strategy, drafter, args.tokens)
+            same += int(torch.equal(ar, out))
+        report["exact_fp32"][strategy] = {"identical": same, "prompts": len(prompts), "path": tel.path}
+        print("fp32", strategy, same, "/", len(prompts), tel.path, flush=True)
+
+    target, drafter, tokenizer = load_tiny_pair(dtype=torch.bfloat16, device="cuda")
+    methods = ["hf"] + STRATEGIES
+    for method in methods:  # warm-up: captures and calibrations happen here, not in the timed runs
+        run_generate(target, prompts[0], method, drafter, 32)
+    rows = {m: {"seconds": [], "tokens": [], "tau": [], "w": [], "identical": 0, "gaps": []} for m in methods}
+    for prompt in prompts:
+        ar = target.generate(prompt, do_sample=False, max_new_tokens=args.tokens, output_logits=True,
+                             return_dict_in_generate=True)
+        for method in methods:
+            out, seconds, tel = run_generate(target, prompt, method, drafter, args.tokens)
+            row = rows[method]
+            row["seconds"].append(seconds)
+            row["tokens"].append(out.shape[1] - prompt.shape[1])
+            if tel is not None:
+                row["tau"].append(tel.mean_emitted)
+                row["w"].append(tel.mean_verified)
+                row["path"] = tel.path
+            if torch.equal(out, ar.sequences):
+                row["identical"] += 1
+            else:
+                n = min(out.shape[1], ar.sequences.shape[1])
+                first = int((out[0, :n] != ar.sequences[0, :n]).nonzero()[0])
+                top2 = ar.logits[first - prompt.shape[1]][0].float().topk(2).values
+                row["gaps"].append(float(top2[0] - top2[1]))
+    for method, row in rows.items():
+        row["tokens_per_s"] = sum(row["tokens"]) / sum(row["seconds"])
+    base, hf = rows["ar"]["tokens_per_s"], rows["hf"]["tokens_per_s"]
+    lines = ["| method | path | tokens/s | × our AR | × HF eager | τ | mean w | identical to AR (bf16) | top-2 gaps at divergences |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for method, row in rows.items():
+        lines.append(f"| {method} | {row.get('path', 'hf eager')} | {row['tokens_per_s']:.0f} | "
+                     f"{row['tokens_per_s'] / base:.2f} | {row['tokens_per_s'] / hf:.2f} | "
+                     f"{median(row['tau']):.2f} | {median(row['w']):.2f} | {row['identical']}/{len(prompts)} | "
+                     f"{', '.join(f'{g:.3g}' for g in row['gaps'])} |")
+    exact = ["", "fp32 exactness (greedy, 16 held-out prompts): " + ", ".join(
+        f"{k} {v['identical']}/{v['prompts']} ({v['path']})" for k, v in report["exact_fp32"].items())]
+    report["speed_bf16"] = rows
+    return report, "\n".join(lines + exact)
+
+
+# --------------------------------------------------------------------------------------------------- 35B shape
+def big(args) -> tuple[dict, str]:
+    from transformers import Qwen3_5MoeForCausalLM
+
+    from hybridspec_hf.generation.calibration import ForcedLength
+
+    torch.manual_seed(0)
+    start = time.perf_counter()
+    with torch.device("cuda"):
+        target = Qwen3_5MoeForCausalLM._from_config(qwen35_35b_a3b_config(), dtype=torch.bfloat16).eval()
+    target.set_experts_implementation(args.experts)
+    drafter = DFlashDrafter.from_target(target, num_layers=5, block_size=16).to("cuda", torch.bfloat16).eval()
+    drafter.bind_target(target)
+    report: dict = {"init_s": time.perf_counter() - start, "experts": args.experts,
+                    "parameters_b": sum(p.numel() for p in target.parameters()) / 1e9}
+    prompt = torch.randint(0, target.config.vocab_size, (1, args.context), device="cuda")
+
+    # HF eager AR: (T(n2) - T(n1)) / (n2 - n1) removes the prefill
+    run_generate(target, prompt, "hf", None, 4)
+    _, t1, _ = run_generate(target, prompt, "hf", None, 8)
+    _, t2, _ = run_generate(target, prompt, "hf", None, 24)
+    report["hf_eager_ms_per_token"] = (t2 - t1) / 16 * 1e3
+    print("hf eager", report["hf_eager_ms_per_token"], flush=True)
+
+    # our captured AR (the stock forward of one token in one graph, static cache)
+    _, _, tel = run_generate(target, prompt, "ar", None, 16)
+    report["ar_capture_s"] = tel.capture_s
+    _, seconds, tel = run_generate(target, prompt, "ar", None, args.tokens)
+    report["ar_ms_per_token_round_median"] = median([r.wall_s for r in tel.rounds]) * 1e3
+    report["ar_ms_per_token_call"] = seconds / args.tokens * 1e3
+    report["ar_path"] = tel.path
+    print("ours ar", report["ar_ms_per_token_round_median"], tel.path, flush=True)
+
+    # C(w): per-length graphs ("static", exact shape) and the max-shape graph with a forced length
+    report["static_round_ms"], report["max_shape_round_ms"] = {}, {}
+    forced = ForcedLength(1)
+    for w in args.lengths:
+        settings = HybridSpecConfig(static_length=w)
+        run_generate(target, prompt, "static", drafter, 8, settings)
+        _, _, tel = run_generate(target, prompt, "static", drafter, args.rounds, settings)
+        report["static_round_ms"][w] = median([r.wall_s for r in tel.rounds[1:]]) * 1e3
+        forced.set(w)
+        settings = HybridSpecConfig(selector=forced)
+        run_generate(target, prompt, "hybridspec", drafter, 8, settings)
+        _, _, tel = run_generate(target, prompt, "hybridspec", drafter, args.rounds, settings)
+        report["max_shape_round_ms"][w] = median([r.wall_s for r in tel.rounds[1:] if r.drafted]) * 1e3
+        print("w", w, report["static_round_ms"][w], report["max_shape_round_ms"][w], tel.path, flush=True)
+
+    # pieces of a max-shape round, GPU time by CUDA events over graph replays
+    rounds = target.__dict__["_hybridspec_resident"]
+    from hybridspec_hf.graphs.capture import Replay
+
+    draft_only = Replay(lambda: drafter.draft_static(rounds.last_token, rounds.context), torch.device("cuda"))
+    report["pieces_ms"] = {
+        "draft": _time_replays(draft_only),
+        "round: spec graph (draft+choose+verify+accept) + commit graph": _time_replays(
+            lambda: (rounds.spec(), rounds.run_commit(0))),
+        "commit graph": _time_replays(lambda: rounds.run_commit(0)),
+        "step_graph(AR)": _time_replays(rounds.step),
+    }
+    report["graph_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    c4 = report["static_round_ms"].get(4)
+    lines = [f"Random bf16 weights, uniform (random-router) routing, {report['parameters_b']:.2f} B parameters, "
+             f"experts `{args.experts}`, {args.context}-token prompt.", "",
+             "| method | ms/token |", "|---|---|",
+             f"| HF eager generate() AR | {report['hf_eager_ms_per_token']:.1f} |",
+             f"| ours, `generation_strategy=\"ar\"` (stock forward of 1 token in one CUDA graph) | "
+             f"{report['ar_ms_per_token_round_median']:.2f} |", "",
+             "| w | round, per-length graph (ms) | round, max-shape graph (ms) | C(w)/C(4) (per-length) |",
+             "|---|---|---|---|"]
+    for w in args.lengths:
+        ratio = report["static_round_ms"][w] / c4 if c4 else float("nan")
+        lines.append(f"| {w} | {report['static_round_ms'][w]:.2f} | {report['max_shape_round_ms'][w]:.2f} | "
+                     f"{ratio:.2f} |")
+    lines += ["", "Paper (real routing, SGLang): C(16)/C(4) = 1.71.", "", "| piece (GPU time of a graph replay) | ms |",
+              "|---|---|"] + [f"| {k} | {v:.3f} |" for k, v in report["pieces_ms"].items()]
+    return report, "\n".join(lines)
+
+
+def _time_replays(fn, repeats: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(repeats):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--part", choices=["tiny", "big"], required=True)
+    parser.add_argument("--prompts", type=int, default=16, help="held-out prompts (tiny part)")
+    parser.add_argument("--tokens", type=int, default=128, help="new tokens per call")
+    parser.add_argument("--context", type=int, default=256, help="prompt tokens (big part)")
+    parser.add_argument("--rounds", type=int, default=24, help="tokens (≈ rounds at τ = 1) per C(w) call (big part)")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1, 2, 4, 8, 12, 16])
+    parser.add_argument("--experts", default="grouped_mm", help="experts implementation (big part)")
+    parser.add_argument("--out", default=None, help="also write the results here")
+    args = parser.parse_args()
+    report, table = tiny(args) if args.part == "tiny" else big(args)
+    payload = {"title": f"GPU-resident rounds ({args.part})", "environment": environment(), **report,
+               "notes": __doc__.split("\n\n")[1]}
+    write_results(f"gpu_rounds_{args.part}", payload, table)
+    if args.out:
+        import shutil
+
+        for suffix in ("json", "md"):
+            shutil.copy(Path(__file__).parent / "results" / f"gpu_rounds_{args.part}.{suffix}", args.out)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

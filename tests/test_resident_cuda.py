@@ -1,0 +1,72 @@
+"""GPU-resident rounds on CUDA: whole generate() calls captured in graphs, no device→host sync inside a round
+(torch.cuda.set_sync_debug_mode("error"); the per-call set-up and the per-round hand-off are the allowed syncs).
+Skipped without CUDA; the CPU twin of every path is tests/test_resident.py."""
+import pytest
+import torch
+from _tiny import VOCAB, make_drafter, make_target
+
+import hybridspec_hf
+from hybridspec_hf import HybridSpecConfig
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+STRATEGIES = ["ar", "dflash", "static", "hybridspec", "nominal", "ratio", "confidence"]
+
+
+@pytest.fixture
+def sync_errors():
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def _pair(name="qwen3_5_moe", reference=None, seed=0):
+    """An fp32 tiny target on CUDA (batched_mm experts: capturable in fp32) and an oracle drafter steered to
+    `reference` (a CPU [1, L] sequence)."""
+    target = make_target(name, dtype=torch.float32)
+    if hasattr(target, "set_experts_implementation"):
+        target.set_experts_implementation("batched_mm")
+    drafter = make_drafter(target, 8, reference, error_rate=0.25, seed=seed).float()
+    target.cuda()
+    drafter.cuda().bind_target(target)
+    return target, drafter
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_whole_calls_run_captured_without_syncs(strategy, do_sample, sync_errors):
+    torch.cuda.set_sync_debug_mode(0)
+    target, _ = _pair()
+    prompt = torch.randint(0, VOCAB, (1, 12), device="cuda")
+    ar = target.generate(prompt, do_sample=False, max_new_tokens=40)
+    target, drafter = _pair(reference=ar.cpu())
+    kwargs = dict(do_sample=do_sample, max_new_tokens=40, assistant_model=drafter, generation_strategy=strategy,
+                  hybridspec_config=HybridSpecConfig(cuda_graphs="on", static_length=5))
+    if do_sample:
+        kwargs.update(temperature=0.7, top_p=0.9)
+    torch.cuda.set_sync_debug_mode("error")
+    target.generate(prompt, **kwargs)  # first call: captures
+    out = target.generate(prompt, **kwargs)  # second call: replays the same graphs
+    torch.cuda.set_sync_debug_mode(0)
+    telemetry = hybridspec_hf.get_telemetry(target)
+    assert telemetry.path == "cuda_graphs" and telemetry.capture_s == 0.0
+    assert out.shape[1] == 52
+    if not do_sample:
+        assert torch.equal(out, ar), "fp32 greedy output differs from AR"
+    if strategy != "ar" and not do_sample:
+        assert max(r.accepted for r in telemetry.rounds) > 0
+
+
+def test_fp32_greedy_equals_ar_every_family():
+    for name in ["qwen3_5_moe", "qwen3_next", "qwen3_5_dense", "qwen3_5_moe_vlm"]:
+        target, _ = _pair(name)
+        for seed in range(3):
+            prompt = torch.randint(0, VOCAB, (1, 5 + 7 * seed), generator=torch.Generator().manual_seed(seed))
+            ar = target.generate(prompt.cuda(), do_sample=False, max_new_tokens=33)
+            target, drafter = _pair(name, ar.cpu(), seed)
+            for strategy in ("hybridspec", "dflash", "ar"):
+                out = target.generate(prompt.cuda(), do_sample=False, max_new_tokens=33, assistant_model=drafter,
+                                      generation_strategy=strategy, hybridspec_config=HybridSpecConfig(cuda_graphs="on"))
+                assert torch.equal(out, ar), (name, seed, strategy)
