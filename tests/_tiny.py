@@ -126,6 +126,7 @@ class OracleDrafter(DFlashDrafter):
 
     def steer(self, reference: torch.Tensor, error_rate: float, seed: int) -> "OracleDrafter":
         self.reference = reference[0]
+        self._reference_device = None
         self.error_rate = error_rate
         self.generator = torch.Generator().manual_seed(seed)
         return self
@@ -142,7 +143,9 @@ class OracleDrafter(DFlashDrafter):
         if getattr(self, "reference", None) is None:
             return logits
         device = logits.device
-        reference = self.reference.to(device)
+        if getattr(self, "_reference_device", None) is None or self._reference_device.device != device:
+            self._reference_device = self.reference.to(device)  # before any graph capture (warm-up runs first)
+        reference = self._reference_device
         positions = anchor_position + torch.arange(1, self.config.block_size, device=device)  # tokens predicted
         inside = positions < reference.shape[0]
         if device.type == "cpu":

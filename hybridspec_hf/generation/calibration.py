@@ -20,6 +20,7 @@ import torch
 
 from hybridspec_hf import patches
 from hybridspec_hf.config import HybridSpecConfig
+from hybridspec_hf.graphs.capture import host_syncs
 from hybridspec_hf.selector import LatencyModel, LengthSelector, calibrate, fit_eta, fit_expert_model, make_cache_key
 from hybridspec_hf.selector.length import on_device
 
@@ -96,7 +97,8 @@ def resolve_latency_model(settings: HybridSpecConfig, target, drafter) -> Latenc
         )
     logger.warning("HybridSpec: no latency calibration for this model on this device yet; calibrating now "
                    "(cached in %s).", path)
-    model = calibrate_latency(target, drafter, kernel_backend=settings.kernel_backend)
+    with host_syncs():  # set-up: timing and routing statistics are read on the host
+        model = calibrate_latency(target, drafter, kernel_backend=settings.kernel_backend)
     model.key = key
     if _distributed():  # tensor parallel: every rank must choose the same w, so all use the mean calibration
         model = _mean_over_ranks(model)

@@ -16,6 +16,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from hybridspec_hf import patches
 from hybridspec_hf.config import STRATEGIES, HybridSpecConfig
 from hybridspec_hf.generation.loop import hybridspec_decode
+from hybridspec_hf.graphs.capture import host_syncs
 
 # generate() options the loop cannot honour; each gets a clear error instead of being ignored.
 _UNSUPPORTED_KWARGS = {
@@ -133,7 +134,9 @@ def check_generation_config(model, generation_config, input_ids: torch.Tensor, m
     if generation_config.cache_implementation not in (None, "dynamic", "static"):
         problems.append(f"cache_implementation={generation_config.cache_implementation!r}: use None (dynamic) or 'static'")
     mask = model_kwargs.get("attention_mask")
-    if mask is not None and not bool((mask == 1).all()):
+    with host_syncs():  # a per-call check, allowed to read the mask on the host
+        padded = mask is not None and not bool((mask == 1).all())
+    if padded:
         problems.append("attention_mask has padding: HybridSpec runs batch size 1 without padding; strip the pad tokens")
     if problems:
         raise ValueError("Unsupported generation options for HybridSpec: " + "; ".join(problems) + ".")

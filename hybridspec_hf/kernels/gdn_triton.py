@@ -104,7 +104,13 @@ def pointer_table(rows: list[list[torch.Tensor]]) -> torch.Tensor:
     key = (str(device), tuple(tuple(t.data_ptr() for t in row) for row in rows))
     table = _POINTER_TABLES.get(key)
     if table is None:
-        table = torch.tensor(key[1], dtype=torch.int64).to(device)
+        host = torch.tensor(key[1], dtype=torch.int64)
+        if device.type == "cuda":  # a pinned source may be copied inside a CUDA graph capture (and stays alive)
+            host = host.pin_memory()
+            table = host.to(device, non_blocking=True)
+            table._pinned_source = host
+        else:
+            table = host.to(device)
         _POINTER_TABLES[key] = table
         if len(_POINTER_TABLES) > _MAX_TABLES:
             _POINTER_TABLES.popitem(last=False)
