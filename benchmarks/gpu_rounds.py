@@ -179,6 +179,9 @@ def big(args) -> tuple[dict, str]:
         "step_graph(AR)": _time_replays(rounds.step),
     }
     report["graph_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    report["step_kernels"] = _kernel_profile(rounds._step)
+    report["round_kernels"] = _kernel_profile(lambda: (rounds._spec(), rounds.run_commit(0)))
+    report["host_ms_per_round"] = median([r.host_s for r in tel.rounds[1:]]) * 1e3
     c4 = report["static_round_ms"].get(4)
     lines = [f"Random bf16 weights, uniform (random-router) routing, {report['parameters_b']:.2f} B parameters, "
              f"experts `{args.experts}`, {args.context}-token prompt.", "",
@@ -194,7 +197,30 @@ def big(args) -> tuple[dict, str]:
                      f"{ratio:.2f} |")
     lines += ["", "Paper (real routing, SGLang): C(16)/C(4) = 1.71.", "", "| piece (GPU time of a graph replay) | ms |",
               "|---|---|"] + [f"| {k} | {v:.3f} |" for k, v in report["pieces_ms"].items()]
+    lines += ["", f"Host time per round (wall minus the wait for the hand-off): {report['host_ms_per_round']:.3f} ms.",
+              f"Kernels per plain step: {report['step_kernels']['kernels']} ({report['step_kernels']['gpu_ms']:.2f} ms "
+              f"GPU, eager); per max-shape round: {report['round_kernels']['kernels']} "
+              f"({report['round_kernels']['gpu_ms']:.2f} ms)."]
     return report, "\n".join(lines)
+
+
+def _kernel_profile(fn) -> dict:
+    """Kernels one eager call of fn launches (what its graph replays): count, GPU ms, and the 12 biggest groups."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    groups: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type.name == "CUDA":
+            key = event.name.split("<")[0][:60]
+            groups.setdefault(key, []).append(event.device_time_total / 1e3)
+    top = sorted(groups.items(), key=lambda kv: -sum(kv[1]))[:12]
+    return {"kernels": sum(len(v) for v in groups.values()), "gpu_ms": sum(sum(v) for v in groups.values()),
+            "top": {k: {"count": len(v), "ms": sum(v)} for k, v in top}}
 
 
 def _time_replays(fn, repeats: int = 20) -> float:

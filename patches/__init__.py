@@ -9,7 +9,7 @@ from types import ModuleType
 import torch
 
 from ._cache import is_linear_cache_layer
-from ._gdn import VerifySession, patch_gdn_class
+from ._gdn import GDN_KERNEL_FUNCTIONS, VerifySession, patch_gdn_class, route_cpu_to_torch
 
 
 def _families() -> list[ModuleType]:
@@ -35,9 +35,11 @@ def family_of(model: torch.nn.Module) -> ModuleType:
 
 
 def install() -> None:
-    """Patch every family's GDN layer with verify mode (idempotent; inert outside HybridSpec verification)."""
+    """Patch every family's GDN layer with verify mode (idempotent; inert outside HybridSpec verification) and route
+    CPU tensors of transformers' GDN kernel functions to their torch references (fla crashes on CPU tensors)."""
     for family in _families():
         patch_gdn_class(family.GDN_CLASS, family.project_gdn_inputs)
+        route_cpu_to_torch(family.modeling)
 
 
 def text_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -64,4 +66,4 @@ def gdn_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in text_model(model).modules() if isinstance(m, family.GDN_CLASS)]
 
 
-__all__ = ["VerifySession", "family_of", "gdn_layers", "install", "is_linear_cache_layer", "moe_blocks", "supported_classes", "text_model"]
+__all__ = ["GDN_KERNEL_FUNCTIONS", "VerifySession", "route_cpu_to_torch", "family_of", "gdn_layers", "install", "is_linear_cache_layer", "moe_blocks", "supported_classes", "text_model"]

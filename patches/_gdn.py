@@ -7,6 +7,8 @@ leaves the cache as it was, and records what the commit needs.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -88,3 +90,34 @@ def patch_gdn_class(cls: type, project: ProjectFn) -> None:
     forward.__wrapped__ = original
     cls._hybridspec_original_forward = original
     cls.forward = forward
+
+
+# transformers binds these module-level functions to fla / causal_conv1d kernels when those packages are installed,
+# for every device: a CPU model then crashes inside Triton ("cpu tensor?"). Route CPU tensors to the torch reference
+# that transformers keeps as `__wrapped__`; CUDA tensors take transformers' own choice, unchanged.
+GDN_KERNEL_FUNCTIONS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                        "causal_conv1d_update")
+
+
+def route_cpu_to_torch(module) -> None:
+    """Wrap each of `module`'s GDN kernel functions so CPU tensors run the torch reference (idempotent)."""
+    for name in GDN_KERNEL_FUNCTIONS:
+        chosen = getattr(module, name, None)
+        reference = getattr(chosen, "__wrapped__", None)
+        if chosen is None or reference is None or getattr(chosen, "_hybridspec_routed", False):
+            continue
+        setattr(module, name, _routed(chosen, reference))
+
+
+def _routed(chosen: Callable, reference: Callable) -> Callable:
+    accepted = set(inspect.signature(reference).parameters)
+
+    @functools.wraps(chosen)
+    def routed(*args, **kwargs):
+        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        if first is not None and first.device.type == "cpu":
+            return reference(*args, **{k: v for k, v in kwargs.items() if k in accepted})
+        return chosen(*args, **kwargs)
+
+    routed._hybridspec_routed = True
+    return routed

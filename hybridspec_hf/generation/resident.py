@@ -129,6 +129,7 @@ class ResidentRounds:
         self.handoff = torch.zeros(self.verify_tokens + 5, dtype=torch.long, pin_memory=pinned)
         self.handoff_ready = torch.cuda.Event() if pinned else None
         self.pending: patches.VerifySession | None = None
+        self.waited_s = 0.0  # host time spent waiting for hand-offs (telemetry: host time = wall - wait)
         self.features = self.valid = self.target_tokens = None
         self.reset_selector()
         self.speculative = self.context is not None  # else every round is a plain step ("ar")
@@ -270,8 +271,10 @@ class ResidentRounds:
         """The round's one device→host wait: the hand-off copy was enqueued (non-blocking) by the graph."""
         if self.handoff_ready is not None:
             self.handoff_ready.record()
+            start = time.perf_counter()
             with host_syncs():
                 self.handoff_ready.synchronize()
+            self.waited_s += time.perf_counter() - start
         return self.handoff.tolist()
 
     def finish(self, cache, length: int) -> None:
@@ -324,6 +327,7 @@ def resident_decode(rounds: ResidentRounds, emitter: HostEmitter, telemetry, pre
     last = time.perf_counter()
     context_len = emitter.length - 1
     while not emitter.finished:
+        rounds.waited_s = 0.0
         if draft_next:
             handoff = rounds.run_spec()
             a, w, kept, n_new, draft_next = handoff[t : t + 5]
@@ -350,6 +354,7 @@ def resident_decode(rounds: ResidentRounds, emitter: HostEmitter, telemetry, pre
             extra_kept=bool(kept) if corrected else None,
             n_new=n_new if corrected else None,
             predicted_s=predicted_latency(w, context_len, drafted),
+            host_s=now - last - rounds.waited_s,
         ))
         context_len += committed
         last = now

@@ -25,6 +25,7 @@ class RoundRecord:
     extra_kept: bool | None = None  # routing correction: the extra token d_{w0} was kept
     n_new: int | None = None  # new first-MoE-layer experts of the extra token
     predicted_s: float | None = None  # calibrated latency of this round's choice (C(w), or C_ar for a plain step)
+    host_s: float | None = None  # GPU-resident rounds: wall time minus the wait for the hand-off (host work)
 
 
 @dataclass
