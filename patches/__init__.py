@@ -9,6 +9,7 @@ from types import ModuleType
 import torch
 
 from ._cache import is_linear_cache_layer
+from ._norms import fused_norms, patch_norm_classes
 from ._gdn import GDN_KERNEL_FUNCTIONS, VerifySession, patch_gdn_class, route_cpu_to_torch
 
 
@@ -40,6 +41,7 @@ def install() -> None:
     for family in _families():
         patch_gdn_class(family.GDN_CLASS, family.project_gdn_inputs)
         route_cpu_to_torch(family.modeling)
+        patch_norm_classes(family.RMS_NORM_CLASS, family.GATED_NORM_CLASS)
 
 
 def text_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -66,4 +68,4 @@ def gdn_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in text_model(model).modules() if isinstance(m, family.GDN_CLASS)]
 
 
-__all__ = ["GDN_KERNEL_FUNCTIONS", "VerifySession", "route_cpu_to_torch", "family_of", "gdn_layers", "install", "is_linear_cache_layer", "moe_blocks", "supported_classes", "text_model"]
+__all__ = ["GDN_KERNEL_FUNCTIONS", "fused_norms", "VerifySession", "route_cpu_to_torch", "family_of", "gdn_layers", "install", "is_linear_cache_layer", "moe_blocks", "supported_classes", "text_model"]

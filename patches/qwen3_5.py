@@ -4,6 +4,8 @@ from transformers.models.qwen3_5 import modeling_qwen3_5 as modeling
 from ._gdn import project_separate
 
 NAME = "qwen3_5"
+RMS_NORM_CLASS = modeling.Qwen3_5RMSNorm
+GATED_NORM_CLASS = modeling.Qwen3_5RMSNormGated
 GDN_CLASS = modeling.Qwen3_5GatedDeltaNet
 MODEL_CLASSES = (modeling.Qwen3_5ForCausalLM, modeling.Qwen3_5ForConditionalGeneration)
 MOE_BLOCK_CLASS = None  # dense MLPs: no router, no routing correction

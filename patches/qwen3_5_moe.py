@@ -4,6 +4,8 @@ from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as modeling
 from ._gdn import project_separate
 
 NAME = "qwen3_5_moe"
+RMS_NORM_CLASS = modeling.Qwen3_5MoeRMSNorm
+GATED_NORM_CLASS = modeling.Qwen3_5MoeRMSNormGated
 GDN_CLASS = modeling.Qwen3_5MoeGatedDeltaNet
 MODEL_CLASSES = (modeling.Qwen3_5MoeForCausalLM, modeling.Qwen3_5MoeForConditionalGeneration)
 MOE_BLOCK_CLASS = modeling.Qwen3_5MoeSparseMoeBlock  # .gate (router -> logits, scores, top-k ids) and .experts

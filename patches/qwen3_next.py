@@ -3,6 +3,8 @@ import torch
 from transformers.models.qwen3_next import modeling_qwen3_next as modeling
 
 NAME = "qwen3_next"
+RMS_NORM_CLASS = modeling.Qwen3NextRMSNorm
+GATED_NORM_CLASS = modeling.Qwen3NextRMSNormGated
 GDN_CLASS = modeling.Qwen3NextGatedDeltaNet
 MODEL_CLASSES = (modeling.Qwen3NextForCausalLM,)
 MOE_BLOCK_CLASS = modeling.Qwen3NextSparseMoeBlock  # .gate (router -> logits, scores, top-k ids) and .experts

@@ -115,9 +115,10 @@ class StaticTarget:
             for layer in self.gdn_layers:
                 layer._hybridspec_verify = verify
         try:
-            outputs = self.model(input_ids=tokens, position_ids=self._position_ids(positions),
-                                 attention_mask=self.mask(num_tokens), use_cache=True, logits_to_keep=num_tokens,
-                                 **{self.cache_kwarg: self.cache})
+            with patches.fused_norms():
+                outputs = self.model(input_ids=tokens, position_ids=self._position_ids(positions),
+                                     attention_mask=self.mask(num_tokens), use_cache=True,
+                                     logits_to_keep=num_tokens, **{self.cache_kwarg: self.cache})
         finally:
             for layer in self.gdn_layers:
                 layer.__dict__.pop("_hybridspec_verify", None)

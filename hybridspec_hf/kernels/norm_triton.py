@@ -1,0 +1,94 @@
+"""Fused RMSNorms of the Qwen hybrids: one launch where transformers' forward runs 6-9 elementwise kernels.
+
+At batch 1 a decode/verify forward is launch-bound (≈ 110 kernels per layer, each a few µs inside a CUDA graph),
+and the norms are a fifth of them: two RMSNorms per layer, q/k norms in attention layers, the gated RMSNorm at the
+end of every GDN layer. The references are transformers' own modules (same rounding steps, see `rms_norm_reference`
+and `gated_rms_norm_reference`); only the order of the fp32 sum of squares differs.
+
+    rms_norm:       y = (x · rsqrt(mean(x²) + eps) · (1 + w)).to(x.dtype)         (Qwen3.5 / Qwen3-Next RMSNorm,
+                    with `offset=True`; `offset=False`: · w instead of · (1 + w))
+    gated_rms_norm: y = ((w · (x · rsqrt(mean(x²) + eps)).to(dt)) · silu(z)).to(dt)  (the GDN output norm)
+All math in fp32, inputs/outputs in the model dtype; one program per row.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .gdn_triton import HAS_TRITON, _LazyJit, tl, tl_dtype, triton
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = True) -> torch.Tensor:
+    """transformers' Qwen3.5 RMSNorm: [..., H] -> [..., H] in x's dtype."""
+    y = x.float()
+    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * ((1.0 + weight.float()) if offset else weight.float())).type_as(x)
+
+
+def gated_rms_norm_reference(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Qwen3.5 RMSNormGated (silu gate): [..., D] -> [..., D] in x's dtype."""
+    dtype = x.dtype
+    y = x.float()
+    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+    y = weight * y.to(dtype)
+    return (y * F.silu(gate.float())).to(dtype)
+
+
+def _rms_norm_kernel(x, w, y, stride_x, stride_y, n, eps, OFFSET: tl.constexpr, BLOCK: tl.constexpr,
+                     OUT_DTYPE: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    v = tl.load(x + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(v * v, axis=0) / n + eps)
+    weight = tl.load(w + cols, mask=mask, other=0.0).to(tl.float32)
+    if OFFSET:
+        weight = weight + 1.0
+    tl.store(y + row * stride_y + cols, (v * rstd * weight).to(OUT_DTYPE), mask=mask)
+
+
+def _gated_rms_norm_kernel(x, z, w, y, stride_x, stride_z, stride_y, n, eps, BLOCK: tl.constexpr,
+                           OUT_DTYPE: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    v = tl.load(x + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(v * v, axis=0) / n + eps)
+    normed = (v * rstd).to(OUT_DTYPE).to(tl.float32)  # transformers rounds to the model dtype before the weight
+    weight = tl.load(w + cols, mask=mask, other=0.0)
+    scaled = (weight.to(tl.float32) * normed).to(OUT_DTYPE).to(tl.float32)  # w · y in the model dtype
+    gate = tl.load(z + row * stride_z + cols, mask=mask, other=0.0).to(tl.float32)
+    silu = gate / (1.0 + tl.exp(-gate))
+    tl.store(y + row * stride_y + cols, (scaled * silu).to(OUT_DTYPE), mask=mask)
+
+
+if HAS_TRITON:
+    _rms_norm_kernel = _LazyJit(_rms_norm_kernel)
+    _gated_rms_norm_kernel = _LazyJit(_gated_rms_norm_kernel)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = True) -> torch.Tensor:
+    """Triton `rms_norm_reference` (one launch); x [..., H], weight [H]."""
+    rows = _rows(x)
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    block = triton.next_power_of_2(rows.shape[1])
+    _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), out.stride(0), rows.shape[1], eps,
+                                       OFFSET=offset, BLOCK=block, OUT_DTYPE=tl_dtype(x.dtype),
+                                       num_warps=4 if block >= 1024 else 1)
+    return out.view(x.shape)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Triton `gated_rms_norm_reference` (one launch); x, gate [..., D], weight [D] in x's dtype."""
+    rows, gates = _rows(x), _rows(gate)
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    block = triton.next_power_of_2(rows.shape[1])
+    _gated_rms_norm_kernel[(rows.shape[0],)](rows, gates, weight, out, rows.stride(0), gates.stride(0),
+                                             out.stride(0), rows.shape[1], eps, BLOCK=block,
+                                             OUT_DTYPE=tl_dtype(x.dtype), num_warps=4 if block >= 1024 else 1)
+    return out.view(x.shape)

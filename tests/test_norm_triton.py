@@ -1,0 +1,56 @@
+"""Fused RMSNorm kernels against transformers' norm modules (Triton interpreter on the CPU).
+
+Tolerance: the kernels keep transformers' rounding steps; only the fp32 sum of squares is reduced in another
+order, so fp32 outputs agree to 1e-6 relative; in bf16 a flipped rounding of the normalised value can pass through
+the gated norm's two further bf16 roundings: one ulp (2^-7 relative) for the RMSNorm, four (2^-5) for the gated one.
+"""
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as modeling  # noqa: E402
+
+from hybridspec_hf.kernels.norm_triton import gated_rms_norm, rms_norm  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def triton_interpreter():
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TRITON_INTERPRET", "1")
+        patch.setattr(JITFunction, "__call__", lambda self, *args, **kwargs: InterpretedFunction(self.fn)(*args, **kwargs))
+        yield
+
+
+TOL = {torch.float32: dict(rtol=1e-6, atol=1e-6), torch.bfloat16: dict(rtol=2**-7, atol=2**-7)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 1, 48), (2, 5, 96), (1, 16, 20)])
+def test_rms_norm_equals_the_module(shape, dtype):
+    gen = torch.Generator().manual_seed(sum(shape))
+    module = modeling.Qwen3_5MoeRMSNorm(shape[-1], eps=1e-6)
+    with torch.no_grad():
+        module.weight.copy_(torch.randn(shape[-1], generator=gen) * 0.3)
+    module = module.to(dtype)
+    x = (torch.randn(shape, generator=gen) * 3).to(dtype)
+    forward = getattr(type(module), "_hybridspec_original_forward", type(module).forward)  # transformers' own
+    torch.testing.assert_close(rms_norm(x, module.weight, module.eps), forward(module, x), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 1, 4, 8), (1, 16, 6, 10), (2, 3, 32, 128)])
+def test_gated_rms_norm_equals_the_module(shape, dtype):
+    gen = torch.Generator().manual_seed(sum(shape) + 1)
+    module = modeling.Qwen3_5MoeRMSNormGated(shape[-1], eps=1e-6)
+    with torch.no_grad():
+        module.weight.copy_(1 + torch.randn(shape[-1], generator=gen) * 0.2)
+    module = module.to(dtype)
+    x = (torch.randn(shape, generator=gen) * 2).to(dtype).reshape(-1, shape[-1])
+    z = (torch.randn(shape, generator=gen) * 2).to(dtype).reshape(-1, shape[-1])
+    forward = getattr(type(module), "_hybridspec_original_forward", type(module).forward)
+    tol = TOL[dtype] if dtype == torch.float32 else dict(rtol=2**-5, atol=2**-5)
+    torch.testing.assert_close(gated_rms_norm(x, z, module.weight, module.variance_epsilon), forward(module, x, z), **tol)
