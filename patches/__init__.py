@@ -9,6 +9,7 @@ from types import ModuleType
 import torch
 
 from ._gdn import VerifySession, patch_gdn_class
+from .experts import register_experts_implementation
 
 
 def _families() -> list[ModuleType]:
@@ -34,9 +35,11 @@ def family_of(model: torch.nn.Module) -> ModuleType:
 
 
 def install() -> None:
-    """Patch every family's GDN layer with verify mode (idempotent; inert outside HybridSpec verification)."""
+    """Patch every family's GDN layer with verify mode (idempotent; inert outside HybridSpec verification) and
+    register experts_implementation="hybridspec" with transformers (used only by models set to it)."""
     for family in _families():
         patch_gdn_class(family.GDN_CLASS, family.project_gdn_inputs)
+    register_experts_implementation()
 
 
 def text_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -63,4 +66,13 @@ def gdn_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in text_model(model).modules() if isinstance(m, family.GDN_CLASS)]
 
 
-__all__ = ["VerifySession", "family_of", "gdn_layers", "install", "moe_blocks", "supported_classes", "text_model"]
+__all__ = [
+    "VerifySession",
+    "family_of",
+    "gdn_layers",
+    "install",
+    "moe_blocks",
+    "register_experts_implementation",
+    "supported_classes",
+    "text_model",
+]

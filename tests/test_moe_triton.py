@@ -143,3 +143,44 @@ def test_errors_name_the_problem():
         fused_experts_triton(**big, mode="direct")
     with pytest.raises(TypeError, match="kernel_backend='torch'"):
         fused_experts(**{k: v.double() if v.is_floating_point() else v for k, v in x.items()}, kernel_backend="triton")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# experts_implementation="hybridspec"
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_moe", "qwen3_next"])
+def test_model_set_to_hybridspec_matches_eager(name, monkeypatch):
+    """set_experts_implementation("hybridspec") on a tiny model: same logits and greedy tokens as "eager", and the
+    experts really went through fused_experts (prefill of 2 x 7 tokens, then decode steps of 2 x 1)."""
+    from _tiny import VOCAB, make_target
+
+    from hybridspec_hf.patches import experts as glue
+
+    glue.register_experts_implementation()
+    calls = []
+    monkeypatch.setattr(glue, "fused_experts", lambda *args: calls.append(args[0].shape[0]) or fused_experts(*args))
+    model = make_target(name, seed=1, dtype=torch.float32)
+    prompt = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(1))
+    model.set_experts_implementation("eager")
+    with torch.no_grad():
+        eager_logits = model(prompt).logits
+    eager_tokens = model.generate(prompt, do_sample=False, max_new_tokens=3)
+    model.set_experts_implementation("hybridspec")
+    with torch.no_grad():
+        logits = model(prompt).logits
+    assert calls and set(calls) == {14}
+    assert rel(logits, eager_logits) < TOL[torch.float32]
+    assert torch.equal(model.generate(prompt, do_sample=False, max_new_tokens=3), eager_tokens)
+    assert 2 in calls  # decode steps: batch 2 x 1 token
+
+
+def test_unsupported_experts_layout_is_refused():
+    from hybridspec_hf.patches.experts import hybridspec_experts_forward
+
+    config = Qwen3_5MoeTextConfig(hidden_size=40, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2)
+    experts = Qwen3_5MoeExperts(config)
+    experts.has_bias = True
+    x = make_layer(13, 2, 40, 24, 4, 2)
+    with pytest.raises(NotImplementedError, match="grouped_mm"):
+        hybridspec_experts_forward(experts, x["hidden"], x["top_k_index"], x["top_k_weights"])
