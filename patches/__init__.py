@@ -9,8 +9,9 @@ from types import ModuleType
 import torch
 
 from ._cache import is_linear_cache_layer
-from ._norms import fused_norms, patch_norm_classes
 from ._gdn import GDN_KERNEL_FUNCTIONS, VerifySession, patch_gdn_class, route_cpu_to_torch
+from ._norms import fused_norms, patch_norm_classes
+from .experts import register_experts_implementation
 
 
 def _families() -> list[ModuleType]:
@@ -36,12 +37,14 @@ def family_of(model: torch.nn.Module) -> ModuleType:
 
 
 def install() -> None:
-    """Patch every family's GDN layer with verify mode (idempotent; inert outside HybridSpec verification) and route
-    CPU tensors of transformers' GDN kernel functions to their torch references (fla crashes on CPU tensors)."""
+    """Patch every family's GDN layer with verify mode and its RMSNorms with the fused path (both inert outside
+    HybridSpec's resident forwards), route CPU tensors of transformers' GDN kernel functions to their torch
+    references (fla crashes on CPU tensors), and register experts_implementation="hybridspec" (idempotent)."""
     for family in _families():
         patch_gdn_class(family.GDN_CLASS, family.project_gdn_inputs)
         route_cpu_to_torch(family.modeling)
         patch_norm_classes(family.RMS_NORM_CLASS, family.GATED_NORM_CLASS)
+    register_experts_implementation()
 
 
 def text_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -68,4 +71,17 @@ def gdn_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in text_model(model).modules() if isinstance(m, family.GDN_CLASS)]
 
 
-__all__ = ["GDN_KERNEL_FUNCTIONS", "fused_norms", "VerifySession", "route_cpu_to_torch", "family_of", "gdn_layers", "install", "is_linear_cache_layer", "moe_blocks", "supported_classes", "text_model"]
+__all__ = [
+    "GDN_KERNEL_FUNCTIONS",
+    "VerifySession",
+    "family_of",
+    "fused_norms",
+    "gdn_layers",
+    "install",
+    "is_linear_cache_layer",
+    "moe_blocks",
+    "register_experts_implementation",
+    "route_cpu_to_torch",
+    "supported_classes",
+    "text_model",
+]

@@ -1,8 +1,8 @@
 """Triton GDN verify/commit and the default verifier against gdn_torch and the float64 recurrence (CPU).
 
-The kernels run under the Triton interpreter: TRITON_INTERPRET=1 is set for this module only (fixture below; import
-order in the suite does not matter) and restored afterwards, so other tests' `*_auto` calls on CPU keep the torch
-path.
+The kernels run under the Triton interpreter: TRITON_INTERPRET=1 is set for this module only (conftest's
+`triton_interpreter`; import order in the suite does not matter) and restored afterwards, so other tests' `*_auto`
+calls on CPU keep the torch path.
 
 Tolerances (relative Frobenius error, per request): the kernels compute in fp32 with fp32 dots; measured errors
 against float64 are 0.3-3e-7, so the bounds below (2e-6 for one verify/commit, 1e-5 after many rounds) are fp32
@@ -38,18 +38,7 @@ ONE_STEP_TOL = 2e-6  # out, Z, S_m after one verify + commit vs float64
 DRIFT_TOL = 1e-5  # state after hundreds of rounds vs the float64 sequential recurrence
 
 
-@pytest.fixture(autouse=True, scope="module")
-def triton_interpreter():
-    """TRITON_INTERPRET=1 for this module only. Our kernels bind to `triton.jit` at launch, so they follow it;
-    triton.language's own helpers (tl.sum, tl.cumsum, ...) were bound when triton was first imported, possibly by
-    an earlier test module without the variable, so they are run as interpreted device functions here too."""
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TRITON_INTERPRET", "1")
-        patch.setattr(JITFunction, "__call__", lambda self, *args, **kwargs: InterpretedFunction(self.fn)(*args, **kwargs))
-        yield
+pytestmark = pytest.mark.usefixtures("triton_interpreter")
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

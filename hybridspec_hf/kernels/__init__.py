@@ -2,6 +2,7 @@
 
 `gdn_torch` is the CPU implementation and the reference for every Triton kernel beside it. `gdn_triton` and
 `default_verifier` import without triton (their `*_auto` / `kernel_backend="auto"` entry points then use torch).
+`moe_triton` is the routed-experts path (`fused_experts`, reference `fused_experts_reference` beside it).
 """
 from .gdn_torch import (
     GDNVerifyResult,
@@ -22,6 +23,7 @@ from .default_verifier import (
     default_verify,
 )
 from .gdn_triton import HAS_TRITON, commit_gdn_states_auto, gdn_verify_auto, select_backend
+from .moe_triton import fused_experts, fused_experts_reference
 
 __all__ = [
     "HAS_TRITON",
@@ -31,6 +33,8 @@ __all__ = [
     "commit_default_states",
     "commit_gdn_states_auto",
     "default_verify",
+    "fused_experts",
+    "fused_experts_reference",
     "gdn_verify_auto",
     "select_backend",
     "GDNVerifyResult",

@@ -1,0 +1,382 @@
+"""Routed experts of a sparse MoE layer (DESIGN.md §6): each distinct expert's weights read once per call, no host
+sync, static shapes, so the call can be captured in a CUDA graph. `fused_experts_reference` beside it is the truth.
+
+What transformers' MoE blocks call: `experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k])` with
+gate_up_proj [E, 2I, H] (rows 0..I-1 gate, I..2I-1 up) and down_proj [E, H, I]:
+
+    out[t] = Σ_j w[t, j] · down_e (SiLU(gate_e x_t) · up_e x_t),   e = top_k_index[t, j]
+
+Three launches, the fused_moe plan (sglang/vLLM) with the align step folded into the kernels at decode sizes:
+  1. gate_up: one program per (expert slot, I-block) computes the gate and up columns of its block for every row
+     the expert serves and stores SiLU(gate)·up, fp32, into act [S, I] (S = T·k token–expert pairs).
+  2. down: one program per (expert slot, H-block) reads act, multiplies by the expert's down block and stores
+     w · y into per-pair rows [S, H] fp32.
+  3. sum: out[t] = Σ_j rows[t·k + j] in a fixed order (deterministic, no atomics), cast to the hidden dtype.
+
+Two ways to assign rows to programs, both with a grid sized for the worst case and programs that exit at once:
+  - "direct" (T <= DIRECT_MAX_TOKENS, the decode/verify sizes): slot p is the p-th token–expert pair; the program
+    works only if p is the first pair naming its expert (a scan of <= S ids), and then takes ALL tokens as its rows
+    (one 16-row tile), masked to those that chose the expert. No sort, no extra launch: at T <= 16 the padding rows
+    cost tensor-core work that is free while the weights stream.
+  - "sorted" (larger T, prefill): fused_moe's moe_align_block_size in torch ops (sort by expert, pad each expert to
+    BM rows; blocks past the padded count carry expert -1 and exit), so compute scales with S, not T · experts.
+Either way one program column per distinct expert streams that expert's weights: bytes = distinct experts × 6 MiB
+at the Qwen3.5-35B-A3B shape (E=256, H=2048, I=512, bf16), against a copy per pair in transformers' batched_mm.
+
+Precision: dots accumulate in fp32; bf16/fp16 weights take dot operands in the weight dtype (act is rounded to it
+before the down dot, as transformers does); fp32 weights use exact fp32 dots (`input_precision="ieee"`). Under the
+interpreter (triton 3.6) every dot takes fp32 operands (the same values: it would multiply bf16 bit patterns as
+integers), and fp32 -> bf16 casts truncate instead of rounding to nearest: bf16 errors there are ~2x the GPU's. The routing
+weights and the sum over k stay fp32 until the single cast of the output.
+Ids outside [0, E) (expert-parallel sentinels) contribute nothing. Kernels bind to `triton.jit` at launch (`_LazyJit`),
+so `TRITON_INTERPRET=1` runs them on the CPU (tests).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .gdn_triton import HAS_TRITON, _LazyJit, select_backend
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+else:  # CPU installs without triton keep the reference
+    triton = None
+    tl = None
+
+DIRECT_MAX_TOKENS = 16  # "direct" rows = all tokens in one 16-row tile; above this the sorted blocks
+MODES = ("auto", "direct", "sorted")
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Tile of one GEMM kernel: block_n output columns (gate_up: per half, so 2·block_n weight rows) by block_k of the
+    reduction per step; num_stages: software-pipelined loads in flight."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+def default_tiles(num_tokens: int, mode: str) -> tuple[int, Tiles, Tiles]:
+    """(block_m, gate_up tiles, down tiles). Decode: narrow column blocks so that the few experts of a call still
+    spread over every SM (T = 1 at the 35B-A3B shape: 8 experts x 32 gate_up blocks = 256 programs), like vLLM's
+    tuned H200 fused_moe configs for E=128/N=1024 at batch 1-8; benchmarks/moe_experts.py sweeps them."""
+    if mode == "direct":
+        small = num_tokens <= 4
+        return 16, Tiles(16 if small else 32, 128), Tiles(32 if small else 64, 128)
+    return 64, Tiles(64, 64, 4, 3), Tiles(64, 64, 4, 3)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# reference
+
+
+def fused_experts_reference(
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+) -> torch.Tensor:
+    """The truth for `fused_experts`, a plain loop over the experts used, in fp32 (float64 for float64 inputs).
+
+    hidden [T, H]; top_k_index [T, k] int; top_k_weights [T, k]; gate_up_proj [E, 2I, H] (gate rows first);
+    down_proj [E, H, I]. Returns [T, H] in hidden's dtype. Ids outside [0, E) are skipped. Host syncs (unique,
+    where): a reference and the CPU path, not for graphs.
+    """
+    dtype = torch.promote_types(hidden.dtype, torch.float32)
+    num_experts, inter = down_proj.shape[0], down_proj.shape[-1]
+    out = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device)
+    for expert in top_k_index.unique().tolist():
+        if not 0 <= expert < num_experts:
+            continue
+        tokens, slots = torch.where(top_k_index == expert)
+        x = hidden[tokens].to(dtype)  # [n, H]
+        gate, up = (x @ gate_up_proj[expert].to(dtype).T).split(inter, dim=-1)  # [n, I] each
+        y = (F.silu(gate) * up) @ down_proj[expert].to(dtype).T  # [n, H]
+        out.index_add_(0, tokens, y * top_k_weights[tokens, slots].to(dtype)[:, None])
+    return out.to(hidden.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# kernels
+
+
+def _program_rows(ids, block_expert, block_pairs, slot, T, S, E,
+                  DIRECT: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, BM: tl.constexpr):
+    """(expert int64, live, pair [BM] int32, row_ok [BM]) of program `slot`: the expert it serves (live = it has
+    work), and per row the token–expert pair whose act row it reads or writes."""
+    rm = tl.arange(0, BM)
+    if DIRECT:
+        expert = tl.load(ids + slot).to(tl.int64)
+        rs = tl.arange(0, SP)
+        earlier = tl.load(ids + rs, mask=rs < slot, other=-1)
+        live = (tl.sum((earlier == expert).to(tl.int32), 0) == 0) & (expert >= 0) & (expert < E)
+        rj = tl.arange(0, KP)
+        token_ids = tl.load(ids + rm[:, None] * K + rj[None, :], mask=(rm[:, None] < T) & (rj[None, :] < K), other=-1)
+        j_first = tl.min(tl.where(token_ids == expert, rj[None, :], KP), 1)  # a token lists an expert once, but
+        row_ok = j_first < K  # if twice, the first pair holds the act row and the down kernel weights both
+        pair = rm * K + tl.where(row_ok, j_first, 0)
+    else:
+        expert = tl.load(block_expert + slot).to(tl.int64)  # -1: a block past the padded count
+        live = expert >= 0
+        pair = tl.load(block_pairs + slot * BM + rm)
+        row_ok = pair < S  # padding rows hold S
+    return expert, live, pair, row_ok
+
+
+def _gate_up_kernel(
+    hidden, ids, block_expert, block_pairs, w1, act,
+    T, S, E,
+    stride_ht, stride_hh, stride_we, stride_wn, stride_wk,
+    H: tl.constexpr, INTER: tl.constexpr, DIRECT: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, BM: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    i_n = tl.program_id(0)
+    expert, live, pair, row_ok = _program_rows(ids, block_expert, block_pairs, tl.program_id(1), T, S, E,
+                                               DIRECT, K, KP, SP, BM)
+    if live:
+        token = (pair // K).to(tl.int64)
+        rn = i_n * BN + tl.arange(0, BN)
+        mn = rn < INTER
+        p_x = hidden + token[:, None] * stride_ht
+        p_gate = w1 + expert * stride_we + rn[None, :] * stride_wn  # [BK, BN] tiles of the gate rows ...
+        p_up = p_gate + INTER * stride_wn  # ... and of the up rows I later
+        acc_gate = tl.zeros([BM, BN], dtype=tl.float32)
+        acc_up = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, H, BK):
+            rk = k0 + tl.arange(0, BK)
+            mk = rk < H
+            b_w_gate = tl.load(p_gate + rk[:, None] * stride_wk, mask=mk[:, None] & mn[None, :], other=0.0)
+            b_w_up = tl.load(p_up + rk[:, None] * stride_wk, mask=mk[:, None] & mn[None, :], other=0.0)
+            b_x = tl.load(p_x + rk[None, :] * stride_hh, mask=row_ok[:, None] & mk[None, :], other=0.0)
+            b_x = b_x.to(b_w_gate.dtype)  # fp32 activations under bf16 weights: transformers casts them too
+            if DOT_FP32:
+                b_x, b_w_gate, b_w_up = b_x.to(tl.float32), b_w_gate.to(tl.float32), b_w_up.to(tl.float32)
+            acc_gate += tl.dot(b_x, b_w_gate, input_precision="ieee" if DOT_FP32 else "tf32")
+            acc_up += tl.dot(b_x, b_w_up, input_precision="ieee" if DOT_FP32 else "tf32")
+        b_act = acc_gate * tl.sigmoid(acc_gate) * acc_up  # SiLU(gate) · up, fp32
+        tl.store(act + pair[:, None].to(tl.int64) * INTER + rn[None, :], b_act, mask=row_ok[:, None] & mn[None, :])
+
+
+def _down_kernel(
+    act, ids, weights, block_expert, block_pairs, w2, rows,
+    T, S, E,
+    stride_we, stride_wn, stride_wk,
+    H: tl.constexpr, INTER: tl.constexpr, DIRECT: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, BM: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    i_n = tl.program_id(0)
+    expert, live, pair, row_ok = _program_rows(ids, block_expert, block_pairs, tl.program_id(1), T, S, E,
+                                               DIRECT, K, KP, SP, BM)
+    if live:
+        rn = i_n * BN + tl.arange(0, BN)
+        mn = rn < H
+        p_act = act + pair[:, None].to(tl.int64) * INTER
+        p_w = w2 + expert * stride_we + rn[None, :] * stride_wn  # [BK, BN] tiles of down_e
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, INTER, BK):
+            rk = k0 + tl.arange(0, BK)
+            mk = rk < INTER
+            b_w = tl.load(p_w + rk[:, None] * stride_wk, mask=mk[:, None] & mn[None, :], other=0.0)
+            b_a = tl.load(p_act + rk[None, :], mask=row_ok[:, None] & mk[None, :], other=0.0).to(b_w.dtype)
+            if DOT_FP32:
+                b_a, b_w = b_a.to(tl.float32), b_w.to(tl.float32)
+            acc += tl.dot(b_a, b_w, input_precision="ieee" if DOT_FP32 else "tf32")
+        if DIRECT:  # rows are tokens: write w[t, j] · y_t to every pair (t, j) that names this expert
+            rm = tl.arange(0, BM)
+            for j in tl.static_range(K):
+                hit = tl.load(ids + rm * K + j, mask=rm < T, other=-1) == expert
+                b_wt = tl.load(weights + rm * K + j, mask=hit, other=0.0).to(tl.float32)
+                p_out = rows + (rm * K + j)[:, None].to(tl.int64) * H + rn[None, :]
+                tl.store(p_out, acc * b_wt[:, None], mask=hit[:, None] & mn[None, :])
+        else:  # rows are pairs
+            b_wt = tl.load(weights + pair, mask=row_ok, other=0.0).to(tl.float32)
+            p_out = rows + pair[:, None].to(tl.int64) * H + rn[None, :]
+            tl.store(p_out, acc * b_wt[:, None], mask=row_ok[:, None] & mn[None, :])
+
+
+def _sum_kernel(rows, ids, out, E, stride_ot, H: tl.constexpr, K: tl.constexpr, BN: tl.constexpr):
+    i_n = tl.program_id(0)
+    i_t = tl.program_id(1).to(tl.int64)
+    rn = i_n * BN + tl.arange(0, BN)
+    mn = rn < H
+    acc = tl.zeros([BN], dtype=tl.float32)
+    for j in tl.static_range(K):  # j in order: the same sum whatever the routing
+        expert = tl.load(ids + i_t * K + j)
+        ok = (expert >= 0) & (expert < E)  # sentinel pairs were never written
+        acc += tl.load(rows + (i_t * K + j) * H + rn, mask=mn & ok, other=0.0)
+    tl.store(out + i_t * stride_ot + rn, acc.to(out.dtype.element_ty), mask=mn)
+
+
+if HAS_TRITON:
+    _program_rows = triton.jit(_program_rows)
+    _gate_up_kernel = _LazyJit(_gate_up_kernel)
+    _down_kernel = _LazyJit(_down_kernel)
+    _sum_kernel = _LazyJit(_sum_kernel)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# launch
+
+
+def align_pairs(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fused_moe's moe_align_block_size in torch ops, no host sync: pairs sorted by expert, each expert padded to
+    whole blocks of block_m rows.
+
+    Returns block_pairs [NB·BM] int32 (pair ids t·k + j; S marks padding) and block_expert [NB] int32 (-1 for blocks
+    past the padded count), NB = ceil(S / BM) + min(E, S), the worst case (every used expert pads < BM rows).
+    """
+    device = top_k_index.device
+    ids = top_k_index.reshape(-1)
+    pairs = ids.numel()
+    num_blocks = triton.cdiv(pairs, block_m) + min(num_experts, pairs)
+    key = torch.where((ids >= 0) & (ids < num_experts), ids, num_experts)  # sentinels sort last, in bin E
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device).scatter_add_(0, key, torch.ones_like(key))
+    expert_blocks = (counts[:num_experts] + block_m - 1) // block_m
+    first_block = torch.cumsum(expert_blocks, 0) - expert_blocks  # [E]
+    first_row = torch.cumsum(counts, 0) - counts  # [E + 1] first sorted position of each expert
+    order = torch.argsort(key, stable=True)
+    sorted_key = key[order]
+    rank = torch.arange(pairs, device=device) - first_row[sorted_key]  # position within the expert's rows
+    spill = num_blocks * block_m  # sentinels go to one spare slot past the end
+    dest = torch.where(sorted_key < num_experts, first_block[sorted_key.clamp(max=num_experts - 1)] * block_m + rank,
+                       spill)
+    block_pairs = torch.full((spill + 1,), pairs, dtype=torch.int32, device=device)
+    block_pairs.scatter_(0, dest, order.to(torch.int32))
+    block_expert = torch.full((num_blocks + 1,), -1, dtype=torch.int32, device=device)
+    block_expert.scatter_(0, dest // block_m, sorted_key.to(torch.int32))  # all rows of a block agree
+    return block_pairs[:spill], block_expert[:num_blocks]
+
+
+def fused_experts_triton(
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    *,
+    mode: str = "auto",
+    block_m: int | None = None,
+    gate_up_tiles: Tiles | None = None,
+    down_tiles: Tiles | None = None,
+) -> torch.Tensor:
+    """Triton `fused_experts_reference`: [T, H] in hidden's dtype, three launches (plus torch's align ops in
+    "sorted" mode), no host sync. Shapes as the reference; mode "auto" = "direct" for T <= DIRECT_MAX_TOKENS.
+    Call once before CUDA-graph capture (Triton compiles on the first launch of each shape)."""
+    num_tokens, hidden_size, num_experts, inter, top_k = _check_shapes(
+        hidden, top_k_index, top_k_weights, gate_up_proj, down_proj)
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode == "auto":
+        mode = "direct" if num_tokens <= DIRECT_MAX_TOKENS else "sorted"
+    if mode == "direct" and num_tokens > DIRECT_MAX_TOKENS:
+        raise ValueError(f'mode="direct" takes at most {DIRECT_MAX_TOKENS} tokens, got T={num_tokens}; use "sorted"')
+    out = torch.empty_like(hidden, memory_format=torch.contiguous_format)
+    if num_tokens == 0:
+        return out
+    default_m, default_gate_up, default_down = default_tiles(num_tokens, mode)
+    block_m = block_m or default_m
+    gate_up_tiles = gate_up_tiles or default_gate_up
+    down_tiles = down_tiles or default_down
+    pairs = num_tokens * top_k
+    ids = top_k_index.reshape(-1).contiguous()  # [S], pair t·k + j
+    weights = top_k_weights.reshape(-1).contiguous()  # [S]
+    if mode == "direct":
+        block_m = max(16, triton.next_power_of_2(num_tokens))
+        block_pairs = block_expert = ids  # unused
+        num_slots = pairs
+    else:
+        block_pairs, block_expert = align_pairs(top_k_index, num_experts, block_m)
+        num_slots = block_expert.numel()
+    act = torch.empty(pairs, inter, dtype=torch.float32, device=hidden.device)  # SiLU(gate)·up per pair
+    rows = torch.empty(pairs, hidden_size, dtype=torch.float32, device=hidden.device)  # w · down(act) per pair
+    hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
+    common = dict(H=hidden_size, INTER=inter, DIRECT=mode == "direct", K=top_k, KP=triton.next_power_of_2(top_k),
+                  SP=triton.next_power_of_2(pairs) if mode == "direct" else 1, BM=block_m,
+                  DOT_FP32=gate_up_proj.dtype == torch.float32 or bool(triton.knobs.runtime.interpret))
+
+    tiles = _fit(gate_up_tiles, inter, hidden_size)
+    _gate_up_kernel[(triton.cdiv(inter, tiles.block_n), num_slots)](
+        hidden, ids, block_expert, block_pairs, gate_up_proj, act,
+        num_tokens, pairs, num_experts, *hidden.stride(), *gate_up_proj.stride(),
+        **common, BN=tiles.block_n, BK=tiles.block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
+    tiles = _fit(down_tiles, hidden_size, inter)
+    _down_kernel[(triton.cdiv(hidden_size, tiles.block_n), num_slots)](
+        act, ids, weights, block_expert, block_pairs, down_proj, rows,
+        num_tokens, pairs, num_experts, *down_proj.stride(),
+        **common, BN=tiles.block_n, BK=tiles.block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
+    block_sum = min(1024, triton.next_power_of_2(hidden_size))
+    _sum_kernel[(triton.cdiv(hidden_size, block_sum), num_tokens)](
+        rows, ids, out, num_experts, out.stride(0), H=hidden_size, K=top_k, BN=block_sum, num_warps=4,
+    )
+    return out
+
+
+def _fit(tiles: Tiles, n: int, k: int) -> Tiles:
+    """Tiles no larger than the problem (tiny test shapes), no smaller than `tl.dot`'s 16."""
+    def clamp(block, size):
+        return max(16, min(block, triton.next_power_of_2(size)))
+
+    return Tiles(clamp(tiles.block_n, n), clamp(tiles.block_k, k), tiles.num_warps, tiles.num_stages)
+
+
+def _check_shapes(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj) -> tuple[int, int, int, int, int]:
+    if hidden.dim() != 2 or top_k_index.dim() != 2 or gate_up_proj.dim() != 3 or down_proj.dim() != 3:
+        raise ValueError(
+            f"expected hidden [T, H], top_k_index [T, k], gate_up_proj [E, 2I, H], down_proj [E, H, I]; got "
+            f"{tuple(hidden.shape)}, {tuple(top_k_index.shape)}, {tuple(gate_up_proj.shape)}, {tuple(down_proj.shape)}"
+        )
+    num_tokens, hidden_size = hidden.shape
+    num_experts, _, inter = down_proj.shape
+    top_k = top_k_index.shape[1]
+    if (top_k_index.shape[0] != num_tokens or top_k_weights.shape != top_k_index.shape
+            or gate_up_proj.shape != (num_experts, 2 * inter, hidden_size) or down_proj.shape[1] != hidden_size):
+        raise ValueError(
+            f"expected hidden [T, H], top_k_index and top_k_weights [T, k], gate_up_proj [E, 2I, H] and down_proj "
+            f"[E, H, I]; got hidden {tuple(hidden.shape)}, top_k_index {tuple(top_k_index.shape)}, top_k_weights "
+            f"{tuple(top_k_weights.shape)}, gate_up_proj {tuple(gate_up_proj.shape)}, down_proj {tuple(down_proj.shape)}"
+        )
+    if top_k_index.dtype.is_floating_point:
+        raise TypeError(f"top_k_index must hold integer expert ids, got {top_k_index.dtype}")
+    return num_tokens, hidden_size, num_experts, inter, top_k
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# dispatch
+
+
+def fused_experts(
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    kernel_backend: str = "auto",
+    **triton_options,
+) -> torch.Tensor:
+    """The routed experts' output [T, H] (hidden's dtype): `fused_experts_triton` on CUDA (or under
+    TRITON_INTERPRET=1) for float32/bfloat16/float16 weights, `fused_experts_reference` otherwise.
+
+    hidden [T, H]; top_k_index [T, k] int; top_k_weights [T, k]; gate_up_proj [E, 2I, H] (gate rows, then up rows);
+    down_proj [E, H, I]. triton_options: mode, block_m, gate_up_tiles, down_tiles of `fused_experts_triton`.
+    """
+    backend = select_backend(kernel_backend, hidden, gate_up_proj, down_proj)
+    if backend == "triton" and (gate_up_proj.dtype not in _DTYPES or down_proj.dtype != gate_up_proj.dtype):
+        if kernel_backend == "triton":
+            raise TypeError(
+                f"the Triton experts take float32/bfloat16/float16 weights of one dtype; got gate_up_proj "
+                f"{gate_up_proj.dtype}, down_proj {down_proj.dtype}. Use kernel_backend='torch' (the reference)"
+            )
+        backend = "torch"  # e.g. float64 test models
+    if backend == "triton":
+        return fused_experts_triton(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, **triton_options)
+    return fused_experts_reference(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj)

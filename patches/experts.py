@@ -1,0 +1,56 @@
+"""`experts_implementation="hybridspec"`: transformers' MoE experts through `kernels.moe_triton.fused_experts`.
+
+transformers (5.17 and 5.24 alike) decorates each experts class with `@use_experts_implementation`; its forward
+looks `config._experts_implementation` up in `ExpertsInterface` (transformers/integrations/moe.py) and calls
+`fn(experts_module, hidden [T, H], top_k_index [T, k], top_k_weights [T, k])`. Registering a name there makes
+`model.set_experts_implementation("hybridspec")` accept it (the name check reads the same registry).
+"""
+from __future__ import annotations
+
+import torch
+from transformers.integrations import moe
+
+from hybridspec_hf.kernels.moe_triton import fused_experts
+
+NAME = "hybridspec"
+# Prefill on a GPU goes to transformers' grouped_mm (CUTLASS grouped GEMM); the Triton path is shaped for the
+# few-token calls of decoding and verification, and captured in CUDA graphs only there.
+GROUPED_MM_FROM_TOKENS = 128
+
+
+def hybridspec_experts_forward(
+    self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """The ExpertsInterface function: [T, H] from `fused_experts` (Triton on CUDA, the torch reference on CPU)."""
+    _check_supported(self)
+    if hidden_states.is_cuda and hidden_states.shape[0] >= GROUPED_MM_FROM_TOKENS:
+        return moe.grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    return fused_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
+
+
+def register_experts_implementation() -> None:
+    """Register "hybridspec" in transformers' ExpertsInterface (idempotent), so that
+    `model.set_experts_implementation("hybridspec")` or `from_pretrained(..., experts_implementation="hybridspec")`
+    works on every model whose experts use transformers' experts interface with SiLU-gated [gate; up] weights."""
+    moe.ExpertsInterface.register(NAME, hybridspec_experts_forward)
+
+
+def _check_supported(experts: torch.nn.Module) -> None:
+    layout = {
+        "has_gate": getattr(experts, "has_gate", True),
+        "is_concatenated": getattr(experts, "is_concatenated", True),
+        "is_transposed": getattr(experts, "is_transposed", False),
+        "has_bias": getattr(experts, "has_bias", False),
+        "has_post_expert_norm": getattr(experts, "has_post_expert_norm", False),  # 5.24+
+    }
+    act = getattr(experts.config, "hidden_act", None)
+    default_gate = getattr(type(experts), "_apply_gate", moe._default_apply_gate) is moe._default_apply_gate
+    expected = {"has_gate": True, "is_concatenated": True, "is_transposed": False, "has_bias": False,
+                "has_post_expert_norm": False}
+    if layout != expected or act not in ("silu", "swish") or not default_gate:
+        raise NotImplementedError(
+            f'experts_implementation="{NAME}" computes SiLU(gate)·up experts with gate_up_proj [E, 2I, H] '
+            f"(gate rows first), down_proj [E, H, I] and no bias; {type(experts).__name__} has {layout}, "
+            f"hidden_act={act!r}, {'its own' if not default_gate else 'the default'} gate. "
+            'Use experts_implementation="grouped_mm" for this model.'
+        )

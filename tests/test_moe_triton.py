@@ -1,0 +1,186 @@
+"""Triton routed experts (kernels/moe_triton.py) against the torch reference, transformers' eager experts and a tiny
+Qwen3.5-MoE model set to experts_implementation="hybridspec" (CPU, Triton interpreter).
+
+Tolerances (relative Frobenius error): fp32 <= 1e-5 (fp32 dots and sums; measured ~2e-7 against float64);
+bf16 <= 2e-2 (one bf16 rounding of the SiLU·up activations before the down dot and one of the output; the interpreter
+truncates those casts where the GPU rounds to nearest, measured ~7e-3 here).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from transformers import Qwen3_5MoeTextConfig  # noqa: E402
+from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeExperts  # noqa: E402
+
+from hybridspec_hf.kernels.moe_triton import (  # noqa: E402
+    DIRECT_MAX_TOKENS,
+    align_pairs,
+    fused_experts,
+    fused_experts_reference,
+    fused_experts_triton,
+)
+
+pytestmark = pytest.mark.usefixtures("triton_interpreter")
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def make_layer(seed: int, tokens: int, hidden: int, inter: int, experts: int, top_k: int, dtype=torch.float32):
+    """Random inputs of one experts call: distinct experts per token (as top-k gives), shared across tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.rand(tokens, experts, generator=gen)
+    return dict(
+        hidden=torch.randn(tokens, hidden, generator=gen).to(dtype),
+        top_k_index=scores.topk(top_k, dim=-1).indices,
+        top_k_weights=torch.rand(tokens, top_k, generator=gen).to(dtype),
+        gate_up_proj=(torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden**-0.5).to(dtype),
+        down_proj=(torch.randn(experts, hidden, inter, generator=gen) * inter**-0.5).to(dtype),
+    )
+
+
+def float64_truth(x: dict) -> torch.Tensor:
+    return fused_experts_reference(*(t.double() if t.is_floating_point() else t for t in x.values()))
+
+
+@pytest.mark.parametrize(
+    "seed, tokens, hidden, inter, experts, top_k, dtype, mode",
+    [
+        (1, 1, 40, 24, 4, 2, torch.float32, "auto"),  # decode, one token
+        (2, 5, 33, 20, 3, 2, torch.float32, "auto"),  # H, I not powers of two, E = 3
+        (3, 16, 48, 24, 4, 1, torch.float32, "auto"),  # 16 tokens (the direct path's limit), k = 1
+        (4, 16, 40, 24, 4, 2, torch.bfloat16, "auto"),
+        (5, 5, 33, 20, 3, 2, torch.bfloat16, "auto"),
+        (6, 5, 33, 20, 3, 2, torch.float32, "sorted"),  # the prefill path at a decode size
+        (7, 40, 33, 20, 5, 3, torch.float32, "auto"),  # > 16 tokens: sorted, several blocks per expert
+        (8, 40, 40, 24, 4, 2, torch.bfloat16, "auto"),
+    ],
+)
+def test_matches_reference(seed, tokens, hidden, inter, experts, top_k, dtype, mode):
+    x = make_layer(seed, tokens, hidden, inter, experts, top_k, dtype)
+    out = fused_experts_triton(**x, mode=mode)
+    assert out.shape == (tokens, hidden) and out.dtype == dtype
+    assert rel(out, float64_truth(x)) < TOL[dtype]
+    assert rel(out, fused_experts_reference(**x)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("mode", ["direct", "sorted"])
+def test_zero_weights_duplicates_and_sentinels(mode):
+    """Tokens whose routing weights are 0 get exactly 0; an expert listed twice by one token counts twice; ids outside
+    [0, E) (expert-parallel sentinels) count nothing; every token choosing the same experts is read once."""
+    x = make_layer(9, 6, 40, 24, 4, 3)
+    x["top_k_index"][:] = torch.tensor([2, 0, 1])  # every token: the same three experts
+    x["top_k_index"][1] = torch.tensor([3, 3, 0])  # twice the same expert
+    x["top_k_index"][2, 2] = 4  # sentinel (E = 4)
+    x["top_k_index"][3, 0] = -1
+    x["top_k_weights"][4] = 0.0
+    out = fused_experts_triton(**x, mode=mode)
+    assert torch.equal(out[4], torch.zeros_like(out[4]))
+    assert rel(out, float64_truth(x)) < TOL[torch.float32]
+    # the reference's meaning of a repeated expert: one use with the summed weight
+    merged = dict(x, hidden=x["hidden"][1:2], top_k_index=torch.tensor([[3, 0]]),
+                  top_k_weights=torch.stack([x["top_k_weights"][1, :2].sum(), x["top_k_weights"][1, 2]])[None])
+    assert rel(fused_experts_reference(**merged), float64_truth(x)[1:2]) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_transformers_eager_experts(dtype):
+    config = Qwen3_5MoeTextConfig(hidden_size=40, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2)
+    config._experts_implementation = "eager"
+    torch.manual_seed(10)
+    experts = Qwen3_5MoeExperts(config).to(dtype)
+    with torch.no_grad():
+        experts.gate_up_proj.normal_(0.0, 40**-0.5)
+        experts.down_proj.normal_(0.0, 24**-0.5)
+    x = make_layer(10, 5, 40, 24, 4, 2, dtype)
+    with torch.no_grad():
+        eager = experts(x["hidden"], x["top_k_index"], x["top_k_weights"])
+    out = fused_experts(x["hidden"], x["top_k_index"], x["top_k_weights"], experts.gate_up_proj, experts.down_proj)
+    assert rel(out, eager) < TOL[dtype]
+
+
+def test_align_pairs_blocks():
+    """Every valid pair sits in exactly one block of its expert; padding holds S; unused blocks carry expert -1."""
+    ids = torch.tensor([[3, 1], [1, 0], [3, 9], [1, 3]])  # 9: sentinel, E = 4
+    block_pairs, block_expert = align_pairs(ids, num_experts=4, block_m=2)
+    pairs = ids.numel()
+    assert block_expert.numel() == 4 + 4 and block_pairs.numel() == 2 * 8
+    seen = []
+    for block, expert in enumerate(block_expert.tolist()):
+        rows = block_pairs[2 * block: 2 * block + 2].tolist()
+        if expert < 0:
+            assert rows == [pairs, pairs]
+            continue
+        for pair in rows:
+            if pair < pairs:
+                assert ids.view(-1)[pair] == expert
+                seen.append(pair)
+    assert sorted(seen) == [p for p in range(pairs) if ids.view(-1)[p] < 4]
+    assert (block_expert >= 0).sum() == 5  # expert 0: 1 pair -> 1 block; experts 1 and 3: 3 pairs -> 2 blocks each
+
+
+def test_cpu_falls_back_to_the_reference(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET")
+    x = make_layer(11, 3, 40, 24, 4, 2)
+    assert torch.equal(fused_experts(**x), fused_experts_reference(**x))
+    x64 = {k: v.double() if v.is_floating_point() else v for k, v in x.items()}
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert torch.equal(fused_experts(**x64), fused_experts_reference(**x64))  # float64: the reference everywhere
+
+
+def test_errors_name_the_problem():
+    x = make_layer(12, 3, 40, 24, 4, 2)
+    with pytest.raises(ValueError, match="down_proj"):
+        fused_experts_triton(**dict(x, down_proj=x["down_proj"][:, :, :8]))
+    big = make_layer(12, DIRECT_MAX_TOKENS + 1, 40, 24, 4, 2)
+    with pytest.raises(ValueError, match="sorted"):
+        fused_experts_triton(**big, mode="direct")
+    with pytest.raises(TypeError, match="kernel_backend='torch'"):
+        fused_experts(**{k: v.double() if v.is_floating_point() else v for k, v in x.items()}, kernel_backend="triton")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# experts_implementation="hybridspec"
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_moe", "qwen3_next"])
+def test_model_set_to_hybridspec_matches_eager(name, monkeypatch):
+    """set_experts_implementation("hybridspec") on a tiny model: same logits and greedy tokens as "eager", and the
+    experts really went through fused_experts (prefill of 2 x 7 tokens, then decode steps of 2 x 1)."""
+    from _tiny import VOCAB, make_target
+
+    from hybridspec_hf.patches import experts as glue
+
+    glue.register_experts_implementation()
+    calls = []
+    monkeypatch.setattr(glue, "fused_experts", lambda *args: calls.append(args[0].shape[0]) or fused_experts(*args))
+    model = make_target(name, seed=1, dtype=torch.float32)
+    prompt = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(1))
+    model.set_experts_implementation("eager")
+    with torch.no_grad():
+        eager_logits = model(prompt).logits
+    eager_tokens = model.generate(prompt, do_sample=False, max_new_tokens=3)
+    model.set_experts_implementation("hybridspec")
+    with torch.no_grad():
+        logits = model(prompt).logits
+    assert calls and set(calls) == {14}
+    assert rel(logits, eager_logits) < TOL[torch.float32]
+    assert torch.equal(model.generate(prompt, do_sample=False, max_new_tokens=3), eager_tokens)
+    assert 2 in calls  # decode steps: batch 2 x 1 token
+
+
+def test_unsupported_experts_layout_is_refused():
+    from hybridspec_hf.patches.experts import hybridspec_experts_forward
+
+    config = Qwen3_5MoeTextConfig(hidden_size=40, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2)
+    experts = Qwen3_5MoeExperts(config)
+    experts.has_bias = True
+    x = make_layer(13, 2, 40, 24, 4, 2)
+    with pytest.raises(NotImplementedError, match="grouped_mm"):
+        hybridspec_experts_forward(experts, x["hidden"], x["top_k_index"], x["top_k_weights"])
