@@ -247,16 +247,18 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[1, 2, 4, 8, 12, 16])
     parser.add_argument("--experts", default="grouped_mm", help="experts implementation (big part)")
     parser.add_argument("--out", default=None, help="also write the results here")
+    parser.add_argument("--name", default=None, help="results file stem (default gpu_rounds_<part>)")
     args = parser.parse_args()
     report, table = tiny(args) if args.part == "tiny" else big(args)
     payload = {"title": f"GPU-resident rounds ({args.part})", "environment": environment(), **report,
                "notes": __doc__.split("\n\n")[1]}
-    write_results(f"gpu_rounds_{args.part}", payload, table)
+    name = args.name or f"gpu_rounds_{args.part}"
+    write_results(name, payload, table)
     if args.out:
         import shutil
 
         for suffix in ("json", "md"):
-            shutil.copy(Path(__file__).parent / "results" / f"gpu_rounds_{args.part}.{suffix}", args.out)
+            shutil.copy(Path(__file__).parent / "results" / f"{name}.{suffix}", args.out)
     print(table)
 
 
