@@ -73,7 +73,7 @@ def test_matches_reference(seed, tokens, hidden, inter, experts, top_k, dtype, m
 @pytest.mark.parametrize("mode", ["direct", "sorted"])
 def test_zero_weights_duplicates_and_sentinels(mode):
     """Tokens whose routing weights are 0 get exactly 0; an expert listed twice by one token counts twice; ids outside
-    [0, E) (expert-parallel sentinels) count nothing; every token choosing the same experts is read once."""
+    [0, E) (expert-parallel sentinels) count nothing; one program column serves every token sharing an expert."""
     x = make_layer(9, 6, 40, 24, 4, 3)
     x["top_k_index"][:] = torch.tensor([2, 0, 1])  # every token: the same three experts
     x["top_k_index"][1] = torch.tensor([3, 3, 0])  # twice the same expert

@@ -24,12 +24,13 @@ Either way one program column per distinct expert streams that expert's weights:
 at the Qwen3.5-35B-A3B shape (E=256, H=2048, I=512, bf16), against a copy per pair in transformers' batched_mm.
 
 Precision: dots accumulate in fp32; bf16/fp16 weights take dot operands in the weight dtype (act is rounded to it
-before the down dot, as transformers does); fp32 weights use exact fp32 dots (`input_precision="ieee"`). Under the
-interpreter (triton 3.6) every dot takes fp32 operands (the same values: it would multiply bf16 bit patterns as
-integers), and fp32 -> bf16 casts truncate instead of rounding to nearest: bf16 errors there are ~2x the GPU's. The routing
-weights and the sum over k stay fp32 until the single cast of the output.
-Ids outside [0, E) (expert-parallel sentinels) contribute nothing. Kernels bind to `triton.jit` at launch (`_LazyJit`),
-so `TRITON_INTERPRET=1` runs them on the CPU (tests).
+before the down dot, as transformers does); fp32 weights use exact fp32 dots (`input_precision="ieee"`). The routing
+weights and the sum over k stay fp32 until the single cast of the output. Under the interpreter (triton 3.6) every
+dot takes fp32 operands (the same values: it would multiply bf16 bit patterns as integers) and fp32 -> bf16 casts
+truncate where the GPU rounds to nearest, so bf16 errors there are ~2x the GPU's.
+Ids outside [0, E) (expert-parallel sentinels) contribute nothing. Kernels bind to `triton.jit` at launch
+(`_LazyJit`), so `TRITON_INTERPRET=1` runs them on the CPU (tests). Call once per shape before CUDA-graph capture:
+Triton compiles on the first launch (there is no autotuning).
 """
 from __future__ import annotations
 
@@ -70,6 +71,8 @@ def default_tiles(num_tokens: int, mode: str) -> tuple[int, Tiles, Tiles]:
     if mode == "direct":
         small = num_tokens <= 4
         return 16, Tiles(16 if small else 32, 128), Tiles(32 if small else 64, 128)
+    if num_tokens <= 2 * DIRECT_MAX_TOKENS:
+        return 16, Tiles(32, 128), Tiles(64, 128)
     return 64, Tiles(64, 64, 4, 3), Tiles(64, 64, 4, 3)
 
 
@@ -135,8 +138,8 @@ def _gate_up_kernel(
     hidden, ids, block_expert, block_pairs, w1, act,
     T, S, E,
     stride_ht, stride_hh, stride_we, stride_wn, stride_wk,
-    H: tl.constexpr, INTER: tl.constexpr, DIRECT: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, BM: tl.constexpr,
-    BN: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr,
+    H: tl.constexpr, INTER: tl.constexpr, DIRECT: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+    SP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     i_n = tl.program_id(0)
     expert, live, pair, row_ok = _program_rows(ids, block_expert, block_pairs, tl.program_id(1), T, S, E,
@@ -169,8 +172,8 @@ def _down_kernel(
     act, ids, weights, block_expert, block_pairs, w2, rows,
     T, S, E,
     stride_we, stride_wn, stride_wk,
-    H: tl.constexpr, INTER: tl.constexpr, DIRECT: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, BM: tl.constexpr,
-    BN: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr,
+    H: tl.constexpr, INTER: tl.constexpr, DIRECT: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+    SP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     i_n = tl.program_id(0)
     expert, live, pair, row_ok = _program_rows(ids, block_expert, block_pairs, tl.program_id(1), T, S, E,
@@ -289,7 +292,7 @@ def fused_experts_triton(
     ids = top_k_index.reshape(-1).contiguous()  # [S], pair t·k + j
     weights = top_k_weights.reshape(-1).contiguous()  # [S]
     if mode == "direct":
-        block_m = max(16, triton.next_power_of_2(num_tokens))
+        block_m = 16  # all tokens in one tile
         block_pairs = block_expert = ids  # unused
         num_slots = pairs
     else:
@@ -299,7 +302,7 @@ def fused_experts_triton(
     rows = torch.empty(pairs, hidden_size, dtype=torch.float32, device=hidden.device)  # w · down(act) per pair
     hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
     common = dict(H=hidden_size, INTER=inter, DIRECT=mode == "direct", K=top_k, KP=triton.next_power_of_2(top_k),
-                  SP=triton.next_power_of_2(pairs) if mode == "direct" else 1, BM=block_m,
+                  SP=triton.next_power_of_2(DIRECT_MAX_TOKENS * top_k) if mode == "direct" else 1, BM=block_m,
                   DOT_FP32=gate_up_proj.dtype == torch.float32 or bool(triton.knobs.runtime.interpret))
 
     tiles = _fit(gate_up_tiles, inter, hidden_size)
@@ -343,7 +346,8 @@ def _check_shapes(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj) -
         raise ValueError(
             f"expected hidden [T, H], top_k_index and top_k_weights [T, k], gate_up_proj [E, 2I, H] and down_proj "
             f"[E, H, I]; got hidden {tuple(hidden.shape)}, top_k_index {tuple(top_k_index.shape)}, top_k_weights "
-            f"{tuple(top_k_weights.shape)}, gate_up_proj {tuple(gate_up_proj.shape)}, down_proj {tuple(down_proj.shape)}"
+            f"{tuple(top_k_weights.shape)}, gate_up_proj {tuple(gate_up_proj.shape)}, "
+            f"down_proj {tuple(down_proj.shape)}"
         )
     if top_k_index.dtype.is_floating_point:
         raise TypeError(f"top_k_index must hold integer expert ids, got {top_k_index.dtype}")
