@@ -5,22 +5,9 @@ and every CPU path run transformers' own norms unchanged.
 """
 from __future__ import annotations
 
-import contextlib
+from hybridspec_hf.kernels.norm_triton import fused_norms, fused_norms_active
 
-from hybridspec_hf.kernels.gdn_triton import HAS_TRITON
-
-_active = False
-
-
-@contextlib.contextmanager
-def fused_norms():
-    """Route the patched RMSNorms of CUDA tensors to one Triton launch each (used around resident forwards)."""
-    global _active
-    previous, _active = _active, HAS_TRITON
-    try:
-        yield
-    finally:
-        _active = previous
+__all__ = ["fused_norms", "patch_norm_classes"]
 
 
 def patch_norm_classes(rms_cls: type, gated_cls: type | None) -> None:
@@ -31,7 +18,7 @@ def patch_norm_classes(rms_cls: type, gated_cls: type | None) -> None:
         original = rms_cls.forward
 
         def forward(self, x):
-            if _active and x.is_cuda:
+            if x.is_cuda and fused_norms_active():
                 return rms_norm(x, self.weight, self.eps, offset=True)
             return original(self, x)
 
@@ -41,7 +28,7 @@ def patch_norm_classes(rms_cls: type, gated_cls: type | None) -> None:
         original_gated = gated_cls.forward
 
         def gated_forward(self, hidden_states, gate):
-            if _active and hidden_states.is_cuda and getattr(self, "activation", "silu") == "silu":
+            if hidden_states.is_cuda and fused_norms_active() and getattr(self, "activation", "silu") == "silu":
                 return gated_rms_norm(hidden_states, gate, self.weight, self.variance_epsilon)
             return original_gated(self, hidden_states, gate)
 

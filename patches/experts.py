@@ -7,6 +7,8 @@ looks `config._experts_implementation` up in `ExpertsInterface` (transformers/in
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from transformers.integrations import moe
 
@@ -33,6 +35,34 @@ def register_experts_implementation() -> None:
     `model.set_experts_implementation("hybridspec")` or `from_pretrained(..., experts_implementation="hybridspec")`
     works on every model whose experts use transformers' experts interface with SiLU-gated [gate; up] weights."""
     moe.ExpertsInterface.register(NAME, hybridspec_experts_forward)
+
+
+def supports(experts: torch.nn.Module) -> bool:
+    """Whether "hybridspec" can compute this experts module (transformers' SiLU [gate; up] layout)."""
+    try:
+        _check_supported(experts)
+    except NotImplementedError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def fused_experts_for(blocks: list[torch.nn.Module]):
+    """Inside: the given MoE blocks' experts dispatch to "hybridspec" (when every one supports it), restored after.
+    Used around the capture of GPU-resident rounds, so their graphs replay our experts kernel while the model's
+    own setting stays what the user chose for everything else."""
+    configs = list({id(b.experts.config): b.experts.config for b in blocks}.values())
+    if not blocks or not all(supports(b.experts) for b in blocks):
+        yield False
+        return
+    saved = [c._experts_implementation_internal for c in configs]
+    for config in configs:
+        config._experts_implementation_internal = NAME
+    try:
+        yield True
+    finally:
+        for config, value in zip(configs, saved):
+            config._experts_implementation_internal = value
 
 
 def _check_supported(experts: torch.nn.Module) -> None:

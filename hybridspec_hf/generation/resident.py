@@ -18,6 +18,7 @@ generate() calls; `resident_rounds` keeps one per target.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 
@@ -29,6 +30,7 @@ from hybridspec_hf.generation.routing import VerifyWindow
 from hybridspec_hf.generation.telemetry import RoundRecord
 from hybridspec_hf.graphs.capture import Replay, host_syncs
 from hybridspec_hf.graphs.static_target import StaticTarget
+from hybridspec_hf.patches.experts import fused_experts_for
 
 # Logits processors that read only the scores of their own row (no prefix, no length, no state): they can be
 # applied to all verified positions at once inside a graph. Anything else runs the eager loop.
@@ -134,7 +136,10 @@ class ResidentRounds:
         self.reset_selector()
         self.speculative = self.context is not None  # else every round is a plain step ("ar")
         start = time.perf_counter()
-        with torch.no_grad():
+        # CUDA: the graphs are captured with our experts kernel (each distinct expert read once; on the H200 it
+        # took the 35B-A3B AR step from 9.6 to 7.0 ms); the model's own experts setting is restored after capture
+        experts = fused_experts_for(moe) if self.device.type == "cuda" else contextlib.nullcontext(False)
+        with torch.no_grad(), experts as self.fused_experts:
             self.step = Replay(self._step, self.device)
             self.spec = Replay(self._spec, self.device) if self.speculative else None
             self.commit = Replay(self._commit, self.device, pool=self.spec.pool()) if self.spec else None

@@ -12,10 +12,30 @@ All math in fp32, inputs/outputs in the model dtype; one program per row.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
 from .gdn_triton import HAS_TRITON, _LazyJit, tl, tl_dtype, triton
+
+
+_active = False
+
+
+@contextlib.contextmanager
+def fused_norms():
+    """While active, the patched norm modules route CUDA tensors to these kernels (GPU-resident forwards only)."""
+    global _active
+    previous, _active = _active, HAS_TRITON
+    try:
+        yield
+    finally:
+        _active = previous
+
+
+def fused_norms_active() -> bool:
+    return _active
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = True) -> torch.Tensor:
