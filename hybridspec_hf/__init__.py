@@ -10,8 +10,10 @@ from .config import HybridSpecConfig, STRATEGIES
 from .drafter import DFlashConfig, DFlashDrafter
 from .generation.integration import enable, get_telemetry
 from .generation.telemetry import GenerationTelemetry, RoundRecord
+from ._quiet import silence_cuda_kernel_advice_without_cuda
 
 enable()
+silence_cuda_kernel_advice_without_cuda()
 
 __version__ = "0.1.0"
 

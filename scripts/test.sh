@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Fresh machine → the whole CPU test suite. Installs into .venv (newest pinned transformers) and .venv-tf517
+# Fresh machine → the whole CPU test suite (with the README quickstart, the examples and the notebooks). Installs into .venv (newest pinned transformers) and .venv-tf517
 # (transformers 5.17.0, the GPU image's version), runs every test in the first and the generate/exactness/drafter
 # tests again in the second. Triton kernels run under TRITON_INTERPRET=1 (set by their tests).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_venv.sh
-make_venv .venv "$TRANSFORMERS_NEWEST" test,train
+make_venv .venv "$TRANSFORMERS_NEWEST" test,train,notebooks
 make_venv .venv-tf517 "$TRANSFORMERS_GPU_IMAGE" test,train
 export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1
 .venv/bin/python -m pytest tests -q "$@"

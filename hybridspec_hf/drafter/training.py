@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 
 from .modeling_dflash import DFlashDrafter, block_attention_mask, block_position_ids
 
@@ -126,8 +127,6 @@ def regenerate_responses(target, tokenizer, prompts: Sequence[str], out_dir: str
     greedy. A rerun with the same prompts and settings skips the shards already written; other settings in the same
     folder are refused. Returns the samples in the order of `prompts`.
     """
-    from tqdm.auto import tqdm
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     manifest = {"num_prompts": len(prompts), "prompts_sha256": _fingerprint(prompts), "max_new_tokens": max_new_tokens,
@@ -252,8 +251,6 @@ def target_features(target, input_ids: torch.Tensor, layer_ids: Sequence[int],
 def precompute_features(target, samples: Sequence[Sample], layer_ids: Sequence[int], pad_id: int, device,
                         dtype: torch.dtype, batch_size: int = 64) -> list[torch.Tensor]:
     """Target features of every sample, [len(sample.ids), n_feat*H] each in `dtype` on `device` (one target pass)."""
-    from tqdm.auto import tqdm
-
     order = sorted(range(len(samples)), key=lambda i: len(samples[i].ids))  # similar lengths share a batch
     features: list[torch.Tensor | None] = [None] * len(samples)
     for start in tqdm(range(0, len(order), batch_size), desc="target features", unit="batch"):
@@ -375,7 +372,7 @@ def acceptance_lengths(target, drafter: DFlashDrafter, samples: Sequence[Sample]
     novel_block = {b: [] for b in block_sizes}
     probs, matched, reached = [], [], []
     cut = 0
-    for sample in samples:
+    for sample in tqdm(samples, desc="evaluate τ", unit="sequence"):
         ids = torch.tensor([sample.ids], device=device)
         features, logits = target_features(target, ids, layer_ids, return_logits=True)
         length = greedy_consistent_length(sample, logits[0].argmax(-1))
@@ -474,7 +471,12 @@ def _is_moe(path: str) -> bool:
     return bool(getattr(text, "num_experts", 0))
 
 
-def _load_target(target, tokenizer, dtype: torch.dtype | None, device):
+def load_target(target, tokenizer=None, dtype: torch.dtype | None = None, device="cpu"):
+    """`(target, tokenizer)`: a frozen causal LM in eval mode on `device`, from a local path or hub id (or in memory).
+
+    dtype defaults to fp32 on CPU and bf16 elsewhere; MoE targets on CPU use transformers' "eager" experts. The
+    tokenizer comes from the target's folder unless given (required for an in-memory target).
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if isinstance(target, (str, os.PathLike)):
@@ -548,7 +550,7 @@ def train_drafter(target, prompts, output_dir: str | Path, *, tokenizer=None, nu
             mixed_precision = "bf16" if torch.cuda.is_available() else "no"
         accelerator = Accelerator(mixed_precision=mixed_precision)
     device = accelerator.device
-    target, tokenizer = _load_target(target, tokenizer, target_dtype, device)
+    target, tokenizer = load_target(target, tokenizer, target_dtype, device)
     if mask_token_id is None:
         mask_token_id = getattr(tokenizer, "mask_token_id", None)
     torch.manual_seed(seed)
@@ -595,6 +597,7 @@ def train_drafter(target, prompts, output_dir: str | Path, *, tokenizer=None, nu
     curve, window = [], []  # window: metrics of the steps since the last log entry
     train_started = time.perf_counter()
     step, sequences_seen, anchors_seen = 0, 0, 0
+    bar = tqdm(total=steps, desc="train drafter", unit="step", disable=not accelerator.is_main_process)
 
     def log_entry() -> dict:
         """Means of the metrics since the last entry (a NaN τ means no block had all its labels)."""
@@ -602,7 +605,8 @@ def train_drafter(target, prompts, output_dir: str | Path, *, tokenizer=None, nu
                  "anchors": anchors_seen, "elapsed_s": time.perf_counter() - train_started,
                  **{k: sum(m[k] for m in window) / len(window) for k in ("loss", "top1", "tau")}}
         window.clear()
-        accelerator.print(json.dumps(entry))
+        if accelerator.is_main_process:
+            bar.write(json.dumps(entry))  # above the progress bar
         return entry
     while step < steps:
         if time_budget_s:
@@ -633,8 +637,11 @@ def train_drafter(target, prompts, output_dir: str | Path, *, tokenizer=None, nu
         sequences_seen += batch_size
         anchors_seen += int(valid.sum())
         window.append(metrics)
+        bar.update()
+        bar.set_postfix(loss=f"{metrics['loss']:.3f}", top1=f"{metrics['top1']:.2f}", refresh=False)
         if step % log_every == 0:
             curve.append(log_entry())
+    bar.close()
     if window:
         curve.append(log_entry())
     train_seconds = time.perf_counter() - train_started
@@ -698,41 +705,55 @@ def evaluate_drafter(target, drafter: DFlashDrafter, tokenizer, prompts, out_dir
 # ------------------------------------------------------------------------------------------------------ CLI
 def add_train_drafter_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Arguments of `hybridspec train-drafter` (see `train_drafter` for their meaning)."""
-    parser.add_argument("--target", required=True, help="local path of the target model (from_pretrained)")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer path (default: the target's)")
-    parser.add_argument("--prompts", required=True, nargs="+",
-                        help=".jsonl files, text files, folders of text files or save_to_disk folders")
-    parser.add_argument("--prompt-field", default=None, help="JSON / dataset field holding the prompt")
-    parser.add_argument("--eval-prompts", nargs="+", default=None, help="held-out prompts for τ (same formats)")
-    parser.add_argument("--output-dir", required=True)
-    parser.add_argument("--num-layers", type=int, default=1)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--target-layer-ids", type=int, nargs="+", default=None)
-    parser.add_argument("--mask-token-id", type=int, default=None)
-    parser.add_argument("--intermediate-size", type=int, default=None, help="drafter MLP width (default 3×hidden)")
-    parser.add_argument("--init-drafter", default=None, help="saved drafter to continue training from")
-    parser.add_argument("--steps", type=int, default=1000)
-    parser.add_argument("--time-budget-s", type=float, default=None,
-                        help="train for this many seconds (the lr schedule follows the clock); --steps caps it")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--num-anchors", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=6e-4)
-    parser.add_argument("--warmup-ratio", type=float, default=0.04)
-    parser.add_argument("--weight-decay", type=float, default=0.01)
-    parser.add_argument("--grad-clip", type=float, default=1.0)
-    parser.add_argument("--gamma", type=float, default=None)
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--max-prompt-tokens", type=int, default=512)
-    parser.add_argument("--regen-batch-size", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0, help="regeneration temperature (0 = greedy)")
-    parser.add_argument("--eval-block-sizes", type=int, nargs="+", default=[16, 8])
-    parser.add_argument("--target-dtype", choices=["float32", "bfloat16", "float16"], default=None)
-    parser.add_argument("--save-dtype", choices=["float32", "bfloat16", "float16"], default=None)
-    parser.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"], default=None)
-    parser.add_argument("--cache-features", action=argparse.BooleanOptionalAction, default=None,
-                        help="keep the target's features of all sequences in memory (default: on CUDA if they fit)")
-    parser.add_argument("--log-every", type=int, default=50)
-    parser.add_argument("--seed", type=int, default=0)
+    model = parser.add_argument_group("models")
+    model.add_argument("--target", required=True, help="target model: local folder or hub id (from_pretrained)")
+    model.add_argument("--tokenizer", default=None, help="tokenizer folder or hub id (default: the target's)")
+    model.add_argument("--target-dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                       help="dtype the target is loaded in (default: float32 on CPU, bfloat16 on GPU)")
+    data = parser.add_argument_group("data")
+    data.add_argument("--prompts", required=True, nargs="+",
+                      help=".jsonl files, text files, folders of .txt/.py files or save_to_disk folders")
+    data.add_argument("--prompt-field", default=None,
+                      help="JSON / dataset field holding the prompt (default: prompt, text, question or instruction)")
+    data.add_argument("--eval-prompts", nargs="+", default=None,
+                      help="held-out prompts (same formats) for the acceptance length τ; default: no evaluation")
+    data.add_argument("--eval-block-sizes", type=int, nargs="+", default=[16, 8],
+                      help="block sizes at which τ is evaluated")
+    data.add_argument("--max-new-tokens", type=int, default=256, help="tokens the target generates per prompt")
+    data.add_argument("--max-prompt-tokens", type=int, default=512, help="prompts are left-truncated to this")
+    data.add_argument("--regen-batch-size", type=int, default=64, help="prompts per batched generate() call")
+    data.add_argument("--temperature", type=float, default=0.0, help="regeneration temperature (0 = greedy)")
+    drafter = parser.add_argument_group("drafter")
+    drafter.add_argument("--output-dir", required=True,
+                         help="where the drafter, responses, training_log.json and eval.json are written")
+    drafter.add_argument("--num-layers", type=int, default=1, help="drafter decoder layers")
+    drafter.add_argument("--block-size", type=int, default=16, help="B: anchor + B-1 mask tokens per draft")
+    drafter.add_argument("--target-layer-ids", type=int, nargs="+", default=None,
+                         help="target layers whose outputs condition the drafter (default: spread over the depth)")
+    drafter.add_argument("--mask-token-id", type=int, default=None,
+                         help="mask token id (default: the tokenizer's mask token, else the last vocabulary row)")
+    drafter.add_argument("--intermediate-size", type=int, default=None, help="drafter MLP width (default: 3 × hidden)")
+    drafter.add_argument("--init-drafter", default=None, help="saved drafter to continue training from")
+    drafter.add_argument("--save-dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                         help="dtype of the saved weights (default: as trained, float32)")
+    train = parser.add_argument_group("training")
+    train.add_argument("--steps", type=int, default=1000, help="optimizer steps (an upper bound with --time-budget-s)")
+    train.add_argument("--time-budget-s", type=float, default=None,
+                       help="train for this many seconds (the lr schedule follows the clock); --steps caps it")
+    train.add_argument("--batch-size", type=int, default=32, help="sequences per step")
+    train.add_argument("--num-anchors", type=int, default=64, help="anchor blocks per sequence (one forward)")
+    train.add_argument("--lr", type=float, default=6e-4, help="peak learning rate (AdamW)")
+    train.add_argument("--warmup-ratio", type=float, default=0.04, help="fraction of the steps in linear warm-up")
+    train.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay of matrices")
+    train.add_argument("--grad-clip", type=float, default=1.0, help="gradient-norm clip")
+    train.add_argument("--gamma", type=float, default=None,
+                       help="loss decay over block positions (default: 7 / 5 / 4 for B = 16 / 10 / 8, else B/2)")
+    train.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"], default=None,
+                       help="accelerate's mixed precision (default: bf16 on GPU, no on CPU)")
+    train.add_argument("--cache-features", action=argparse.BooleanOptionalAction, default=None,
+                       help="keep the target's features of all sequences in memory (default: on GPU if they fit)")
+    train.add_argument("--log-every", type=int, default=50, help="steps between JSON log lines")
+    train.add_argument("--seed", type=int, default=0, help="seed of sampling, anchors and initialisation")
     return parser
 
 
@@ -761,6 +782,7 @@ __all__ = [
     "Sample",
     "acceptance_lengths",
     "add_train_drafter_arguments",
+    "load_target",
     "capture_layer_outputs",
     "distinct_ngram_ratio",
     "evaluate_drafter",

@@ -34,7 +34,18 @@ def _hybridspec_generate(original, self, *args, generation_strategy=None, hybrid
     if generation_strategy is None:
         if hybridspec_config is not None:
             raise ValueError("hybridspec_config= was given without generation_strategy=; add e.g. generation_strategy='hybridspec'.")
-        return original(self, *args, **kwargs)
+        if kwargs.get("assistant_model") is None:
+            return original(self, *args, **kwargs)
+        try:
+            return original(self, *args, **kwargs)
+        except ValueError as error:  # transformers' refusal stays as raised; the note says what to do instead
+            if "stateful" in str(error):
+                error.add_note(
+                    "hybridspec_hf: stock assisted decoding cannot roll back the Gated-DeltaNet state. For speculative "
+                    "decoding with a hybridspec_hf.DFlashDrafter pass generation_strategy='hybridspec' (or one of "
+                    f"{', '.join(repr(s) for s in STRATEGIES[1:])}) together with assistant_model=."
+                )
+            raise
     if generation_strategy not in STRATEGIES:
         raise ValueError(f"generation_strategy must be one of {STRATEGIES}, got {generation_strategy!r}.")
     settings = HybridSpecConfig() if hybridspec_config is None else hybridspec_config
