@@ -105,16 +105,17 @@ def _use_resident_rounds(settings, model, drafter, strategy, generation_config, 
 def _resident(model, drafter, strategy, logits_processor, generation_config, stopping_criteria, streamer, emitter,
               runner, cache, context, first, telemetry) -> None:
     """The rest of the call on GPU-resident rounds (generation/resident.py); the prefill ran eagerly."""
-    from hybridspec_hf.generation.resident import HostEmitter, resident_decode, resident_rounds
+    from hybridspec_hf.generation.resident import MAX_EOS_IDS, HostEmitter, resident_decode, resident_rounds
 
     positions = runner.positions  # [1, 1] or [R, 1, 1]: position id of the last cached token
     rows = positions.shape[0] if positions.dim() == 3 else 1
     with host_syncs():  # set-up of the call: capture (first call only), loading the prefilled cache
-        rounds = resident_rounds(model, drafter, strategy, logits_processor, generation_config.do_sample,
-                                 generation_config.max_length, rows)
-        telemetry.capture_s, rounds.capture_s = rounds.capture_s, 0.0  # reported by the call that captured
         host = HostEmitter(emitter.input_ids, generation_config, stopping_criteria, streamer)
-        rounds.start(cache, positions, context, first, generation_config.max_length)
+        device_commit = not host.criteria and len(host.eos) <= MAX_EOS_IDS  # m known on the device
+        rounds = resident_rounds(model, drafter, strategy, logits_processor, generation_config.do_sample,
+                                 generation_config.max_length, rows, device_commit)
+        telemetry.capture_s, rounds.capture_s = rounds.capture_s, 0.0  # reported by the call that captured
+        rounds.start(cache, positions, context, first, generation_config.max_length, host.eos)
     resident_decode(rounds, host, telemetry, rounds.strategy.predicted_latency)  # syncs only at each hand-off
     with host_syncs():
         rounds.finish(cache, host.length - 1)

@@ -1,16 +1,18 @@
 """GPU-resident rounds: the round loop of `loop.py` over static buffers, replayed from CUDA graphs.
 
-A round is two replays and one hand-off:
+A speculative round is one replay and one hand-off when EOS and max_length are the only stopping rules (the
+common case; m is then known on the device):
 
-    spec graph    draft → choose w0 → verify (stage 0 → routing correction → stage 1) → accept → hand-off copy
-    host          wait for the hand-off (the round's one device→host transfer), emit tokens to streamer and stopping
-                  criteria until one fires: m = tokens emitted
-    commit graph  S_m of every GDN layer + conv windows (one launch), lengths, drafter context, selector update
+    spec graph    draft → choose w0 → verify (stage 0 → routing correction → stage 1) → accept → m = a + 1 (cut
+                  after the first EOS) → commit: S_m of every GDN layer + conv windows (one launch), lengths, drafter
+                  context, selector update → hand-off copy
+    host          wait for the hand-off (the round's one device→host transfer), emit its tokens to the streamer
+
+With host-only criteria (stop strings, user criteria) the host decides m: the spec graph stops before the commit,
+the host emits tokens until a criterion fires, fills m into a device buffer and replays a separate commit graph.
 
 A plain decoding step (the "ar" strategy, or HybridSpec's plain-decoding option) is one graph: verify the anchor,
-commit it (m = 1), the token, and its hand-off. EOS, max_length and host-only criteria (stop
-strings, user criteria) are all decided on the host after the hand-off; they can only shorten m, which the commit
-graph reads from a device buffer the host fills. On the CPU the same functions run eagerly (no capture), so the CPU
+commit it (m = 1), the token, and its hand-off. On the CPU the same functions run eagerly (no capture), so the CPU
 tests cover this path.
 
 One `ResidentRounds` is built per (target, drafter, strategy settings, sampling, capacity) and reused by later
@@ -70,16 +72,20 @@ class _Key:
     processors: tuple
     capacity: int
     position_rows: int
+    device_commit: bool
+
+
+MAX_EOS_IDS = 8  # EOS ids a round can test on the device
 
 
 def resident_rounds(model, drafter, strategy, logits_processor, do_sample: bool, max_length: int,
-                    position_rows: int) -> "ResidentRounds":
+                    position_rows: int, device_commit: bool) -> "ResidentRounds":
     """The target's `ResidentRounds` for these settings: the cached one when it fits, else a new one (the old one
     is released first, so one set of graphs and static caches per target is alive at a time)."""
     block = drafter.config.block_size if drafter is not None else 1
     capacity = -(-(max_length + block) // _CAPACITY_STEP) * _CAPACITY_STEP
     key = _Key(id(drafter), strategy.identity(), do_sample, tuple(repr(p.__dict__) for p in logits_processor),
-               capacity, position_rows)
+               capacity, position_rows, device_commit)
     current = model.__dict__.get("_hybridspec_resident")
     if current is not None and current.key == key:
         return current
@@ -87,7 +93,8 @@ def resident_rounds(model, drafter, strategy, logits_processor, do_sample: bool,
         release_resident_rounds(model)
     devices = [next(model.parameters()).device] if next(model.parameters()).device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):  # warm-up and capture draw random numbers: the seed stays the user's
-        rounds = ResidentRounds(model, drafter, strategy, logits_processor, do_sample, capacity, position_rows, key)
+        rounds = ResidentRounds(model, drafter, strategy, logits_processor, do_sample, capacity, position_rows,
+                                device_commit, key)
     model.__dict__["_hybridspec_resident"] = rounds
     return rounds
 
@@ -105,7 +112,7 @@ class ResidentRounds:
     """Static buffers and graphs of GPU-resident rounds (see the module docstring)."""
 
     def __init__(self, model, drafter, strategy, logits_processor, do_sample: bool, capacity: int,
-                 position_rows: int, key: _Key):
+                 position_rows: int, device_commit: bool, key: _Key):
         self.key = key
         self.model, self.drafter, self.strategy = model, drafter, strategy
         self.logits_processor, self.do_sample = logits_processor, do_sample
@@ -124,11 +131,15 @@ class ResidentRounds:
         long = dict(dtype=torch.long, device=self.device)
         self.last_token = torch.zeros(1, 1, **long)  # the anchor: last emitted token, not yet in the cache
         self.max_length = torch.zeros(1, **long)  # generate()'s max_length (prompt + new tokens)
-        self.count = torch.zeros(1, **long)  # m: tokens of the last verification to commit (filled by the host)
+        self.count = torch.zeros(1, **long)  # m: tokens of the last verification to commit
+        # device_commit: EOS and max_length are the only stopping rules, so m is known on the device and the spec
+        # graph commits it too (one graph per round); otherwise the host fills `count` and replays the commit graph
+        self.device_commit = device_commit
+        self.eos_ids = torch.full((MAX_EOS_IDS,), -1, **long)
         self.one = torch.ones(1, **long)
         pinned = self.device.type == "cuda"
-        # hand-off: [target tokens (T), a, w, kept, n_new, draft_next]
-        self.handoff = torch.zeros(self.verify_tokens + 5, dtype=torch.long, pin_memory=pinned)
+        # hand-off: [target tokens (T), a, w, kept, n_new, draft_next, m (device_commit)]
+        self.handoff = torch.zeros(self.verify_tokens + 6, dtype=torch.long, pin_memory=pinned)
         self.handoff_ready = torch.cuda.Event() if pinned else None
         self.pending: patches.VerifySession | None = None
         self.waited_s = 0.0  # host time spent waiting for hand-offs (telemetry: host time = wall - wait)
@@ -142,7 +153,8 @@ class ResidentRounds:
         with torch.no_grad(), experts as self.fused_experts:
             self.step = Replay(self._step, self.device)
             self.spec = Replay(self._spec, self.device) if self.speculative else None
-            self.commit = Replay(self._commit, self.device, pool=self.spec.pool()) if self.spec else None
+            needs_commit_graph = self.spec is not None and not device_commit
+            self.commit = Replay(self._commit, self.device, pool=self.spec.pool()) if needs_commit_graph else None
         self.capture_s = time.perf_counter() - start
         self.graph_bytes = torch.cuda.memory_reserved(self.device) if pinned else 0
 
@@ -198,10 +210,10 @@ class ResidentRounds:
             torch.zeros(1, dtype=torch.long, device=self.device)
         if self.strategy.selector is not None:
             self.strategy.selector.observe(self.one, self.one, None, False)
-        zeros = torch.zeros(self.handoff.shape[0] - 6, dtype=torch.long, device=self.device)
-        self._write_handoff(torch.cat([token.view(1), zeros, torch.zeros_like(self.one), self.one,
-                                       torch.zeros_like(self.one), torch.zeros_like(self.one),
-                                       draft_next]))
+        zeros = torch.zeros(self.verify_tokens - 1, dtype=torch.long, device=self.device)
+        nothing = torch.zeros_like(self.one)
+        self._write_handoff(torch.cat([token.view(1), zeros, nothing, self.one, nothing, nothing, draft_next,
+                                       self.one]))
 
     def _spec(self):
         """Draft, choose, verify, accept: everything of a speculative round before the host decides m."""
@@ -237,8 +249,15 @@ class ResidentRounds:
         keep = choice.keep.long() if choice is not None else torch.zeros_like(self.one)
         n_new = choice.n_new if choice is not None else torch.zeros_like(self.one)
         self.pending, self.features, self.valid, self.target_tokens = session, features, valid, target_tokens
+        if self.device_commit:  # m = a + 1, cut after the first EOS among the emitted tokens
+            positions = torch.arange(t, device=self.device)
+            emitted = positions <= accepted.view(1)
+            eos = (target_tokens.view(-1, 1) == self.eos_ids.view(1, -1)).any(-1) & emitted  # [T]
+            first_eos = torch.where(eos, positions, t).min()
+            self.count.copy_(torch.minimum(accepted.view(1) + 1, first_eos.view(1) + 1))
+            self._commit()
         self._write_handoff(torch.cat([target_tokens.view(-1), accepted.view(1), valid.view(1), keep.view(1),
-                                       n_new.view(1), draft_next]))
+                                       n_new.view(1), draft_next, self.count]))
 
     def _commit(self):
         """Keep m = self.count tokens of the last verification."""
@@ -250,8 +269,12 @@ class ResidentRounds:
 
     # ------------------------------------------------------------------------------------------ host side
     def start(self, cache, last_position: torch.Tensor, prompt_features: torch.Tensor, first_token: torch.Tensor,
-              max_length: int) -> None:
+              max_length: int, eos_ids: set[int]) -> None:
         """Load a prefilled call into the static buffers (eager, once per generate() call)."""
+        if self.device_commit:
+            ids = sorted(eos_ids)[:MAX_EOS_IDS]
+            self.eos_ids.fill_(-1)
+            self.eos_ids[: len(ids)].copy_(torch.tensor(ids, dtype=torch.long))
         self.target.load(cache, last_position)
         if self.context is not None:
             self.context.reset()
@@ -335,18 +358,21 @@ def resident_decode(rounds: ResidentRounds, emitter: HostEmitter, telemetry, pre
         rounds.waited_s = 0.0
         if draft_next:
             handoff = rounds.run_spec()
-            a, w, kept, n_new, draft_next = handoff[t : t + 5]
+            a, w, kept, n_new, draft_next, device_m = handoff[t : t + 6]
             committed = 0
             for token in handoff[: a + 1]:
                 emitter.emit(token)
                 committed += 1
                 if emitter.finished:
                     break
-            rounds.run_commit(committed)
+            if not rounds.device_commit:
+                rounds.run_commit(committed)
+            elif committed != device_m:
+                raise RuntimeError(f"HybridSpec: the device committed {device_m} tokens, the host emitted {committed}.")
             drafted = True
         else:
             handoff = rounds.run_step()
-            a, w, kept, n_new, draft_next = 0, 1, 0, 0, handoff[t + 4]
+            a, w, kept, n_new, draft_next = 0, 1, 0, 0, handoff[t + 4]  # m = 1
             emitter.emit(handoff[0])
             committed, drafted = 1, False
         draft_next = bool(draft_next) and rounds.spec is not None
