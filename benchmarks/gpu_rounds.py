@@ -104,6 +104,20 @@ def tiny(args) -> tuple[dict, str]:
                 row["gaps"].append(float(top2[0] - top2[1]))
     for method, row in rows.items():
         row["tokens_per_s"] = sum(row["tokens"]) / sum(row["seconds"])
+    # what the calibrated selector believed against what its rounds cost (last prompt's hybridspec call)
+    run_generate(target, prompts[-1], "hybridspec", drafter, args.tokens)
+    tel = hybridspec_hf.get_telemetry(target)
+    selector = target.__dict__["_hybridspec_resident"].strategy.selector
+    by_w: dict[int, list[float]] = {}
+    for r in tel.rounds:
+        by_w.setdefault(r.w if r.drafted else 0, []).append(r.wall_s * 1e3)
+    report["selector_check"] = {
+        "calibrated_C_ms": [round(float(c) * 1e3, 3) for c in selector.latency_model.cost_for(prompts[-1].shape[1])[0]],
+        "calibrated_C_ar_ms": round(float(selector.latency_model.cost_ar_for(prompts[-1].shape[1])[0]) * 1e3, 3),
+        "measured_round_ms_by_w (0 = plain step)": {w: round(median(v), 3) for w, v in sorted(by_w.items())},
+        "plain_steps": sum(not r.drafted for r in tel.rounds), "rounds": len(tel.rounds),
+    }
+    print("selector check", report["selector_check"], flush=True)
     base, hf = rows["ar"]["tokens_per_s"], rows["hf"]["tokens_per_s"]
     lines = ["| method | path | tokens/s | × our AR | × HF eager | τ | mean w | identical to AR (bf16) | top-2 gaps at divergences |",
              "|---|---|---|---|---|---|---|---|---|"]
