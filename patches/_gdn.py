@@ -103,9 +103,9 @@ def route_cpu_to_torch(module) -> None:
     """Wrap each of `module`'s GDN kernel functions so CPU tensors run the torch reference (idempotent)."""
     for name in GDN_KERNEL_FUNCTIONS:
         chosen = getattr(module, name, None)
-        reference = getattr(chosen, "__wrapped__", None)
-        if chosen is None or reference is None or getattr(chosen, "_hybridspec_routed", False):
+        if chosen is None or getattr(chosen, "_hybridspec_routed", False) or not hasattr(chosen, "__wrapped__"):
             continue
+        reference = inspect.unwrap(chosen)  # the torch function under transformers' kernel wrappers
         setattr(module, name, _routed(chosen, reference))
 
 
@@ -120,4 +120,5 @@ def _routed(chosen: Callable, reference: Callable) -> Callable:
         return chosen(*args, **kwargs)
 
     routed._hybridspec_routed = True
+    routed.__wrapped__ = reference  # unwrapping leads to the torch reference, not to a GPU kernel
     return routed

@@ -1,5 +1,6 @@
 """Model-family patches: CPU tensors never reach GPU-only kernels that transformers may have bound (fla)."""
 import functools
+import inspect
 
 import torch
 from _tiny import VOCAB, make_target
@@ -14,7 +15,7 @@ def test_cpu_tensors_take_the_torch_reference_when_a_gpu_kernel_is_bound(monkeyp
     prompt = torch.randint(0, VOCAB, (1, 9))
     expected = target.generate(prompt, do_sample=False, max_new_tokens=6)
     for name in GDN_KERNEL_FUNCTIONS:
-        reference = getattr(modeling, name).__wrapped__
+        reference = inspect.unwrap(getattr(modeling, name))  # transformers' torch function
 
         @functools.wraps(reference)
         def gpu_only(*args, **kwargs):

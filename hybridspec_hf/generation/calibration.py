@@ -214,7 +214,9 @@ def calibrate_latency(
     def measure_round(w: int, context: int) -> float:
         first = len(recorder.forwards) if recorder else 0
         telemetry = run(w, context, "auto")
-        times = sorted(r.wall_s for r in telemetry.rounds)
+        # the call's first round always drafts: for w = 0 time only the plain steps that follow it
+        times = sorted(r.wall_s for r in telemetry.rounds if r.drafted == (w > 0)) or \
+            sorted(r.wall_s for r in telemetry.rounds)
         median = times[len(times) // 2]
         if telemetry.path == "cuda_graphs":  # routers run inside graphs: routing is recorded in a pass below
             medians.setdefault((w, context), []).append(median)
