@@ -127,14 +127,18 @@ def _distributed() -> bool:
 
 def _mean_over_ranks(model: LatencyModel) -> LatencyModel:
     """The latency model averaged over the ranks (one collective at set-up, none per round)."""
-    tensors = {"cost": model.cost.clone(), "cost_ar": model.cost_ar.clone(), "eta": torch.tensor([float(model.eta)])}
+    # NCCL reduces CUDA tensors only; gloo CPU tensors
+    nccl = torch.distributed.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    tensors = {"cost": model.cost.to(device, copy=True), "cost_ar": model.cost_ar.to(device, copy=True),
+               "eta": torch.tensor([float(model.eta)], device=device)}
     if model.sunk is not None:
-        tensors["sunk"] = model.sunk.clone()
+        tensors["sunk"] = model.sunk.to(device, copy=True)
     for value in tensors.values():
         torch.distributed.all_reduce(value)
         value /= torch.distributed.get_world_size()
     eta = float(tensors.pop("eta"))
-    return dataclasses.replace(model, eta=eta, **tensors)
+    return dataclasses.replace(model, eta=eta, **{name: value.cpu() for name, value in tensors.items()})
 
 
 class _RoutingRecorder:

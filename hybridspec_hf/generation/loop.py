@@ -150,6 +150,12 @@ def hybridspec_decode(
     check_supported_cache(cache)
     position_ids = model_kwargs.pop("position_ids")
     attention_mask = model_kwargs.pop("attention_mask", None)
+    # stock generate() accepts a prompt on another device than the embedding (e.g. a CPU prompt under tensor
+    # parallelism); the rounds need it beside the model, and the output goes back where the prompt came from
+    home, device = input_ids.device, patches.text_model(model).embed_tokens.weight.device
+    if home != device:
+        input_ids, position_ids = input_ids.to(device), position_ids.to(device)
+        attention_mask = None if attention_mask is None else attention_mask.to(device)
 
     block_size = drafter.config.block_size if drafter is not None else 1
     moe_blocks = patches.moe_blocks(model)
@@ -189,7 +195,9 @@ def hybridspec_decode(
             telemetry.total_s = time.perf_counter() - start
             if streamer is not None:
                 streamer.end()
-            return finish_output(generation_config, emitter, cache, cache_key)
+            emitter.input_ids = emitter.input_ids.to(home)
+            emitter.input_ids = emitter.input_ids.to(home)
+    return finish_output(generation_config, emitter, cache, cache_key)
         draft_cache = drafter.new_context_cache() if drafter is not None else None
         draft_next = drafter is not None
 
@@ -268,4 +276,5 @@ def hybridspec_decode(
     telemetry.total_s = time.perf_counter() - start
     if streamer is not None:
         streamer.end()
+    emitter.input_ids = emitter.input_ids.to(home)
     return finish_output(generation_config, emitter, cache, cache_key)
