@@ -196,8 +196,7 @@ def hybridspec_decode(
             if streamer is not None:
                 streamer.end()
             emitter.input_ids = emitter.input_ids.to(home)
-            emitter.input_ids = emitter.input_ids.to(home)
-    return finish_output(generation_config, emitter, cache, cache_key)
+            return finish_output(generation_config, emitter, cache, cache_key)
         draft_cache = drafter.new_context_cache() if drafter is not None else None
         draft_next = drafter is not None
 
