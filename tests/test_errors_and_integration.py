@@ -2,7 +2,7 @@
 import pytest
 import torch
 from _tiny import VOCAB, make_drafter, make_target
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
 
 import hybridspec_hf
@@ -45,6 +45,39 @@ def test_unsupported_options_raise_clearly_and_model_keeps_working(pair, kwargs,
         with pytest.raises(ValueError, match=message):
             spec(target, prompt, drafter, **kwargs)
     assert torch.equal(spec(target, prompt, drafter), ar)
+
+
+class CallCounter(LogitsProcessor):
+    """A stateful processor: its output depends on how often it was called."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, input_ids, scores):
+        self.calls += 1
+        return scores + self.calls * 0.0
+
+
+class Shift(LogitsProcessor):
+    """Stateless: depends only on (input_ids, scores); opted in."""
+
+    hybridspec_stateless = True
+
+    def __call__(self, input_ids, scores):
+        return scores.index_add(1, input_ids[:, -1], torch.full_like(scores[:, :1], 0.5))
+
+
+def test_stateful_logits_processors_are_refused(pair):
+    """Processors run once per verified position, on speculative prefixes: only stateless ones keep AR's output.
+    Classifier-free guidance runs the model on its own cache at every call, so rejected drafts would enter it."""
+    target, prompt, drafter, ar = pair
+    with pytest.raises(ValueError, match="UnbatchedClassifierFreeGuidanceLogitsProcessor.*guidance_scale"):
+        spec(target, prompt, drafter, guidance_scale=3.0)
+    with pytest.raises(ValueError, match="CallCounter.*hybridspec_stateless = True"):
+        spec(target, prompt, drafter, logits_processor=LogitsProcessorList([CallCounter()]))
+    assert torch.equal(spec(target, prompt, drafter), ar)
+    shifted = target.generate(prompt, do_sample=False, max_new_tokens=12, logits_processor=LogitsProcessorList([Shift()]))
+    assert torch.equal(spec(target, prompt, drafter, logits_processor=LogitsProcessorList([Shift()])), shifted)
 
 
 def test_prompt_errors(pair):

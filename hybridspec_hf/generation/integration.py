@@ -10,6 +10,7 @@ import dataclasses
 import functools
 
 import torch
+from transformers.generation import logits_process
 from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
@@ -26,6 +27,28 @@ _UNSUPPORTED_KWARGS = {
     "assistant_tokenizer": "the DFlash drafter shares the target's tokenizer",
     "inputs_embeds": "pass input_ids",
     "negative_prompt_ids": "classifier-free guidance needs a second sequence",
+}
+
+# Logits processors whose output depends only on (input_ids, scores) and their constructor arguments: the loop calls
+# them once per verified position with speculative prefixes, in any order, so a processor with state of its own (or
+# one that runs a model, like classifier-free guidance) would see rejected drafts. Exact classes only: a subclass
+# may add state.
+_STATELESS_PROCESSORS = {
+    getattr(logits_process, name)
+    for name in (
+        "EpsilonLogitsWarper", "EtaLogitsWarper", "ExponentialDecayLengthPenalty", "ForcedBOSTokenLogitsProcessor",
+        "ForcedEOSTokenLogitsProcessor", "InfNanRemoveLogitsProcessor", "LogitNormalization",
+        "MinLengthLogitsProcessor", "MinNewTokensLengthLogitsProcessor", "MinPLogitsWarper",
+        "NoBadWordsLogitsProcessor", "NoRepeatNGramLogitsProcessor", "PrefixConstrainedLogitsProcessor",
+        "RepetitionPenaltyLogitsProcessor", "SequenceBiasLogitsProcessor", "SuppressTokensAtBeginLogitsProcessor",
+        "SuppressTokensLogitsProcessor", "TemperatureLogitsWarper", "TopHLogitsWarper", "TopKLogitsWarper",
+        "TopPLogitsWarper", "TypicalLogitsWarper",
+    )
+    if hasattr(logits_process, name)
+}
+_PROCESSOR_ADVICE = {
+    "UnbatchedClassifierFreeGuidanceLogitsProcessor": "it runs the model on a cache of its own at every call; "
+    "leave guidance_scale at 1 (classifier-free guidance is not supported)",
 }
 
 
@@ -136,6 +159,22 @@ def check_generation_config(model, generation_config, input_ids: torch.Tensor, m
     if problems:
         raise ValueError("Unsupported generation options for HybridSpec: " + "; ".join(problems) + ".")
     _check_prompt(model, input_ids)  # again: generate() may have expanded it (beams, return sequences)
+
+
+def check_logits_processors(logits_processor) -> None:
+    """Accept only processors known to be stateless (see _STATELESS_PROCESSORS), or marked so by their author."""
+    for processor in logits_processor:
+        if type(processor) in _STATELESS_PROCESSORS or getattr(processor, "hybridspec_stateless", False):
+            continue
+        name = type(processor).__name__
+        why = _PROCESSOR_ADVICE.get(
+            name,
+            "HybridSpec calls each logits processor once per verified position, also on drafts that are then "
+            "rejected, so only processors whose output depends on (input_ids, scores) alone keep AR's output. "
+            f"If that holds for yours, set `{name}.hybridspec_stateless = True`; otherwise generate without "
+            "generation_strategy",
+        )
+        raise ValueError(f"Logits processor {name} is not supported with HybridSpec: {why}.")
 
 
 def finish_output(generation_config, emitter, cache, cache_key: str):

@@ -95,11 +95,12 @@ def hybridspec_decode(
 ):
     """Exact speculative decoding of a hybrid GDN target with a DFlash drafter (batch size 1; greedy output equals
     AR token for token, sampling keeps the target distribution)."""
-    from hybridspec_hf.generation.integration import check_generation_config, finish_output
+    from hybridspec_hf.generation.integration import check_generation_config, check_logits_processors, finish_output
 
     drafter, settings = hybridspec_drafter, hybridspec_settings or HybridSpecConfig()
     streamer = hybridspec_streamer if hybridspec_streamer is not None else streamer
     check_generation_config(model, generation_config, input_ids, model_kwargs)
+    check_logits_processors(logits_processor)
     cache_key = "cache" if model_kwargs.get("cache") is not None else "past_key_values"
     cache = model_kwargs.pop(cache_key)
     for key in ("cache", "past_key_values", "use_cache", "logits_to_keep"):
