@@ -48,6 +48,38 @@ def test_routing_correction_is_exact_whatever_is_kept(name, fp64_gdn):
     assert kept == {True, False}
 
 
+class ConstantSelector(LengthSelector):
+    """A custom selector that returns the same (possibly out-of-range) w0 every round and keeps every extra token."""
+
+    def __init__(self, w0: int, routing_correction: bool):
+        self.w0, self.routing_correction = w0, routing_correction
+
+    def choose(self, survival, context_len, w_max=None):
+        return torch.full(survival.shape[:1], self.w0, dtype=torch.long)
+
+    def keep_extra(self, survival, w0, n_new, context_len, w_max=None):
+        return torch.ones_like(w0, dtype=torch.bool)
+
+
+@pytest.mark.parametrize("verify_shape", ["max", "exact"])
+@pytest.mark.parametrize("routing_correction", [False, True])
+@pytest.mark.parametrize("w0", [0, -2, 9, 1000])
+def test_out_of_range_w0_from_a_custom_selector_is_clamped(w0, routing_correction, verify_shape, fp64_gdn):
+    """w0 is clamped on the device to 1 ≤ w0 ≤ min(B, room): never an empty verification or a read past the block."""
+    target = make_target("qwen3_5_moe")
+    prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(1))
+    ar = reference(target, prompt, 20)
+    drafter = make_drafter(target, 8, ar.sequences, error_rate=0.1)
+    selector = ConstantSelector(w0, routing_correction)
+    out = target.generate(prompt, do_sample=False, max_new_tokens=20, assistant_model=drafter,
+                          generation_strategy="hybridspec",
+                          hybridspec_config=HybridSpecConfig(selector=selector, verify_shape=verify_shape))
+    assert_same_as_ar(out, ar)
+    drafted = [r for r in hybridspec_hf.get_telemetry(target).rounds if r.drafted]
+    assert all(1 <= r.w0 <= r.w <= 8 for r in drafted)
+    assert {r.w0 for r in drafted} == {1} if w0 < 1 else drafted[0].w0 == 8
+
+
 def test_dropped_extra_token_reads_no_new_experts(fp64_gdn):
     """Tokens beyond the valid length reuse token 0's experts with weight 0 in every MoE layer (stage 1)."""
     from hybridspec_hf import patches

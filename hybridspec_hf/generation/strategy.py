@@ -85,7 +85,9 @@ class RoundStrategy:
         """w0 from the drafts' survival estimates; arms the routing correction for the extra token."""
         estimator = self.estimator.to(draft_logits.device)
         survival = estimator.survival(draft_signals(draft_logits))  # [1, B-1]
-        w0 = self.selector.choose(survival, context_len, w_max)  # [1] long
+        # [1] long. Clamped on the device (no sync): a custom selector's w0 = 0 would verify nothing that counts,
+        # and w0 > w_max would read past the block.
+        w0 = self.selector.choose(survival, context_len, w_max).long().clamp(1, w_max)
         keep = torch.zeros_like(w0, dtype=torch.bool)
         n_new = torch.zeros_like(w0)
         if not self.corrects:
@@ -95,7 +97,7 @@ class RoundStrategy:
         def correct(first_layer_ids: torch.Tensor) -> None:  # [T, k] router choices at the first MoE layer
             ids = first_layer_ids.view(1, -1, first_layer_ids.shape[-1])
             n_new.copy_(count_new_experts(ids, w0))
-            keep.copy_(self.selector.keep_extra(survival, w0, n_new, context_len, w_max))
+            keep.copy_(self.selector.keep_extra(survival, w0, n_new, context_len, w_max) & (w0 < w_max))
             valid.copy_(w0 + keep.long())
 
         return Choice(w0, valid, keep, n_new, correct)
