@@ -55,12 +55,13 @@ class Emitter:
         self.finished = False
 
     def emit(self, token: torch.Tensor, scores: torch.Tensor, raw_logits: torch.Tensor) -> None:
-        """token: [B]; scores, raw_logits: [B, V] fp32 (processed and raw logits that produced it)."""
+        """token: [B]; scores, raw_logits: [B, V] fp32 (processed and raw logits that produced it). Kept as copies:
+        a view would keep the round's whole [B, T, V] tensor alive."""
         self.input_ids = torch.cat([self.input_ids, token[:, None]], dim=-1)
         if self.scores is not None:
-            self.scores.append(scores)
+            self.scores.append(scores.clone())
         if self.logits is not None:
-            self.logits.append(raw_logits)
+            self.logits.append(raw_logits.clone())
         if self.streamer is not None:
             self.streamer.put(token.cpu())
         self.finished = bool(self.stopping_criteria(self.input_ids, scores).all())
