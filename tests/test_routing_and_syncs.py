@@ -4,8 +4,9 @@ import traceback
 
 import pytest
 import torch
-from _tiny import VOCAB, make_drafter, make_target
+from _tiny import VOCAB, cache_tensors, make_drafter, make_target, output_cache
 from test_exactness import assert_same_as_ar, reference
+from transformers import StaticCache
 
 import hybridspec_hf
 from hybridspec_hf import HybridSpecConfig
@@ -46,6 +47,64 @@ def test_routing_correction_is_exact_whatever_is_kept(name, fp64_gdn):
         kept |= {r.extra_kept for r in rounds if r.w0 is not None and r.w0 < 8}
         assert all(r.w == r.w0 + int(r.extra_kept) for r in rounds if r.extra_kept is not None)
     assert kept == {True, False}
+
+
+def assert_same_cache(mine, theirs, tolerance: float = 1e-12) -> None:
+    for a, b in zip(cache_tensors(mine), cache_tensors(theirs), strict=True):
+        torch.testing.assert_close(a, b, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("user_cache", [False, True])
+@pytest.mark.parametrize("name", ["qwen3_5_moe", "qwen3_next"])
+def test_static_cache_with_max_shape_and_routing_correction(name, user_cache, fp64_gdn):
+    """StaticCache + max-shape verification with a device-side valid length + random routing-correction decisions:
+    AR's tokens and AR's cache, and generation continues from it."""
+    target = make_target(name)
+    prompt = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(3))
+
+    def cache_kwargs():
+        if user_cache:
+            return dict(past_key_values=StaticCache(config=target.config, max_cache_len=60))
+        return dict(cache_implementation="static")
+
+    ar = reference(target, prompt, 25, **cache_kwargs())
+    drafter = make_drafter(target, 8, ar.sequences, error_rate=0.2, seed=3)
+    settings = HybridSpecConfig(selector=RandomSelector(3), verify_shape="max")
+    ours = target.generate(prompt, do_sample=False, max_new_tokens=25, assistant_model=drafter,
+                           generation_strategy="hybridspec", hybridspec_config=settings, return_dict_in_generate=True,
+                           **cache_kwargs())
+    assert torch.equal(ours.sequences, ar.sequences)
+    assert_same_cache(output_cache(ours), output_cache(ar))
+    rounds = hybridspec_hf.get_telemetry(target).rounds
+    assert {r.extra_kept for r in rounds if r.w0 is not None and r.w0 < 8} == {True, False}
+    if user_cache:  # continue from the returned static caches
+        ar2 = target.generate(ar.sequences, past_key_values=output_cache(ar), do_sample=False, max_new_tokens=9)
+        ours2 = target.generate(ours.sequences, past_key_values=output_cache(ours), do_sample=False, max_new_tokens=9,
+                                assistant_model=drafter, generation_strategy="hybridspec", hybridspec_config=settings)
+        assert torch.equal(ours2, ar2)
+
+
+def test_sampling_on_static_cache_with_max_shape(fp64_gdn):
+    """Sampling on a StaticCache draws the same tokens as on a DynamicCache (same seed), and the cache it returns
+    equals the one AR builds from the sampled tokens."""
+    target = make_target("qwen3_5_moe", seed=4)
+    prompt = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(4))
+    greedy = target.generate(prompt, do_sample=False, max_new_tokens=30)
+    outs = []
+    for cache_implementation in (None, "static"):
+        drafter = make_drafter(target, 8, greedy, error_rate=0.3, seed=4)
+        torch.manual_seed(7)
+        outs.append(target.generate(
+            prompt, do_sample=True, temperature=0.005, top_k=3, max_new_tokens=30, assistant_model=drafter,
+            generation_strategy="hybridspec", cache_implementation=cache_implementation, return_dict_in_generate=True,
+            hybridspec_config=HybridSpecConfig(selector=RandomSelector(4), verify_shape="max"),
+        ))
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    assert max(r.accepted for r in hybridspec_hf.get_telemetry(target).rounds) > 0
+    sampled = outs[1].sequences
+    teacher = target.generate(sampled[:, :-1], do_sample=False, max_new_tokens=1, cache_implementation="static",
+                              return_dict_in_generate=True)  # AR's prefill of the same tokens
+    assert_same_cache(output_cache(outs[1]), output_cache(teacher), tolerance=1e-10)
 
 
 class ConstantSelector(LengthSelector):
