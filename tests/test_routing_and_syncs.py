@@ -108,16 +108,60 @@ def test_sampling_on_static_cache_with_max_shape(fp64_gdn):
 
 
 class ConstantSelector(LengthSelector):
-    """A custom selector that returns the same (possibly out-of-range) w0 every round and keeps every extra token."""
+    """A custom selector that returns the same (possibly out-of-range) w0 every round and the same keep decision."""
 
-    def __init__(self, w0: int, routing_correction: bool):
-        self.w0, self.routing_correction = w0, routing_correction
+    def __init__(self, w0: int, routing_correction: bool, keep: bool = True):
+        self.w0, self.routing_correction, self.keep = w0, routing_correction, keep
 
     def choose(self, survival, context_len, w_max=None):
         return torch.full(survival.shape[:1], self.w0, dtype=torch.long)
 
     def keep_extra(self, survival, w0, n_new, context_len, w_max=None):
-        return torch.ones_like(w0, dtype=torch.bool)
+        return torch.full_like(w0, self.keep, dtype=torch.bool)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_every_reader_sees_the_corrected_valid_length(keep, monkeypatch, fp64_gdn):
+    """The routing-correction contract: the valid length is one device tensor, updated in place at the first MoE
+    router. Stage 0 (layer 0's GDN) sees w0 + 1; every later GDN layer, every experts call and the acceptance see
+    w0 + keep. A copy anywhere would split stage 0 from stage 1 and accept a draft verified with the wrong length."""
+    from hybridspec_hf import patches
+    from hybridspec_hf.generation import loop
+    from hybridspec_hf.patches import _gdn
+
+    target = make_target("qwen3_5_moe")  # layers: GDN, GDN, GDN, attention; MoE in each
+    prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(2))
+    ar = reference(target, prompt, 12)
+    drafter = make_drafter(target, 8, ar.sequences, error_rate=0.0)
+    seen = {"gdn": [], "experts": [], "accept": []}
+
+    def gdn_verify(*args, valid_len=None, **kwargs):
+        seen["gdn"].append(int(valid_len))
+        return verify_auto(*args, valid_len=valid_len, **kwargs)
+
+    def accept(drafts, target_tokens, valid=None):
+        seen["accept"].append(int(valid))
+        return greedy_accept(drafts, target_tokens, valid)
+
+    verify_auto, greedy_accept = _gdn.gdn_verify_auto, loop.greedy_accept
+    monkeypatch.setattr(_gdn, "gdn_verify_auto", gdn_verify)
+    monkeypatch.setattr(loop, "greedy_accept", accept)
+    # forward hooks receive the arguments as the window's pre-hook rewrote them: count tokens with expert weight
+    handles = [b.experts.register_forward_hook(lambda m, args, out: seen["experts"].append(int((args[2] != 0).any(-1).sum())))
+               for b in patches.moe_blocks(target)]
+    try:
+        out = target.generate(prompt, do_sample=False, max_new_tokens=12, assistant_model=drafter,
+                              generation_strategy="hybridspec", hybridspec_config=HybridSpecConfig(
+                                  selector=ConstantSelector(3, routing_correction=True, keep=keep), verify_shape="max"))
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert_same_as_ar(out, ar)
+    first_round = slice(0, 3)  # three GDN layers per verification
+    valid = 3 + int(keep)
+    assert seen["gdn"][first_round] == [4, valid, valid]
+    assert seen["experts"][4:8] == [valid] * 4  # [0:4] is the prefill
+    assert seen["accept"][0] == valid
 
 
 @pytest.mark.parametrize("verify_shape", ["max", "exact"])
@@ -143,6 +187,7 @@ def test_dropped_extra_token_reads_no_new_experts(fp64_gdn):
     """Tokens beyond the valid length reuse token 0's experts with weight 0 in every MoE layer (stage 1)."""
     from hybridspec_hf import patches
     from hybridspec_hf.generation.routing import VerifyWindow
+    from hybridspec_hf.generation.strategy import Choice
 
     target = make_target("qwen3_5_moe")
     seen = []
@@ -151,7 +196,7 @@ def test_dropped_extra_token_reads_no_new_experts(fp64_gdn):
     window = VerifyWindow(blocks)  # registered after our spy: the spy sees the original ids
     spy_after = [b.experts.register_forward_pre_hook(lambda m, args: seen.append(args[1:3])) for b in blocks]
     try:
-        window.arm(torch.tensor([3]))
+        window.arm(Choice(torch.tensor([3]), torch.tensor([3]), torch.tensor([False]), torch.tensor([0])))
         target(torch.randint(0, VOCAB, (1, 6)))
     finally:
         window.remove()

@@ -163,7 +163,7 @@ def hybridspec_decode(
                 if choice is not None:
                     if strategy.exact_shape:  # CPU: verify only w0 (+ the extra token); this read is a free sync
                         tokens = tokens[:, : int(choice.valid.max())]
-                    window.arm(choice.valid, choice.on_first_router)
+                    window.arm(choice)
 
                 # 3. Verify (stage 0 → routing correction at the first MoE router → stage 1, one forward).
                 try:
