@@ -111,6 +111,55 @@ def test_strategy_and_drafter_errors(pair):
         target.generate(prompt, assistant_model=make_drafter(other, 8), generation_strategy="dflash")
 
 
+@pytest.mark.parametrize(
+    "make, error, message",
+    [
+        (lambda p: dict(input_ids=p.float()), TypeError, "integer token ids"),
+        (lambda p: dict(input_ids=p + VOCAB), ValueError, f"token ids in 0..{VOCAB - 1}"),
+        (lambda p: dict(input_ids=p - VOCAB), ValueError, "token ids in"),
+        (lambda p: dict(synced_gpus=True), ValueError, "synced_gpus"),
+        (lambda p: dict(hybridspec_config=HybridSpecConfig(selector=object())), TypeError, "LengthSelector"),
+        (lambda p: dict(hybridspec_config=HybridSpecConfig(acceptance_estimator=123)), TypeError,
+         "AcceptanceEstimator or a path"),
+    ],
+)
+def test_invalid_inputs_raise_clearly_and_model_keeps_working(pair, make, error, message):
+    target, prompt, drafter, ar = pair
+    with pytest.raises(error, match=message):
+        kwargs = make(prompt)
+        ids = kwargs.pop("input_ids", prompt)
+        target.generate(ids, assistant_model=drafter, generation_strategy="confidence", do_sample=False,
+                        max_new_tokens=12, **kwargs)
+    assert torch.equal(spec(target, prompt, drafter), ar)
+
+
+@pytest.mark.parametrize("key", ["custom_generate", "prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp",
+                                 "assistant_tokenizer", "inputs_embeds", "negative_prompt_ids"])
+def test_every_unsupported_generate_kwarg_is_refused(pair, key):
+    target, prompt, drafter, ar = pair
+    with pytest.raises(ValueError, match=f"{key}=.*is not supported"):
+        spec(target, prompt, drafter, **{key: 1})
+
+
+@pytest.mark.parametrize("block_size, backend, message", [(0, "auto", "block_size=0"), (1, "torch", "block_size=1"),
+                                                          (17, "triton", "at most 16")])
+def test_block_size_outside_what_the_loop_runs_is_refused(pair, block_size, backend, message):
+    target, prompt, drafter, ar = pair
+    bad = make_drafter(target, 8)
+    bad.config.block_size = block_size
+    with pytest.raises(ValueError, match=message):
+        spec(target, prompt, bad, hybridspec_config=HybridSpecConfig(kernel_backend=backend))
+    assert torch.equal(spec(target, prompt, drafter), ar)
+
+
+def test_drafter_in_another_dtype_is_supported(pair, fp64_gdn):
+    """The drafter casts the target's features to its own dtype: a float32 drafter on a float64 target only
+    changes the drafts, never the output."""
+    target, prompt, drafter, ar = pair
+    assert torch.equal(spec(target, prompt, make_drafter(target, 8, ar, error_rate=0.0).float()), ar)
+    assert max(r.accepted for r in hybridspec_hf.get_telemetry(target).rounds) > 0
+
+
 def test_drafter_mismatch_is_reported(pair):
     target, prompt, drafter, _ = pair
     bad = make_drafter(target, 8)

@@ -17,6 +17,8 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from hybridspec_hf import patches
 from hybridspec_hf.config import STRATEGIES, HybridSpecConfig
 from hybridspec_hf.generation.loop import hybridspec_decode
+from hybridspec_hf.kernels import select_backend
+from hybridspec_hf.kernels.gdn_triton import MAX_WINDOW
 
 # generate() options the loop cannot honour; each gets a clear error instead of being ignored.
 _UNSUPPORTED_KWARGS = {
@@ -65,8 +67,14 @@ def _hybridspec_generate(original, self, *args, generation_strategy=None, hybrid
     for key, why in _UNSUPPORTED_KWARGS.items():
         if kwargs.get(key) is not None:
             raise ValueError(f"generate(..., {key}=...) is not supported with generation_strategy={generation_strategy!r}: {why}.")
+    if kwargs.get("synced_gpus"):  # generate() does not pass it to a custom_generate callable: it would be ignored
+        raise ValueError(
+            "generate(..., synced_gpus=True) (DeepSpeed ZeRO-3 / FSDP) is not supported with HybridSpec; "
+            "use tp_plan='auto' to spread the target over several GPUs."
+        )
     drafter = kwargs.pop("assistant_model", None)
     _check_drafter(self, drafter, generation_strategy)
+    _check_block_size(self, drafter, settings)
     _move_stop_strings_to_criteria(self, args, kwargs)
     inputs = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
     if isinstance(inputs, torch.Tensor):
@@ -122,15 +130,39 @@ def _check_drafter(target, drafter, strategy: str) -> None:
     drafter.validate_target(target)
 
 
+def _check_block_size(target, drafter, settings: HybridSpecConfig) -> None:
+    """A block is the anchor plus at least one mask; the Triton GDN verify takes at most MAX_WINDOW tokens."""
+    block_size = drafter.config.block_size
+    if not isinstance(block_size, int) or block_size < 2:
+        raise ValueError(
+            f"The drafter's block_size={block_size!r}: a block is the anchor plus at least one draft, so it must be "
+            "an int ≥ 2 (z-lab's DFlash drafters use 16)."
+        )
+    backend = select_backend(settings.kernel_backend, next(target.parameters()))
+    if backend == "triton" and block_size > MAX_WINDOW:
+        raise ValueError(
+            f"The drafter's block_size={block_size} is larger than the Triton GDN verify takes (at most {MAX_WINDOW} "
+            'tokens per round); use a drafter with block_size ≤ 16, or kernel_backend="torch".'
+        )
+
+
 def _check_prompt(model, input_ids: torch.Tensor) -> None:
     if input_ids.ndim != 2:
         raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}.")
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        raise TypeError(f"input_ids must be integer token ids (torch.long), got dtype {input_ids.dtype}.")
     if input_ids.shape[1] == 0:
         raise ValueError("The prompt is empty: HybridSpec needs at least one prompt token (e.g. a BOS token).")
     if input_ids.shape[0] != 1:
         raise ValueError(
             f"HybridSpec generates one sequence at a time (batch size 1); got batch size {input_ids.shape[0]}. "
             "Call generate once per prompt."
+        )
+    vocab = model.get_input_embeddings().weight.shape[0]
+    if input_ids.numel() and not bool(((input_ids >= 0) & (input_ids < vocab)).all()):  # one sync per call
+        raise ValueError(
+            f"input_ids must be token ids in 0..{vocab - 1} (the model's vocabulary); got values from "
+            f"{int(input_ids.min())} to {int(input_ids.max())}."
         )
     limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     if limit is not None and input_ids.shape[1] >= limit:
