@@ -10,4 +10,5 @@ make_venv .venv-tf517 "$TRANSFORMERS_GPU_IMAGE" test,train
 export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1
 .venv/bin/python -m pytest tests -q "$@"
 .venv-tf517/bin/python -m pytest -q "$@" tests/test_exactness.py tests/test_generate_semantics.py \
-  tests/test_errors_and_integration.py tests/test_drafter.py tests/test_tensor_parallel.py
+  tests/test_errors_and_integration.py tests/test_drafter.py tests/test_tensor_parallel.py \
+  tests/test_exception_safety.py tests/test_properties.py

@@ -187,7 +187,11 @@ def check_generation_config(model, generation_config, input_ids: torch.Tensor, m
         problems.append(f"cache_implementation={generation_config.cache_implementation!r}: use None (dynamic) or 'static'")
     mask = model_kwargs.get("attention_mask")
     if mask is not None and not bool((mask == 1).all()):
-        problems.append("attention_mask has padding: HybridSpec runs batch size 1 without padding; strip the pad tokens")
+        problems.append(
+            "attention_mask has padding (zeros; without an attention_mask, generate() infers them from prompt tokens "
+            "equal to pad_token_id): HybridSpec runs batch size 1 without padding; strip the pad tokens, or pass "
+            "attention_mask=torch.ones_like(input_ids) if they are real tokens"
+        )
     if problems:
         raise ValueError("Unsupported generation options for HybridSpec: " + "; ".join(problems) + ".")
     _check_prompt(model, input_ids)  # again: generate() may have expanded it (beams, return sequences)
