@@ -5,6 +5,8 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from hybridspec_hf.selector import AcceptanceEstimator, LatencyModel, LengthSelector
+
 # "hybridspec": Dinkelbach length + plain-decoding option + routing correction; "nominal": the same without routing
 # correction; "dflash": verify the whole block; "static": a fixed length; "ratio": per-round G(w)/C(w) (EVICT-like);
 # "confidence": longest draft prefix whose survival ≥ a threshold (D-Cut-like).
@@ -56,8 +58,6 @@ class HybridSpecConfig:
             raise ValueError(f"verify_shape must be one of {VERIFY_SHAPES}, got {self.verify_shape!r}.")
         if self.calibration not in CALIBRATION_MODES:
             raise ValueError(f"calibration must be one of {CALIBRATION_MODES}, got {self.calibration!r}.")
-        from hybridspec_hf.selector import AcceptanceEstimator, LatencyModel, LengthSelector
-
         if self.selector is not None and not isinstance(self.selector, LengthSelector):
             raise TypeError(f"selector must be a hybridspec_hf.selector.LengthSelector, got {type(self.selector).__name__}.")
         for name, kind in (("acceptance_estimator", AcceptanceEstimator), ("latency_model", LatencyModel)):

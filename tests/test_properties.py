@@ -9,7 +9,6 @@ CI runs HYBRIDSPEC_PROPERTY_EXAMPLES examples (default 200, fixed: derandomized)
 """
 import os
 
-import pytest
 import torch
 from _tiny import VOCAB, OracleDrafter, float64_gdn
 from hypothesis import HealthCheck, event, given, settings

@@ -23,7 +23,6 @@ from hybridspec_hf.generation.strategy import RoundStrategy
 from hybridspec_hf.generation.target import TargetRunner
 from hybridspec_hf.generation.telemetry import GenerationTelemetry, RoundRecord
 from hybridspec_hf.patches._cache import check_supported_cache
-from hybridspec_hf.selector import count_new_experts
 
 _sync_allowed = True
 

@@ -49,3 +49,28 @@ class VerifyWindow:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+class RouterRecorder:
+    """Every MoE layer's router choices, per forward: `forwards[i]` is [layers, T, k] long on the CPU (calibration's
+    expert model, traces). Host copies: not for use inside a sync-free round."""
+
+    def __init__(self, moe_blocks: list[torch.nn.Module]):
+        self.current: list[torch.Tensor] = []
+        self.forwards: list[torch.Tensor] = []
+        self.num_layers = len(moe_blocks)
+        self._handles = [block.gate.register_forward_hook(self._hook) for block in moe_blocks]
+
+    def _hook(self, module, args, output) -> None:
+        self.current.append(output[2].detach().cpu())
+        if len(self.current) == self.num_layers:
+            self.forwards.append(torch.stack(self.current))
+            self.current = []
+
+    def clear(self) -> None:
+        self.current, self.forwards = [], []
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from hybridspec_hf.config import CALIBRATED_STRATEGIES, HybridSpecConfig
-from hybridspec_hf.selector import AcceptanceEstimator, LatencyModel, count_new_experts, draft_signals, make_selector
+from hybridspec_hf.generation.calibration import resolve_latency_model
+from hybridspec_hf.selector import AcceptanceEstimator, count_new_experts, draft_signals, make_selector
 
 
 @dataclass
@@ -78,8 +79,6 @@ class RoundStrategy:
         elif name == "confidence":
             selector = make_selector(name, {"threshold": settings.confidence_threshold})
         else:
-            from hybridspec_hf.generation.calibration import resolve_latency_model
-
             assert name in CALIBRATED_STRATEGIES
             selector = make_selector(name, {"latency_model": resolve_latency_model(settings, target, drafter)})
         selector.reset()
@@ -158,12 +157,3 @@ def _estimator(value, block_size: int) -> AcceptanceEstimator:
     if isinstance(value, AcceptanceEstimator):
         return value
     return AcceptanceEstimator.load(value)
-
-
-def latency_model_from(value) -> LatencyModel:
-    if isinstance(value, LatencyModel):
-        return value
-    model = LatencyModel.load(value)
-    if model is None:
-        raise ValueError(f"Could not read a latency model from {value!r}; run `hybridspec calibrate` to make one.")
-    return model
