@@ -10,22 +10,12 @@ CI runs HYBRIDSPEC_PROPERTY_EXAMPLES examples (default 200, fixed: derandomized)
 import os
 
 import torch
-from _tiny import VOCAB, OracleDrafter, float64_gdn
+from _tiny import FAMILIES, VOCAB, OracleDrafter, build_target, float64_gdn, prepare
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 from test_exactness import assert_same_as_ar
 from test_generate_semantics import char_tokenizer
-from transformers import (
-    Qwen3_5ForCausalLM,
-    Qwen3_5MoeConfig,
-    Qwen3_5MoeForCausalLM,
-    Qwen3_5MoeForConditionalGeneration,
-    Qwen3_5MoeTextConfig,
-    Qwen3_5TextConfig,
-    Qwen3NextConfig,
-    Qwen3NextForCausalLM,
-)
 
 import hybridspec_hf
 from hybridspec_hf import HybridSpecConfig
@@ -33,7 +23,6 @@ from hybridspec_hf.selector import LatencyModel
 
 EXAMPLES = int(os.environ.get("HYBRIDSPEC_PROPERTY_EXAMPLES", "200"))
 SEED = os.environ.get("HYBRIDSPEC_PROPERTY_SEED")
-FAMILIES = ("qwen3_5_moe", "qwen3_5_moe_vlm", "qwen3_next", "qwen3_5_dense")
 STRATEGIES = ("dflash", "static", "confidence", "hybridspec", "nominal", "ratio")
 TOKENIZER = char_tokenizer()
 
@@ -64,27 +53,6 @@ def targets(draw):
         config["mlp_only_layers"] = draw(st.lists(st.integers(0, layers - 1), max_size=layers - 1, unique=True))
         config["norm_topk_prob"] = draw(st.booleans())
     return family, config
-
-
-def build(family: str, config: dict, seed: int):
-    torch.manual_seed(seed)
-    if family == "qwen3_5_moe":
-        model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**config))
-    elif family == "qwen3_5_moe_vlm":
-        vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32)
-        model = Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(text_config=config, vision_config=vision))
-    elif family == "qwen3_next":
-        model = Qwen3NextForCausalLM(Qwen3NextConfig(**config))
-    else:
-        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**config))
-    model = model.eval().to(torch.float64)
-    if hasattr(model, "set_experts_implementation"):
-        model.set_experts_implementation("eager")  # grouped_mm has no float64 CPU kernel
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("A_log"):  # strong and weak decay
-                param.copy_(torch.empty_like(param).uniform_(-3.0, 2.0))
-    return model
 
 
 def latency_model(block_size: int, slope: float) -> LatencyModel:
@@ -125,7 +93,8 @@ def example_settings():
 def test_greedy_hybridspec_equals_generate(target, seed, prompt_len, block_size, strategy, verify_shape,
                                            static_length, max_new_tokens, error_rate, eos, stop, slope):
     family, config = target
-    model = build(family, config, seed)
+    torch.manual_seed(seed)
+    model = prepare(build_target(family, config))
     generator = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, VOCAB, (1, prompt_len), generator=generator)
     with float64_gdn():
