@@ -1,8 +1,11 @@
 """HybridSpecConfig: the knobs of a HybridSpec generate() call, passed as `hybridspec_config=`."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+from hybridspec_hf.selector import AcceptanceEstimator, LatencyModel, LengthSelector
 
 # "hybridspec": Dinkelbach length + plain-decoding option + routing correction; "nominal": the same without routing
 # correction; "dflash": verify the whole block; "static": a fixed length; "ratio": per-round G(w)/C(w) (EVICT-like);
@@ -60,6 +63,12 @@ class HybridSpecConfig:
             raise ValueError(f"cuda_graphs must be one of {CUDA_GRAPH_MODES}, got {self.cuda_graphs!r}.")
         if self.calibration not in CALIBRATION_MODES:
             raise ValueError(f"calibration must be one of {CALIBRATION_MODES}, got {self.calibration!r}.")
+        if self.selector is not None and not isinstance(self.selector, LengthSelector):
+            raise TypeError(f"selector must be a hybridspec_hf.selector.LengthSelector, got {type(self.selector).__name__}.")
+        for name, kind in (("acceptance_estimator", AcceptanceEstimator), ("latency_model", LatencyModel)):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (kind, str, os.PathLike)):
+                raise TypeError(f"{name} must be a {kind.__name__} or a path to its JSON, got {type(value).__name__}.")
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "selector"}

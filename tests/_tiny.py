@@ -47,31 +47,47 @@ def _vision():
     return dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32)
 
 
+def build_target(family: str, text_config: dict):
+    """A randomly initialised model of one supported family from text-config kwargs."""
+    if family == "qwen3_5_moe":
+        return Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**text_config))
+    if family == "qwen3_5_moe_vlm":
+        return Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(text_config=text_config, vision_config=_vision()))
+    if family == "qwen3_next":
+        return Qwen3NextForCausalLM(Qwen3NextConfig(**text_config))
+    if family == "qwen3_5_dense":
+        return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text_config))
+    raise ValueError(f"unknown family {family!r}")
+
+
+FAMILIES = ("qwen3_5_moe", "qwen3_5_moe_vlm", "qwen3_next", "qwen3_5_dense")
+
 # name -> builder of a float64 eval model. Odd shapes: value heads ≠ key heads, head dims not powers of two,
 # full attention first or last, few experts with top-k ≥ 2, mlp-only layers.
 TARGETS = {
-    "qwen3_5_moe": lambda: Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**_COMMON, **_MOE, layer_types=_ATTN_LAST)),
-    "qwen3_5_moe_odd": lambda: Qwen3_5MoeForCausalLM(
-        Qwen3_5MoeTextConfig(
-            **{**_COMMON, "linear_key_head_dim": 6, "linear_value_head_dim": 10, "linear_num_value_heads": 6,
-               "head_dim": 12, "num_hidden_layers": 5},
-            **{**_MOE, "num_experts": 3, "num_experts_per_tok": 2},
-            layer_types=_ATTN_FIRST + ["linear_attention"],
-        )
+    "qwen3_5_moe": lambda: build_target("qwen3_5_moe", dict(**_COMMON, **_MOE, layer_types=_ATTN_LAST)),
+    "qwen3_5_moe_odd": lambda: build_target("qwen3_5_moe", dict(
+        **{**_COMMON, "linear_key_head_dim": 6, "linear_value_head_dim": 10, "linear_num_value_heads": 6,
+           "head_dim": 12, "num_hidden_layers": 5},
+        **{**_MOE, "num_experts": 3, "num_experts_per_tok": 2},
+        layer_types=_ATTN_FIRST + ["linear_attention"],
+    )),
+    "qwen3_5_moe_vlm": lambda: build_target("qwen3_5_moe_vlm", dict(**_COMMON, **_MOE, layer_types=_ATTN_LAST)),
+    "qwen3_next": lambda: build_target(
+        "qwen3_next", dict(**_COMMON, **_MOE, layer_types=_ATTN_FIRST, mlp_only_layers=[2], norm_topk_prob=True)
     ),
-    "qwen3_5_moe_vlm": lambda: Qwen3_5MoeForConditionalGeneration(
-        Qwen3_5MoeConfig(text_config=dict(**_COMMON, **_MOE, layer_types=_ATTN_LAST), vision_config=_vision())
-    ),
-    "qwen3_next": lambda: Qwen3NextForCausalLM(
-        Qwen3NextConfig(**_COMMON, **_MOE, layer_types=_ATTN_FIRST, mlp_only_layers=[2], norm_topk_prob=True)
-    ),
-    "qwen3_5_dense": lambda: Qwen3_5ForCausalLM(Qwen3_5TextConfig(**_COMMON, layer_types=_ATTN_LAST)),
+    "qwen3_5_dense": lambda: build_target("qwen3_5_dense", dict(**_COMMON, layer_types=_ATTN_LAST)),
 }
 
 
 def make_target(name: str, seed: int = 0, dtype=torch.float64):
     torch.manual_seed(seed)
-    model = TARGETS[name]().eval().to(dtype)
+    return prepare(TARGETS[name](), dtype)
+
+
+def prepare(model, dtype=torch.float64):
+    """Eval mode in `dtype`, an experts path that runs it on the CPU, and spread GDN decays."""
+    model = model.eval().to(dtype)
     if hasattr(model, "set_experts_implementation") and dtype == torch.float64:
         # transformers' default grouped_mm experts path has no float64 CPU kernel
         with contextlib.suppress(Exception):

@@ -2,7 +2,7 @@
 import pytest
 import torch
 from _tiny import VOCAB, make_drafter, make_target
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
 
 import hybridspec_hf
@@ -47,6 +47,39 @@ def test_unsupported_options_raise_clearly_and_model_keeps_working(pair, kwargs,
     assert torch.equal(spec(target, prompt, drafter), ar)
 
 
+class CallCounter(LogitsProcessor):
+    """A stateful processor: its output depends on how often it was called."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, input_ids, scores):
+        self.calls += 1
+        return scores + self.calls * 0.0
+
+
+class Shift(LogitsProcessor):
+    """Stateless: depends only on (input_ids, scores); opted in."""
+
+    hybridspec_stateless = True
+
+    def __call__(self, input_ids, scores):
+        return scores.index_add(1, input_ids[:, -1], torch.full_like(scores[:, :1], 0.5))
+
+
+def test_stateful_logits_processors_are_refused(pair):
+    """Processors run once per verified position, on speculative prefixes: only stateless ones keep AR's output.
+    Classifier-free guidance runs the model on its own cache at every call, so rejected drafts would enter it."""
+    target, prompt, drafter, ar = pair
+    with pytest.raises(ValueError, match="UnbatchedClassifierFreeGuidanceLogitsProcessor.*guidance_scale"):
+        spec(target, prompt, drafter, guidance_scale=3.0)
+    with pytest.raises(ValueError, match="CallCounter.*hybridspec_stateless = True"):
+        spec(target, prompt, drafter, logits_processor=LogitsProcessorList([CallCounter()]))
+    assert torch.equal(spec(target, prompt, drafter), ar)
+    shifted = target.generate(prompt, do_sample=False, max_new_tokens=12, logits_processor=LogitsProcessorList([Shift()]))
+    assert torch.equal(spec(target, prompt, drafter, logits_processor=LogitsProcessorList([Shift()])), shifted)
+
+
 def test_prompt_errors(pair):
     target, prompt, drafter, ar = pair
     with pytest.raises(ValueError, match="prompt is empty"):
@@ -76,6 +109,55 @@ def test_strategy_and_drafter_errors(pair):
     other = make_target("qwen3_next")
     with pytest.raises(ValueError):
         target.generate(prompt, assistant_model=make_drafter(other, 8), generation_strategy="dflash")
+
+
+@pytest.mark.parametrize(
+    "make, error, message",
+    [
+        (lambda p: dict(input_ids=p.float()), TypeError, "integer token ids"),
+        (lambda p: dict(input_ids=p + VOCAB), ValueError, f"token ids in 0..{VOCAB - 1}"),
+        (lambda p: dict(input_ids=p - VOCAB), ValueError, "token ids in"),
+        (lambda p: dict(synced_gpus=True), ValueError, "synced_gpus"),
+        (lambda p: dict(hybridspec_config=HybridSpecConfig(selector=object())), TypeError, "LengthSelector"),
+        (lambda p: dict(hybridspec_config=HybridSpecConfig(acceptance_estimator=123)), TypeError,
+         "AcceptanceEstimator or a path"),
+    ],
+)
+def test_invalid_inputs_raise_clearly_and_model_keeps_working(pair, make, error, message):
+    target, prompt, drafter, ar = pair
+    with pytest.raises(error, match=message):
+        kwargs = make(prompt)
+        ids = kwargs.pop("input_ids", prompt)
+        target.generate(ids, assistant_model=drafter, generation_strategy="confidence", do_sample=False,
+                        max_new_tokens=12, **kwargs)
+    assert torch.equal(spec(target, prompt, drafter), ar)
+
+
+@pytest.mark.parametrize("key", ["custom_generate", "prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp",
+                                 "assistant_tokenizer", "inputs_embeds", "negative_prompt_ids"])
+def test_every_unsupported_generate_kwarg_is_refused(pair, key):
+    target, prompt, drafter, ar = pair
+    with pytest.raises(ValueError, match=f"{key}=.*is not supported"):
+        spec(target, prompt, drafter, **{key: 1})
+
+
+@pytest.mark.parametrize("block_size, backend, message", [(0, "auto", "block_size=0"), (1, "torch", "block_size=1"),
+                                                          (17, "triton", "at most 16")])
+def test_block_size_outside_what_the_loop_runs_is_refused(pair, block_size, backend, message):
+    target, prompt, drafter, ar = pair
+    bad = make_drafter(target, 8)
+    bad.config.block_size = block_size
+    with pytest.raises(ValueError, match=message):
+        spec(target, prompt, bad, hybridspec_config=HybridSpecConfig(kernel_backend=backend))
+    assert torch.equal(spec(target, prompt, drafter), ar)
+
+
+def test_drafter_in_another_dtype_is_supported(pair, fp64_gdn):
+    """The drafter casts the target's features to its own dtype: a float32 drafter on a float64 target only
+    changes the drafts, never the output."""
+    target, prompt, drafter, ar = pair
+    assert torch.equal(spec(target, prompt, make_drafter(target, 8, ar, error_rate=0.0).float()), ar)
+    assert max(r.accepted for r in hybridspec_hf.get_telemetry(target).rounds) > 0
 
 
 def test_drafter_mismatch_is_reported(pair):

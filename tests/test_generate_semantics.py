@@ -82,6 +82,15 @@ def test_logits_processors_scores_and_logits_equal_ar(options, fp64_gdn):
     assert max(r.accepted for r in hybridspec_hf.get_telemetry(target).rounds) > 0
 
 
+def test_returned_scores_and_logits_own_their_memory(fp64_gdn):
+    """Each step's [1, V] scores/logits is a copy, not a view keeping the round's whole [T, V] tensor alive."""
+    target, prompt, drafter = setup(seed=3)
+    out = spec(target, prompt, drafter, max_new_tokens=30, return_dict_in_generate=True, output_scores=True,
+               output_logits=True, repetition_penalty=1.2)
+    for step in out.scores + out.logits:
+        assert step.untyped_storage().nbytes() == step.numel() * step.element_size()
+
+
 def char_tokenizer():
     """One token per character (96 of them), so stop strings can end inside a verified block."""
     chars = string.digits + string.ascii_letters + string.punctuation + " \n"

@@ -21,6 +21,7 @@ import torch
 from hybridspec_hf import patches
 from hybridspec_hf.config import HybridSpecConfig
 from hybridspec_hf.graphs.capture import host_syncs
+from hybridspec_hf.generation.routing import RouterRecorder
 from hybridspec_hf.selector import LatencyModel, LengthSelector, calibrate, fit_eta, fit_expert_model, make_cache_key
 from hybridspec_hf.selector.length import on_device
 
@@ -82,8 +83,6 @@ def cache_path(key: dict) -> Path:
 def resolve_latency_model(settings: HybridSpecConfig, target, drafter) -> LatencyModel:
     """The latency model for a calibrated strategy: given, cached, or calibrated now (settings.calibration)."""
     if settings.latency_model is not None:
-        from hybridspec_hf.generation.strategy import latency_model_from
-
         return latency_model_from(settings.latency_model)
     key = cache_key(target, drafter, settings.kernel_backend)
     path = cache_path(key)
@@ -105,6 +104,16 @@ def resolve_latency_model(settings: HybridSpecConfig, target, drafter) -> Latenc
     if not _distributed() or torch.distributed.get_rank() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         model.save(path)
+    return model
+
+
+def latency_model_from(value) -> LatencyModel:
+    """A LatencyModel given as itself or as a path to its JSON."""
+    if isinstance(value, LatencyModel):
+        return value
+    model = LatencyModel.load(value)
+    if model is None:
+        raise ValueError(f"Could not read a latency model from {value!r}; run `hybridspec calibrate` to make one.")
     return model
 
 
@@ -141,28 +150,6 @@ def _mean_over_ranks(model: LatencyModel) -> LatencyModel:
     return dataclasses.replace(model, eta=eta, **{name: value.cpu() for name, value in tensors.items()})
 
 
-class _RoutingRecorder:
-    """Router choices of every MoE layer during calibration forwards: per forward [layers, T, k]."""
-
-    def __init__(self, blocks):
-        self.current: list[torch.Tensor] = []
-        self.forwards: list[torch.Tensor] = []
-        self._handles = [b.gate.register_forward_hook(self._hook) for b in blocks]
-        self.num_layers = len(blocks)
-
-    def _hook(self, module, args, output):
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            return  # graph capture runs no kernels: nothing to record (replays record through `take_live`)
-        self.current.append(output[2].detach().cpu())
-        if len(self.current) == self.num_layers:
-            self.forwards.append(torch.stack(self.current))
-            self.current = []
-
-    def remove(self):
-        for handle in self._handles:
-            handle.remove()
-
-
 def calibrate_latency(
     target,
     drafter,
@@ -187,7 +174,7 @@ def calibrate_latency(
     generator = torch.Generator().manual_seed(0)
     vocab = target.config.get_text_config().vocab_size
     blocks = patches.moe_blocks(target)
-    recorder = _RoutingRecorder(blocks) if blocks else None
+    recorder = RouterRecorder(blocks) if blocks else None
     samples: list[tuple[int, float, int]] = []  # (w, seconds, forward index) for η and the expert model
 
     class AfterRounds(StoppingCriteria):

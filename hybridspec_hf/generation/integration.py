@@ -10,6 +10,7 @@ import dataclasses
 import functools
 
 import torch
+from transformers.generation import logits_process
 from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
@@ -17,6 +18,8 @@ from hybridspec_hf import patches
 from hybridspec_hf.config import STRATEGIES, HybridSpecConfig
 from hybridspec_hf.generation.loop import hybridspec_decode
 from hybridspec_hf.graphs.capture import host_syncs
+from hybridspec_hf.kernels import select_backend
+from hybridspec_hf.kernels.gdn_triton import MAX_WINDOW
 
 # generate() options the loop cannot honour; each gets a clear error instead of being ignored.
 _UNSUPPORTED_KWARGS = {
@@ -27,6 +30,28 @@ _UNSUPPORTED_KWARGS = {
     "assistant_tokenizer": "the DFlash drafter shares the target's tokenizer",
     "inputs_embeds": "pass input_ids",
     "negative_prompt_ids": "classifier-free guidance needs a second sequence",
+}
+
+# Logits processors whose output depends only on (input_ids, scores) and their constructor arguments: the loop calls
+# them once per verified position with speculative prefixes, in any order, so a processor with state of its own (or
+# one that runs a model, like classifier-free guidance) would see rejected drafts. Exact classes only: a subclass
+# may add state.
+_STATELESS_PROCESSORS = {
+    getattr(logits_process, name)
+    for name in (
+        "EpsilonLogitsWarper", "EtaLogitsWarper", "ExponentialDecayLengthPenalty", "ForcedBOSTokenLogitsProcessor",
+        "ForcedEOSTokenLogitsProcessor", "InfNanRemoveLogitsProcessor", "LogitNormalization",
+        "MinLengthLogitsProcessor", "MinNewTokensLengthLogitsProcessor", "MinPLogitsWarper",
+        "NoBadWordsLogitsProcessor", "NoRepeatNGramLogitsProcessor", "PrefixConstrainedLogitsProcessor",
+        "RepetitionPenaltyLogitsProcessor", "SequenceBiasLogitsProcessor", "SuppressTokensAtBeginLogitsProcessor",
+        "SuppressTokensLogitsProcessor", "TemperatureLogitsWarper", "TopHLogitsWarper", "TopKLogitsWarper",
+        "TopPLogitsWarper", "TypicalLogitsWarper",
+    )
+    if hasattr(logits_process, name)
+}
+_PROCESSOR_ADVICE = {
+    "UnbatchedClassifierFreeGuidanceLogitsProcessor": "it runs the model on a cache of its own at every call; "
+    "leave guidance_scale at 1 (classifier-free guidance is not supported)",
 }
 
 
@@ -54,8 +79,14 @@ def _hybridspec_generate(original, self, *args, generation_strategy=None, hybrid
     for key, why in _UNSUPPORTED_KWARGS.items():
         if kwargs.get(key) is not None:
             raise ValueError(f"generate(..., {key}=...) is not supported with generation_strategy={generation_strategy!r}: {why}.")
+    if kwargs.get("synced_gpus"):  # generate() does not pass it to a custom_generate callable: it would be ignored
+        raise ValueError(
+            "generate(..., synced_gpus=True) (DeepSpeed ZeRO-3 / FSDP) is not supported with HybridSpec; "
+            "use tp_plan='auto' to spread the target over several GPUs."
+        )
     drafter = kwargs.pop("assistant_model", None)
     _check_drafter(self, drafter, generation_strategy)
+    _check_block_size(self, drafter, settings)
     _move_stop_strings_to_criteria(self, args, kwargs)
     inputs = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
     if isinstance(inputs, torch.Tensor):
@@ -113,15 +144,39 @@ def _check_drafter(target, drafter, strategy: str) -> None:
     drafter.validate_target(target)
 
 
+def _check_block_size(target, drafter, settings: HybridSpecConfig) -> None:
+    """A block is the anchor plus at least one mask; the Triton GDN verify takes at most MAX_WINDOW tokens."""
+    block_size = drafter.config.block_size
+    if not isinstance(block_size, int) or block_size < 2:
+        raise ValueError(
+            f"The drafter's block_size={block_size!r}: a block is the anchor plus at least one draft, so it must be "
+            "an int ≥ 2 (z-lab's DFlash drafters use 16)."
+        )
+    backend = select_backend(settings.kernel_backend, next(target.parameters()))
+    if backend == "triton" and block_size > MAX_WINDOW:
+        raise ValueError(
+            f"The drafter's block_size={block_size} is larger than the Triton GDN verify takes (at most {MAX_WINDOW} "
+            'tokens per round); use a drafter with block_size ≤ 16, or kernel_backend="torch".'
+        )
+
+
 def _check_prompt(model, input_ids: torch.Tensor) -> None:
     if input_ids.ndim != 2:
         raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}.")
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        raise TypeError(f"input_ids must be integer token ids (torch.long), got dtype {input_ids.dtype}.")
     if input_ids.shape[1] == 0:
         raise ValueError("The prompt is empty: HybridSpec needs at least one prompt token (e.g. a BOS token).")
     if input_ids.shape[0] != 1:
         raise ValueError(
             f"HybridSpec generates one sequence at a time (batch size 1); got batch size {input_ids.shape[0]}. "
             "Call generate once per prompt."
+        )
+    vocab = model.get_input_embeddings().weight.shape[0]
+    if input_ids.numel() and not bool(((input_ids >= 0) & (input_ids < vocab)).all()):  # one sync per call
+        raise ValueError(
+            f"input_ids must be token ids in 0..{vocab - 1} (the model's vocabulary); got values from "
+            f"{int(input_ids.min())} to {int(input_ids.max())}."
         )
     limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     if limit is not None and input_ids.shape[1] >= limit:
@@ -148,10 +203,30 @@ def check_generation_config(model, generation_config, input_ids: torch.Tensor, m
     with host_syncs():  # a per-call check, allowed to read the mask on the host
         padded = mask is not None and not bool((mask == 1).all())
     if padded:
-        problems.append("attention_mask has padding: HybridSpec runs batch size 1 without padding; strip the pad tokens")
+        problems.append(
+            "attention_mask has padding (zeros; without an attention_mask, generate() infers them from prompt tokens "
+            "equal to pad_token_id): HybridSpec runs batch size 1 without padding; strip the pad tokens, or pass "
+            "attention_mask=torch.ones_like(input_ids) if they are real tokens"
+        )
     if problems:
         raise ValueError("Unsupported generation options for HybridSpec: " + "; ".join(problems) + ".")
     _check_prompt(model, input_ids)  # again: generate() may have expanded it (beams, return sequences)
+
+
+def check_logits_processors(logits_processor) -> None:
+    """Accept only processors known to be stateless (see _STATELESS_PROCESSORS), or marked so by their author."""
+    for processor in logits_processor:
+        if type(processor) in _STATELESS_PROCESSORS or getattr(processor, "hybridspec_stateless", False):
+            continue
+        name = type(processor).__name__
+        why = _PROCESSOR_ADVICE.get(
+            name,
+            "HybridSpec calls each logits processor once per verified position, also on drafts that are then "
+            "rejected, so only processors whose output depends on (input_ids, scores) alone keep AR's output. "
+            f"If that holds for yours, set `{name}.hybridspec_stateless = True`; otherwise generate without "
+            "generation_strategy",
+        )
+        raise ValueError(f"Logits processor {name} is not supported with HybridSpec: {why}.")
 
 
 def finish_output(generation_config, emitter, cache, cache_key: str):

@@ -24,7 +24,6 @@ from hybridspec_hf.generation.strategy import RoundStrategy
 from hybridspec_hf.generation.target import TargetRunner
 from hybridspec_hf.generation.telemetry import GenerationTelemetry, RoundRecord
 from hybridspec_hf.patches._cache import check_supported_cache
-from hybridspec_hf.selector import count_new_experts
 
 _sync_allowed = True
 
@@ -56,12 +55,13 @@ class Emitter:
         self.finished = False
 
     def emit(self, token: torch.Tensor, scores: torch.Tensor, raw_logits: torch.Tensor) -> None:
-        """token: [B]; scores, raw_logits: [B, V] fp32 (processed and raw logits that produced it)."""
+        """token: [B]; scores, raw_logits: [B, V] fp32 (processed and raw logits that produced it). Kept as copies:
+        a view would keep the round's whole [B, T, V] tensor alive."""
         self.input_ids = torch.cat([self.input_ids, token[:, None]], dim=-1)
         if self.scores is not None:
-            self.scores.append(scores)
+            self.scores.append(scores.clone())
         if self.logits is not None:
-            self.logits.append(raw_logits)
+            self.logits.append(raw_logits.clone())
         if self.streamer is not None:
             self.streamer.put(token.cpu())
         self.finished = bool(self.stopping_criteria(self.input_ids, scores).all())
@@ -138,11 +138,12 @@ def hybridspec_decode(
 ):
     """Exact speculative decoding of a hybrid GDN target with a DFlash drafter (batch size 1; greedy output equals
     AR token for token, sampling keeps the target distribution)."""
-    from hybridspec_hf.generation.integration import check_generation_config, finish_output
+    from hybridspec_hf.generation.integration import check_generation_config, check_logits_processors, finish_output
 
     drafter, settings = hybridspec_drafter, hybridspec_settings or HybridSpecConfig()
     streamer = hybridspec_streamer if hybridspec_streamer is not None else streamer
     check_generation_config(model, generation_config, input_ids, model_kwargs)
+    check_logits_processors(logits_processor)
     cache_key = "cache" if model_kwargs.get("cache") is not None else "past_key_values"
     cache = model_kwargs.pop(cache_key)
     for key in ("cache", "past_key_values", "use_cache", "logits_to_keep"):
@@ -223,7 +224,7 @@ def hybridspec_decode(
                 if choice is not None:
                     if strategy.exact_shape:  # CPU: verify only w0 (+ the extra token); this read is a free sync
                         tokens = tokens[:, : int(choice.valid.max())]
-                    window.arm(choice.valid, choice.on_first_router)
+                    window.arm(choice)
 
                 # 3. Verify (stage 0 → routing correction at the first MoE router → stage 1, one forward).
                 try:

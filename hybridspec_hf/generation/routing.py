@@ -8,45 +8,69 @@ No host sync anywhere.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 
 class VerifyWindow:
-    """Hooks on the target's MoE blocks for one generate() call; inert while `valid` is None (prefill)."""
+    """Hooks on the target's MoE blocks for one generate() call; inert while disarmed (prefill).
+
+    Armed with the round's `Choice` (strategy.py), the owner of the valid length: the hooks read `choice.valid`
+    each time they run and never keep a copy of it (see Choice's contract).
+    """
 
     def __init__(self, moe_blocks: list[torch.nn.Module]):
-        self.valid: torch.Tensor | None = None  # [1] long: tokens of the verification that count
-        self.on_first_router: Callable[[torch.Tensor], None] | None = None
-        self.first_router_ids: torch.Tensor | None = None  # [T, k] of the last verification
+        self.choice = None  # the armed round's Choice
         self._handles = []
         if moe_blocks:
             self._handles.append(moe_blocks[0].gate.register_forward_hook(self._router_hook))
         for block in moe_blocks:
             self._handles.append(block.experts.register_forward_pre_hook(self._experts_hook))
 
-    def arm(self, valid: torch.Tensor, on_first_router: Callable[[torch.Tensor], None] | None = None) -> None:
-        self.valid, self.on_first_router = valid, on_first_router
+    def arm(self, choice) -> None:
+        self.choice = choice
 
     def disarm(self) -> None:
-        self.valid, self.on_first_router = None, None
+        self.choice = None
 
     def _router_hook(self, module, args, output) -> None:
-        if self.valid is None:
-            return
-        self.first_router_ids = output[2]
-        if self.on_first_router is not None:
-            self.on_first_router(output[2])
+        if self.choice is not None and self.choice.corrects:
+            self.choice.correct(output[2])  # [T, k] expert ids of the first MoE layer
 
     def _experts_hook(self, module, args):
-        if self.valid is None:
+        if self.choice is None:
             return None
         hidden, ids, weights = args[:3]
-        invalid = (torch.arange(ids.shape[0], device=ids.device) >= self.valid).unsqueeze(1)  # [T, 1]
+        invalid = (torch.arange(ids.shape[0], device=ids.device) >= self.choice.valid).unsqueeze(1)  # [T, 1]
         ids = torch.where(invalid, ids[:1].expand_as(ids), ids)
         weights = weights.masked_fill(invalid, 0)
         return (hidden, ids, weights, *args[3:])
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+class RouterRecorder:
+    """Every MoE layer's router choices, per forward: `forwards[i]` is [layers, T, k] long on the CPU (calibration's
+    expert model, traces). Host copies: not for use inside a sync-free round."""
+
+    def __init__(self, moe_blocks: list[torch.nn.Module]):
+        self.current: list[torch.Tensor] = []
+        self.forwards: list[torch.Tensor] = []
+        self.num_layers = len(moe_blocks)
+        self._handles = [block.gate.register_forward_hook(self._hook) for block in moe_blocks]
+
+    def _hook(self, module, args, output) -> None:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return  # a graph capture runs no kernels: nothing to record (GPU-resident calibration records eagerly)
+        self.current.append(output[2].detach().cpu())
+        if len(self.current) == self.num_layers:
+            self.forwards.append(torch.stack(self.current))
+            self.current = []
+
+    def clear(self) -> None:
+        self.current, self.forwards = [], []
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from hybridspec_hf.config import CALIBRATED_STRATEGIES, HybridSpecConfig
-from hybridspec_hf.selector import AcceptanceEstimator, LatencyModel, count_new_experts, draft_signals, make_selector
+from hybridspec_hf.generation.calibration import resolve_latency_model
+from hybridspec_hf.selector import AcceptanceEstimator, count_new_experts, draft_signals, make_selector
 
 
 @dataclass
@@ -24,13 +25,31 @@ class RoundPlan:
 
 @dataclass
 class Choice:
-    """The device-side choice of one round. valid is updated in place by the first-router hook."""
+    """The device-side choice of one round, and the one owner of its valid length.
+
+    Contract (routing correction): `valid` is a single [1] long device tensor, made here and never copied or
+    rebound. The verify session (GDN kernels), the experts hook (`VerifyWindow`), acceptance and the hand-off all
+    read this very tensor when they run; `correct` rewrites it in place at the first MoE router (the end of stage 0),
+    from w0 + 1 to w0 + keep, so stage 1 and acceptance see the corrected length. Tested by
+    test_every_reader_sees_the_corrected_valid_length.
+    """
 
     w0: torch.Tensor  # [1] long, the nominal length
     valid: torch.Tensor  # [1] long, tokens that count: w0, or w0 + 1 while the extra token is kept
     keep: torch.Tensor  # [1] bool, extra token kept
     n_new: torch.Tensor  # [1] long, new first-layer experts of the extra token
-    on_first_router: Callable[[torch.Tensor], None] | None
+    decide_keep: Callable[[torch.Tensor], torch.Tensor] | None = None  # n_new [1] -> keep [1] bool; None: no correction
+
+    @property
+    def corrects(self) -> bool:
+        return self.decide_keep is not None
+
+    def correct(self, first_layer_ids: torch.Tensor) -> None:
+        """The routing correction, from the [T, k] router choices at the first MoE layer; updates in place."""
+        ids = first_layer_ids.view(1, -1, first_layer_ids.shape[-1])
+        self.n_new.copy_(count_new_experts(ids, self.w0))
+        self.keep.copy_(self.decide_keep(self.n_new))
+        self.valid.copy_(self.w0 + self.keep.long())
 
 
 class RoundStrategy:
@@ -66,8 +85,6 @@ class RoundStrategy:
         elif name == "confidence":
             selector = make_selector(name, {"threshold": settings.confidence_threshold})
         else:
-            from hybridspec_hf.generation.calibration import resolve_latency_model
-
             assert name in CALIBRATED_STRATEGIES
             latency = resolve_latency_model(settings, target, drafter)
             selector = make_selector(name, {"latency_model": latency})
@@ -99,20 +116,19 @@ class RoundStrategy:
         """w0 from the drafts' survival estimates; arms the routing correction for the extra token."""
         estimator = self.estimator.to(draft_logits.device)
         survival = estimator.survival(draft_signals(draft_logits))  # [1, B-1]
-        w0 = self.selector.choose(survival, context_len, w_max)  # [1] long
+        # [1] long. Clamped on the device (no sync): a custom selector's w0 = 0 would verify nothing that counts,
+        # and w0 > w_max would read past the block.
+        w0 = self.selector.choose(survival, context_len, w_max).long().clamp(1, w_max)
         keep = torch.zeros_like(w0, dtype=torch.bool)
         n_new = torch.zeros_like(w0)
         if not self.corrects:
-            return Choice(w0, w0.clone(), keep, n_new, None)
+            return Choice(w0, w0.clone(), keep, n_new)
         valid = w0 + (w0 < w_max).long()  # stage 0 includes the extra token when there is room for it
 
-        def correct(first_layer_ids: torch.Tensor) -> None:  # [T, k] router choices at the first MoE layer
-            ids = first_layer_ids.view(1, -1, first_layer_ids.shape[-1])
-            n_new.copy_(count_new_experts(ids, w0))
-            keep.copy_(self.selector.keep_extra(survival, w0, n_new, context_len, w_max))
-            valid.copy_(w0 + keep.long())
+        def decide_keep(n_new: torch.Tensor) -> torch.Tensor:
+            return self.selector.keep_extra(survival, w0, n_new, context_len, w_max) & (w0 < w_max)
 
-        return Choice(w0, valid, keep, n_new, correct)
+        return Choice(w0, valid, keep, n_new, decide_keep)
 
     def should_draft(self, context_len: int):
         """Whether the next round drafts (decided from the rounds so far; read at the hand-off)."""
@@ -155,12 +171,3 @@ def _estimator(value, block_size: int) -> AcceptanceEstimator:
     if isinstance(value, AcceptanceEstimator):
         return value
     return AcceptanceEstimator.load(value)
-
-
-def latency_model_from(value) -> LatencyModel:
-    if isinstance(value, LatencyModel):
-        return value
-    model = LatencyModel.load(value)
-    if model is None:
-        raise ValueError(f"Could not read a latency model from {value!r}; run `hybridspec calibrate` to make one.")
-    return model

@@ -27,6 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hybridspec_hf import patches
+from hybridspec_hf.generation.routing import RouterRecorder
 from hybridspec_hf.selector import draft_signals
 
 SCHEMA = "hybridspec-trace/1"
@@ -43,15 +44,6 @@ def expert_reuse(router_ids: torch.Tensor) -> torch.Tensor:
 def record_traces(target, drafter, prompts: Iterable[torch.Tensor], max_new_tokens: int = 128, **generate_kwargs) -> dict:
     """Run every prompt ([1, L] ids) greedily with the "dflash" strategy and return the trace tensors (see schema)."""
     blocks = patches.moe_blocks(target)
-    forwards: list[list[torch.Tensor]] = []
-    current: list[torch.Tensor] = []
-
-    def router_hook(module, args, output):
-        current.append(output[2].detach().cpu())
-        if len(current) == len(blocks):
-            forwards.append(list(current))
-            current.clear()
-
     draft_calls: list[torch.Tensor] = []
     original_draft = drafter.draft
 
@@ -60,21 +52,21 @@ def record_traces(target, drafter, prompts: Iterable[torch.Tensor], max_new_toke
         draft_calls.append(logits.detach().float().cpu())
         return logits
 
-    handles = [b.gate.register_forward_hook(router_hook) for b in blocks]
+    recorder = RouterRecorder(blocks)
     drafter.draft = draft
     rows: dict[str, list] = {k: [] for k in ("top1", "margin", "entropy", "accepted", "verified", "context_len",
                                              "prompt_index", "router_ids")}
     block_size = drafter.config.block_size
     try:
         for index, prompt in enumerate(prompts):
-            forwards.clear()
+            recorder.clear()
             draft_calls.clear()
             target.generate(prompt, do_sample=False, max_new_tokens=max_new_tokens, assistant_model=drafter,
                             generation_strategy="dflash", **generate_kwargs)
             telemetry = target.hybridspec_telemetry
             context = prompt.shape[1]
             calls = iter(draft_calls)
-            verifications = iter(forwards[1:])  # forward 0 is the prefill
+            verifications = iter(recorder.forwards[1:])  # forward 0 is the prefill; each [L, T, k]
             for r in telemetry.rounds:
                 routing = next(verifications) if blocks else None
                 if r.drafted:
@@ -87,13 +79,12 @@ def record_traces(target, drafter, prompts: Iterable[torch.Tensor], max_new_toke
                     rows["prompt_index"].append(index)
                     if blocks:
                         ids = torch.full((len(blocks), block_size, routing[0].shape[-1]), -1, dtype=torch.long)
-                        ids[:, : r.w] = torch.stack(routing)[:, : r.w]
+                        ids[:, : r.w] = routing[:, : r.w]
                         rows["router_ids"].append(ids)
                 context += r.committed
     finally:
         drafter.__dict__.pop("draft", None)
-        for handle in handles:
-            handle.remove()
+        recorder.remove()
     traces = {k: torch.stack(rows[k]) for k in ("top1", "margin", "entropy")}
     for key in ("accepted", "verified", "context_len", "prompt_index"):
         traces[key] = torch.tensor(rows[key], dtype=torch.long)

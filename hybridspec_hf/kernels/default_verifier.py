@@ -22,7 +22,6 @@ import torch
 from .gdn_torch import commit_conv_state, gdn_recurrence
 from .gdn_triton import (
     HAS_TRITON,
-    MAX_WINDOW,
     _LazyJit,
     _check_verify_shapes,
     _last_dim_contiguous,
