@@ -49,6 +49,7 @@ class HybridSpecConfig:
     selector: Any = field(default=None, repr=False)
     verify_shape: str = "auto"
     cuda_graphs: str = "auto"
+    acceptance_profile: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.static_length, int) or self.static_length < 1:
@@ -71,4 +72,6 @@ class HybridSpecConfig:
                 raise TypeError(f"{name} must be a {kind.__name__} or a path to its JSON, got {type(value).__name__}.")
 
     def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "selector"}
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("selector", "acceptance_profile")}
+        data["acceptance_profile"] = None if self.acceptance_profile is None else id(self.acceptance_profile)
+        return data

@@ -86,17 +86,20 @@ def _use_resident_rounds(settings, model, drafter, strategy, generation_config, 
     from hybridspec_hf.generation.resident import unsupported_reason
 
     telemetry.path = "eager"
+    profile = settings.acceptance_profile is not None
+    if settings.cuda_graphs == "off" and profile:
+        raise ValueError("acceptance_profile= (timing mode) runs on GPU-resident rounds only; use cuda_graphs='auto'.")
     if settings.cuda_graphs == "off":
         return False
     reason = unsupported_reason(model, drafter, strategy, generation_config, logits_processor, cache)
     if reason is not None:
-        if settings.cuda_graphs == "on":
+        if settings.cuda_graphs == "on" or profile:
             raise ValueError(f"HybridSpecConfig(cuda_graphs='on') cannot run this call GPU-resident: {reason}. "
                              "Use cuda_graphs='auto' (falls back to the eager loop) or change that option.")
         telemetry.path_reason = reason
         return False
     on_cuda = next(model.parameters()).device.type == "cuda"
-    if settings.cuda_graphs == "auto" and not on_cuda:
+    if settings.cuda_graphs == "auto" and not on_cuda and not profile:
         return False
     telemetry.path = "cuda_graphs" if on_cuda else "static_eager"
     return True

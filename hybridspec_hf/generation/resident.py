@@ -136,6 +136,8 @@ class ResidentRounds:
         # graph commits it too (one graph per round); otherwise the host fills `count` and replays the commit graph
         self.device_commit = device_commit
         self.eos_ids = torch.full((MAX_EOS_IDS,), -1, **long)
+        self.profile = _profile_on(strategy.profile, self.device, self.block_size)  # timing mode (or None)
+        self.profile_row = torch.zeros(1, **long)
         self.one = torch.ones(1, **long)
         pinned = self.device.type == "cuda"
         # hand-off: [target tokens (T), a, w, kept, n_new, draft_next, m (device_commit)]
@@ -224,11 +226,16 @@ class ResidentRounds:
         tokens = torch.cat([self.last_token, drafts[:, : t - 1]], dim=1)  # [1, T]
         room = self.max_length - (self.target.length + 1)  # tokens generate() still allows
         w_max = room.clamp(min=1, max=t)
-        choice = None
+        choice, signals, replayed = None, None, None
+        if self.profile is not None:  # timing mode: the next profile row's signals and accepted count
+            row = self.profile_row % self.profile.accepted.shape[0]
+            signals = {k: getattr(self.profile, k).index_select(0, row) for k in ("top1", "margin", "entropy")}
+            replayed = self.profile.accepted.index_select(0, row)  # [1] a with the whole block verified
+            self.profile_row.add_(1)
         if self.strategy.fixed_length is None:
-            choice = self.strategy.choose(draft_logits, context_len, w_max)
+            choice = self.strategy.choose(draft_logits, context_len, w_max, signals)
             valid = choice.valid
-            self.window.arm(valid, choice.on_first_router)
+            self.window.arm(choice)
         else:
             valid = w_max
         session = patches.VerifySession(cache=self.target.cache, kernel_backend=self.strategy.kernel_backend,
@@ -245,6 +252,8 @@ class ResidentRounds:
         else:
             target_tokens = scores.argmax(-1)[None]  # [1, T]
             accepted = greedy_accept(tokens[:, 1:], target_tokens, valid)
+        if replayed is not None:
+            accepted = torch.minimum(replayed, valid.view(-1) - 1)
         draft_next = self._flag(self.strategy.should_draft(context_len))
         keep = choice.keep.long() if choice is not None else torch.zeros_like(self.one)
         n_new = choice.n_new if choice is not None else torch.zeros_like(self.one)
@@ -268,6 +277,10 @@ class ResidentRounds:
             self.strategy.selector.observe(self.valid.view(1), self.count, None, True)
 
     # ------------------------------------------------------------------------------------------ host side
+    def restart_profile(self) -> None:
+        if self.profile is not None:
+            self.profile_row.zero_()
+
     def start(self, cache, last_position: torch.Tensor, prompt_features: torch.Tensor, first_token: torch.Tensor,
               max_length: int, eos_ids: set[int]) -> None:
         """Load a prefilled call into the static buffers (eager, once per generate() call)."""
@@ -282,6 +295,7 @@ class ResidentRounds:
         self.last_token.copy_(first_token.view(1, 1))
         self.max_length.fill_(max_length)
         self.reset_selector()
+        self.restart_profile()
 
     def run_step(self) -> list[int]:
         self.step()
@@ -308,6 +322,16 @@ class ResidentRounds:
     def finish(self, cache, length: int) -> None:
         """Write the committed state back into the caller's cache."""
         self.target.store(cache, length)
+
+
+def _profile_on(profile, device, block_size: int):
+    """The strategy's acceptance profile on the rounds' device, checked against the drafter's block size."""
+    if profile is None:
+        return None
+    if profile.block_size != block_size:
+        raise ValueError(f"the acceptance profile {profile.name!r} has block size {profile.block_size}; the drafter "
+                         f"drafts blocks of {block_size}. Use a profile recorded or made for this block size.")
+    return profile.to(device)
 
 
 # ---------------------------------------------------------------------------------------------- the decode loop

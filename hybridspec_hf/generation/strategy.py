@@ -14,6 +14,7 @@ import torch
 
 from hybridspec_hf.config import CALIBRATED_STRATEGIES, HybridSpecConfig
 from hybridspec_hf.generation.calibration import resolve_latency_model
+from hybridspec_hf.selector.profiles import AcceptanceProfile, load_profile
 from hybridspec_hf.selector import AcceptanceEstimator, count_new_experts, draft_signals, make_selector
 
 
@@ -63,9 +64,19 @@ class RoundStrategy:
         self.selector = selector
         self.estimator = estimator
         self.corrects = corrects  # routing correction on (needs a MoE router)
+        self.profile = None  # timing mode: a selector.profiles.AcceptanceProfile replayed by resident rounds
 
     @classmethod
     def build(cls, name: str, settings: HybridSpecConfig, target, drafter, has_router: bool) -> "RoundStrategy":
+        strategy = cls._build(name, settings, target, drafter, has_router)
+        profile = settings.acceptance_profile
+        if profile is not None and not isinstance(profile, AcceptanceProfile):
+            profile = load_profile(profile)
+        strategy.profile = profile
+        return strategy
+
+    @classmethod
+    def _build(cls, name: str, settings: HybridSpecConfig, target, drafter, has_router: bool) -> "RoundStrategy":
         identity = (name, repr(settings.to_dict()), id(settings.selector))
         plain = dict(kernel_backend=settings.kernel_backend, identity=identity)
         if name == "ar":  # plain decoding through the same machinery: the baseline
@@ -94,7 +105,8 @@ class RoundStrategy:
         shape = settings.verify_shape
         if shape == "auto":
             on_cuda = next(target.parameters()).device.type == "cuda"
-            shape = "max" if on_cuda or settings.cuda_graphs == "on" else "exact"  # resident rounds are max-shape
+            resident = on_cuda or settings.cuda_graphs == "on" or settings.acceptance_profile is not None
+            shape = "max" if resident else "exact"  # resident rounds are max-shape
         return cls(name, None, selector, estimator, bool(selector.routing_correction and has_router), shape == "exact",
                    settings.kernel_backend, identity)
 
@@ -112,13 +124,17 @@ class RoundStrategy:
             return RoundPlan(min(self.fixed_length, w_max), False)
         return RoundPlan(w_max, True)  # exact_shape trims to the choice after choose()
 
-    def choose(self, draft_logits: torch.Tensor, context_len: int, w_max: int) -> Choice:
-        """w0 from the drafts' survival estimates; arms the routing correction for the extra token."""
+    def choose(self, draft_logits: torch.Tensor, context_len, w_max, signals: dict | None = None) -> Choice:
+        """w0 from the drafts' survival estimates; arms the routing correction for the extra token.
+
+        context_len, w_max: ints, or [1] long device tensors (GPU-resident rounds). signals: the draft signals to
+        use instead of the drafts' own (timing mode replays a profile's, see selector.profiles)."""
         estimator = self.estimator.to(draft_logits.device)
-        survival = estimator.survival(draft_signals(draft_logits))  # [1, B-1]
+        survival = estimator.survival(signals if signals is not None else draft_signals(draft_logits))  # [1, B-1]
         # [1] long. Clamped on the device (no sync): a custom selector's w0 = 0 would verify nothing that counts,
         # and w0 > w_max would read past the block.
-        w0 = self.selector.choose(survival, context_len, w_max).long().clamp(1, w_max)
+        w0 = self.selector.choose(survival, context_len, w_max).long().clamp(min=1)
+        w0 = torch.minimum(w0, w_max) if isinstance(w_max, torch.Tensor) else w0.clamp(max=w_max)
         keep = torch.zeros_like(w0, dtype=torch.bool)
         n_new = torch.zeros_like(w0)
         if not self.corrects:
