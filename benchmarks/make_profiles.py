@@ -16,7 +16,7 @@ DECLARED = {"dflash_like": 6.8, "low": 2.0}
 
 if __name__ == "__main__":
     for name, tau in DECLARED.items():
-        profile = synthetic_profile(name, tau, block_size=16, rows=2048, seed=0)
+        profile = synthetic_profile(name, tau, block_size=16, rows=8192, seed=0)
         save_profile(profile, PROFILES / f"{name}.safetensors", declared_mean_accepted_length=tau, seed=0,
-                     rows=2048, generator="hybridspec_hf.selector.profiles.synthetic_profile")
+                     rows=8192, generator="hybridspec_hf.selector.profiles.synthetic_profile")
         print(f"{name}: mean accepted length {profile.mean_accepted_length:.3f} (declared {tau})")

@@ -263,9 +263,33 @@ the drafter learns to predict blocks of those responses from the target's hidden
 Progress bars with ETA for regeneration, training steps and evaluation. Needs the `train` extra (datasets)."""
 
 
+BENCH = """Run benchmarks/e2e.py from a source checkout: every method side by side at full size with random weights,
+acceptance replayed from the declared profiles in benchmarks/profiles/ (timing mode). All options go to the script;
+`hybridspec bench --help` prints them. Results land in benchmarks/results/e2e_<model>.{json,md,png}."""
+
+
+def bench(args) -> int:
+    import runpy
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "e2e.py"
+    if not script.exists():
+        print("hybridspec bench runs benchmarks/e2e.py from a source checkout (git clone the repository and "
+              "pip install -e .); it is not part of the installed package.", file=sys.stderr)
+        return 2
+    argv = sys.argv
+    try:
+        sys.argv = [str(script), *args.args]
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as done:  # --help
+        return int(done.code or 0)
+    finally:
+        sys.argv = argv
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridspec", description=__doc__, formatter_class=_HelpFormatter)
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{demo,calibrate,train-drafter}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{demo,calibrate,train-drafter,bench}")
 
     p = commands.add_parser("demo", help="AR vs HybridSpec on the shipped tiny pair (CPU)", description=DEMO,
                             formatter_class=_HelpFormatter)
@@ -312,10 +336,18 @@ def build_parser() -> argparse.ArgumentParser:
                             description=TRAIN, formatter_class=_HelpFormatter)
     add_train_drafter_arguments(p)
     p.set_defaults(run=train_drafter)
+
+    p = commands.add_parser("bench", help="the end-to-end benchmark at full size (benchmarks/e2e.py; a GPU)",
+                            description=BENCH, formatter_class=_HelpFormatter, add_help=False)
+    p.add_argument("args", nargs=argparse.REMAINDER, help="benchmarks/e2e.py's options (--help lists them)")
+    p.set_defaults(run=bench)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # every option belongs to benchmarks/e2e.py (argparse would claim --help)
+        return bench(argparse.Namespace(args=argv[1:]))
     args = build_parser().parse_args(argv)
     return int(args.run(args))
 

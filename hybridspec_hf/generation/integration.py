@@ -146,6 +146,8 @@ def _check_drafter(target, drafter, strategy: str) -> None:
 
 def _check_block_size(target, drafter, settings: HybridSpecConfig) -> None:
     """A block is the anchor plus at least one mask; the Triton GDN verify takes at most MAX_WINDOW tokens."""
+    if drafter is None:  # "ar": no drafting
+        return
     block_size = drafter.config.block_size
     if not isinstance(block_size, int) or block_size < 2:
         raise ValueError(

@@ -1,0 +1,247 @@
+"""End-to-end benchmark at full size (DESIGN.md §7, timing mode): every method side by side in one process.
+
+    python benchmarks/e2e.py --model qwen35_35b_a3b              # one H200; also `hybridspec bench`
+    python benchmarks/e2e.py --model tiny --tokens 24           # the harness itself, on a CPU (seconds)
+
+Random bf16 weights (random router: uniform routing), a random DFlash drafter, and acceptance replayed from the
+declared, versioned profiles in benchmarks/profiles/ (timing mode: each speculative round takes the next profile
+row's draft signals and accepts min(a_full, w - 1) drafts; verification and commit run for real on the real shapes;
+the text is not the model's, so no equality is claimed here — correctness is tests/ and gpu_rounds.py's fp32 runs).
+Methods, all through generate(): HF eager AR (no profile: plain decoding), our captured AR ("ar"), vanilla DFlash
+(whole block), static w = 7, the per-round-ratio selector (EVICT-like), HybridSpec without routing correction
+("nominal") and HybridSpec. Not run (said in the output): HF static cache + compile (minutes of compilation; pass
+--with-compile), the per-token-state verifier variants (the default verifier is benchmarked in gdn_kernels.py but not
+wired into the loop), calibrated routing (uniform routing only).
+Writes benchmarks/results/e2e_<model>.{json,md} and .png plots (speedup bars, round latency vs w, chosen lengths).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, environment, write_results  # noqa: E402
+
+import hybridspec_hf  # noqa: E402
+from hybridspec_hf import DFlashDrafter, HybridSpecConfig  # noqa: E402
+from hybridspec_hf.selector.profiles import load_profile  # noqa: E402
+
+PROFILES = Path(__file__).resolve().parent / "profiles"
+METHODS = ["hf_eager", "ar", "dflash", "static7", "ratio", "nominal", "hybridspec"]
+NOT_RUN = {
+    "hf_static_compile": "not run by default (generate(cache_implementation='static') compiles for minutes); "
+                         "--with-compile runs it",
+    "dflash_default_verifier": "the per-token-state verifier is not wired into the loop (kernels/default_verifier.py "
+                               "is benchmarked alone in gdn_kernels.py)",
+    "hybridspec_default_verifier": "as above",
+    "calibrated_routing": "router decisions are the random router's (uniform routing); no reuse model replaces them",
+}
+HBM_TBPS = 4.25  # H200 copy bandwidth ceiling used for rooflines
+
+
+def model_config(name: str, layers: int | None):
+    from transformers import Qwen3_5MoeTextConfig, Qwen3NextConfig
+
+    if name == "tiny":
+        n = layers or 4
+        return Qwen3_5MoeTextConfig(
+            vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=n, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4, max_position_embeddings=4096,
+            moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
+            layer_types=["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(n)])
+    if name == "qwen35_35b_a3b":  # also stands for Qwen3.6-35B-A3B: same architecture, same model with random weights
+        n = layers or 40
+        return Qwen3_5MoeTextConfig(
+            vocab_size=248320, hidden_size=2048, num_hidden_layers=n, num_attention_heads=16, num_key_value_heads=2,
+            head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+            linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=256, num_experts_per_tok=8,
+            moe_intermediate_size=512, shared_expert_intermediate_size=512, max_position_embeddings=262144,
+            layer_types=["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(n)],
+            tie_word_embeddings=False)
+    if name == "qwen3_next_80b_a3b":  # 48 layers ≈ 160 GB in bf16: does not fit one H200, run fewer (--layers)
+        n = layers or 32
+        return Qwen3NextConfig(
+            vocab_size=151936, hidden_size=2048, intermediate_size=5120, num_hidden_layers=n, num_attention_heads=16,
+            num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
+            linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=512,
+            num_experts_per_tok=10, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+            max_position_embeddings=262144, norm_topk_prob=True,
+            layer_types=["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(n)])
+    raise ValueError(f"unknown model {name!r}")
+
+
+def build(name: str, layers: int | None, device: str):
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
+
+    config = model_config(name, layers)
+    cls = Qwen3NextForCausalLM if config.model_type == "qwen3_next" else Qwen3_5MoeForCausalLM
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    torch.manual_seed(0)
+    with torch.device(device):
+        target = cls._from_config(config, dtype=dtype).eval()
+    if device == "cpu":
+        target.set_experts_implementation("eager")
+    drafter = DFlashDrafter.from_target(target, num_layers=5 if name != "tiny" else 1, block_size=16)
+    drafter = drafter.to(device, dtype).eval().bind_target(target)
+    return target, drafter
+
+
+def ceiling_tokens_per_s(target, tau: float, block: int) -> float | None:
+    """Bytes ceiling of a round verifying the whole block under uniform routing: dense weights + the distinct experts
+    w tokens touch (E·(1-(1-k/E)^w) per MoE layer), at the H200's copy bandwidth; τ tokens per round."""
+    config = target.config.get_text_config()
+    experts = getattr(config, "num_experts", None)
+    if experts is None:
+        return None
+    k, size = config.num_experts_per_tok, 2 * 3 * config.hidden_size * config.moe_intermediate_size
+    moe_layers = sum(1 for name, _ in target.named_modules() if name.endswith(".mlp.experts"))
+    routed = moe_layers * experts * size
+    dense = sum(p.numel() * p.element_size() for p in target.parameters()) - routed
+    distinct = experts * (1 - (1 - k / experts) ** block)
+    seconds = (dense + moe_layers * distinct * size) / (HBM_TBPS * 1e12)
+    return tau / seconds
+
+
+def run_method(target, drafter, prompt, method: str, profile, tokens: int) -> dict:
+    sync = torch.cuda.synchronize if prompt.is_cuda else (lambda: None)
+    if method == "hf_eager":
+        kwargs = {}
+    else:
+        strategy = {"static7": "static"}.get(method, method)
+        settings = HybridSpecConfig(static_length=7, acceptance_profile=profile if method != "ar" else None)
+        kwargs = dict(generation_strategy=strategy, hybridspec_config=settings,
+                      assistant_model=drafter if method != "ar" else None)
+    target.generate(prompt, do_sample=False, max_new_tokens=min(tokens, 32), **kwargs)  # warm-up: captures
+    if prompt.is_cuda:
+        torch.cuda.reset_peak_memory_stats()
+    sync()
+    start = time.perf_counter()
+    out = target.generate(prompt, do_sample=False, max_new_tokens=tokens, **kwargs)
+    sync()
+    seconds = time.perf_counter() - start
+    new = out.shape[1] - prompt.shape[1]
+    row = {"ms_per_token": seconds / new * 1e3, "tokens_per_s": new / seconds, "new_tokens": new,
+           "gpu_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if prompt.is_cuda else None}
+    if method != "hf_eager":
+        tel = hybridspec_hf.get_telemetry(target)
+        rounds = tel.rounds
+        row.update(path=tel.path, tau=tel.mean_emitted, mean_w=tel.mean_verified,
+                   round_ms=statistics.median(r.wall_s for r in rounds) * 1e3,
+                   plain_steps=sum(not r.drafted for r in rounds), rounds=len(rounds),
+                   chosen_w=[r.w for r in rounds if r.drafted],
+                   round_ms_by_w={w: statistics.median(r.wall_s * 1e3 for r in rounds if r.w == w and r.drafted)
+                                  for w in sorted({r.w for r in rounds if r.drafted})})
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen35_35b_a3b", choices=["qwen35_35b_a3b", "qwen3_next_80b_a3b", "tiny"])
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: all that fit)")
+    parser.add_argument("--profiles", default="dflash_like,low,tiny_pair_heldout",
+                        help="acceptance profiles in benchmarks/profiles/ (comma-separated stems)")
+    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
+    parser.add_argument("--tokens", type=int, default=256, help="new tokens per timed call")
+    parser.add_argument("--context", type=int, default=256, help="prompt tokens (random ids)")
+    parser.add_argument("--with-compile", action="store_true", help="also time generate(cache_implementation='static')")
+    parser.add_argument("--name", default=None, help="results stem (default e2e_<model>)")
+    args = parser.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    target, drafter = build(args.model, args.layers, device)
+    vocab = target.config.get_text_config().vocab_size
+    prompt = torch.randint(0, vocab, (1, args.context), generator=torch.Generator().manual_seed(0)).to(device)
+    methods = args.methods.split(",")
+    report: dict = {"model": args.model, "layers": target.config.get_text_config().num_hidden_layers,
+                    "parameters_b": sum(p.numel() for p in target.parameters()) / 1e9, "device": device,
+                    "weights": "random", "routing": "uniform (random router)", "not_run": dict(NOT_RUN),
+                    "profiles": {}}
+    if args.with_compile:
+        report["not_run"].pop("hf_static_compile")
+    plain = {m: run_method(target, drafter, prompt, m, None, args.tokens) for m in methods if m in ("hf_eager", "ar")}
+    for name in args.profiles.split(","):
+        profile = load_profile(PROFILES / f"{name}.safetensors")
+        rows = dict(plain)
+        for method in methods:
+            if method not in rows:
+                rows[method] = run_method(target, drafter, prompt, method, profile, args.tokens)
+                print(name, method, {k: v for k, v in rows[method].items() if k not in ("chosen_w",)}, flush=True)
+        ceiling = ceiling_tokens_per_s(target, profile.mean_accepted_length, profile.block_size)
+        report["profiles"][name] = {"mean_accepted_length": profile.mean_accepted_length,
+                                    "bytes_ceiling_tokens_per_s": ceiling, "methods": rows}
+    name = args.name or f"e2e_{args.model}"
+    payload = {"title": f"End-to-end, timing mode ({args.model})", "environment": environment(), **report,
+               "notes": __doc__.split("\n\n")[1]}
+    write_results(name, payload, markdown(report))
+    plots(report, RESULTS / name)
+    print(markdown(report))
+
+
+def markdown(report: dict) -> str:
+    lines = [f"{report['model']}, {report['layers']} layers, {report['parameters_b']:.2f} B parameters, random "
+             f"weights, {report['routing']}, on {report['device']}."]
+    for name, data in report["profiles"].items():
+        rows = data["methods"]
+        ar = rows.get("ar", {}).get("tokens_per_s")
+        hf = rows.get("hf_eager", {}).get("tokens_per_s")
+        ceiling = data["bytes_ceiling_tokens_per_s"]
+        lines += ["", f"### profile `{name}` (mean accepted length {data['mean_accepted_length']:.2f} at B = 16"
+                      + (f"; bytes ceiling ≈ {ceiling:,.0f} tokens/s" if ceiling else "") + ")", "",
+                  "| method | ms/token | tokens/s | × our AR | × HF eager | τ | mean w | round ms | plain steps | GPU GiB |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for method, row in rows.items():
+            def fmt(key, spec=".2f"):
+                value = row.get(key)
+                return "–" if value is None else format(value, spec)
+            lines.append(f"| {method} | {fmt('ms_per_token')} | {fmt('tokens_per_s', '.1f')} | "
+                         f"{row['tokens_per_s'] / ar if ar else float('nan'):.2f} | "
+                         f"{row['tokens_per_s'] / hf if hf else float('nan'):.2f} | {fmt('tau')} | {fmt('mean_w')} | "
+                         f"{fmt('round_ms')} | {row.get('plain_steps', '–')} | {fmt('gpu_memory_gib', '.1f')} |")
+        if "hybridspec" in rows:
+            hs = rows["hybridspec"]["tokens_per_s"]
+            ablation = {other: hs / rows[other]["tokens_per_s"] for other in ("ar", "dflash", "ratio", "nominal", "static7")
+                        if other in rows}
+            lines += ["", "HybridSpec speedup over: " + ", ".join(f"{k} {v:.2f}×" for k, v in ablation.items())]
+    lines += ["", "Not run: " + "; ".join(f"{k}: {v}" for k, v in report["not_run"].items())]
+    return "\n".join(lines)
+
+
+def plots(report: dict, stem: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    profiles = list(report["profiles"])
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for i, name in enumerate(profiles):
+        rows = report["profiles"][name]["methods"]
+        ar = rows.get("ar", {}).get("tokens_per_s") or 1.0
+        methods = [m for m in rows if m != "hf_eager"]
+        axes[0].bar([x + i * 0.8 / len(profiles) for x in range(len(methods))],
+                    [rows[m]["tokens_per_s"] / ar for m in methods], width=0.8 / len(profiles), label=name)
+        axes[0].set_xticks(range(len(methods)), methods, rotation=30)
+        for method in ("hybridspec", "dflash", "static7"):
+            by_w = rows.get(method, {}).get("round_ms_by_w") or {}
+            if by_w:
+                axes[1].plot(list(by_w), list(by_w.values()), "o", label=f"{name}/{method}")
+        axes[2].hist(rows.get("hybridspec", {}).get("chosen_w", []), bins=range(1, 18), alpha=0.5, label=name)
+    axes[0].axhline(1.0, color="gray", lw=0.8)
+    axes[0].set_ylabel("speedup over our AR")
+    axes[1].set_xlabel("w (tokens verified)")
+    axes[1].set_ylabel("round ms (median)")
+    axes[2].set_xlabel("HybridSpec's chosen w")
+    for ax in axes:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(f"{stem}.png", dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
