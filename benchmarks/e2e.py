@@ -8,10 +8,10 @@ declared, versioned profiles in benchmarks/profiles/ (timing mode: each speculat
 row's draft signals and accepts min(a_full, w - 1) drafts; verification and commit run for real on the real shapes;
 the text is not the model's, so no equality is claimed here — correctness is tests/ and gpu_rounds.py's fp32 runs).
 Methods, all through generate(): HF eager AR (no profile: plain decoding), our captured AR ("ar"), vanilla DFlash
-(whole block), static w = 7, the per-round-ratio selector (EVICT-like), HybridSpec without routing correction
-("nominal") and HybridSpec. Not run (said in the output): HF static cache + compile (minutes of compilation; pass
---with-compile), the per-token-state verifier variants (the default verifier is benchmarked in gdn_kernels.py but not
-wired into the loop), calibrated routing (uniform routing only).
+(whole block) with our verifier and with the serving engines' per-token-state verifier, static w = 7, the
+per-round-ratio selector (EVICT-like), HybridSpec without routing correction ("nominal"), HybridSpec with the
+per-token-state verifier, and HybridSpec. Not run (said in the output): HF static cache + compile (minutes of
+compilation; --with-compile runs it), calibrated routing (uniform routing only).
 Writes benchmarks/results/e2e_<model>.{json,md} and .png plots (speedup bars, round latency vs w, chosen lengths).
 """
 from __future__ import annotations
@@ -32,13 +32,11 @@ from hybridspec_hf import DFlashDrafter, HybridSpecConfig  # noqa: E402
 from hybridspec_hf.selector.profiles import load_profile  # noqa: E402
 
 PROFILES = Path(__file__).resolve().parent / "profiles"
-METHODS = ["hf_eager", "ar", "dflash", "static7", "ratio", "nominal", "hybridspec"]
+METHODS = ["hf_eager", "ar", "dflash", "dflash_per_token_state", "static7", "ratio", "nominal",
+           "hybridspec_per_token_state", "hybridspec"]
 NOT_RUN = {
     "hf_static_compile": "not run by default (generate(cache_implementation='static') compiles for minutes); "
                          "--with-compile runs it",
-    "dflash_default_verifier": "the per-token-state verifier is not wired into the loop (kernels/default_verifier.py "
-                               "is benchmarked alone in gdn_kernels.py)",
-    "hybridspec_default_verifier": "as above",
     "calibrated_routing": "router decisions are the random router's (uniform routing); no reuse model replaces them",
 }
 HBM_TBPS = 4.25  # H200 copy bandwidth ceiling used for rooflines
@@ -110,14 +108,19 @@ def ceiling_tokens_per_s(target, tau: float, block: int) -> float | None:
 
 def run_method(target, drafter, prompt, method: str, profile, tokens: int) -> dict:
     sync = torch.cuda.synchronize if prompt.is_cuda else (lambda: None)
+    warmup_tokens = min(tokens, 32)
     if method == "hf_eager":
         kwargs = {}
+    elif method == "hf_static_compile":  # transformers' fast path: compiles on the first call of each length
+        kwargs, warmup_tokens = {"cache_implementation": "static"}, tokens
     else:
-        strategy = {"static7": "static"}.get(method, method)
-        settings = HybridSpecConfig(static_length=7, acceptance_profile=profile if method != "ar" else None)
+        strategy = {"static7": "static"}.get(method, method).replace("_per_token_state", "")
+        verifier = "per_token_state" if method.endswith("_per_token_state") else "block"
+        settings = HybridSpecConfig(static_length=7, acceptance_profile=profile if method != "ar" else None,
+                                    gdn_verifier=verifier)
         kwargs = dict(generation_strategy=strategy, hybridspec_config=settings,
                       assistant_model=drafter if method != "ar" else None)
-    target.generate(prompt, do_sample=False, max_new_tokens=min(tokens, 32), **kwargs)  # warm-up: captures
+    target.generate(prompt, do_sample=False, max_new_tokens=warmup_tokens, **kwargs)  # warm-up: captures, compiles
     if prompt.is_cuda:
         torch.cuda.reset_peak_memory_stats()
     sync()
@@ -128,7 +131,7 @@ def run_method(target, drafter, prompt, method: str, profile, tokens: int) -> di
     new = out.shape[1] - prompt.shape[1]
     row = {"ms_per_token": seconds / new * 1e3, "tokens_per_s": new / seconds, "new_tokens": new,
            "gpu_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if prompt.is_cuda else None}
-    if method != "hf_eager":
+    if not method.startswith("hf_"):
         tel = hybridspec_hf.get_telemetry(target)
         rounds = tel.rounds
         row.update(path=tel.path, tau=tel.mean_emitted, mean_w=tel.mean_verified,
@@ -163,7 +166,9 @@ def main(argv: list[str] | None = None) -> None:
                     "profiles": {}}
     if args.with_compile:
         report["not_run"].pop("hf_static_compile")
-    plain = {m: run_method(target, drafter, prompt, m, None, args.tokens) for m in methods if m in ("hf_eager", "ar")}
+        methods.insert(1, "hf_static_compile")
+    plain = {m: run_method(target, drafter, prompt, m, None, args.tokens) for m in methods
+             if m in ("hf_eager", "hf_static_compile", "ar")}
     for name in args.profiles.split(","):
         profile = load_profile(PROFILES / f"{name}.safetensors")
         rows = dict(plain)
@@ -222,7 +227,7 @@ def plots(report: dict, stem: Path) -> None:
     for i, name in enumerate(profiles):
         rows = report["profiles"][name]["methods"]
         ar = rows.get("ar", {}).get("tokens_per_s") or 1.0
-        methods = [m for m in rows if m != "hf_eager"]
+        methods = [m for m in rows if not m.startswith("hf_")]
         axes[0].bar([x + i * 0.8 / len(profiles) for x in range(len(methods))],
                     [rows[m]["tokens_per_s"] / ar for m in methods], width=0.8 / len(profiles), label=name)
         axes[0].set_xticks(range(len(methods)), methods, rotation=30)

@@ -17,6 +17,7 @@ KERNEL_BACKENDS = ("auto", "torch", "triton")
 VERIFY_SHAPES = ("auto", "max", "exact")
 CALIBRATION_MODES = ("auto", "require")
 CUDA_GRAPH_MODES = ("auto", "on", "off")
+GDN_VERIFIERS = ("block", "per_token_state")
 
 
 @dataclass
@@ -49,6 +50,7 @@ class HybridSpecConfig:
     selector: Any = field(default=None, repr=False)
     verify_shape: str = "auto"
     cuda_graphs: str = "auto"
+    gdn_verifier: str = "block"
     acceptance_profile: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -60,6 +62,8 @@ class HybridSpecConfig:
             raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}.")
         if self.verify_shape not in VERIFY_SHAPES:
             raise ValueError(f"verify_shape must be one of {VERIFY_SHAPES}, got {self.verify_shape!r}.")
+        if self.gdn_verifier not in GDN_VERIFIERS:
+            raise ValueError(f"gdn_verifier must be one of {GDN_VERIFIERS}, got {self.gdn_verifier!r}.")
         if self.cuda_graphs not in CUDA_GRAPH_MODES:
             raise ValueError(f"cuda_graphs must be one of {CUDA_GRAPH_MODES}, got {self.cuda_graphs!r}.")
         if self.calibration not in CALIBRATION_MODES:

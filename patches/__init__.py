@@ -9,7 +9,7 @@ from types import ModuleType
 import torch
 
 from ._cache import is_linear_cache_layer
-from ._gdn import GDN_KERNEL_FUNCTIONS, VerifySession, patch_gdn_class, route_cpu_to_torch
+from ._gdn import GDN_KERNEL_FUNCTIONS, VerifySession, commit_session, patch_gdn_class, route_cpu_to_torch
 from ._norms import fused_norms, patch_norm_classes
 from .experts import register_experts_implementation
 
@@ -74,6 +74,7 @@ def gdn_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 __all__ = [
     "GDN_KERNEL_FUNCTIONS",
     "VerifySession",
+    "commit_session",
     "family_of",
     "fused_norms",
     "gdn_layers",

@@ -16,7 +16,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hybridspec_hf.kernels import PendingGDNLayer, conv_verify, gdn_verify_auto
+from hybridspec_hf.kernels import (
+    PendingDefaultLayer,
+    PendingGDNLayer,
+    commit_default_states,
+    commit_gdn_states_auto,
+    conv_verify,
+    default_verify,
+    gdn_verify_auto,
+)
 
 # (layer, hidden_states [B, T, H]) -> mixed_qkv [B, T, C] (pre-conv), z [B, T, HV, dv], b [B, T, HV], a [B, T, HV]
 ProjectFn = Callable[[torch.nn.Module, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -29,7 +37,21 @@ class VerifySession:
     cache: Any  # transformers Cache holding the committed GDN states
     kernel_backend: str = "auto"
     valid_len: Any = None  # [B] long device tensor: tokens of the verification that count (None: all)
-    pending: list[PendingGDNLayer] = field(default_factory=list)
+    pending: list = field(default_factory=list)  # PendingGDNLayer (block) or PendingDefaultLayer (per-token state)
+    # "block": ours (no per-token state; the commit rebuilds S_m); "per_token_state": the serving engines' verifier
+    # (a state per verified token in `state_buffer` [GDN layers, B, >= T, HV, dk, dv] fp32; the commit copies S_m)
+    verifier: str = "block"
+    state_buffer: Any = None
+
+
+def commit_session(session: VerifySession, num_committed: torch.Tensor) -> None:
+    """Commit m tokens ([B] int device tensor) of a verification into every GDN layer, in one launch on CUDA."""
+    if not session.pending:
+        return
+    if session.verifier == "per_token_state":
+        commit_default_states(session.pending, num_committed, session.kernel_backend)
+    else:
+        commit_gdn_states_auto(session.pending, num_committed, session.kernel_backend)
 
 
 def project_separate(layer: torch.nn.Module, hidden_states: torch.Tensor):
@@ -66,9 +88,15 @@ def verify_forward(layer: torch.nn.Module, session: VerifySession, hidden_states
     beta = b.sigmoid()
     g = -layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias)  # [B, T, HV] fp32
 
-    verified = gdn_verify_auto(query, key, value, g, beta, state, valid_len=session.valid_len,
-                               kernel_backend=session.kernel_backend)
-    session.pending.append(PendingGDNLayer(state, conv_state, conv_input, key, verified))
+    if session.verifier == "per_token_state":
+        states = session.state_buffer[len(session.pending)]  # this layer's slot: [B, >= T, HV, dk, dv]
+        verified = default_verify(query, key, value, g, beta, state, states, valid_len=session.valid_len,
+                                  kernel_backend=session.kernel_backend)
+        session.pending.append(PendingDefaultLayer(state, conv_state, conv_input, verified))
+    else:
+        verified = gdn_verify_auto(query, key, value, g, beta, state, valid_len=session.valid_len,
+                                   kernel_backend=session.kernel_backend)
+        session.pending.append(PendingGDNLayer(state, conv_state, conv_input, key, verified))
 
     core = layer.norm(verified.out.reshape(-1, layer.head_v_dim), z.reshape(-1, layer.head_v_dim))
     return layer.out_proj(core.reshape(batch, seq_len, -1))

@@ -130,3 +130,19 @@ def test_cuda_graphs_on_refuses_what_it_cannot_run_and_auto_falls_back():
                           generation_strategy="dflash", hybridspec_config=HybridSpecConfig(cuda_graphs="auto"))
     assert out.shape[1] == 13 and hybridspec_hf.get_telemetry(target).path == "eager"
     assert target.generate(prompt, max_new_tokens=8, do_sample=False).shape[1] == 13  # plain generate() intact
+
+
+@pytest.mark.parametrize("cuda_graphs", ["on", "off"])
+@pytest.mark.parametrize("strategy", ["dflash", "hybridspec", "ar"])
+@pytest.mark.parametrize("name", ["qwen3_5_moe_odd", "qwen3_next"])
+def test_per_token_state_verifier_is_exact_too(name, strategy, cuda_graphs, fp64_gdn):
+    """The serving engines' verifier (a state per verified token, the accepted one copied back) as the baseline
+    of side-by-side benchmarks: exact like ours, eagerly and on resident rounds."""
+    target = make_target(name)
+    prompt = torch.randint(0, VOCAB, (1, 10), generator=torch.Generator().manual_seed(3))
+    ar = reference(target, prompt, 30)
+    drafter = make_drafter(target, 8, ar.sequences, error_rate=0.25, seed=1)
+    settings = HybridSpecConfig(cuda_graphs=cuda_graphs, gdn_verifier="per_token_state")
+    assert_same_as_ar(run(target, prompt, drafter, strategy, 30, hybridspec_config=settings), ar)
+    if strategy != "ar":
+        assert max(r.accepted for r in hybridspec_hf.get_telemetry(target).rounds) > 0

@@ -178,7 +178,8 @@ def hybridspec_decode(
 
     start = time.perf_counter()
     feature_ids = drafter.config.target_layer_ids if drafter is not None else []
-    runner = TargetRunner(model, cache, cache_key, feature_ids, settings.kernel_backend)
+    runner = TargetRunner(model, cache, cache_key, feature_ids, settings.kernel_backend, settings.gdn_verifier,
+                          max_tokens=block_size)
     window = VerifyWindow(moe_blocks)
     resident = _use_resident_rounds(settings, model, drafter, strategy, generation_config, logits_processor, cache,
                                     telemetry)

@@ -118,7 +118,9 @@ class ResidentRounds:
         self.logits_processor, self.do_sample = logits_processor, do_sample
         self.device = next(model.parameters()).device
         feature_ids = list(drafter.config.target_layer_ids) if drafter is not None and strategy.name != "ar" else []
-        self.target = StaticTarget(model, capacity, feature_ids, position_rows, strategy.kernel_backend)
+        block = drafter.config.block_size if drafter is not None else 1
+        self.target = StaticTarget(model, capacity, feature_ids, position_rows, strategy.kernel_backend,
+                                   strategy.gdn_verifier, max_tokens=block)
         self.context = None
         if drafter is not None and strategy.name != "ar":
             from hybridspec_hf.drafter import StaticDraftContext
@@ -200,7 +202,7 @@ class ResidentRounds:
         one-token forward cost 13.7 ms in a graph against ≈ 11.8 ms this way (benchmarks/results/gpu_rounds_runs.md).
         """
         context_len = self.target.length.clone()
-        session = patches.VerifySession(cache=self.target.cache, kernel_backend=self.strategy.kernel_backend)
+        session = self.target.session()
         logits, features = self.target.forward(self.last_token, verify=session)
         scores = self._scores(logits[0].float())  # [1, V]
         token = sample_tokens(scores.softmax(-1)) if self.do_sample else scores.argmax(-1)  # [1]
@@ -238,8 +240,7 @@ class ResidentRounds:
             self.window.arm(choice)
         else:
             valid = w_max
-        session = patches.VerifySession(cache=self.target.cache, kernel_backend=self.strategy.kernel_backend,
-                                        valid_len=valid)
+        session = self.target.session(valid)
         try:
             logits, features = self.target.forward(tokens, verify=session)
         finally:

@@ -65,6 +65,7 @@ class RoundStrategy:
         self.estimator = estimator
         self.corrects = corrects  # routing correction on (needs a MoE router)
         self.profile = None  # timing mode: a selector.profiles.AcceptanceProfile replayed by resident rounds
+        self.gdn_verifier = "block"  # or "per_token_state" (the serving engines' verifier, for benchmarks)
 
     @classmethod
     def build(cls, name: str, settings: HybridSpecConfig, target, drafter, has_router: bool) -> "RoundStrategy":
@@ -73,6 +74,7 @@ class RoundStrategy:
         if profile is not None and not isinstance(profile, AcceptanceProfile):
             profile = load_profile(profile)
         strategy.profile = profile
+        strategy.gdn_verifier = settings.gdn_verifier
         return strategy
 
     @classmethod

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from hybridspec_hf import patches
-from hybridspec_hf.kernels import commit_gdn_states_auto
+from hybridspec_hf.kernels import allocate_state_buffer
 from hybridspec_hf.patches._cache import drop_last_tokens
 
 
@@ -48,11 +48,14 @@ class TargetRunner:
     positions: [B, 1] or [R, B, 1] (mRoPE rows) position id of the last token in the cache.
     """
 
-    def __init__(self, model, cache, cache_key: str, feature_layer_ids: list[int], kernel_backend: str):
+    def __init__(self, model, cache, cache_key: str, feature_layer_ids: list[int], kernel_backend: str,
+                 verifier: str = "block", max_tokens: int = 16):
         self.model = model
         self.cache = cache
         self.cache_key = cache_key
         self.kernel_backend = kernel_backend
+        self.verifier, self.max_tokens = verifier, max_tokens
+        self._state_buffer = None  # per-token states of the "per_token_state" verifier, allocated on first use
         self.gdn_layers = patches.gdn_layers(model)
         decoder_layers = patches.text_model(model).layers
         self.capture = FeatureCapture(decoder_layers, feature_layer_ids)
@@ -98,7 +101,8 @@ class TargetRunner:
         GDN layers run the block form and leave their state untouched; attention layers append T positions.
         valid: optional [B] device tensor, the tokens that count (the GDN kernels skip the rest).
         """
-        session = patches.VerifySession(cache=self.cache, kernel_backend=self.kernel_backend, valid_len=valid)
+        session = patches.VerifySession(cache=self.cache, kernel_backend=self.kernel_backend, valid_len=valid,
+                                        verifier=self.verifier, state_buffer=self._states())
         for layer in self.gdn_layers:
             layer._hybridspec_verify = session
         try:
@@ -115,11 +119,20 @@ class TargetRunner:
             num_committed = torch.full(
                 (self.cache_batch_size(session),), committed, dtype=torch.int32, device=session.pending[0].state.device
             )
-            commit_gdn_states_auto(session.pending, num_committed, self.kernel_backend)
+            patches.commit_session(session, num_committed)
         drop_last_tokens(self.cache, verified - committed)
         if self.mask_length is not None:
             self.mask_length -= verified - committed
         self.positions = self.positions + committed
+
+    def _states(self):
+        """The per-token state buffer [GDN layers, B, max_tokens, HV, dk, dv] fp32 ("per_token_state" only)."""
+        if self.verifier != "per_token_state" or not self.gdn_layers:
+            return None
+        if self._state_buffer is None:
+            state = self.cache.layers[self.gdn_layers[0].layer_idx].recurrent_states[0]
+            self._state_buffer = allocate_state_buffer(len(self.gdn_layers), state, self.max_tokens)
+        return self._state_buffer
 
     @staticmethod
     def cache_batch_size(session: patches.VerifySession) -> int:

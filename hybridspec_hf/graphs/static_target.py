@@ -20,7 +20,7 @@ import inspect
 import torch
 
 from hybridspec_hf import patches
-from hybridspec_hf.kernels import commit_gdn_states_auto
+from hybridspec_hf.kernels import allocate_state_buffer
 
 
 def _attention_layers(cache) -> list:
@@ -36,7 +36,7 @@ class StaticTarget:
     tokens and the B positions a verification may write past the committed length)."""
 
     def __init__(self, model, capacity: int, feature_layer_ids: list[int], position_rows: int = 1,
-                 kernel_backend: str = "auto"):
+                 kernel_backend: str = "auto", verifier: str = "block", max_tokens: int = 16):
         from transformers import StaticCache
 
         from hybridspec_hf.generation.target import FeatureCapture
@@ -64,6 +64,11 @@ class StaticTarget:
                 "HybridSpecConfig(cuda_graphs='off')."
             )
         self._initialise()
+        self.verifier = verifier
+        self.state_buffer = None  # [GDN layers, 1, max_tokens, HV, dk, dv] fp32 for the "per_token_state" verifier
+        if verifier == "per_token_state" and self.gdn_layers:
+            state = self.cache.layers[self.gdn_layers[0].layer_idx].recurrent_states[0]
+            self.state_buffer = allocate_state_buffer(len(self.gdn_layers), state, max_tokens)
 
     def close(self) -> None:
         self.capture.remove()
@@ -131,11 +136,15 @@ class StaticTarget:
         for layer in _attention_layers(self.cache):
             layer.cumulative_length.copy_(self.length.view(()))
 
+    def session(self, valid: torch.Tensor | None = None) -> patches.VerifySession:
+        """A verification session over the static cache (valid: [1] long device tensor, or None: all tokens)."""
+        return patches.VerifySession(cache=self.cache, kernel_backend=self.kernel_backend, valid_len=valid,
+                                     verifier=self.verifier, state_buffer=self.state_buffer)
+
     def commit(self, session: patches.VerifySession, count: torch.Tensor) -> None:
         """Keep `count` ([1] long, 0 ≤ count ≤ T) of a verification's tokens: S_m and conv windows of every GDN
         layer in one launch, then the lengths (attention keys past the new length are masked from now on)."""
-        if session.pending:
-            commit_gdn_states_auto(session.pending, count.to(torch.int32), self.kernel_backend)
+        patches.commit_session(session, count.to(torch.int32))
         self.advance(count)
 
     # ------------------------------------------------------------------------------------------------ caller's cache
