@@ -28,17 +28,9 @@ STRATEGIES = ["ar", "dflash", "static", "hybridspec", "nominal", "ratio", "confi
 
 
 def qwen35_35b_a3b_config():
-    from transformers import Qwen3_5MoeTextConfig
+    from e2e import model_config  # one definition of the full-size shapes
 
-    layers = 40
-    return Qwen3_5MoeTextConfig(
-        vocab_size=248320, hidden_size=2048, num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=2,
-        head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
-        linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=256, num_experts_per_tok=8,
-        moe_intermediate_size=512, shared_expert_intermediate_size=512, max_position_embeddings=262144,
-        layer_types=["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(layers)],
-        tie_word_embeddings=False,
-    )
+    return model_config("qwen35_35b_a3b", None)
 
 
 def median(values):
