@@ -9,6 +9,7 @@ every generate() call without `generation_strategy` behaves exactly as before.
 from .config import HybridSpecConfig, STRATEGIES
 from .drafter import DFlashConfig, DFlashDrafter
 from .generation.integration import enable, get_telemetry
+from .generation.resident import release_resident_rounds as release_graphs
 from .generation.telemetry import GenerationTelemetry, RoundRecord
 from ._quiet import silence_cuda_kernel_advice_without_cuda
 
@@ -26,4 +27,5 @@ __all__ = [
     "STRATEGIES",
     "enable",
     "get_telemetry",
+    "release_graphs",
 ]

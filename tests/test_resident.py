@@ -146,3 +146,31 @@ def test_per_token_state_verifier_is_exact_too(name, strategy, cuda_graphs, fp64
     assert_same_as_ar(run(target, prompt, drafter, strategy, 30, hybridspec_config=settings), ar)
     if strategy != "ar":
         assert max(r.accepted for r in hybridspec_hf.get_telemetry(target).rounds) > 0
+
+
+def test_a_failure_mid_round_leaves_the_next_call_exact(fp64_gdn):
+    """A streamer that raises during a resident round: the next call reloads its own cache and is exact; plain
+    generate() is unaffected; release_graphs frees the rounds."""
+    target = make_target("qwen3_5_moe")
+    prompt = torch.randint(0, VOCAB, (1, 7))
+    ar = reference(target, prompt, 20)
+    drafter = make_drafter(target, 8, ar.sequences, error_rate=0.2)
+
+    class Boom:
+        def __init__(self):
+            self.count = 0
+
+        def put(self, value):
+            self.count += 1
+            if self.count == 6:
+                raise RuntimeError("streamer failed")
+
+        def end(self):
+            pass
+
+    with pytest.raises(RuntimeError, match="streamer failed"):
+        run(target, prompt, drafter, "hybridspec", 20, hybridspec_config=ON, streamer=Boom())
+    assert_same_as_ar(run(target, prompt, drafter, "hybridspec", 20, hybridspec_config=ON), ar)
+    assert torch.equal(target.generate(prompt, do_sample=False, max_new_tokens=20), ar.sequences)
+    hybridspec_hf.release_graphs(target)
+    assert "_hybridspec_resident" not in target.__dict__
