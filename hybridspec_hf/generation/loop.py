@@ -81,7 +81,7 @@ def score_positions(logits_processor, prefix: torch.Tensor, tokens: torch.Tensor
 
 
 def _use_resident_rounds(settings, model, drafter, strategy, generation_config, logits_processor, cache,
-                         telemetry) -> bool:  # noqa: PLR0913
+                         telemetry) -> bool:
     """GPU-resident rounds for this call? ("auto": on CUDA when possible; "on": required; "off": never)."""
     from hybridspec_hf.generation.resident import unsupported_reason
 
@@ -94,8 +94,9 @@ def _use_resident_rounds(settings, model, drafter, strategy, generation_config, 
     reason = unsupported_reason(model, drafter, strategy, generation_config, logits_processor, cache)
     if reason is not None:
         if settings.cuda_graphs == "on" or profile:
-            raise ValueError(f"HybridSpecConfig(cuda_graphs='on') cannot run this call GPU-resident: {reason}. "
-                             "Use cuda_graphs='auto' (falls back to the eager loop) or change that option.")
+            asked = "acceptance_profile= (timing mode)" if profile else "HybridSpecConfig(cuda_graphs='on')"
+            raise ValueError(f"{asked} needs GPU-resident rounds, which this call cannot run: {reason}. "
+                             "Change that option, or use cuda_graphs='auto' (falls back to the eager loop).")
         telemetry.path_reason = reason
         return False
     on_cuda = next(model.parameters()).device.type == "cuda"
