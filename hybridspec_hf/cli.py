@@ -339,7 +339,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = commands.add_parser("bench", help="the end-to-end benchmark at full size (benchmarks/e2e.py; a GPU)",
                             description=BENCH, formatter_class=_HelpFormatter, add_help=False)
-    p.add_argument("args", nargs=argparse.REMAINDER, help="benchmarks/e2e.py's options (--help lists them)")
+    p.add_argument("args", nargs=argparse.REMAINDER, default=[],
+                   help="benchmarks/e2e.py's options (default: the script's own; `hybridspec bench --help` lists "
+                        "them)")
     p.set_defaults(run=bench)
     return parser
 

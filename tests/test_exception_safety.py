@@ -88,8 +88,8 @@ def test_interrupted_round_leaves_the_model_usable(pair, where, error, monkeypat
     if where == "criterion":
         kwargs["stopping_criteria"] = StoppingCriteriaList([FailingCriterion(failure)])
     if where == "commit":
-        commit = target_module.commit_gdn_states_auto
-        monkeypatch.setattr(target_module, "commit_gdn_states_auto", lambda *a: (failure.tick(), commit(*a))[1])
+        commit = patches.commit_session  # what every commit goes through (eager and resident rounds)
+        monkeypatch.setattr(patches, "commit_session", lambda *a: (failure.tick(), commit(*a))[1])
     try:
         with pytest.raises(error, match="interrupted"):
             spec(target, prompt, drafter, **kwargs)
