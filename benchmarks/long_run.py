@@ -104,14 +104,15 @@ def many_calls(target, drafter, prompts: list[torch.Tensor], calls: int, tokens:
         return original(*args, **kwargs)
 
     calibration.calibrate_latency = counted
-    rss = []
+    rss, first_call = [], 0
     try:
         for i in range(calls):
             prompt = prompts[i % len(prompts)]
             target.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=tokens,
                             assistant_model=drafter, generation_strategy="hybridspec")
             rss.append(rss_mib())
-            first_call = len(calibrations) if i == 0 else first_call
+            if i == 0:
+                first_call = len(calibrations)
     finally:
         calibration.calibrate_latency = original
     warm = max(1, min(20, calls // 4))
