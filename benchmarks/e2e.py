@@ -1,4 +1,4 @@
-"""End-to-end benchmark at full size (DESIGN.md §7, timing mode): every method side by side in one process.
+"""End-to-end benchmark at full size: every method side by side in one process.
 
     python benchmarks/e2e.py --model qwen35_35b_a3b              # one H200; also `hybridspec bench`
     python benchmarks/e2e.py --model tiny --tokens 24           # the harness itself, on a CPU (seconds)

@@ -446,7 +446,7 @@ def run_fla(batches, windows, out_dir: str, timeout: int) -> dict:
 # report
 
 
-NOMINAL_COPY_TBPS = 4.25  # H200 device-to-device copy measured in earlier sessions (shared/measurements)
+NOMINAL_COPY_TBPS = 4.25  # H200 device-to-device copy measured in earlier sessions
 
 
 def markdown(report: dict) -> str:

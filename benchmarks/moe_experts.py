@@ -1,5 +1,5 @@
 """One MoE experts layer at the Qwen3.5-35B-A3B shape: ours (experts_implementation="hybridspec") vs transformers'
-grouped_mm and batched_mm, set on the same `Qwen3_5MoeExperts` modules (DESIGN.md §6).
+grouped_mm and batched_mm, set on the same `Qwen3_5MoeExperts` modules.
 
 Shape: E = 256 experts, top-k = 8, H = 2048, I = 512, bf16 weights (6 MiB per expert), random non-zero weights.
 Routing: "random" (a random router: softmax, top-8, renormalised, like Qwen3.5's) and "reuse" (every token takes 6

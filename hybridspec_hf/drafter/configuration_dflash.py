@@ -37,7 +37,7 @@ class DFlashConfig(PreTrainedConfig):
     """Config of [`DFlashDrafter`]: Qwen3 decoder fields + DFlash fields.
 
     DFlash fields:
-        block_size: tokens per drafted block, anchor included (B in DESIGN.md); a draft gives B-1 tokens.
+        block_size: tokens per drafted block, anchor included; a draft gives B-1 tokens.
         target_layer_ids: target decoder layers whose OUTPUTS are concatenated as context features, in this order
             (HF ``hidden_states[i + 1]``); ``fc`` maps ``len(target_layer_ids) * hidden_size`` to ``hidden_size``.
         num_target_layers: decoder layers of the target the drafter was built for (informational, as in z-lab).

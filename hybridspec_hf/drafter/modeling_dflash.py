@@ -124,7 +124,7 @@ class DFlashContextCache:
 
 
 class StaticDraftContext:
-    """Context K/V of one drafter for graph-captured rounds (DESIGN.md §6): fixed buffers, device-side lengths.
+    """Context K/V of one drafter for graph-captured rounds: fixed buffers, device-side lengths.
 
     Buffers are [B, H_kv, capacity + block_size, D] per layer, allocated once; slot p holds position p. `length` is
     a [B] long tensor on the device: positions 0..length[b]-1 of row b are valid, and rows may differ. `append`
@@ -594,7 +594,7 @@ class DFlashDrafter(PreTrainedModel):
 
     @torch.no_grad()
     def draft_static(self, anchor_ids: torch.Tensor, ctx: StaticDraftContext) -> torch.Tensor:
-        """`draft` for CUDA-graph capture: same maths, static shapes, no host sync (DESIGN.md §6).
+        """`draft` for CUDA-graph capture: same maths, static shapes, no host sync.
 
         The block [anchor, MASK x (B-1)] sits at positions ctx.length .. ctx.length+B-1 of each row and attends to
         context positions < ctx.length plus the block, under each layer's causal / sliding-window rules. New context

@@ -1,4 +1,4 @@
-"""Stage 0 / routing correction / stage 1 inside one max-shape verification (DESIGN.md §4 steps 3-4, §6 (a)).
+"""Stage 0 / routing correction / stage 1 inside one max-shape verification.
 
 The verification runs min(B, room) tokens. A device-side valid length says how many of them count. At the first MoE
 router (the end of stage 0) a hook sees the extra token's experts and sets valid = w0 + keep; every experts call

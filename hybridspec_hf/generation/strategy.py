@@ -2,7 +2,7 @@
 
 "dflash" and "static" know w on the host before drafting: the target verifies exactly w tokens. The other strategies
 choose w0 on the device from the drafts (no sync): the target verifies min(B, room) tokens and a device-side valid
-length says how many count (DESIGN.md §6 (a)); with the routing correction, stage 0 sees w0 + 1 tokens and the
+length says how many count; with the routing correction, stage 0 sees w0 + 1 tokens and the
 first-router hook sets valid = w0 + keep.
 """
 from __future__ import annotations

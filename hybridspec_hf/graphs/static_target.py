@@ -1,4 +1,4 @@
-"""The target with static shapes and device-side lengths: what a CUDA graph can replay (DESIGN.md §6).
+"""The target with static shapes and device-side lengths: what a CUDA graph can replay.
 
 One `StaticTarget` per (model, capacity, block size) lives across generate() calls. It owns a transformers
 `StaticCache` of `capacity` positions and the device-side bookkeeping around it:

@@ -1,4 +1,4 @@
-"""Block-parallel Gated-DeltaNet verification and commit in torch (DESIGN.md §5).
+"""Block-parallel Gated-DeltaNet verification and commit in torch.
 
 Per value head, S is the [dk, dv] state. For w verified tokens from the committed state S_0:
 

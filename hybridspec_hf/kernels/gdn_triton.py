@@ -1,4 +1,4 @@
-"""Triton GDN verification and all-layer commit (DESIGN.md §5); `gdn_torch` beside it is the reference.
+"""Triton GDN verification and all-layer commit; `gdn_torch` beside it is the reference.
 
 Verify (one launch per layer, one program per (request, value head, dv tile)): from the committed state S_0,
     G = cumsum(g), γ_i = e^{G_i}, Γ_ij = e^{G_i - G_j} (j <= i, masked before exp)
@@ -12,7 +12,7 @@ Commit (ONE launch for every layer): per request m from a device tensor,
 and the conv-state roll, in the same launch (extra programs), so a round's whole commit is one graph node.
 
 Precision: q/k are l2-normalised in fp32 (eps 1e-6 inside the rsqrt, like `gdn_torch.l2norm`), gates, Z and the state
-are fp32, and every dot uses `input_precision="ieee"` by default: DESIGN.md §5 measured TF32 drift of 2e-5 (K S_0)
+are fp32, and every dot uses `input_precision="ieee"` by default: a CPU prototype measured TF32 drift of 2e-5 (K S_0)
 to 3e-4 (the commit's Kᵀ(d⊙Z)). Measured on an H200 against float64 (benchmarks/results/gdn_kernels.json): ieee
 gives Z 6e-8, every S_m 4e-7 and 2e-7 after 200 rounds; "tf32x3" (three TF32 passes) is as accurate (3e-7 after
 200 rounds) and can be chosen per call: it made the commit 7-13% faster but the verify 15-50% slower.

@@ -1,4 +1,4 @@
-"""Routed experts of a sparse MoE layer (DESIGN.md §6): each distinct expert's weights read once per call, no host
+"""Routed experts of a sparse MoE layer: each distinct expert's weights read once per call, no host
 sync, static shapes, so the call can be captured in a CUDA graph. `fused_experts_reference` beside it is the truth.
 
 What transformers' MoE blocks call: `experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k])` with

@@ -1,4 +1,4 @@
-"""Verification-length selection for one round (DESIGN.md §4 step 2-3). Torch only: no model code here.
+"""Verification-length selection for one round. Torch only: no model code here.
 
 - acceptance: drafter signals -> calibrated survival p̂_i = P(d_1..d_i all accepted).
 - length: w0 = argmax_w [G(w) - ρ·C(w)] with ρ the pooled (Dinkelbach) throughput; the draft / AR decision.

@@ -1,7 +1,7 @@
 """Acceptance profiles: what the drafter says and what the target accepts, per round, replayed in timing mode.
 
 A benchmark at full size with random weights has no real acceptance (a random drafter's τ is 1). Timing mode
-(DESIGN.md §7) replays a versioned profile instead: each speculative round takes the next profile row's draft signals
+replays a versioned profile instead: each speculative round takes the next profile row's draft signals
 (top-1 probability, margin, entropy of the B-1 draft positions: what the selector reads) and its accepted count with
 the whole block verified (a_full); the round then accepts min(a_full, w - 1) drafts of the w it verified. Verification
 and commit run for real on the real shapes; the text is not the model's (no equality claim in timing mode).

@@ -1,4 +1,4 @@
-"""Routing correction (DESIGN.md §4 step 3): keep the extra token d_{w0} or not, after seeing its first-layer experts.
+"""Routing correction: keep the extra token d_{w0} or not, after seeing its first-layer experts.
 
 Stage 0 runs the target up to the first MoE router on w0 + 1 tokens. The extra (last) token's marginal value is
 p̂_{w0} = P(d_1..d_{w0} accepted) tokens; its marginal cost, now that stage 0 is paid and its layer-0 experts are known,

@@ -78,7 +78,7 @@ class FullBlock(LengthSelector):
 
 
 class StaticLength(LengthSelector):
-    """A fixed w (capped by B and w_max); DESIGN.md §7's static baseline is w = 7."""
+    """A fixed w (capped by B and w_max); the design's static baseline is w = 7."""
 
     name = "static"
 
