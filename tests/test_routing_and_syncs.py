@@ -186,7 +186,7 @@ def test_out_of_range_w0_from_a_custom_selector_is_clamped(w0, routing_correctio
 def test_dropped_extra_token_reads_no_new_experts(fp64_gdn):
     """Tokens beyond the valid length reuse token 0's experts with weight 0 in every MoE layer (stage 1)."""
     from hybridspec_hf import patches
-    from hybridspec_hf.generation.routing import VerifyWindow
+    from hybridspec_hf.generation.router_hooks import VerifyWindow
     from hybridspec_hf.generation.strategy import Choice
 
     target = make_target("qwen3_5_moe")

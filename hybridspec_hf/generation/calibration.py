@@ -21,7 +21,7 @@ import torch
 from hybridspec_hf import patches
 from hybridspec_hf.config import HybridSpecConfig
 from hybridspec_hf.graphs.capture import host_syncs
-from hybridspec_hf.generation.routing import RouterRecorder
+from hybridspec_hf.generation.router_hooks import RouterRecorder
 from hybridspec_hf.selector import LatencyModel, LengthSelector, calibrate, fit_eta, fit_expert_model, make_cache_key
 from hybridspec_hf.selector.length import on_device
 

@@ -18,7 +18,7 @@ import torch
 from hybridspec_hf import patches
 from hybridspec_hf.config import HybridSpecConfig
 from hybridspec_hf.generation.acceptance import greedy_accept, sample_tokens, speculative_sample
-from hybridspec_hf.generation.routing import VerifyWindow
+from hybridspec_hf.generation.router_hooks import VerifyWindow
 from hybridspec_hf.graphs.capture import host_syncs
 from hybridspec_hf.generation.strategy import RoundStrategy
 from hybridspec_hf.generation.target import TargetRunner
@@ -211,23 +211,23 @@ def hybridspec_decode(
             committed_len = emitter.input_ids.shape[1] - 1  # tokens in the target's cache
             w_max = min(block_size, generation_config.max_length - emitter.input_ids.shape[1])  # room left
             anchor = emitter.input_ids[:, -1:]
-            plan = strategy.plan(w_max)
-            with _sync_free(strategy.device_side):
+            max_tokens = strategy.max_tokens(w_max)
+            with _sync_free(strategy.mode == "max"):
                 # 1. Draft (not when the round is a plain decoding step).
-                drafted = draft_next and plan.max_tokens > 1
+                drafted = draft_next and max_tokens > 1
                 if drafted:
                     draft_logits = drafter.draft(anchor, context, draft_cache)  # [B, block-1, V]
                     context = context[:, :0]
                     drafts = draft_logits.argmax(dim=-1).to(anchor.device)
-                    tokens = torch.cat([anchor, drafts[:, : plan.max_tokens - 1]], dim=1)  # [B, T]
+                    tokens = torch.cat([anchor, drafts[:, : max_tokens - 1]], dim=1)  # [B, T]
                 else:
                     tokens = anchor
 
                 # 2. Choose w0 on the device; stage 0 runs w0 + 1 tokens when the routing correction is on.
-                choice = strategy.choose(draft_logits, committed_len, w_max) if drafted and plan.device_side else None
+                choice = strategy.choose(draft_logits, committed_len, w_max) if drafted and strategy.mode != "fixed" else None
                 valid = choice.valid if choice is not None else None  # [B] tokens that count, or all
                 if choice is not None:
-                    if strategy.exact_shape:  # CPU: verify only w0 (+ the extra token); this read is a free sync
+                    if strategy.mode == "exact":  # CPU: verify only w0 (+ the extra token); this read is a free sync
                         tokens = tokens[:, : int(choice.valid.max())]
                     window.arm(choice)
 
@@ -260,7 +260,7 @@ def hybridspec_decode(
                     break
 
             # 6. Commit m tokens: GDN states S_m, conv windows, attention KV; their features feed the drafter.
-            with _sync_free(strategy.device_side):
+            with _sync_free(strategy.mode == "max"):
                 runner.commit(session, tokens.shape[1], committed)
                 if context is not None:
                     context = torch.cat([context, features[:, :committed]], dim=1)

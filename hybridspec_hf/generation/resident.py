@@ -28,7 +28,7 @@ import torch
 
 from hybridspec_hf import patches
 from hybridspec_hf.generation.acceptance import greedy_accept, sample_tokens, speculative_sample
-from hybridspec_hf.generation.routing import VerifyWindow
+from hybridspec_hf.generation.router_hooks import VerifyWindow
 from hybridspec_hf.generation.telemetry import RoundRecord
 from hybridspec_hf.graphs.capture import Replay, host_syncs
 from hybridspec_hf.graphs.static_target import StaticTarget
@@ -50,7 +50,7 @@ def unsupported_reason(model, drafter, strategy, generation_config, logits_proce
     if generation_config.return_dict_in_generate and (generation_config.output_scores or
                                                       generation_config.output_logits):
         return "output_scores/output_logits keep every row of every round"
-    if strategy.exact_shape:
+    if strategy.mode == "exact":
         return "verify_shape='exact' reads w0 on the host"
     attn = getattr(model.config.get_text_config(), "_attn_implementation", None) or "sdpa"
     if attn not in ("sdpa", "eager"):
@@ -129,7 +129,7 @@ class ResidentRounds:
         moe = patches.moe_blocks(model)
         self.window = VerifyWindow(moe)
         self.block_size = drafter.config.block_size if self.context is not None else 1
-        self.verify_tokens = self.block_size if strategy.fixed_length is None else strategy.fixed_length
+        self.verify_tokens = strategy.fixed_length if strategy.mode == "fixed" else self.block_size
         long = dict(dtype=torch.long, device=self.device)
         self.last_token = torch.zeros(1, 1, **long)  # the anchor: last emitted token, not yet in the cache
         self.max_length = torch.zeros(1, **long)  # generate()'s max_length (prompt + new tokens)
@@ -234,7 +234,7 @@ class ResidentRounds:
             signals = {k: getattr(self.profile, k).index_select(0, row) for k in ("top1", "margin", "entropy")}
             replayed = self.profile.accepted.index_select(0, row)  # [1] a with the whole block verified
             self.profile_row.add_(1)
-        if self.strategy.fixed_length is None:
+        if self.strategy.mode != "fixed":
             choice = self.strategy.choose(draft_logits, context_len, w_max, signals)
             valid = choice.valid
             self.window.arm(choice)
@@ -403,7 +403,7 @@ def resident_decode(rounds: ResidentRounds, emitter: HostEmitter, telemetry, pre
         draft_next = bool(draft_next) and rounds.spec is not None
         now = time.perf_counter()
         corrected = drafted and rounds.strategy.corrects
-        device_side = drafted and rounds.strategy.fixed_length is None
+        device_side = drafted and rounds.strategy.mode != "fixed"
         telemetry.rounds.append(RoundRecord(
             w, a, committed, committed, now - last, drafted,
             w0=w - kept if device_side else None,

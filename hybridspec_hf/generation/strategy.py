@@ -19,12 +19,6 @@ from hybridspec_hf.selector import AcceptanceEstimator, count_new_experts, draft
 
 
 @dataclass
-class RoundPlan:
-    max_tokens: int  # tokens the verification forward runs (anchor + drafts)
-    device_side: bool  # w is chosen on the device within max_tokens
-
-
-@dataclass
 class Choice:
     """The device-side choice of one round, and the one owner of its valid length.
 
@@ -54,12 +48,22 @@ class Choice:
 
 
 class RoundStrategy:
+    """How a strategy's rounds choose and verify w. `mode` is the one notion of it:
+
+    - "fixed": w is known on the host before drafting (dflash, static, ar): verify exactly `fixed_length` tokens
+      (capped by the room left);
+    - "max": w0 is chosen on the device from the drafts; verify min(B, room) tokens with a device-side valid length
+      and no host sync (GPU; resident rounds);
+    - "exact": w0 is chosen on the device, read on the host, and only those tokens are verified (CPU, where every
+      row costs and a read is free).
+    """
+
     def __init__(self, name: str, fixed_length: int | None, selector, estimator, corrects: bool,
-                 exact_shape: bool = False, kernel_backend: str = "auto", identity: tuple = ()):
+                 mode: str = "max", kernel_backend: str = "auto", identity: tuple = ()):
         self.name = name
         self.kernel_backend = kernel_backend
         self._identity = identity  # what the decisions depend on: equal identities choose alike (graph reuse)
-        self.exact_shape = exact_shape  # verify only the chosen tokens (one host read of w0) instead of max shape
+        self.mode = "fixed" if fixed_length is not None else mode
         self.fixed_length = fixed_length
         self.selector = selector
         self.estimator = estimator
@@ -109,22 +113,16 @@ class RoundStrategy:
             on_cuda = next(target.parameters()).device.type == "cuda"
             resident = on_cuda or settings.cuda_graphs == "on" or settings.acceptance_profile is not None
             shape = "max" if resident else "exact"  # resident rounds are max-shape
-        return cls(name, None, selector, estimator, bool(selector.routing_correction and has_router), shape == "exact",
+        return cls(name, None, selector, estimator, bool(selector.routing_correction and has_router), shape,
                    settings.kernel_backend, identity)
 
     def identity(self) -> tuple:
         """Strategies with equal identities take the same decisions from the same device state."""
         return self._identity
 
-    @property
-    def device_side(self) -> bool:
-        """w is chosen on the device and the round runs without host syncs until the hand-off."""
-        return self.fixed_length is None and not self.exact_shape
-
-    def plan(self, w_max: int) -> RoundPlan:
-        if self.fixed_length is not None:
-            return RoundPlan(min(self.fixed_length, w_max), False)
-        return RoundPlan(w_max, True)  # exact_shape trims to the choice after choose()
+    def max_tokens(self, w_max: int) -> int:
+        """Tokens a round drafts for (anchor + drafts); "exact" trims to the choice after `choose`."""
+        return min(self.fixed_length, w_max) if self.mode == "fixed" else w_max
 
     def choose(self, draft_logits: torch.Tensor, context_len, w_max, signals: dict | None = None) -> Choice:
         """w0 from the drafts' survival estimates; arms the routing correction for the extra token.

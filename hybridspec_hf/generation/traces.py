@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hybridspec_hf import patches
-from hybridspec_hf.generation.routing import RouterRecorder
+from hybridspec_hf.generation.router_hooks import RouterRecorder
 from hybridspec_hf.selector import draft_signals
 
 SCHEMA = "hybridspec-trace/1"

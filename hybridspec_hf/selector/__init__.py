@@ -6,7 +6,7 @@
 - routing: keep the extra token iff p̂_{w0} > ρ·ΔL after seeing its first-layer experts.
 - strategies: HybridSpec and the baselines behind one interface (make_selector).
 """
-from .acceptance import (
+from .survival import (
     AcceptanceEstimator,
     accepted_from_matched,
     draft_signals,
@@ -25,7 +25,7 @@ from .latency import (
 )
 from .length import DinkelbachThroughput, expected_tokens, ratio_length, select_length, should_draft
 from .routing import count_new_experts, extra_survival, keep_extra_token, predicted_delta_latency
-from .strategies import (
+from .length_rules import (
     ConfidencePrefix,
     FullBlock,
     HybridSpec,
