@@ -9,7 +9,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from hybridspec_hf import HybridSpecConfig, patches
-from hybridspec_hf.generation import calibration, loop, target as target_module
+from hybridspec_hf.generation import calibration, loop
 from hybridspec_hf.generation.calibration import cache_key, cache_path
 
 

@@ -174,3 +174,18 @@ def test_a_failure_mid_round_leaves_the_next_call_exact(fp64_gdn):
     assert torch.equal(target.generate(prompt, do_sample=False, max_new_tokens=20), ar.sequences)
     hybridspec_hf.release_graphs(target)
     assert "_hybridspec_resident" not in target.__dict__
+
+
+@pytest.mark.parametrize("cuda_graphs", ["on", "off"])
+def test_online_estimator_update_runs_in_the_loop(cuda_graphs, fp64_gdn):
+    """An acceptance estimator built with online_lr > 0 is updated after every drafted round (no-op at 0)."""
+    from hybridspec_hf.selector import AcceptanceEstimator
+
+    target = make_target("qwen3_5_moe")
+    prompt = torch.randint(0, VOCAB, (1, 8))
+    ar = reference(target, prompt, 24)
+    drafter = make_drafter(target, 8, ar.sequences, error_rate=0.3)
+    estimator = AcceptanceEstimator.default(8, online_lr=0.05)
+    settings = HybridSpecConfig(cuda_graphs=cuda_graphs, acceptance_estimator=estimator)
+    assert_same_as_ar(run(target, prompt, drafter, "confidence", 24, hybridspec_config=settings), ar)
+    assert float(estimator.offset.abs().sum()) > 0

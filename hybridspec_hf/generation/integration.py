@@ -6,18 +6,15 @@ generate runs untouched (including its refusal of `assistant_model=` for statefu
 from __future__ import annotations
 
 import copy
-import dataclasses
 import functools
 
 import torch
-from transformers.generation import logits_process
 from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
-from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from hybridspec_hf import patches
 from hybridspec_hf.config import STRATEGIES, HybridSpecConfig
+from hybridspec_hf.generation.checks import check_prompt
 from hybridspec_hf.generation.loop import hybridspec_decode
-from hybridspec_hf.graphs.capture import host_syncs
 from hybridspec_hf.kernels import select_backend
 from hybridspec_hf.kernels.gdn_triton import MAX_WINDOW
 
@@ -36,25 +33,6 @@ _UNSUPPORTED_KWARGS = {
 # them once per verified position with speculative prefixes, in any order, so a processor with state of its own (or
 # one that runs a model, like classifier-free guidance) would see rejected drafts. Exact classes only: a subclass
 # may add state.
-_STATELESS_PROCESSORS = {
-    getattr(logits_process, name)
-    for name in (
-        "EpsilonLogitsWarper", "EtaLogitsWarper", "ExponentialDecayLengthPenalty", "ForcedBOSTokenLogitsProcessor",
-        "ForcedEOSTokenLogitsProcessor", "InfNanRemoveLogitsProcessor", "LogitNormalization",
-        "MinLengthLogitsProcessor", "MinNewTokensLengthLogitsProcessor", "MinPLogitsWarper",
-        "NoBadWordsLogitsProcessor", "NoRepeatNGramLogitsProcessor", "PrefixConstrainedLogitsProcessor",
-        "RepetitionPenaltyLogitsProcessor", "SequenceBiasLogitsProcessor", "SuppressTokensAtBeginLogitsProcessor",
-        "SuppressTokensLogitsProcessor", "TemperatureLogitsWarper", "TopHLogitsWarper", "TopKLogitsWarper",
-        "TopPLogitsWarper", "TypicalLogitsWarper",
-    )
-    if hasattr(logits_process, name)
-}
-_PROCESSOR_ADVICE = {
-    "UnbatchedClassifierFreeGuidanceLogitsProcessor": "it runs the model on a cache of its own at every call; "
-    "leave guidance_scale at 1 (classifier-free guidance is not supported)",
-}
-
-
 def _hybridspec_generate(original, self, *args, generation_strategy=None, hybridspec_config=None, **kwargs):
     if generation_strategy is None:
         if hybridspec_config is not None:
@@ -90,7 +68,7 @@ def _hybridspec_generate(original, self, *args, generation_strategy=None, hybrid
     _move_stop_strings_to_criteria(self, args, kwargs)
     inputs = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
     if isinstance(inputs, torch.Tensor):
-        _check_prompt(self, inputs)
+        check_prompt(self, inputs)
     return original(
         self,
         *args,
@@ -160,88 +138,6 @@ def _check_block_size(target, drafter, settings: HybridSpecConfig) -> None:
             f"The drafter's block_size={block_size} is larger than the Triton GDN verify takes (at most {MAX_WINDOW} "
             'tokens per round); use a drafter with block_size ≤ 16, or kernel_backend="torch".'
         )
-
-
-def _check_prompt(model, input_ids: torch.Tensor) -> None:
-    if input_ids.ndim != 2:
-        raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}.")
-    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
-        raise TypeError(f"input_ids must be integer token ids (torch.long), got dtype {input_ids.dtype}.")
-    if input_ids.shape[1] == 0:
-        raise ValueError("The prompt is empty: HybridSpec needs at least one prompt token (e.g. a BOS token).")
-    if input_ids.shape[0] != 1:
-        raise ValueError(
-            f"HybridSpec generates one sequence at a time (batch size 1); got batch size {input_ids.shape[0]}. "
-            "Call generate once per prompt."
-        )
-    vocab = model.get_input_embeddings().weight.shape[0]
-    if input_ids.numel() and not bool(((input_ids >= 0) & (input_ids < vocab)).all()):  # one sync per call
-        raise ValueError(
-            f"input_ids must be token ids in 0..{vocab - 1} (the model's vocabulary); got values from "
-            f"{int(input_ids.min())} to {int(input_ids.max())}."
-        )
-    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-    if limit is not None and input_ids.shape[1] >= limit:
-        raise ValueError(
-            f"The prompt has {input_ids.shape[1]} tokens but the model's limit (max_position_embeddings) is {limit}; "
-            "shorten the prompt."
-        )
-
-
-def check_generation_config(model, generation_config, input_ids: torch.Tensor, model_kwargs: dict) -> None:
-    """Reject what the loop does not support, after generate() merged the model's defaults."""
-    problems = []
-    if generation_config.num_beams not in (None, 1):
-        problems.append(f"num_beams={generation_config.num_beams} (beam search): use num_beams=1")
-    if (generation_config.num_return_sequences or 1) > 1:
-        problems.append(f"num_return_sequences={generation_config.num_return_sequences}: use 1")
-    if generation_config.output_attentions or generation_config.output_hidden_states:
-        problems.append("output_attentions/output_hidden_states: not recorded by HybridSpec rounds")
-    if not model_kwargs.get("use_cache", True) or generation_config.use_cache is False:
-        problems.append("use_cache=False: speculative decoding needs the cache; pass use_cache=True")
-    if generation_config.cache_implementation not in (None, "dynamic", "static"):
-        problems.append(f"cache_implementation={generation_config.cache_implementation!r}: use None (dynamic) or 'static'")
-    mask = model_kwargs.get("attention_mask")
-    with host_syncs():  # a per-call check, allowed to read the mask on the host
-        padded = mask is not None and not bool((mask == 1).all())
-    if padded:
-        problems.append(
-            "attention_mask has padding (zeros; without an attention_mask, generate() infers them from prompt tokens "
-            "equal to pad_token_id): HybridSpec runs batch size 1 without padding; strip the pad tokens, or pass "
-            "attention_mask=torch.ones_like(input_ids) if they are real tokens"
-        )
-    if problems:
-        raise ValueError("Unsupported generation options for HybridSpec: " + "; ".join(problems) + ".")
-    _check_prompt(model, input_ids)  # again: generate() may have expanded it (beams, return sequences)
-
-
-def check_logits_processors(logits_processor) -> None:
-    """Accept only processors known to be stateless (see _STATELESS_PROCESSORS), or marked so by their author."""
-    for processor in logits_processor:
-        if type(processor) in _STATELESS_PROCESSORS or getattr(processor, "hybridspec_stateless", False):
-            continue
-        name = type(processor).__name__
-        why = _PROCESSOR_ADVICE.get(
-            name,
-            "HybridSpec calls each logits processor once per verified position, also on drafts that are then "
-            "rejected, so only processors whose output depends on (input_ids, scores) alone keep AR's output. "
-            f"If that holds for yours, set `{name}.hybridspec_stateless = True`; otherwise generate without "
-            "generation_strategy",
-        )
-        raise ValueError(f"Logits processor {name} is not supported with HybridSpec: {why}.")
-
-
-def finish_output(generation_config, emitter, cache, cache_key: str):
-    if not generation_config.return_dict_in_generate:
-        return emitter.input_ids
-    fields = {f.name for f in dataclasses.fields(GenerateDecoderOnlyOutput)}
-    cache_field = "cache" if "cache" in fields else "past_key_values"
-    return GenerateDecoderOnlyOutput(
-        sequences=emitter.input_ids,
-        scores=tuple(emitter.scores) if emitter.scores is not None else None,
-        logits=tuple(emitter.logits) if emitter.logits is not None else None,
-        **{cache_field: cache},
-    )
 
 
 def enable() -> None:

@@ -18,11 +18,12 @@ import torch
 from hybridspec_hf import patches
 from hybridspec_hf.config import HybridSpecConfig
 from hybridspec_hf.generation.acceptance import greedy_accept, sample_tokens, speculative_sample
+from hybridspec_hf.generation.checks import check_generation_config, check_logits_processors, finish_output
 from hybridspec_hf.generation.router_hooks import VerifyWindow
-from hybridspec_hf.graphs.capture import host_syncs
 from hybridspec_hf.generation.strategy import RoundStrategy
 from hybridspec_hf.generation.target import TargetRunner
 from hybridspec_hf.generation.telemetry import GenerationTelemetry, RoundRecord
+from hybridspec_hf.graphs.capture import host_syncs
 from hybridspec_hf.patches._cache import check_supported_cache
 
 _sync_allowed = True
@@ -142,8 +143,6 @@ def hybridspec_decode(
 ):
     """Exact speculative decoding of a hybrid GDN target with a DFlash drafter (batch size 1; greedy output equals
     AR token for token, sampling keeps the target distribution)."""
-    from hybridspec_hf.generation.integration import check_generation_config, check_logits_processors, finish_output
-
     drafter, settings = hybridspec_drafter, hybridspec_settings or HybridSpecConfig()
     streamer = hybridspec_streamer if hybridspec_streamer is not None else streamer
     check_generation_config(model, generation_config, input_ids, model_kwargs)
@@ -247,6 +246,7 @@ def hybridspec_decode(
                 else:
                     target_tokens = scores.argmax(dim=-1)  # [B, T]
                     accepted = greedy_accept(tokens[:, 1:], target_tokens, valid)
+                strategy.observe_acceptance(choice, accepted)
                 next_draft = strategy.should_draft(committed_len)
 
             # 5. Hand-off: the round's one device→host transfer; emit token by token until a criterion fires.

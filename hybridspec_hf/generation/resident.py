@@ -255,6 +255,7 @@ class ResidentRounds:
             accepted = greedy_accept(tokens[:, 1:], target_tokens, valid)
         if replayed is not None:
             accepted = torch.minimum(replayed, valid.view(-1) - 1)
+        self.strategy.observe_acceptance(choice, accepted)
         draft_next = self._flag(self.strategy.should_draft(context_len))
         keep = choice.keep.long() if choice is not None else torch.zeros_like(self.one)
         n_new = choice.n_new if choice is not None else torch.zeros_like(self.one)

@@ -34,6 +34,7 @@ class Choice:
     keep: torch.Tensor  # [1] bool, extra token kept
     n_new: torch.Tensor  # [1] long, new first-layer experts of the extra token
     decide_keep: Callable[[torch.Tensor], torch.Tensor] | None = None  # n_new [1] -> keep [1] bool; None: no correction
+    signals: dict | None = None  # the draft signals w0 was chosen from (the estimator's online update reads them)
 
     @property
     def corrects(self) -> bool:
@@ -130,7 +131,8 @@ class RoundStrategy:
         context_len, w_max: ints, or [1] long device tensors (GPU-resident rounds). signals: the draft signals to
         use instead of the drafts' own (timing mode replays a profile's, see selector.profiles)."""
         estimator = self.estimator.to(draft_logits.device)
-        survival = estimator.survival(signals if signals is not None else draft_signals(draft_logits))  # [1, B-1]
+        signals = signals if signals is not None else draft_signals(draft_logits)
+        survival = estimator.survival(signals)  # [1, B-1]
         # [1] long. Clamped on the device (no sync): a custom selector's w0 = 0 would verify nothing that counts,
         # and w0 > w_max would read past the block.
         w0 = self.selector.choose(survival, context_len, w_max).long().clamp(min=1)
@@ -138,13 +140,19 @@ class RoundStrategy:
         keep = torch.zeros_like(w0, dtype=torch.bool)
         n_new = torch.zeros_like(w0)
         if not self.corrects:
-            return Choice(w0, w0.clone(), keep, n_new)
+            return Choice(w0, w0.clone(), keep, n_new, signals=signals)
         valid = w0 + (w0 < w_max).long()  # stage 0 includes the extra token when there is room for it
 
         def decide_keep(n_new: torch.Tensor) -> torch.Tensor:
             return self.selector.keep_extra(survival, w0, n_new, context_len, w_max) & (w0 < w_max)
 
-        return Choice(w0, valid, keep, n_new, decide_keep)
+        return Choice(w0, valid, keep, n_new, decide_keep, signals)
+
+    def observe_acceptance(self, choice: Choice | None, accepted: torch.Tensor) -> None:
+        """The acceptance estimator's online update (a no-op unless it was built with online_lr > 0): one step on
+        the positions this round verified. On the device, no host sync."""
+        if choice is not None and self.estimator is not None:
+            self.estimator.observe(choice.signals, accepted.view(-1), choice.valid.view(-1) - 1)
 
     def should_draft(self, context_len: int):
         """Whether the next round drafts (decided from the rounds so far; read at the hand-off)."""
