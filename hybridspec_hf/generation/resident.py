@@ -57,6 +57,9 @@ def unsupported_reason(model, drafter, strategy, generation_config, logits_proce
         return f"attn_implementation={attn!r} (needs 'sdpa' or 'eager')"
     if type(cache).__name__ not in ("DynamicCache", "StaticCache"):
         return f"cache {type(cache).__name__}"
+    dtype = next(model.parameters()).dtype
+    if next(model.parameters()).device.type == "cuda" and dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"dtype {dtype} (the Triton kernels take float32, bfloat16 or float16)"
     experts = getattr(model.config.get_text_config(), "_experts_implementation", None)
     if next(model.parameters()).device.type == "cuda" and experts == "eager" and patches.moe_blocks(model):
         return ("experts_implementation='eager' reads routing on the host (use model.set_experts_implementation("
