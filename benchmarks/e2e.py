@@ -10,13 +10,15 @@ the text is not the model's, so no equality is claimed here — correctness is t
 Methods, all through generate(): HF eager AR (no profile: plain decoding), our captured AR ("ar"), vanilla DFlash
 (whole block) with our verifier and with the serving engines' per-token-state verifier, static w = 7, the
 per-round-ratio selector (EVICT-like), HybridSpec without routing correction ("nominal"), HybridSpec with the
-per-token-state verifier, and HybridSpec. Not run (said in the output): HF static cache + compile (minutes of
-compilation; --with-compile runs it), calibrated routing (uniform routing only).
+per-token-state verifier, and HybridSpec. Routing: "uniform" (the random router) and "calibrated" (every router's
+choices replaced by expert ids sampled from the excess reuse fitted on the real pair, profiles/routing_tiny_pair.json).
+Not run unless asked: HF static cache + compile (minutes of compilation; --with-compile).
 Writes benchmarks/results/e2e_<model>.{json,md} and .png plots (speedup bars, round latency vs w, chosen lengths).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -29,7 +31,7 @@ from common import RESULTS, environment, write_results  # noqa: E402
 
 import hybridspec_hf  # noqa: E402
 from hybridspec_hf import DFlashDrafter, HybridSpecConfig  # noqa: E402
-from hybridspec_hf.selector.profiles import load_profile  # noqa: E402
+from hybridspec_hf.selector.profiles import RoutingProfile, load_profile  # noqa: E402
 
 PROFILES = Path(__file__).resolve().parent / "profiles"
 METHODS = ["hf_eager", "ar", "dflash", "dflash_per_token_state", "static7", "ratio", "nominal",
@@ -37,7 +39,6 @@ METHODS = ["hf_eager", "ar", "dflash", "dflash_per_token_state", "static7", "rat
 NOT_RUN = {
     "hf_static_compile": "not run by default (generate(cache_implementation='static') compiles for minutes); "
                          "--with-compile runs it",
-    "calibrated_routing": "router decisions are the random router's (uniform routing); no reuse model replaces them",
 }
 HBM_TBPS = 4.25  # H200 copy bandwidth ceiling used for rooflines
 
@@ -90,9 +91,10 @@ def build(name: str, layers: int | None, device: str):
     return target, drafter
 
 
-def ceiling_tokens_per_s(target, tau: float, block: int) -> float | None:
-    """Bytes ceiling of a round verifying the whole block under uniform routing: dense weights + the distinct experts
-    w tokens touch (E·(1-(1-k/E)^w) per MoE layer), at the H200's copy bandwidth; τ tokens per round."""
+def ceiling_tokens_per_s(target, tau: float, block: int, routing=None) -> float | None:
+    """Bytes ceiling of a round verifying the whole block: dense weights + the distinct experts w tokens touch per
+    MoE layer (uniform: E·(1-(1-k/E)^w); calibrated: measured on the routing profile's bank), at the H200's copy
+    bandwidth; τ tokens per round."""
     config = target.config.get_text_config()
     experts = getattr(config, "num_experts", None)
     if experts is None:
@@ -102,11 +104,14 @@ def ceiling_tokens_per_s(target, tau: float, block: int) -> float | None:
     routed = moe_layers * experts * size
     dense = sum(p.numel() * p.element_size() for p in target.parameters()) - routed
     distinct = experts * (1 - (1 - k / experts) ** block)
+    if routing is not None:
+        bank = routing.bank(1, experts, k, rounds=64)  # [rounds, 1, B, k]
+        distinct = sum(len(set(bank[r, 0, :block].flatten().tolist())) for r in range(64)) / 64
     seconds = (dense + moe_layers * distinct * size) / (HBM_TBPS * 1e12)
     return tau / seconds
 
 
-def run_method(target, drafter, prompt, method: str, profile, tokens: int) -> dict:
+def run_method(target, drafter, prompt, method: str, profile, tokens: int, routing=None) -> dict:
     sync = torch.cuda.synchronize if prompt.is_cuda else (lambda: None)
     warmup_tokens = min(tokens, 32)
     if method == "hf_eager":
@@ -116,8 +121,9 @@ def run_method(target, drafter, prompt, method: str, profile, tokens: int) -> di
     else:
         strategy = {"static7": "static"}.get(method, method).replace("_per_token_state", "")
         verifier = "per_token_state" if method.endswith("_per_token_state") else "block"
-        settings = HybridSpecConfig(static_length=7, acceptance_profile=profile if method != "ar" else None,
-                                    gdn_verifier=verifier)
+        timed = profile is not None and method != "ar"
+        settings = HybridSpecConfig(static_length=7, acceptance_profile=profile if timed else None,
+                                    routing_profile=routing if timed else None, gdn_verifier=verifier)
         kwargs = dict(generation_strategy=strategy, hybridspec_config=settings,
                       assistant_model=drafter if method != "ar" else None)
     target.generate(prompt, do_sample=False, max_new_tokens=warmup_tokens, **kwargs)  # warm-up: captures, compiles
@@ -150,6 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profiles", default="dflash_like,low,tiny_pair_heldout",
                         help="acceptance profiles in benchmarks/profiles/ (comma-separated stems)")
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
+    parser.add_argument("--routing", default="uniform,calibrated", help="uniform (random router) and/or calibrated")
     parser.add_argument("--tokens", type=int, default=256, help="new tokens per timed call")
     parser.add_argument("--context", type=int, default=256, help="prompt tokens (random ids)")
     parser.add_argument("--with-compile", action="store_true", help="also time generate(cache_implementation='static')")
@@ -162,23 +169,28 @@ def main(argv: list[str] | None = None) -> None:
     methods = args.methods.split(",")
     report: dict = {"model": args.model, "layers": target.config.get_text_config().num_hidden_layers,
                     "parameters_b": sum(p.numel() for p in target.parameters()) / 1e9, "device": device,
-                    "weights": "random", "routing": "uniform (random router)", "not_run": dict(NOT_RUN),
+                    "weights": "random", "not_run": dict(NOT_RUN),
                     "profiles": {}}
     if args.with_compile:
         report["not_run"].pop("hf_static_compile")
         methods.insert(1, "hf_static_compile")
     plain = {m: run_method(target, drafter, prompt, m, None, args.tokens) for m in methods
              if m in ("hf_eager", "hf_static_compile", "ar")}
-    for name in args.profiles.split(","):
-        profile = load_profile(PROFILES / f"{name}.safetensors")
-        rows = dict(plain)
-        for method in methods:
-            if method not in rows:
-                rows[method] = run_method(target, drafter, prompt, method, profile, args.tokens)
-                print(name, method, {k: v for k, v in rows[method].items() if k not in ("chosen_w",)}, flush=True)
-        ceiling = ceiling_tokens_per_s(target, profile.mean_accepted_length, profile.block_size)
-        report["profiles"][name] = {"mean_accepted_length": profile.mean_accepted_length,
-                                    "bytes_ceiling_tokens_per_s": ceiling, "methods": rows}
+    calibrated = RoutingProfile.from_dict(json.loads((PROFILES / "routing_tiny_pair.json").read_text()))
+    for routing_name in args.routing.split(","):
+        routing = {"uniform": None, "calibrated": calibrated}[routing_name]
+        for name in args.profiles.split(","):
+            profile = load_profile(PROFILES / f"{name}.safetensors")
+            rows = dict(plain)
+            for method in methods:
+                if method not in rows:
+                    rows[method] = run_method(target, drafter, prompt, method, profile, args.tokens, routing)
+                    print(name, routing_name, method, {k: v for k, v in rows[method].items() if k != "chosen_w"},
+                          flush=True)
+            ceiling = ceiling_tokens_per_s(target, profile.mean_accepted_length, profile.block_size, routing)
+            report["profiles"][f"{name} / {routing_name} routing"] = {
+                "mean_accepted_length": profile.mean_accepted_length, "routing": routing_name,
+                "bytes_ceiling_tokens_per_s": ceiling, "methods": rows}
     name = args.name or f"e2e_{args.model}"
     payload = {"title": f"End-to-end, timing mode ({args.model})", "environment": environment(), **report,
                "notes": __doc__.split("\n\n")[1]}
@@ -189,13 +201,13 @@ def main(argv: list[str] | None = None) -> None:
 
 def markdown(report: dict) -> str:
     lines = [f"{report['model']}, {report['layers']} layers, {report['parameters_b']:.2f} B parameters, random "
-             f"weights, {report['routing']}, on {report['device']}."]
+             f"weights, on {report['device']}; acceptance replayed from each profile (timing mode)."]
     for name, data in report["profiles"].items():
         rows = data["methods"]
         ar = rows.get("ar", {}).get("tokens_per_s")
         hf = rows.get("hf_eager", {}).get("tokens_per_s")
         ceiling = data["bytes_ceiling_tokens_per_s"]
-        lines += ["", f"### profile `{name}` (mean accepted length {data['mean_accepted_length']:.2f} at B = 16"
+        lines += ["", f"### `{name}` (mean accepted length {data['mean_accepted_length']:.2f} at B = 16"
                       + (f"; bytes ceiling ≈ {ceiling:,.0f} tokens/s" if ceiling else "") + ")", "",
                   "| method | ms/token | tokens/s | × our AR | × HF eager | τ | mean w | round ms | plain steps | GPU GiB |",
                   "|---|---|---|---|---|---|---|---|---|---|"]

@@ -52,6 +52,7 @@ class HybridSpecConfig:
     cuda_graphs: str = "auto"
     gdn_verifier: str = "block"
     acceptance_profile: Any = field(default=None, repr=False)
+    routing_profile: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.static_length, int) or self.static_length < 1:
@@ -76,6 +77,8 @@ class HybridSpecConfig:
                 raise TypeError(f"{name} must be a {kind.__name__} or a path to its JSON, got {type(value).__name__}.")
 
     def to_dict(self) -> dict:
-        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("selector", "acceptance_profile")}
-        data["acceptance_profile"] = None if self.acceptance_profile is None else id(self.acceptance_profile)
+        objects = ("selector", "acceptance_profile", "routing_profile")
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in objects}
+        for name in objects[1:]:
+            data[name] = None if getattr(self, name) is None else id(getattr(self, name))
         return data

@@ -7,10 +7,12 @@ from hybridspec_hf.cli import main
 def test_bench_runs_every_method_under_a_profile_and_writes_results(tmp_path):
     stem = tmp_path / "e2e_tiny"
     code = main(["bench", "--model", "tiny", "--tokens", "12", "--context", "8", "--profiles", "low",
-                 "--methods", "hf_eager,ar,dflash,static7,hybridspec", "--name", str(stem)])
+                 "--methods", "hf_eager,ar,dflash,static7,hybridspec", "--routing", "uniform,calibrated",
+                 "--name", str(stem)])
     assert code == 0
     report = json.loads(stem.with_suffix(".json").read_text())
-    rows = report["profiles"]["low"]["methods"]
+    assert set(report["profiles"]) == {"low / uniform routing", "low / calibrated routing"}
+    rows = report["profiles"]["low / calibrated routing"]["methods"]
     assert set(rows) == {"hf_eager", "ar", "dflash", "static7", "hybridspec"}
     assert rows["dflash"]["path"] == "static_eager" and rows["dflash"]["tau"] > 1.0
     assert "hf_static_compile" in report["not_run"]

@@ -53,3 +53,39 @@ def test_timing_mode_replays_the_profile():
     with pytest.raises(ValueError, match="block size"):
         target.generate(prompt, max_new_tokens=8, assistant_model=drafter, generation_strategy="dflash",
                         hybridspec_config=HybridSpecConfig(acceptance_profile=synthetic_profile("p", 3.0)))
+
+
+def test_calibrated_routing_profile_fits_the_pair_and_replays_in_rounds():
+    import json
+
+    from hybridspec_hf.selector.profiles import RoutingProfile, fit_routing_profile
+
+    routing = RoutingProfile.from_dict(json.loads((PROFILES / "routing_tiny_pair.json").read_text()))
+    assert routing.excess_reuse[0] == 0 and bool((routing.excess_reuse[1:] > 0).all())
+    # uniform ids have no excess reuse; ids that copy the first token's experts have all of it
+    uniform = torch.stack([torch.randperm(64)[:4] for _ in range(400 * 16)]).view(100, 4, 16, 4)
+    assert float(fit_routing_profile(uniform, 64).excess_reuse.max()) < 0.05
+    copied = uniform[:, :, :1].expand(-1, -1, 16, -1).contiguous()
+    assert float(fit_routing_profile(copied, 64).excess_reuse[1:].min()) > 0.99
+    bank = routing.bank(num_layers=3, num_experts=64, top_k=4, rounds=8)
+    assert bank.shape == (8, 3, 16, 4) and int(bank.max()) < 64
+    assert all(len(set(row.tolist())) == 4 for row in bank.reshape(-1, 4))  # no expert twice for one token
+
+    target = make_target("qwen3_5_moe", dtype=torch.float32)
+    drafter = make_drafter(target, 8).float()
+    settings = HybridSpecConfig(acceptance_profile=synthetic_profile("p", 4.0, block_size=8, rows=64),
+                                routing_profile=RoutingProfile(routing.excess_reuse[:8], "r"))
+    seen = []
+    handle = target.model.layers[0].mlp.experts.register_forward_pre_hook(lambda m, a: seen.append(a[1].clone()))
+    try:
+        target.generate(torch.randint(0, VOCAB, (1, 9)), max_new_tokens=40, assistant_model=drafter,
+                        generation_strategy="dflash", hybridspec_config=settings)
+    finally:
+        handle.remove()
+    rounds = target.__dict__["_hybridspec_resident"]
+    replayed = [ids for ids in seen if ids.shape[0] == 8]
+    assert replayed and any(torch.equal(ids, rounds.routing.bank[r, 0].to(ids.dtype)) for ids in replayed
+                            for r in range(rounds.routing.bank.shape[0]))
+    with pytest.raises(ValueError, match="timing mode only"):
+        target.generate(torch.randint(0, VOCAB, (1, 9)), max_new_tokens=4, assistant_model=drafter,
+                        generation_strategy="dflash", hybridspec_config=HybridSpecConfig(routing_profile=routing))

@@ -28,7 +28,7 @@ import torch
 
 from hybridspec_hf import patches
 from hybridspec_hf.generation.acceptance import greedy_accept, sample_tokens, speculative_sample
-from hybridspec_hf.generation.router_hooks import VerifyWindow
+from hybridspec_hf.generation.router_hooks import RoutingReplay, VerifyWindow
 from hybridspec_hf.generation.telemetry import RoundRecord
 from hybridspec_hf.graphs.capture import Replay, host_syncs
 from hybridspec_hf.graphs.static_target import StaticTarget
@@ -130,6 +130,7 @@ class ResidentRounds:
 
             self.context = StaticDraftContext(drafter, capacity, self.device, drafter.dtype)
         moe = patches.moe_blocks(model)
+        self.routing = _routing_replay(strategy.routing, moe, model, self.device)  # before the window: it reads ids
         self.window = VerifyWindow(moe)
         self.block_size = drafter.config.block_size if self.context is not None else 1
         self.verify_tokens = strategy.fixed_length if strategy.mode == "fixed" else self.block_size
@@ -167,6 +168,8 @@ class ResidentRounds:
 
     def close(self) -> None:
         self.window.remove()
+        if self.routing is not None:
+            self.routing.remove()
         self.target.close()
         self.step = self.spec = self.commit = None
 
@@ -189,6 +192,18 @@ class ResidentRounds:
         prefix = self.last_token.expand(raw.shape[0], 1)  # row-wise processors ignore it
         return self.logits_processor(prefix, raw)
 
+    @contextlib.contextmanager
+    def _routing_armed(self):
+        """Calibrated routing (timing mode) applies to the rounds' forwards only, never to the eager prefill."""
+        if self.routing is None:
+            yield
+            return
+        self.routing.armed = True
+        try:
+            yield
+        finally:
+            self.routing.armed = False
+
     def _flag(self, value) -> torch.Tensor:
         """A [1] long on the device from a bool or a bool tensor (strategies answer either)."""
         if isinstance(value, torch.Tensor):
@@ -206,7 +221,8 @@ class ResidentRounds:
         """
         context_len = self.target.length.clone()
         session = self.target.session()
-        logits, features = self.target.forward(self.last_token, verify=session)
+        with self._routing_armed():
+            logits, features = self.target.forward(self.last_token, verify=session)
         scores = self._scores(logits[0].float())  # [1, V]
         token = sample_tokens(scores.softmax(-1)) if self.do_sample else scores.argmax(-1)  # [1]
         if self.context is not None:
@@ -236,6 +252,8 @@ class ResidentRounds:
             row = self.profile_row % self.profile.accepted.shape[0]
             signals = {k: getattr(self.profile, k).index_select(0, row) for k in ("top1", "margin", "entropy")}
             replayed = self.profile.accepted.index_select(0, row)  # [1] a with the whole block verified
+            if self.routing is not None:
+                self.routing.row.copy_(self.profile_row)
             self.profile_row.add_(1)
         if self.strategy.mode != "fixed":
             choice = self.strategy.choose(draft_logits, context_len, w_max, signals)
@@ -245,7 +263,8 @@ class ResidentRounds:
             valid = w_max
         session = self.target.session(valid)
         try:
-            logits, features = self.target.forward(tokens, verify=session)
+            with self._routing_armed():
+                logits, features = self.target.forward(tokens, verify=session)
         finally:
             self.window.disarm()
         scores = self._scores(logits[0].float())  # [T, V]
@@ -327,6 +346,15 @@ class ResidentRounds:
     def finish(self, cache, length: int) -> None:
         """Write the committed state back into the caller's cache."""
         self.target.store(cache, length)
+
+
+def _routing_replay(profile, moe_blocks, model, device) -> RoutingReplay | None:
+    """Timing mode's calibrated routing: a bank of expert ids sampled from the profile for this model's MoE layers."""
+    if profile is None or not moe_blocks:
+        return None
+    config = model.config.get_text_config()
+    bank = profile.bank(len(moe_blocks), config.num_experts, config.num_experts_per_tok)
+    return RoutingReplay(moe_blocks, bank.to(device))
 
 
 def _profile_on(profile, device, block_size: int):

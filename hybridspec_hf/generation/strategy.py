@@ -7,14 +7,16 @@ first-router hook sets valid = w0 + keep.
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+from pathlib import Path
 from dataclasses import dataclass
 
 import torch
 
 from hybridspec_hf.config import CALIBRATED_STRATEGIES, HybridSpecConfig
 from hybridspec_hf.generation.calibration import resolve_latency_model
-from hybridspec_hf.selector.profiles import AcceptanceProfile, load_profile
+from hybridspec_hf.selector.profiles import AcceptanceProfile, RoutingProfile, load_profile
 from hybridspec_hf.selector import AcceptanceEstimator, count_new_experts, draft_signals, make_selector
 
 
@@ -71,6 +73,7 @@ class RoundStrategy:
         self.corrects = corrects  # routing correction on (needs a MoE router)
         self.profile = None  # timing mode: a selector.profiles.AcceptanceProfile replayed by resident rounds
         self.gdn_verifier = "block"  # or "per_token_state" (the serving engines' verifier, for benchmarks)
+        self.routing = None  # timing mode: a selector.profiles.RoutingProfile replacing the routers' choices
 
     @classmethod
     def build(cls, name: str, settings: HybridSpecConfig, target, drafter, has_router: bool) -> "RoundStrategy":
@@ -79,6 +82,13 @@ class RoundStrategy:
         if profile is not None and not isinstance(profile, AcceptanceProfile):
             profile = load_profile(profile)
         strategy.profile = profile
+        routing = settings.routing_profile
+        if routing is not None and profile is None:
+            raise ValueError("routing_profile= replaces the routers' choices: timing mode only; pass an "
+                             "acceptance_profile= too.")
+        if routing is not None and not isinstance(routing, RoutingProfile):
+            routing = RoutingProfile.from_dict(json.loads(Path(routing).read_text()))
+        strategy.routing = routing
         strategy.gdn_verifier = settings.gdn_verifier
         return strategy
 

@@ -110,3 +110,63 @@ def _rate_for(mean_accepted: float, positions: int) -> float:
         else:
             hi = mid
     return (lo + hi) / 2
+
+
+# ---------------------------------------------------------------------------------------------- routing profiles
+@dataclass
+class RoutingProfile:
+    """Calibrated routing for timing mode: how much more than chance a verified token reuses experts that earlier
+    tokens of its block already chose.
+
+    excess_reuse [B] fp32: e_i, position i's probability of deliberately reusing an already-chosen expert (per pick);
+    otherwise the pick is uniform over the experts the token has not picked yet (which may land on a used one by
+    chance). Fitted on the real pair's traces (`fit_routing_profile`), where chance reuse is large (16 experts,
+    top-4), and applied to any number of experts: the excess, not the raw reuse, is what transfers.
+    """
+
+    excess_reuse: torch.Tensor
+    name: str = "routing"
+
+    def bank(self, num_layers: int, num_experts: int, top_k: int, rounds: int = 256, seed: int = 0) -> torch.Tensor:
+        """Sampled expert ids [rounds, layers, B, k] long (fixed by the seed) that timing-mode rounds replay."""
+        block = self.excess_reuse.shape[0]
+        rows = rounds * num_layers
+        out = torch.empty(rows, block, top_k, dtype=torch.long)
+        used = torch.zeros(rows, num_experts, dtype=torch.bool)
+        index = torch.arange(rows)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            for i in range(block):
+                mine = torch.zeros_like(used)
+                for j in range(top_k):
+                    reuse_pool = used & ~mine
+                    deliberate = (torch.rand(rows) < float(self.excess_reuse[i])) & reuse_pool.any(1)
+                    pool = torch.where(deliberate.view(-1, 1), reuse_pool, ~mine)
+                    choice = torch.rand(rows, num_experts).masked_fill(~pool, -1.0).argmax(1)
+                    out[:, i, j] = choice
+                    mine[index, choice] = True
+                used |= mine
+        return out.view(rounds, num_layers, block, top_k)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "excess_reuse": self.excess_reuse.tolist()}
+
+    @classmethod
+    def from_dict(cls, data) -> "RoutingProfile":
+        return cls(torch.tensor(data["excess_reuse"], dtype=torch.float32), data.get("name", "routing"))
+
+
+def fit_routing_profile(router_ids: torch.Tensor, num_experts: int, name: str = "routing") -> RoutingProfile:
+    """e_i from traces' router ids [N, L, B, k] (rounds that verified the whole block): per pick, the observed
+    reuse r = |picks among earlier tokens' experts| / k against chance c = |earlier experts| / E, both averaged over
+    rounds and layers, e = (r - c)/(1 - c) clipped to [0, 1]; position 0 has no earlier token (e_0 = 0)."""
+    n, layers, block, k = router_ids.shape
+    onehot = torch.zeros(n, layers, block, num_experts, dtype=torch.bool)
+    onehot.scatter_(-1, router_ids.clamp(min=0), True)
+    earlier = (onehot.long().cumsum(2) - onehot.long()) > 0  # [N, L, B, E]: chosen by a token before this one
+    reused = earlier.gather(-1, router_ids.clamp(min=0)).float().mean(-1)  # [N, L, B]
+    chance = earlier.float().sum(-1) / num_experts
+    reused, chance = reused.mean((0, 1)), chance.mean((0, 1))  # [B]: average first (clipping first would bias up)
+    excess = ((reused - chance) / (1 - chance).clamp(min=1e-6)).clamp(0.0, 1.0)
+    excess[0] = 0.0
+    return RoutingProfile(excess.float(), name)
