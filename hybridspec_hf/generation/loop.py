@@ -120,6 +120,7 @@ def _resident(model, drafter, strategy, logits_processor, generation_config, sto
         rounds = resident_rounds(model, drafter, strategy, logits_processor, generation_config.do_sample,
                                  generation_config.max_length, rows, device_commit)
         telemetry.capture_s, rounds.capture_s = rounds.capture_s, 0.0  # reported by the call that captured
+        telemetry.resident_memory_bytes = rounds.memory_bytes
         rounds.start(cache, positions, context, first, generation_config.max_length, host.eos)
     resident_decode(rounds, host, telemetry, rounds.strategy.predicted_latency)  # syncs only at each hand-off
     with host_syncs():

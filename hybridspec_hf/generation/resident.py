@@ -95,9 +95,12 @@ def resident_rounds(model, drafter, strategy, logits_processor, do_sample: bool,
     if current is not None:
         release_resident_rounds(model)
     devices = [next(model.parameters()).device] if next(model.parameters()).device.type == "cuda" else []
+    before = torch.cuda.memory_allocated(devices[0]) if devices else 0
     with torch.random.fork_rng(devices=devices):  # warm-up and capture draw random numbers: the seed stays the user's
         rounds = ResidentRounds(model, drafter, strategy, logits_processor, do_sample, capacity, position_rows,
                                 device_commit, key)
+    # static cache, buffers and graph pools (CUDA): what keeping the rounds for later calls costs
+    rounds.memory_bytes = torch.cuda.memory_allocated(devices[0]) - before if devices else 0
     model.__dict__["_hybridspec_resident"] = rounds
     return rounds
 
@@ -164,7 +167,6 @@ class ResidentRounds:
             needs_commit_graph = self.spec is not None and not device_commit
             self.commit = Replay(self._commit, self.device, pool=self.spec.pool()) if needs_commit_graph else None
         self.capture_s = time.perf_counter() - start
-        self.graph_bytes = torch.cuda.memory_reserved(self.device) if pinned else 0
 
     def close(self) -> None:
         self.window.remove()

@@ -40,6 +40,7 @@ class GenerationTelemetry:
     path: str = "eager"  # "cuda_graphs" (GPU-resident rounds), "static_eager" (the same rounds, uncaptured) or "eager"
     path_reason: str | None = None  # why cuda_graphs="auto" ran the eager loop, when it did
     capture_s: float = 0.0  # time spent capturing graphs in this call (0 when reused)
+    resident_memory_bytes: int = 0  # GPU memory the resident rounds hold (static cache, buffers, graph pools)
 
     @property
     def new_tokens(self) -> int:
