@@ -189,3 +189,28 @@ def test_online_estimator_update_runs_in_the_loop(cuda_graphs, fp64_gdn):
     settings = HybridSpecConfig(cuda_graphs=cuda_graphs, acceptance_estimator=estimator)
     assert_same_as_ar(run(target, prompt, drafter, "confidence", 24, hybridspec_config=settings), ar)
     assert float(estimator.offset.abs().sum()) > 0
+
+
+@pytest.mark.parametrize("failure", [RuntimeError("capture failed"), torch.cuda.OutOfMemoryError("simulated OOM")])
+def test_a_failed_capture_leaves_the_model_usable(failure, monkeypatch, fp64_gdn):
+    """Capture failing (or CUDA running out of memory while capturing): no hook stays on the model, no half-built
+    rounds are kept, plain generate() and the next HybridSpec call are exact."""
+    from hybridspec_hf.generation import resident
+
+    target = make_target("qwen3_5_moe")
+    prompt = torch.randint(0, VOCAB, (1, 7))
+    ar = reference(target, prompt, 16)
+    drafter = make_drafter(target, 8, ar.sequences, error_rate=0.2)
+    hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in target.modules())
+
+    def failing_replay(*args, **kwargs):
+        raise failure
+
+    monkeypatch.setattr(resident, "Replay", failing_replay)
+    with pytest.raises(type(failure)):
+        run(target, prompt, drafter, "hybridspec", 16, hybridspec_config=ON)
+    assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in target.modules()) == hooks
+    assert "_hybridspec_resident" not in target.__dict__
+    monkeypatch.undo()
+    assert torch.equal(target.generate(prompt, do_sample=False, max_new_tokens=16), ar.sequences)
+    assert_same_as_ar(run(target, prompt, drafter, "hybridspec", 16, hybridspec_config=ON), ar)

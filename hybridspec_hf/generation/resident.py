@@ -133,8 +133,7 @@ class ResidentRounds:
 
             self.context = StaticDraftContext(drafter, capacity, self.device, drafter.dtype)
         moe = patches.moe_blocks(model)
-        self.routing = _routing_replay(strategy.routing, moe, model, self.device)  # before the window: it reads ids
-        self.window = VerifyWindow(moe)
+        self.routing = self.window = None  # hooks on the model: made last, right before capture
         self.block_size = drafter.config.block_size if self.context is not None else 1
         self.verify_tokens = strategy.fixed_length if strategy.mode == "fixed" else self.block_size
         long = dict(dtype=torch.long, device=self.device)
@@ -161,17 +160,25 @@ class ResidentRounds:
         # CUDA: the graphs are captured with our experts kernel (each distinct expert read once; on the H200 it
         # took the 35B-A3B AR step from 9.6 to 7.0 ms); the model's own experts setting is restored after capture
         experts = fused_experts_for(moe) if self.device.type == "cuda" else contextlib.nullcontext(False)
-        with torch.no_grad(), experts as self.fused_experts:
-            self.step = Replay(self._step, self.device)
-            self.spec = Replay(self._spec, self.device) if self.speculative else None
-            needs_commit_graph = self.spec is not None and not device_commit
-            self.commit = Replay(self._commit, self.device, pool=self.spec.pool()) if needs_commit_graph else None
+        self.step = self.spec = self.commit = None
+        try:
+            self.routing = _routing_replay(strategy.routing, moe, model, self.device)  # before the window: it sets ids
+            self.window = VerifyWindow(moe)
+            with torch.no_grad(), experts as self.fused_experts:
+                self.step = Replay(self._step, self.device)
+                self.spec = Replay(self._spec, self.device) if self.speculative else None
+                needs_commit_graph = self.spec is not None and not device_commit
+                self.commit = Replay(self._commit, self.device, pool=self.spec.pool()) if needs_commit_graph else None
+        except BaseException:  # a failed capture (or CUDA OOM) leaves no hooks and no half-built rounds behind
+            self.close()
+            raise
         self.capture_s = time.perf_counter() - start
 
     def close(self) -> None:
-        self.window.remove()
-        if self.routing is not None:
-            self.routing.remove()
+        """Remove every hook this object put on the model (graphs and buffers go with the object)."""
+        for hooks in (self.window, self.routing):
+            if hooks is not None:
+                hooks.remove()
         self.target.close()
         self.step = self.spec = self.commit = None
 

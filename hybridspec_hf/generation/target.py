@@ -7,39 +7,9 @@ from __future__ import annotations
 import torch
 
 from hybridspec_hf import patches
+from hybridspec_hf.graphs.static_target import FeatureCapture
 from hybridspec_hf.kernels import allocate_state_buffer
 from hybridspec_hf.patches._cache import drop_last_tokens
-
-
-class FeatureCapture:
-    """Forward hooks that keep the outputs of the chosen decoder layers (z-lab's hidden_states[i + 1]).
-
-    Our own hooks, because `output_hidden_states=[...]` indexes differently in transformers 5.17 and 5.23+.
-    """
-
-    def __init__(self, layers: list[torch.nn.Module], layer_ids: list[int]):
-        self.outputs: dict[int, torch.Tensor] = {}
-        self.layer_ids = list(layer_ids)
-        self._handles = [layers[i].register_forward_hook(self._hook(i)) for i in self.layer_ids]
-
-    def _hook(self, index: int):
-        def hook(module, args, output):
-            self.outputs[index] = output[0] if isinstance(output, tuple) else output
-
-        return hook
-
-    def take(self) -> torch.Tensor | None:
-        """Concatenated features of the last forward: [B, T, n_feat * H] (None without feature layers)."""
-        if not self.layer_ids:
-            return None
-        features = torch.cat([self.outputs[i] for i in self.layer_ids], dim=-1)
-        self.outputs.clear()
-        return features
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
 
 
 class TargetRunner:

@@ -23,6 +23,37 @@ from hybridspec_hf import patches
 from hybridspec_hf.kernels import allocate_state_buffer
 
 
+class FeatureCapture:
+    """Forward hooks that keep the outputs of the chosen decoder layers (z-lab's hidden_states[i + 1]).
+
+    Our own hooks, because `output_hidden_states=[...]` indexes differently in transformers 5.17 and 5.23+.
+    """
+
+    def __init__(self, layers: list[torch.nn.Module], layer_ids: list[int]):
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.layer_ids = list(layer_ids)
+        self._handles = [layers[i].register_forward_hook(self._hook(i)) for i in self.layer_ids]
+
+    def _hook(self, index: int):
+        def hook(module, args, output):
+            self.outputs[index] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    def take(self) -> torch.Tensor | None:
+        """Concatenated features of the last forward: [B, T, n_feat * H] (None without feature layers)."""
+        if not self.layer_ids:
+            return None
+        features = torch.cat([self.outputs[i] for i in self.layer_ids], dim=-1)
+        self.outputs.clear()
+        return features
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
 def _attention_layers(cache) -> list:
     return [layer for layer in cache.layers if not patches.is_linear_cache_layer(layer)]
 
@@ -39,8 +70,6 @@ class StaticTarget:
                  kernel_backend: str = "auto", verifier: str = "block", max_tokens: int = 16):
         from transformers import StaticCache
 
-        from hybridspec_hf.generation.target import FeatureCapture
-
         self.model = model
         self.capacity = capacity
         self.kernel_backend = kernel_backend
@@ -51,7 +80,8 @@ class StaticTarget:
         # transformers ≥ 5.23 names the forward's cache argument `cache` (`past_key_values` is deprecated there)
         self.cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.gdn_layers = patches.gdn_layers(model)
-        self.capture = FeatureCapture(patches.text_model(model).layers, feature_layer_ids)
+        self.decoder_layers = patches.text_model(model).layers
+        self.feature_layer_ids = list(feature_layer_ids)
         self.length = torch.zeros(1, dtype=torch.long, device=self.device)
         # position_rows: 1 for position ids [1, T], R for mRoPE position ids [R, 1, T] (as generate() passes them)
         self.next_position = torch.zeros(position_rows, 1, 1, dtype=torch.long, device=self.device)
@@ -71,7 +101,7 @@ class StaticTarget:
             self.state_buffer = allocate_state_buffer(len(self.gdn_layers), state, max_tokens)
 
     def close(self) -> None:
-        self.capture.remove()
+        """Nothing is left on the model between forwards (feature hooks live only inside `forward`)."""
 
     # ------------------------------------------------------------------------------------------------ set-up
     def _initialise(self) -> None:
@@ -83,7 +113,6 @@ class StaticTarget:
         with torch.no_grad():
             self.model(input_ids=ids, position_ids=self._position_ids(positions), use_cache=True,
                        logits_to_keep=1, attention_mask=self.mask(2), **{self.cache_kwarg: self.cache})
-        self.capture.take()
         self.reset()
 
     def reset(self) -> None:
@@ -119,15 +148,18 @@ class StaticTarget:
         if verify is not None:
             for layer in self.gdn_layers:
                 layer._hybridspec_verify = verify
+        capture = FeatureCapture(self.decoder_layers, self.feature_layer_ids)  # only for this forward
         try:
             with patches.fused_norms():
                 outputs = self.model(input_ids=tokens, position_ids=self._position_ids(positions),
                                      attention_mask=self.mask(num_tokens), use_cache=True,
                                      logits_to_keep=num_tokens, **{self.cache_kwarg: self.cache})
+            features = capture.take()
         finally:
+            capture.remove()
             for layer in self.gdn_layers:
                 layer.__dict__.pop("_hybridspec_verify", None)
-        return outputs.logits, self.capture.take()
+        return outputs.logits, features
 
     def advance(self, count: torch.Tensor) -> None:
         """count [1] long tokens were committed: move the lengths (device-side) and realign attention layers."""
