@@ -57,6 +57,11 @@ def unsupported_reason(model, drafter, strategy, generation_config, logits_proce
         return f"attn_implementation={attn!r} (needs 'sdpa' or 'eager')"
     if type(cache).__name__ not in ("DynamicCache", "StaticCache"):
         return f"cache {type(cache).__name__}"
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        return "tensor parallelism (resident rounds are not captured across ranks yet)"
+    devices = {str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}
+    if len(devices) > 1:
+        return f"the model is split over devices {sorted(devices)} (device_map)"
     dtype = next(model.parameters()).dtype
     if next(model.parameters()).device.type == "cuda" and dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return f"dtype {dtype} (the Triton kernels take float32, bfloat16 or float16)"
