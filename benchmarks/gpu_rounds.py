@@ -257,7 +257,7 @@ def main() -> None:
     args = parser.parse_args()
     report, table = tiny(args) if args.part == "tiny" else big(args)
     payload = {"title": f"GPU-resident rounds ({args.part})", "environment": environment(), **report,
-               "notes": __doc__.split("\n\n")[1]}
+               "notes": __doc__.split("\n\n")[2]}  # weights, routing and where acceptance comes from
     name = args.name or f"gpu_rounds_{args.part}"
     write_results(name, payload, table)
     if args.out:

@@ -231,7 +231,9 @@ def markdown(report: dict) -> str:
         "",
         f"torch {env['torch']}, triton {env['triton']}, transformers {env['transformers']}; command "
         f"`{env['command']}`.",
-        f"E = {E}, top-k = {TOP_K}, H = {H}, I = {INTER}, bf16, {report['layers']} layers per graph (distinct "
+        f"E = {E}, top-k = {TOP_K}, H = {H}, I = {INTER}, random (non-zero) bf16 weights, routing from a random "
+        f"router or a declared reuse profile (no acceptance involved: one layer), {report['layers']} layers per "
+        f"graph (distinct "
         f"weights); µs per layer = median of {report['replays']} CUDA-graph replays / layers.",
         f"Measured: device-to-device copy {copy_tbps:.2f} TB/s (read + write), bf16 sum "
         f"{bw['read']['TBps'] if bw else float('nan'):.2f} TB/s (read). Cells: µs (% of {NOMINAL_TBPS} TB/s for "

@@ -23,6 +23,10 @@ _STATELESS_PROCESSORS = {
     )
     if hasattr(logits_process, name)
 }
+# The subset that reads only the scores of its own row (no prefix, no length): GPU-resident rounds apply them to
+# all verified positions at once inside a graph; the others run the eager loop.
+ROW_WISE_PROCESSORS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper",
+                       "EpsilonLogitsWarper", "EtaLogitsWarper", "TypicalLogitsWarper")
 _PROCESSOR_ADVICE = {
     "UnbatchedClassifierFreeGuidanceLogitsProcessor": "it runs the model on a cache of its own at every call; "
     "leave guidance_scale at 1 (classifier-free guidance is not supported)",

@@ -28,16 +28,13 @@ import torch
 
 from hybridspec_hf import patches
 from hybridspec_hf.generation.acceptance import greedy_accept, sample_tokens, speculative_sample
+from hybridspec_hf.generation.checks import ROW_WISE_PROCESSORS
 from hybridspec_hf.generation.router_hooks import RoutingReplay, VerifyWindow
 from hybridspec_hf.generation.telemetry import RoundRecord
 from hybridspec_hf.graphs.capture import Replay, host_syncs
 from hybridspec_hf.graphs.static_target import StaticTarget
 from hybridspec_hf.patches.experts import fused_experts_for
 
-# Logits processors that read only the scores of their own row (no prefix, no length, no state): they can be
-# applied to all verified positions at once inside a graph. Anything else runs the eager loop.
-ROW_WISE_PROCESSORS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper",
-                       "EpsilonLogitsWarper", "EtaLogitsWarper", "TypicalLogitsWarper")
 _CAPACITY_STEP = 512
 
 
@@ -186,10 +183,6 @@ class ResidentRounds:
                 hooks.remove()
         self.target.close()
         self.step = self.spec = self.commit = None
-
-    @property
-    def captured(self) -> bool:
-        return self.step.captured
 
     def reset_selector(self) -> None:
         """A new generate() call: the selector's streams restart from its prior, in place (graphs hold them)."""

@@ -58,10 +58,6 @@ def _attention_layers(cache) -> list:
     return [layer for layer in cache.layers if not patches.is_linear_cache_layer(layer)]
 
 
-def _linear_layers(cache) -> list:
-    return [layer for layer in cache.layers if patches.is_linear_cache_layer(layer)]
-
-
 class StaticTarget:
     """Static cache + static-shape forwards of one target. `capacity` counts cache positions (prompt, generated
     tokens and the B positions a verification may write past the committed length)."""
