@@ -9,7 +9,14 @@ from types import ModuleType
 import torch
 
 from ._cache import is_linear_cache_layer
-from ._gdn import GDN_KERNEL_FUNCTIONS, VerifySession, commit_session, patch_gdn_class, route_cpu_to_torch
+from ._gdn import (
+    GDN_KERNEL_FUNCTIONS,
+    VerifySession,
+    commit_session,
+    patch_gdn_class,
+    per_token_state_buffer,
+    route_cpu_to_torch,
+)
 from ._norms import fused_norms, patch_norm_classes
 from .experts import register_experts_implementation
 
@@ -81,6 +88,7 @@ __all__ = [
     "install",
     "is_linear_cache_layer",
     "moe_blocks",
+    "per_token_state_buffer",
     "register_experts_implementation",
     "route_cpu_to_torch",
     "supported_classes",

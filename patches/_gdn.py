@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from hybridspec_hf.kernels import (
     PendingDefaultLayer,
     PendingGDNLayer,
+    allocate_state_buffer,
     commit_default_states,
     commit_gdn_states_auto,
     conv_verify,
@@ -42,6 +43,13 @@ class VerifySession:
     # (a state per verified token in `state_buffer` [GDN layers, B, >= T, HV, dk, dv] fp32; the commit copies S_m)
     verifier: str = "block"
     state_buffer: Any = None
+
+
+def per_token_state_buffer(gdn_layers: list[torch.nn.Module], cache, max_tokens: int) -> torch.Tensor:
+    """The "per_token_state" verifier's buffer for these GDN layers of a prefilled cache:
+    [layers, B, max_tokens, HV, dk, dv] fp32 (its memory cost: 960 MiB at w = 16 for Qwen3.5-35B-A3B)."""
+    state = cache.layers[gdn_layers[0].layer_idx].recurrent_states[0]
+    return allocate_state_buffer(len(gdn_layers), state, max_tokens)
 
 
 def commit_session(session: VerifySession, num_committed: torch.Tensor) -> None:

@@ -8,7 +8,6 @@ import torch
 
 from hybridspec_hf import patches
 from hybridspec_hf.graphs.static_target import FeatureCapture
-from hybridspec_hf.kernels import allocate_state_buffer
 from hybridspec_hf.patches._cache import drop_last_tokens
 
 
@@ -100,8 +99,7 @@ class TargetRunner:
         if self.verifier != "per_token_state" or not self.gdn_layers:
             return None
         if self._state_buffer is None:
-            state = self.cache.layers[self.gdn_layers[0].layer_idx].recurrent_states[0]
-            self._state_buffer = allocate_state_buffer(len(self.gdn_layers), state, self.max_tokens)
+            self._state_buffer = patches.per_token_state_buffer(self.gdn_layers, self.cache, self.max_tokens)
         return self._state_buffer
 
     @staticmethod

@@ -20,7 +20,6 @@ import inspect
 import torch
 
 from hybridspec_hf import patches
-from hybridspec_hf.kernels import allocate_state_buffer
 
 
 class FeatureCapture:
@@ -93,8 +92,7 @@ class StaticTarget:
         self.verifier = verifier
         self.state_buffer = None  # [GDN layers, 1, max_tokens, HV, dk, dv] fp32 for the "per_token_state" verifier
         if verifier == "per_token_state" and self.gdn_layers:
-            state = self.cache.layers[self.gdn_layers[0].layer_idx].recurrent_states[0]
-            self.state_buffer = allocate_state_buffer(len(self.gdn_layers), state, max_tokens)
+            self.state_buffer = patches.per_token_state_buffer(self.gdn_layers, self.cache, max_tokens)
 
     def close(self) -> None:
         """Nothing is left on the model between forwards (feature hooks live only inside `forward`)."""
