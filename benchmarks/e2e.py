@@ -7,6 +7,9 @@ Random bf16 weights (random router: uniform routing), a random DFlash drafter, a
 declared, versioned profiles in benchmarks/profiles/ (timing mode: each speculative round takes the next profile
 row's draft signals and accepts min(a_full, w - 1) drafts; verification and commit run for real on the real shapes;
 the text is not the model's, so no equality is claimed here — correctness is tests/ and gpu_rounds.py's fp32 runs).
+The first half of each profile's rows is replayed; the calibrated strategies' acceptance estimator is fitted on the
+other half (as a user fits it on traces of their drafter), and their latency model is calibrated under the routing
+the rounds see. ms/token is decoding: (timed call - prefill-only call) / (new tokens - 1).
 Methods, all through generate(): HF eager AR (no profile: plain decoding), our captured AR ("ar"), vanilla DFlash
 (whole block) with our verifier and with the serving engines' per-token-state verifier, static w = 7, the
 per-round-ratio selector (EVICT-like), HybridSpec without routing correction ("nominal"), HybridSpec with the
@@ -31,6 +34,8 @@ from common import RESULTS, environment, write_results  # noqa: E402
 
 import hybridspec_hf  # noqa: E402
 from hybridspec_hf import DFlashDrafter, HybridSpecConfig  # noqa: E402
+from hybridspec_hf.generation.calibration import calibrate_latency  # noqa: E402
+from hybridspec_hf.selector import AcceptanceEstimator  # noqa: E402
 from hybridspec_hf.selector.profiles import RoutingProfile, load_profile  # noqa: E402
 
 PROFILES = Path(__file__).resolve().parent / "profiles"
@@ -111,9 +116,13 @@ def ceiling_tokens_per_s(target, tau: float, block: int, routing=None) -> float 
     return tau / seconds
 
 
-def run_method(target, drafter, prompt, method: str, profile, tokens: int, routing=None) -> dict:
+def run_method(target, drafter, prompt, method: str, profile, tokens: int, routing=None, latency=None,
+               estimator=None) -> dict:
+    """One method: a warm-up call (captures, compiles), a prefill-only call (time to first token), a timed call.
+    Decode ms/token = (timed - prefill-only) / (new tokens - 1): the decoding speed, without the prefill that every
+    method shares (reported separately)."""
     sync = torch.cuda.synchronize if prompt.is_cuda else (lambda: None)
-    warmup_tokens = min(tokens, 32)
+    warmup_tokens = tokens  # the same length: resident rounds are captured for the call's static-cache capacity
     if method == "hf_eager":
         kwargs = {}
     elif method == "hf_static_compile":  # transformers' fast path: compiles on the first call of each length
@@ -123,30 +132,46 @@ def run_method(target, drafter, prompt, method: str, profile, tokens: int, routi
         verifier = "per_token_state" if method.endswith("_per_token_state") else "block"
         timed = profile is not None and method != "ar"
         settings = HybridSpecConfig(static_length=7, acceptance_profile=profile if timed else None,
-                                    routing_profile=routing if timed else None, gdn_verifier=verifier)
+                                    routing_profile=routing if timed else None, gdn_verifier=verifier,
+                                    latency_model=latency, acceptance_estimator=estimator)
         kwargs = dict(generation_strategy=strategy, hybridspec_config=settings,
                       assistant_model=drafter if method != "ar" else None)
+
+    def timed_call(new_tokens: int) -> tuple[float, int]:
+        sync()
+        start = time.perf_counter()
+        out = target.generate(prompt, do_sample=False, max_new_tokens=new_tokens, **kwargs)
+        sync()
+        return time.perf_counter() - start, out.shape[1] - prompt.shape[1]
+
     target.generate(prompt, do_sample=False, max_new_tokens=warmup_tokens, **kwargs)  # warm-up: captures, compiles
+    capture_s = 0.0 if method.startswith("hf_") else hybridspec_hf.get_telemetry(target).capture_s
+    prefill = min(timed_call(1)[0] for _ in range(3))
     if prompt.is_cuda:
         torch.cuda.reset_peak_memory_stats()
-    sync()
-    start = time.perf_counter()
-    out = target.generate(prompt, do_sample=False, max_new_tokens=tokens, **kwargs)
-    sync()
-    seconds = time.perf_counter() - start
-    new = out.shape[1] - prompt.shape[1]
-    row = {"ms_per_token": seconds / new * 1e3, "tokens_per_s": new / seconds, "new_tokens": new,
+    seconds, new = timed_call(tokens)
+    decode = (seconds - prefill) / max(new - 1, 1)
+    row = {"ms_per_token": decode * 1e3, "tokens_per_s": 1.0 / decode, "new_tokens": new,
+           "prefill_ms": prefill * 1e3, "end_to_end_ms_per_token": seconds / new * 1e3,
            "gpu_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if prompt.is_cuda else None}
     if not method.startswith("hf_"):
         tel = hybridspec_hf.get_telemetry(target)
         rounds = tel.rounds
-        row.update(path=tel.path, tau=tel.mean_emitted, mean_w=tel.mean_verified,
+        row.update(path=tel.path, capture_s=capture_s, recaptured=tel.capture_s > 0, tau=tel.mean_emitted, mean_w=tel.mean_verified,
                    round_ms=statistics.median(r.wall_s for r in rounds) * 1e3,
                    plain_steps=sum(not r.drafted for r in rounds), rounds=len(rounds),
                    chosen_w=[r.w for r in rounds if r.drafted],
                    round_ms_by_w={w: statistics.median(r.wall_s * 1e3 for r in rounds if r.w == w and r.drafted)
                                   for w in sorted({r.w for r in rounds if r.drafted})})
     return row
+
+
+def latency_table(model) -> dict:
+    """C(w) and C_ar (ms) at the first calibrated context, and C(16)/C(4) (the paper's is 1.71, real routing)."""
+    cost = model.cost[0] * 1e3
+    return {"context": int(model.context_lens[0]), "cost_ms": [round(float(c), 3) for c in cost],
+            "cost_ar_ms": round(float(model.cost_ar[0]) * 1e3, 3),
+            "c16_over_c4": round(float(cost[-1] / cost[3]), 3) if cost.shape[0] >= 4 else None}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -157,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="acceptance profiles in benchmarks/profiles/ (comma-separated stems)")
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
     parser.add_argument("--routing", default="uniform,calibrated", help="uniform (random router) and/or calibrated")
-    parser.add_argument("--tokens", type=int, default=256, help="new tokens per timed call")
+    parser.add_argument("--tokens", type=int, default=512, help="new tokens per timed call (HF eager: ≤ 64)")
     parser.add_argument("--context", type=int, default=256, help="prompt tokens (random ids)")
     parser.add_argument("--with-compile", action="store_true", help="also time generate(cache_implementation='static')")
     parser.add_argument("--name", default=None, help="results stem (default e2e_<model>)")
@@ -174,22 +199,35 @@ def main(argv: list[str] | None = None) -> None:
     if args.with_compile:
         report["not_run"].pop("hf_static_compile")
         methods.insert(1, "hf_static_compile")
-    plain = {m: run_method(target, drafter, prompt, m, None, args.tokens) for m in methods
-             if m in ("hf_eager", "hf_static_compile", "ar")}
+    plain = {m: run_method(target, drafter, prompt, m, None, min(args.tokens, 64) if m == "hf_eager" else args.tokens)
+             for m in methods if m in ("hf_eager", "hf_static_compile", "ar")}
     calibrated = RoutingProfile.from_dict(json.loads((PROFILES / "routing_tiny_pair.json").read_text()))
+    report["latency"] = {}
     for routing_name in args.routing.split(","):
         routing = {"uniform": None, "calibrated": calibrated}[routing_name]
+        # the calibrated strategies' latency model, measured under the routing the rounds will see
+        start = time.perf_counter()
+        latency = calibrate_latency(target, drafter, routing_profile=routing, progress=False)
+        report["latency"][routing_name] = {**latency_table(latency), "calibration_s": time.perf_counter() - start}
+        print(routing_name, "routing, latency model", report["latency"][routing_name], flush=True)
         for name in args.profiles.split(","):
             profile = load_profile(PROFILES / f"{name}.safetensors")
+            # replay the first half of the rows; the acceptance estimator (the draft-side p̂ every calibrated
+            # strategy reads) is fitted on the other half, as a user fits it on traces of their drafter
+            half = profile.accepted.shape[0] // 2
+            replay, held = profile.rows(slice(0, half)), profile.rows(slice(half, None))
+            estimator = AcceptanceEstimator.fit(held.signals())
             rows = dict(plain)
             for method in methods:
                 if method not in rows:
-                    rows[method] = run_method(target, drafter, prompt, method, profile, args.tokens, routing)
+                    rows[method] = run_method(target, drafter, prompt, method, replay, args.tokens, routing, latency,
+                                              estimator)
                     print(name, routing_name, method, {k: v for k, v in rows[method].items() if k != "chosen_w"},
                           flush=True)
-            ceiling = ceiling_tokens_per_s(target, profile.mean_accepted_length, profile.block_size, routing)
+            ceiling = ceiling_tokens_per_s(target, replay.mean_accepted_length, profile.block_size, routing)
             report["profiles"][f"{name} / {routing_name} routing"] = {
-                "mean_accepted_length": profile.mean_accepted_length, "routing": routing_name,
+                "mean_accepted_length": replay.mean_accepted_length, "routing": routing_name,
+                "replayed_rows": half, "estimator_fit_rows": held.accepted.shape[0],
                 "bytes_ceiling_tokens_per_s": ceiling, "methods": rows}
     name = args.name or f"e2e_{args.model}"
     payload = {"title": f"End-to-end, timing mode ({args.model})", "environment": environment(), **report,
@@ -201,7 +239,14 @@ def main(argv: list[str] | None = None) -> None:
 
 def markdown(report: dict) -> str:
     lines = [f"{report['model']}, {report['layers']} layers, {report['parameters_b']:.2f} B parameters, random "
-             f"weights, on {report['device']}; acceptance replayed from each profile (timing mode)."]
+             f"weights, on {report['device']}; acceptance replayed from the first half of each profile's rows (timing "
+             "mode), the acceptance estimator of the calibrated strategies fitted on the other half. ms/token and "
+             "tokens/s are decoding (the prefill, timed separately, excluded); `e2e ms/tok` includes it."]
+    for routing, table in report.get("latency", {}).items():
+        lines += ["", f"Latency model under {routing} routing (calibrated in {table['calibration_s']:.0f} s, context "
+                      f"{table['context']}): C_ar {table['cost_ar_ms']:.2f} ms; C(w) for w = 1..16: "
+                      + ", ".join(f"{c:.2f}" for c in table["cost_ms"]) + f" ms; C(16)/C(4) = {table['c16_over_c4']} "
+                      "(paper, real routing: 1.71)."]
     for name, data in report["profiles"].items():
         rows = data["methods"]
         ar = rows.get("ar", {}).get("tokens_per_s")
@@ -209,8 +254,9 @@ def markdown(report: dict) -> str:
         ceiling = data["bytes_ceiling_tokens_per_s"]
         lines += ["", f"### `{name}` (mean accepted length {data['mean_accepted_length']:.2f} at B = 16"
                       + (f"; bytes ceiling ≈ {ceiling:,.0f} tokens/s" if ceiling else "") + ")", "",
-                  "| method | ms/token | tokens/s | × our AR | × HF eager | τ | mean w | round ms | plain steps | GPU GiB |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| method | ms/token | tokens/s | × our AR | × HF eager | τ | mean w | round ms | plain steps | "
+                  "prefill ms | e2e ms/tok | GPU GiB |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for method, row in rows.items():
             def fmt(key, spec=".2f"):
                 value = row.get(key)
@@ -218,7 +264,8 @@ def markdown(report: dict) -> str:
             lines.append(f"| {method} | {fmt('ms_per_token')} | {fmt('tokens_per_s', '.1f')} | "
                          f"{row['tokens_per_s'] / ar if ar else float('nan'):.2f} | "
                          f"{row['tokens_per_s'] / hf if hf else float('nan'):.2f} | {fmt('tau')} | {fmt('mean_w')} | "
-                         f"{fmt('round_ms')} | {row.get('plain_steps', '–')} | {fmt('gpu_memory_gib', '.1f')} |")
+                         f"{fmt('round_ms')} | {row.get('plain_steps', '–')} | {fmt('prefill_ms', '.1f')} | "
+                         f"{fmt('end_to_end_ms_per_token')} | {fmt('gpu_memory_gib', '.1f')} |")
         if "hybridspec" in rows:
             hs = rows["hybridspec"]["tokens_per_s"]
             ablation = {other: hs / rows[other]["tokens_per_s"] for other in ("ar", "dflash", "ratio", "nominal", "static7")

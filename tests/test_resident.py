@@ -76,6 +76,28 @@ def test_returned_cache_equals_ar_and_rounds_are_reused(cache_implementation, fp
     assert target.__dict__["_hybridspec_resident"] is rounds
 
 
+def test_rounds_are_reused_by_shorter_calls_and_rebuilt_for_longer_ones(monkeypatch, fp64_gdn):
+    from hybridspec_hf.generation import resident
+
+    monkeypatch.setattr(resident, "_CAPACITY_STEP", 16)
+    target = make_target("qwen3_5_moe")
+    prompt = torch.randint(0, VOCAB, (1, 11))
+    drafter = make_drafter(target, 8, reference(target, prompt, 60).sequences, error_rate=0.2)
+    assert torch.equal(run(target, prompt, drafter, "hybridspec", 30, hybridspec_config=ON),
+                       reference(target, prompt, 30).sequences)
+    rounds = target.__dict__["_hybridspec_resident"]
+    assert rounds.key.capacity == 64  # 11 + 30 + block 8 -> 49, in steps of 16
+    # a shorter call fits the same static cache: no new capture, same output as AR
+    assert torch.equal(run(target, prompt, drafter, "hybridspec", 6, hybridspec_config=ON),
+                       reference(target, prompt, 6).sequences)
+    assert target.__dict__["_hybridspec_resident"] is rounds
+    assert hybridspec_hf.get_telemetry(target).capture_s == 0.0
+    # a longer one does not: the rounds are rebuilt for it
+    assert torch.equal(run(target, prompt, drafter, "hybridspec", 50, hybridspec_config=ON),
+                       reference(target, prompt, 50).sequences)
+    assert target.__dict__["_hybridspec_resident"] is not rounds
+
+
 def test_stop_strings_streamer_and_user_criteria(fp64_gdn):
     from transformers import StoppingCriteria, StoppingCriteriaList
 

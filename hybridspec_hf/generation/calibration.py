@@ -22,6 +22,7 @@ from hybridspec_hf import patches
 from hybridspec_hf.config import HybridSpecConfig
 from hybridspec_hf.graphs.capture import host_syncs
 from hybridspec_hf.generation.router_hooks import RouterRecorder
+from hybridspec_hf.selector.profiles import AcceptanceProfile
 from hybridspec_hf.selector import LatencyModel, LengthSelector, calibrate, fit_eta, fit_expert_model, make_cache_key
 from hybridspec_hf.selector.length import on_device
 
@@ -160,10 +161,14 @@ def calibrate_latency(
     kernel_backend: str = "auto",
     prompt_ids: torch.Tensor | None = None,
     progress: bool = True,
+    routing_profile=None,
 ) -> LatencyModel:
     """Measure C(w) for w = 1..B and C_ar at each context length, fit the expert model and η.
 
     prompt_ids: [1, L] real text to take prompts from (random tokens otherwise; real text gives real routing).
+    routing_profile: a `selector.profiles.RoutingProfile` (timing mode's calibrated routing, GPU-resident rounds
+    only): the rounds are timed with the routers' choices replaced by the profile's, and the expert model is fitted
+    on the same replayed ids, so a benchmark under calibrated routing is calibrated under it too.
     """
     from transformers import StoppingCriteria, StoppingCriteriaList
 
@@ -190,6 +195,15 @@ def calibrate_latency(
 
     forced = ForcedLength(0)  # one selector for every measurement: GPU-resident rounds are captured once
     medians: dict[tuple[int, int], list[float]] = {}  # (w, context) -> round medians of GPU-resident calls
+    timing = {}
+    if routing_profile is not None:  # replayed routing needs timing mode: a profile accepting nothing (τ = 1)
+        if not blocks:
+            raise ValueError("routing_profile= replaces MoE routers' choices; this target has no MoE layer.")
+        positions = block_size - 1
+        half = torch.full((1, positions), 0.5)
+        timing = dict(acceptance_profile=AcceptanceProfile(half, half, half, torch.zeros(1, dtype=torch.long),
+                                                           name="calibration"),
+                      routing_profile=routing_profile, cuda_graphs="on")
 
     def run(w: int, context: int, cuda_graphs: str):
         forced.set(w)
@@ -198,7 +212,8 @@ def calibrate_latency(
             ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=block_size * (rounds_per_call + 1),
             assistant_model=drafter, generation_strategy="hybridspec",
             stopping_criteria=StoppingCriteriaList([AfterRounds()]),
-            hybridspec_config=HybridSpecConfig(selector=forced, kernel_backend=kernel_backend, cuda_graphs=cuda_graphs),
+            hybridspec_config=HybridSpecConfig(selector=forced, kernel_backend=kernel_backend,
+                                               **{"cuda_graphs": cuda_graphs, **timing}),
         )
         return target.hybridspec_telemetry
 
@@ -219,7 +234,14 @@ def calibrate_latency(
     try:
         model = calibrate(measure_round, measured_lengths(block_size), context_lens, repeats=repeats,
                           progress=progress)
-        if recorder and medians:  # routing of the same lengths and contexts, eagerly; timings from the graphs
+        if routing_profile is not None:  # the replayed ids are the routing: observe them, timings from the graphs
+            config = target.config.get_text_config()
+            bank = routing_profile.bank(len(blocks), config.num_experts, config.num_experts_per_tok)
+            for (w, context), times in sorted(medians.items()):
+                for r in range(0, bank.shape[0], 16) if w > 0 else ():
+                    recorder.forwards.append(bank[r, :, :w])
+                    samples.append((w, sorted(times)[len(times) // 2], len(recorder.forwards) - 1))
+        elif recorder and medians:  # routing of the same lengths and contexts, eagerly; timings from the graphs
             for (w, context), times in sorted(medians.items()):
                 if w == 0:
                     continue

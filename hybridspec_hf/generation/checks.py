@@ -46,11 +46,12 @@ def check_prompt(model, input_ids: torch.Tensor) -> None:
             "Call generate once per prompt."
         )
     vocab = model.get_input_embeddings().weight.shape[0]
-    if input_ids.numel() and not bool(((input_ids >= 0) & (input_ids < vocab)).all()):  # one sync per call
-        raise ValueError(
-            f"input_ids must be token ids in 0..{vocab - 1} (the model's vocabulary); got values from "
-            f"{int(input_ids.min())} to {int(input_ids.max())}."
-        )
+    with host_syncs():  # the call's set-up: one read of the prompt's range
+        if input_ids.numel() and not bool(((input_ids >= 0) & (input_ids < vocab)).all()):
+            raise ValueError(
+                f"input_ids must be token ids in 0..{vocab - 1} (the model's vocabulary); got values from "
+                f"{int(input_ids.min())} to {int(input_ids.max())}."
+            )
     limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     if limit is not None and input_ids.shape[1] >= limit:
         raise ValueError(

@@ -83,6 +83,13 @@ class _Key:
 MAX_EOS_IDS = 8  # EOS ids a round can test on the device
 
 
+def _reusable(have: _Key, want: _Key) -> bool:
+    """Cached rounds serve a call with the same settings whose length fits their static cache (up to 4× larger than
+    needed: attention reads the whole capacity, masked, so a much larger one would cost every round)."""
+    same = dataclasses.replace(have, capacity=want.capacity) == want
+    return same and want.capacity <= have.capacity <= 4 * want.capacity
+
+
 def resident_rounds(model, drafter, strategy, logits_processor, do_sample: bool, max_length: int,
                     position_rows: int, device_commit: bool) -> "ResidentRounds":
     """The target's `ResidentRounds` for these settings: the cached one when it fits, else a new one (the old one
@@ -92,7 +99,7 @@ def resident_rounds(model, drafter, strategy, logits_processor, do_sample: bool,
     key = _Key(id(drafter), strategy.identity(), do_sample, tuple(repr(p.__dict__) for p in logits_processor),
                capacity, position_rows, device_commit)
     current = model.__dict__.get("_hybridspec_resident")
-    if current is not None and current.key == key:
+    if current is not None and _reusable(current.key, key):
         return current
     if current is not None:
         release_resident_rounds(model)

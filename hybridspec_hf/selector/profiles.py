@@ -47,6 +47,14 @@ class AcceptanceProfile:
         """τ with the whole block verified: mean a_full + 1."""
         return float(self.accepted.float().mean()) + 1.0
 
+    def rows(self, index: slice) -> "AcceptanceProfile":
+        """The profile restricted to rows[index] (e.g. a replay half and a disjoint half to fit an estimator on)."""
+        return AcceptanceProfile(*(getattr(self, k)[index] for k in (*SIGNALS, "accepted")), name=self.name)
+
+    def signals(self) -> dict:
+        """The rows as a traces dict (signals and accepted counts): what `AcceptanceEstimator.fit` takes."""
+        return {k: getattr(self, k) for k in (*SIGNALS, "accepted")}
+
     def to(self, device) -> "AcceptanceProfile":
         return AcceptanceProfile(*(getattr(self, k).to(device) for k in (*SIGNALS, "accepted")), name=self.name)
 
