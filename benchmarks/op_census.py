@@ -40,13 +40,16 @@ class Census(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def census(model, fn) -> dict:
+def census(model, drafter, fn) -> dict:
     stack, handles = ["(round code)"], []
-    for name, module in model.named_modules():
-        if "layers." in name and name.count(".") <= 5:
-            short = ".".join("N" if p.isdigit() else p for p in name.split(".")[2:])
-            handles.append(module.register_forward_pre_hook(lambda m, a, s=short: stack.append(s) and None))
-            handles.append(module.register_forward_hook(lambda m, a, o: stack.pop() and None))
+    modules = [(name, m) for name, m in model.named_modules() if "layers." in name and name.count(".") <= 5]
+    if drafter is not None:
+        modules += [(f"drafter.{name}", m) for name, m in drafter.named_modules() if name and name.count(".") <= 1]
+    for name, module in modules:
+        parts = name.split(".")
+        short = ".".join("N" if p.isdigit() else p for p in (parts[2:] if parts[0] == "model" else parts))
+        handles.append(module.register_forward_pre_hook(lambda m, a, s=short: stack.append(s) and None))
+        handles.append(module.register_forward_hook(lambda m, a, o: stack.pop() and None))
     mode = Census(stack)
     try:
         with mode:
@@ -74,7 +77,7 @@ def main() -> None:
                         assistant_model=drafter if strategy != "ar" else None,
                         hybridspec_config=HybridSpecConfig(cuda_graphs="on", static_length=4))
         rounds = target.__dict__["_hybridspec_resident"]
-        report[strategy] = census(target, getattr(rounds, graph))
+        report[strategy] = census(target, drafter, getattr(rounds, graph))
         total = sum(v["ops"] for v in report[strategy].values())
         print(f"== {strategy} ({graph}): {total} ops, {args.layers} layers")
         for module, row in report[strategy].items():

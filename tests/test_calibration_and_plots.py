@@ -25,6 +25,23 @@ def test_calibration_measures_every_w_and_fits_the_expert_model(pair):
     assert model.experts is not None and model.experts.num_layers == 4 and model.eta >= 0
 
 
+def test_calibration_under_a_routing_profile_fits_the_replayed_routing(pair):
+    from hybridspec_hf.selector.profiles import RoutingProfile
+
+    target, drafter, prompt, reference = pair
+    top_k = target.config.get_text_config().num_experts_per_tok
+    # every token after the first reuses the first token's experts: k distinct experts per layer whatever w
+    always_reuse = RoutingProfile(torch.ones(drafter.config.block_size), name="always_reuse")
+    model = calibrate_latency(target, drafter, context_lens=(16,), repeats=1, progress=False,
+                              routing_profile=always_reuse)
+    assert model.cost.shape == (1, 8) and bool((model.cost > 0).all())
+    assert torch.allclose(model.experts.distinct_per_layer, torch.full_like(model.experts.distinct_per_layer, top_k))
+    uniform = calibrate_latency(target, drafter, context_lens=(16,), repeats=1, progress=False)
+    assert float(uniform.experts.distinct_per_layer[-1]) > top_k  # the model's own router spreads tokens
+    # the model is usable afterwards: no replay hook is left on the routers
+    assert torch.equal(target.generate(prompt, do_sample=False, max_new_tokens=24), reference)
+
+
 def test_first_use_policy_require_raises_and_auto_caches(pair, tmp_path, monkeypatch):
     target, drafter, prompt, reference = pair
     monkeypatch.setenv("HYBRIDSPEC_CACHE", str(tmp_path))

@@ -224,7 +224,7 @@ def calibrate_latency(
         times = sorted(r.wall_s for r in telemetry.rounds if r.drafted == (w > 0)) or \
             sorted(r.wall_s for r in telemetry.rounds)
         median = times[len(times) // 2]
-        if telemetry.path == "cuda_graphs":  # routers run inside graphs: routing is recorded in a pass below
+        if telemetry.path == "cuda_graphs" or routing_profile is not None:  # routing: recorded below
             medians.setdefault((w, context), []).append(median)
         elif recorder and w > 0:
             for index, r in enumerate(telemetry.rounds):  # forward 0 is the prefill
