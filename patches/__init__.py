@@ -18,6 +18,7 @@ from ._gdn import (
     route_cpu_to_torch,
 )
 from ._norms import fused_norms, patch_norm_classes
+from ._rope import patch_rope
 from .experts import register_experts_implementation
 
 
@@ -44,13 +45,14 @@ def family_of(model: torch.nn.Module) -> ModuleType:
 
 
 def install() -> None:
-    """Patch every family's GDN layer with verify mode and its RMSNorms with the fused path (both inert outside
+    """Patch every family's GDN layer with verify mode, its RMSNorms and RoPE with the fused paths (all inert outside
     HybridSpec's resident forwards), route CPU tensors of transformers' GDN kernel functions to their torch
     references (fla crashes on CPU tensors), and register experts_implementation="hybridspec" (idempotent)."""
     for family in _families():
         patch_gdn_class(family.GDN_CLASS, family.project_gdn_inputs)
         route_cpu_to_torch(family.modeling)
         patch_norm_classes(family.RMS_NORM_CLASS, family.GATED_NORM_CLASS)
+        patch_rope(family.modeling)
     register_experts_implementation()
 
 

@@ -30,6 +30,8 @@ from transformers.modeling_outputs import BaseModelOutput
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from hybridspec_hf.kernels.norm_triton import fused_norms_active, rms_norm
+from hybridspec_hf.kernels.rope_triton import rope
+from hybridspec_hf.kernels.rope_triton import supported as rope_supported
 
 from .configuration_dflash import DFlashConfig, build_target_layer_ids
 
@@ -287,6 +289,8 @@ class DFlashRotaryEmbedding(nn.Module):
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE on x [B, heads, T, D] with cos/sin [B, T, D] (half-split rotation, as in transformers' Qwen3)."""
+    if x.is_cuda and fused_norms_active() and rope_supported(x, x, cos, sin):
+        return rope(x, cos, sin)  # one launch inside resident rounds, same rounding steps
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos[:, None] + rotated * sin[:, None]
