@@ -54,3 +54,14 @@ def test_gated_rms_norm_equals_the_module(shape, dtype):
     forward = getattr(type(module), "_hybridspec_original_forward", type(module).forward)
     tol = TOL[dtype] if dtype == torch.float32 else dict(rtol=2**-5, atol=2**-5)
     torch.testing.assert_close(gated_rms_norm(x, z, module.weight, module.variance_epsilon), forward(module, x, z), **tol)
+
+
+def test_fused_kernels_switch_off_with_the_environment(monkeypatch):
+    from hybridspec_hf.kernels.norm_triton import fused_norms, fused_norms_active
+
+    with fused_norms():
+        assert fused_norms_active()
+    monkeypatch.setenv("HYBRIDSPEC_FUSED_KERNELS", "0")
+    with fused_norms():
+        assert not fused_norms_active()
+    assert not fused_norms_active()

@@ -13,6 +13,7 @@ All math in fp32, inputs/outputs in the model dtype; one program per row.
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 import torch.nn.functional as F
@@ -25,9 +26,11 @@ _active = False
 
 @contextlib.contextmanager
 def fused_norms():
-    """While active, the patched norm modules route CUDA tensors to these kernels (GPU-resident forwards only)."""
+    """While active, the patched modules route CUDA tensors to our fused kernels (GPU-resident forwards only).
+    HYBRIDSPEC_FUSED_KERNELS=0 in the environment keeps transformers' own modules there too (read when a resident
+    forward starts, so graphs captured afterwards follow it; for A/B timings and for ruling our kernels out)."""
     global _active
-    previous, _active = _active, HAS_TRITON
+    previous, _active = _active, HAS_TRITON and os.environ.get("HYBRIDSPEC_FUSED_KERNELS", "1") != "0"
     try:
         yield
     finally:
