@@ -13,7 +13,9 @@ the rounds see. ms/token is decoding: (timed call - prefill-only call) / (new to
 Methods, all through generate(): HF eager AR (no profile: plain decoding), our captured AR ("ar"), vanilla DFlash
 (whole block) with our verifier and with the serving engines' per-token-state verifier, static w = 7, the
 per-round-ratio selector (EVICT-like), HybridSpec without routing correction ("nominal"), HybridSpec with the
-per-token-state verifier, and HybridSpec. Routing: "uniform" (the random router) and "calibrated" (every router's
+per-token-state verifier, HybridSpec with max-shape rounds ("hybridspec_max": one graph per round verifying the
+whole block with a device-side valid length, instead of a draft graph + the verify graph of the chosen length), and
+HybridSpec. Routing: "uniform" (the random router) and "calibrated" (every router's
 choices replaced by expert ids sampled from the excess reuse fitted on the real pair, profiles/routing_tiny_pair.json).
 Not run unless asked: HF static cache + compile (minutes of compilation; --with-compile).
 Writes benchmarks/results/e2e_<model>.{json,md} and .png plots (speedup bars, round latency vs w, chosen lengths).
@@ -40,7 +42,7 @@ from hybridspec_hf.selector.profiles import RoutingProfile, load_profile  # noqa
 
 PROFILES = Path(__file__).resolve().parent / "profiles"
 METHODS = ["hf_eager", "ar", "dflash", "dflash_per_token_state", "static7", "ratio", "nominal",
-           "hybridspec_per_token_state", "hybridspec"]
+           "hybridspec_per_token_state", "hybridspec_max", "hybridspec"]
 NOT_RUN = {
     "hf_static_compile": "not run by default (generate(cache_implementation='static') compiles for minutes); "
                          "--with-compile runs it",
@@ -128,12 +130,14 @@ def run_method(target, drafter, prompt, method: str, profile, tokens: int, routi
     elif method == "hf_static_compile":  # transformers' fast path: compiles on the first call of each length
         kwargs, warmup_tokens = {"cache_implementation": "static"}, tokens
     else:
-        strategy = {"static7": "static"}.get(method, method).replace("_per_token_state", "")
+        strategy = {"static7": "static"}.get(method, method).replace("_per_token_state", "").replace("_max", "")
         verifier = "per_token_state" if method.endswith("_per_token_state") else "block"
+        shape = "max" if method.endswith("_max") else "exact"
         timed = profile is not None and method != "ar"
         settings = HybridSpecConfig(static_length=7, acceptance_profile=profile if timed else None,
                                     routing_profile=routing if timed else None, gdn_verifier=verifier,
-                                    latency_model=latency, acceptance_estimator=estimator)
+                                    latency_model=latency(shape) if latency else None,
+                                    acceptance_estimator=estimator, verify_shape=shape)
         kwargs = dict(generation_strategy=strategy, hybridspec_config=settings,
                       assistant_model=drafter if method != "ar" else None)
 
@@ -205,11 +209,19 @@ def main(argv: list[str] | None = None) -> None:
     report["latency"] = {}
     for routing_name in args.routing.split(","):
         routing = {"uniform": None, "calibrated": calibrated}[routing_name]
-        # the calibrated strategies' latency model, measured under the routing the rounds will see
-        start = time.perf_counter()
-        latency = calibrate_latency(target, drafter, routing_profile=routing, progress=False)
-        report["latency"][routing_name] = {**latency_table(latency), "calibration_s": time.perf_counter() - start}
-        print(routing_name, "routing, latency model", report["latency"][routing_name], flush=True)
+        # the calibrated strategies' latency model, measured under the routing (and verify shape) the rounds see
+        models = {}
+
+        def latency(shape: str, routing=routing, routing_name=routing_name, models=models):
+            if shape not in models:
+                start = time.perf_counter()
+                models[shape] = calibrate_latency(target, drafter, routing_profile=routing, progress=False,
+                                                  verify_shape=shape)
+                label = f"{routing_name} routing, {shape} verification"
+                report["latency"][label] = {**latency_table(models[shape]), "calibration_s": time.perf_counter() - start}
+                print("latency model,", label, report["latency"][label], flush=True)
+            return models[shape]
+
         for name in args.profiles.split(","):
             profile = load_profile(PROFILES / f"{name}.safetensors")
             # replay the first half of the rows; the acceptance estimator (the draft-side p̂ every calibrated
@@ -243,7 +255,7 @@ def markdown(report: dict) -> str:
              "mode), the acceptance estimator of the calibrated strategies fitted on the other half. ms/token and "
              "tokens/s are decoding (the prefill, timed separately, excluded); `e2e ms/tok` includes it."]
     for routing, table in report.get("latency", {}).items():
-        lines += ["", f"Latency model under {routing} routing (calibrated in {table['calibration_s']:.0f} s, context "
+        lines += ["", f"Latency model ({routing}; calibrated in {table['calibration_s']:.0f} s, context "
                       f"{table['context']}): C_ar {table['cost_ar_ms']:.2f} ms; C(w) for w = 1..16: "
                       + ", ".join(f"{c:.2f}" for c in table["cost_ms"]) + f" ms; C(16)/C(4) = {table['c16_over_c4']} "
                       "(paper, real routing: 1.71)."]

@@ -166,7 +166,7 @@ def big(args) -> tuple[dict, str]:
         _, _, tel = run_generate(target, prompt, "static", drafter, args.rounds, settings)
         report["static_round_ms"][w] = median([r.wall_s for r in tel.rounds[1:]]) * 1e3
         forced.set(w)
-        settings = HybridSpecConfig(selector=forced)
+        settings = HybridSpecConfig(selector=forced, verify_shape="max")
         run_generate(target, prompt, "hybridspec", drafter, 8, settings)
         _, _, tel = run_generate(target, prompt, "hybridspec", drafter, args.rounds, settings)
         report["max_shape_round_ms"][w] = median([r.wall_s for r in tel.rounds[1:] if r.drafted]) * 1e3

@@ -30,6 +30,24 @@ def test_resident_rounds_match_ar(name, strategy, fp64_gdn):
         assert max(r.accepted for r in telemetry.rounds) > 0, "the oracle drafter should get drafts accepted"
 
 
+@pytest.mark.parametrize("verify_shape", ["exact", "max"])
+@pytest.mark.parametrize("name", ["qwen3_5_moe", "qwen3_next"])
+def test_both_verify_shapes_match_ar_and_exact_verifies_only_the_choice(name, verify_shape, fp64_gdn):
+    target = make_target(name)
+    prompt = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(5))
+    ar = reference(target, prompt, 37)
+    drafter = make_drafter(target, 8, ar.sequences, error_rate=0.3, seed=5)
+    settings = HybridSpecConfig(cuda_graphs="on", verify_shape=verify_shape)
+    assert_same_as_ar(run(target, prompt, drafter, "hybridspec", 37, hybridspec_config=settings), ar)
+    rounds = target.__dict__["_hybridspec_resident"]
+    assert rounds.exact == (verify_shape == "exact")
+    drafted = [r for r in hybridspec_hf.get_telemetry(target).rounds if r.drafted]
+    assert drafted and all(1 <= r.w <= 8 for r in drafted)
+    if verify_shape == "exact":
+        # the last round replayed the verify graph of its own length: w0, + 1 while stage 0 held the extra token
+        assert rounds.verified - drafted[-1].w in (0, 1)
+
+
 @pytest.mark.parametrize("name", ["qwen3_5_moe", "qwen3_next"])
 def test_max_new_tokens_and_eos_at_every_offset(name, fp64_gdn):
     target = make_target(name)
@@ -98,7 +116,9 @@ def test_rounds_are_reused_by_shorter_calls_and_rebuilt_for_longer_ones(monkeypa
     assert target.__dict__["_hybridspec_resident"] is not rounds
 
 
-def test_stop_strings_streamer_and_user_criteria(fp64_gdn):
+@pytest.mark.parametrize("strategy, verify_shape", [("dflash", "auto"), ("hybridspec", "exact"),
+                                                    ("hybridspec", "max")])
+def test_stop_strings_streamer_and_user_criteria(strategy, verify_shape, fp64_gdn):
     from transformers import StoppingCriteria, StoppingCriteriaList
 
     target = make_target("qwen3_5_moe")
@@ -122,7 +142,9 @@ def test_stop_strings_streamer_and_user_criteria(fp64_gdn):
 
     streamer = Collect()
     drafter = make_drafter(target, 8, full, error_rate=0.0)
-    out = run(target, prompt, drafter, "dflash", 30, hybridspec_config=ON, streamer=streamer,
+    # the host decides m: "exact" replays the commit graph of the length that round verified
+    settings = HybridSpecConfig(cuda_graphs="on", verify_shape=verify_shape)
+    out = run(target, prompt, drafter, strategy, 30, hybridspec_config=settings, streamer=streamer,
               stopping_criteria=StoppingCriteriaList([StopAtLength()]))
     assert torch.equal(out, full[:, :stop_at])
     assert streamer.tokens == full[0].tolist()[:stop_at] + ["end"]

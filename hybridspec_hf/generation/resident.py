@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 
 import torch
@@ -47,8 +48,6 @@ def unsupported_reason(model, drafter, strategy, generation_config, logits_proce
     if generation_config.return_dict_in_generate and (generation_config.output_scores or
                                                       generation_config.output_logits):
         return "output_scores/output_logits keep every row of every round"
-    if strategy.mode == "exact":
-        return "verify_shape='exact' reads w0 on the host"
     attn = getattr(model.config.get_text_config(), "_attn_implementation", None) or "sdpa"
     if attn not in ("sdpa", "eager"):
         return f"attn_implementation={attn!r} (needs 'sdpa' or 'eager')"
@@ -169,15 +168,30 @@ class ResidentRounds:
         # CUDA: the graphs are captured with our experts kernel (each distinct expert read once; on the H200 it
         # took the 35B-A3B AR step from 9.6 to 7.0 ms); the model's own experts setting is restored after capture
         experts = fused_experts_for(moe) if self.device.type == "cuda" else contextlib.nullcontext(False)
-        self.step = self.spec = self.commit = None
+        # exact-length verification: a draft graph (draft + choose) hands w0 to the host, which replays the verify
+        # graph of that length (and, when the host decides m, the commit graph that reads that verify's outputs)
+        self.exact = self.speculative and strategy.mode == "exact"
+        self.verify_length = torch.zeros(1, dtype=torch.long, pin_memory=pinned)
+        self.verified = self.verify_tokens  # tokens the last round verified (its commit graph, in "exact")
+        self.step = self.spec = self.draft = None
+        self.verifies: dict[int, Replay] = {}
+        self.commits: dict[int, Replay] = {}
         try:
             self.routing = _routing_replay(strategy.routing, moe, model, self.device)  # before the window: it sets ids
             self.window = VerifyWindow(moe)
             with torch.no_grad(), experts as self.fused_experts:
                 self.step = Replay(self._step, self.device)
-                self.spec = Replay(self._spec, self.device) if self.speculative else None
-                needs_commit_graph = self.spec is not None and not device_commit
-                self.commit = Replay(self._commit, self.device, pool=self.spec.pool()) if needs_commit_graph else None
+                if self.exact:
+                    self.draft = Replay(self._draft, self.device)
+                    for n in range(1, self.verify_tokens + 1):
+                        pool = self.draft.pool()
+                        self.verifies[n] = Replay(functools.partial(self._verify, n), self.device, pool=pool)
+                        if not device_commit:  # captured right after its verify: it reads that graph's outputs
+                            self.commits[n] = Replay(self._commit, self.device, pool=pool)
+                elif self.speculative:
+                    self.spec = Replay(self._spec, self.device)
+                    if not device_commit:
+                        self.commits[self.verify_tokens] = Replay(self._commit, self.device, pool=self.spec.pool())
         except BaseException:  # a failed capture (or CUDA OOM) leaves no hooks and no half-built rounds behind
             self.close()
             raise
@@ -189,7 +203,8 @@ class ResidentRounds:
             if hooks is not None:
                 hooks.remove()
         self.target.close()
-        self.step = self.spec = self.commit = None
+        self.step = self.spec = self.draft = None
+        self.verifies, self.commits = {}, {}
 
     def reset_selector(self) -> None:
         """A new generate() call: the selector's streams restart from its prior, in place (graphs hold them)."""
@@ -253,46 +268,62 @@ class ResidentRounds:
                                        self.one]))
 
     def _spec(self):
-        """Draft, choose, verify, accept: everything of a speculative round before the host decides m."""
+        """A whole speculative round over the block's shape (modes "fixed" and "max"): draft, then verify."""
+        self._draft()
+        self._verify(self.verify_tokens)
+
+    def _draft(self):
+        """Draft, choose w0 (and arm the routing correction): what the round verifies."""
         t = self.verify_tokens
-        context_len = self.target.length.clone()
+        self.round_context_len = self.target.length.clone()
         draft_logits = self.drafter.draft_static(self.last_token, self.context)  # [1, B-1, V]
         drafts = draft_logits.argmax(-1)
-        tokens = torch.cat([self.last_token, drafts[:, : t - 1]], dim=1)  # [1, T]
+        self.block = torch.cat([self.last_token, drafts[:, : t - 1]], dim=1)  # [1, T]
         room = self.max_length - (self.target.length + 1)  # tokens generate() still allows
         w_max = room.clamp(min=1, max=t)
-        choice, signals, replayed = None, None, None
+        self.choice, signals, self.replayed = None, None, None
         if self.profile is not None:  # timing mode: the next profile row's signals and accepted count
             row = self.profile_row % self.profile.accepted.shape[0]
             signals = {k: getattr(self.profile, k).index_select(0, row) for k in ("top1", "margin", "entropy")}
-            replayed = self.profile.accepted.index_select(0, row)  # [1] a with the whole block verified
+            self.replayed = self.profile.accepted.index_select(0, row)  # [1] a with the whole block verified
             if self.routing is not None:
                 self.routing.row.copy_(self.profile_row)
             self.profile_row.add_(1)
         if self.strategy.mode != "fixed":
-            choice = self.strategy.choose(draft_logits, context_len, w_max, signals)
-            valid = choice.valid
-            self.window.arm(choice)
+            self.choice = self.strategy.choose(draft_logits, self.round_context_len, w_max, signals)
+            self.round_valid = self.choice.valid  # the extra token included until the correction drops it
         else:
-            valid = w_max
+            self.round_valid = w_max
+        if self.exact:  # the host reads how many tokens stage 0 verifies (w0, + 1 for the extra token)
+            self.verify_length.copy_(self.round_valid, non_blocking=True)
+
+    def _verify(self, n: int):
+        """Verify the block's first n tokens (n = T in modes "fixed"/"max"; n = w0 (+1) in "exact"), accept,
+        commit when m is known on the device, hand off."""
+        t, choice, valid = self.verify_tokens, self.choice, self.round_valid
+        tokens = self.block[:, :n]
+        if choice is not None:
+            self.window.arm(choice)
         session = self.target.session(valid)
         try:
             with self._routing_armed():
                 logits, features = self.target.forward(tokens, verify=session)
         finally:
             self.window.disarm()
-        scores = self._scores(logits[0].float())  # [T, V]
+        scores = self._scores(logits[0].float())  # [n, V]
         if self.do_sample:
             accepted, sampled = speculative_sample(tokens[:, 1:], scores.softmax(-1)[None], valid)
             target_tokens = torch.cat([tokens[:, 1:], sampled[:, None]], dim=1)
             target_tokens = target_tokens.scatter(1, accepted.view(-1, 1), sampled.view(-1, 1))
         else:
-            target_tokens = scores.argmax(-1)[None]  # [1, T]
+            target_tokens = scores.argmax(-1)[None]  # [1, n]
             accepted = greedy_accept(tokens[:, 1:], target_tokens, valid)
-        if replayed is not None:
-            accepted = torch.minimum(replayed, valid.view(-1) - 1)
+        if self.replayed is not None:
+            accepted = torch.minimum(self.replayed, valid.view(-1) - 1)
+        if n < t:  # the hand-off keeps the block's layout
+            target_tokens = torch.cat([target_tokens, target_tokens.new_zeros(1, t - n)], dim=1)
         self.strategy.observe_acceptance(choice, accepted)
-        draft_next = self._flag(self.strategy.should_draft(context_len))
+        draft_next = self._flag(self.strategy.should_draft(self.round_context_len))
         keep = choice.keep.long() if choice is not None else torch.zeros_like(self.one)
         n_new = choice.n_new if choice is not None else torch.zeros_like(self.one)
         self.pending, self.features, self.valid, self.target_tokens = session, features, valid, target_tokens
@@ -340,21 +371,31 @@ class ResidentRounds:
         return self._read_handoff()
 
     def run_spec(self) -> list[int]:
-        self.spec()
+        if not self.exact:
+            self.spec()
+            return self._read_handoff()
+        self.draft()
+        self._wait()  # the round's first read: how many tokens to verify
+        self.verified = int(self.verify_length)
+        self.verifies[self.verified]()
         return self._read_handoff()
 
     def run_commit(self, count: int) -> None:
         self.count.fill_(count)
-        self.commit()
+        self.commits[self.verified]()
 
-    def _read_handoff(self) -> list[int]:
-        """The round's one device→host wait: the hand-off copy was enqueued (non-blocking) by the graph."""
+    def _wait(self) -> None:
+        """Wait for the copies the graphs enqueued (non-blocking, into pinned memory) to land."""
         if self.handoff_ready is not None:
             self.handoff_ready.record()
             start = time.perf_counter()
             with host_syncs():
                 self.handoff_ready.synchronize()
             self.waited_s += time.perf_counter() - start
+
+    def _read_handoff(self) -> list[int]:
+        """The round's device→host wait for its tokens (the hand-off copy was enqueued by the graph)."""
+        self._wait()
         return self.handoff.tolist()
 
     def finish(self, cache, length: int) -> None:
@@ -422,7 +463,7 @@ def resident_decode(rounds: ResidentRounds, emitter: HostEmitter, telemetry, pre
     """Rounds until a criterion fires; the caller prefilled and `rounds.start(...)`-ed. Host time per round: one
     replay (two for a speculative round), one wait for the hand-off, and the emission of its tokens."""
     t = rounds.verify_tokens
-    draft_next = rounds.spec is not None
+    draft_next = rounds.speculative
     last = time.perf_counter()
     context_len = emitter.length - 1
     while not emitter.finished:
@@ -446,7 +487,7 @@ def resident_decode(rounds: ResidentRounds, emitter: HostEmitter, telemetry, pre
             a, w, kept, n_new, draft_next = 0, 1, 0, 0, handoff[t + 4]  # m = 1
             emitter.emit(handoff[0])
             committed, drafted = 1, False
-        draft_next = bool(draft_next) and rounds.spec is not None
+        draft_next = bool(draft_next) and rounds.speculative
         now = time.perf_counter()
         corrected = drafted and rounds.strategy.corrects
         device_side = drafted and rounds.strategy.mode != "fixed"

@@ -56,9 +56,9 @@ class RoundStrategy:
     - "fixed": w is known on the host before drafting (dflash, static, ar): verify exactly `fixed_length` tokens
       (capped by the room left);
     - "max": w0 is chosen on the device from the drafts; verify min(B, room) tokens with a device-side valid length
-      and no host sync (GPU; resident rounds);
-    - "exact": w0 is chosen on the device, read on the host, and only those tokens are verified (CPU, where every
-      row costs and a read is free).
+      and no host sync inside the round;
+    - "exact": w0 is chosen on the device, read on the host, and only those tokens are verified (resident rounds:
+      a draft graph, then the verify graph of that length; the default).
     """
 
     def __init__(self, name: str, fixed_length: int | None, selector, estimator, corrects: bool,
@@ -119,11 +119,10 @@ class RoundStrategy:
             identity = (*identity, latency.digest())
         selector.reset()
         estimator = _estimator(settings.acceptance_estimator, block_size)
-        shape = settings.verify_shape
-        if shape == "auto":
-            on_cuda = next(target.parameters()).device.type == "cuda"
-            resident = on_cuda or settings.cuda_graphs == "on" or settings.acceptance_profile is not None
-            shape = "max" if resident else "exact"  # resident rounds are max-shape
+        # "auto": exact everywhere. On a CPU every verified row costs; on the H200 a per-length round cost ≈ 0.7 ms
+        # less than the max-shape one at w ≈ 7 (35B-A3B, benchmarks/results/gpu_rounds_runs.md), far more than the
+        # extra read of w0 (≈ 30 µs of GPU idle)
+        shape = "exact" if settings.verify_shape == "auto" else settings.verify_shape
         return cls(name, None, selector, estimator, bool(selector.routing_correction and has_router), shape,
                    settings.kernel_backend, identity)
 
