@@ -70,3 +70,20 @@ def test_fp32_greedy_equals_ar_every_family():
                 out = target.generate(prompt.cuda(), do_sample=False, max_new_tokens=33, assistant_model=drafter,
                                       generation_strategy=strategy, hybridspec_config=HybridSpecConfig(cuda_graphs="on"))
                 assert torch.equal(out, ar), (name, seed, strategy)
+
+
+@pytest.mark.parametrize("verify_shape", ["exact", "max"])
+def test_both_verify_shapes_run_captured_and_equal_ar(verify_shape, sync_errors):
+    torch.cuda.set_sync_debug_mode(0)
+    target, _ = _pair()
+    prompt = torch.randint(0, VOCAB, (1, 12), device="cuda")
+    ar = target.generate(prompt, do_sample=False, max_new_tokens=40)
+    target, drafter = _pair(reference=ar.cpu())
+    kwargs = dict(do_sample=False, max_new_tokens=40, assistant_model=drafter, generation_strategy="hybridspec",
+                  hybridspec_config=HybridSpecConfig(cuda_graphs="on", verify_shape=verify_shape))
+    torch.cuda.set_sync_debug_mode("error")
+    target.generate(prompt, **kwargs)
+    out = target.generate(prompt, **kwargs)
+    torch.cuda.set_sync_debug_mode(0)
+    assert torch.equal(out, ar)
+    assert target.__dict__["_hybridspec_resident"].exact == (verify_shape == "exact")
