@@ -163,6 +163,7 @@ def run_method(target, drafter, prompt, method: str, profile, tokens: int, routi
         rounds = tel.rounds
         row.update(path=tel.path, capture_s=capture_s, recaptured=tel.capture_s > 0, tau=tel.mean_emitted, mean_w=tel.mean_verified,
                    round_ms=statistics.median(r.wall_s for r in rounds) * 1e3,
+                   host_ms=statistics.median(r.host_s for r in rounds) * 1e3,
                    plain_steps=sum(not r.drafted for r in rounds), rounds=len(rounds),
                    chosen_w=[r.w for r in rounds if r.drafted],
                    round_ms_by_w={w: statistics.median(r.wall_s * 1e3 for r in rounds if r.w == w and r.drafted)
