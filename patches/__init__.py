@@ -1,6 +1,7 @@
 """Model-family patches (shipped as `hybridspec_hf.patches`): one file per family, nothing else imports internals.
 
-Each family module exposes NAME, GDN_CLASS, MODEL_CLASSES, MOE_BLOCK_CLASS, ROUTER_CLASS and `project_gdn_inputs`.
+Each family module exposes NAME, GDN_CLASS, MODEL_CLASSES, MOE_BLOCK_CLASS, ROUTER_CLASS, `router_normalizes`
+(None for dense families) and `project_gdn_inputs`.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from ._gdn import (
     per_token_state_buffer,
     route_cpu_to_torch,
 )
+from ._moe import patch_moe_classes, prepare_fused_moe, release_fused_moe
 from ._norms import fused_norms, patch_norm_classes
 from ._rope import patch_rope
 from .experts import register_experts_implementation
@@ -45,14 +47,17 @@ def family_of(model: torch.nn.Module) -> ModuleType:
 
 
 def install() -> None:
-    """Patch every family's GDN layer with verify mode, its RMSNorms and RoPE with the fused paths (all inert outside
-    HybridSpec's resident forwards), route CPU tensors of transformers' GDN kernel functions to their torch
-    references (fla crashes on CPU tensors), and register experts_implementation="hybridspec" (idempotent)."""
+    """Patch every family's GDN layer with verify mode, its RMSNorms, RoPE and MoE blocks (router, shared expert)
+    with the fused paths (all inert outside HybridSpec's resident forwards), route CPU tensors of transformers' GDN
+    kernel functions to their torch references (fla crashes on CPU tensors), and register
+    experts_implementation="hybridspec" (idempotent)."""
     for family in _families():
         patch_gdn_class(family.GDN_CLASS, family.project_gdn_inputs)
         route_cpu_to_torch(family.modeling)
         patch_norm_classes(family.RMS_NORM_CLASS, family.GATED_NORM_CLASS)
         patch_rope(family.modeling)
+        if family.MOE_BLOCK_CLASS is not None:
+            patch_moe_classes(family.ROUTER_CLASS, family.MOE_BLOCK_CLASS, family.router_normalizes)
     register_experts_implementation()
 
 
@@ -91,7 +96,9 @@ __all__ = [
     "is_linear_cache_layer",
     "moe_blocks",
     "per_token_state_buffer",
+    "prepare_fused_moe",
     "register_experts_implementation",
+    "release_fused_moe",
     "route_cpu_to_torch",
     "supported_classes",
     "text_model",

@@ -11,3 +11,4 @@ MODEL_CLASSES = (modeling.Qwen3_5ForCausalLM, modeling.Qwen3_5ForConditionalGene
 MOE_BLOCK_CLASS = None  # dense MLPs: no router, no routing correction
 ROUTER_CLASS = None
 project_gdn_inputs = project_separate
+router_normalizes = None  # no router

@@ -11,3 +11,8 @@ MODEL_CLASSES = (modeling.Qwen3_5MoeForCausalLM, modeling.Qwen3_5MoeForCondition
 MOE_BLOCK_CLASS = modeling.Qwen3_5MoeSparseMoeBlock  # .gate (router -> logits, scores, top-k ids) and .experts
 ROUTER_CLASS = modeling.Qwen3_5MoeTopKRouter
 project_gdn_inputs = project_separate
+
+
+def router_normalizes(router) -> bool:
+    """The router renormalises its top-k probabilities to sum 1 (always, in this family)."""
+    return True

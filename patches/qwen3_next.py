@@ -11,6 +11,11 @@ MOE_BLOCK_CLASS = modeling.Qwen3NextSparseMoeBlock  # .gate (router -> logits, s
 ROUTER_CLASS = getattr(modeling, "Qwen3NextTopKRouter", None)
 
 
+def router_normalizes(router) -> bool:
+    """The router renormalises its top-k probabilities when the config says `norm_topk_prob`."""
+    return bool(router.norm_topk_prob)
+
+
 def project_gdn_inputs(layer: torch.nn.Module, hidden_states: torch.Tensor):
     """Un-interleave the fused projections into the conv input [B, T, C] = cat(q, k, v) and z, b, a."""
     query, key, value, z, b, a = layer.fix_query_key_value_ordering(

@@ -148,7 +148,7 @@ class ResidentRounds:
             from hybridspec_hf.drafter import StaticDraftContext
 
             self.context = StaticDraftContext(drafter, capacity, self.device, drafter.dtype)
-        moe = patches.moe_blocks(model)
+        self.moe = moe = patches.moe_blocks(model)
         self.routing = self.window = None  # hooks on the model: made last, right before capture
         self.block_size = drafter.config.block_size if self.context is not None else 1
         self.verify_tokens = strategy.fixed_length if strategy.mode == "fixed" else self.block_size
@@ -185,6 +185,9 @@ class ResidentRounds:
         self.verifies: dict[int, Replay] = {}
         self.commits: dict[int, Replay] = {}
         try:
+            # the fused MoE blocks' concatenated shared-expert weights: made here, outside capture (a copy made
+            # inside would be a graph node replayed every round), refreshed in place by `start`, freed by `close`
+            patches.prepare_fused_moe(moe)
             self.routing = _routing_replay(strategy.routing, moe, model, self.device)  # before the window: it sets ids
             self.window = VerifyWindow(moe)
             with torch.no_grad(), experts as self.fused_experts:
@@ -206,10 +209,11 @@ class ResidentRounds:
         self.capture_s = time.perf_counter() - start
 
     def close(self) -> None:
-        """Remove every hook this object put on the model (graphs and buffers go with the object)."""
+        """Remove every hook and weight copy this object put on the model (graphs and buffers go with the object)."""
         for hooks in (self.window, self.routing):
             if hooks is not None:
                 hooks.remove()
+        patches.release_fused_moe(self.moe)
         self.target.close()
         self.step = self.spec = self.draft = None
         self.verifies, self.commits = {}, {}
@@ -361,6 +365,7 @@ class ResidentRounds:
     def start(self, cache, last_position: torch.Tensor, prompt_features: torch.Tensor, first_token: torch.Tensor,
               max_length: int, eos_ids: set[int]) -> None:
         """Load a prefilled call into the static buffers (eager, once per generate() call)."""
+        patches.prepare_fused_moe(self.moe)  # weights changed in place since capture: the copies follow
         if self.device_commit:
             ids = sorted(eos_ids)[:MAX_EOS_IDS]
             self.eos_ids.fill_(-1)

@@ -3,6 +3,8 @@
 `gdn_torch` is the CPU implementation and the reference for every Triton kernel beside it. `gdn_triton` and
 `default_verifier` import without triton (their `*_auto` / `kernel_backend="auto"` entry points then use torch).
 `moe_triton` is the routed-experts path (`fused_experts`, reference `fused_experts_reference` beside it).
+`norm_triton`, `router_triton` and `shared_expert_triton` hold the fused norms and MoE-block kernels of the resident
+forwards (used by patches/_norms.py and patches/_moe.py), each with its torch reference.
 """
 from .gdn_torch import (
     GDNVerifyResult,

@@ -1,0 +1,89 @@
+"""Top-k routing of a softmax MoE router in one launch after the router GEMM; `route_topk_reference` is the truth.
+
+transformers' Qwen3.5-MoE / Qwen3-Next routers (`*TopKRouter.forward`, 5.17 and 5.24 alike) run, after
+`logits = F.linear(x, W)`, on CUDA: softmax (fp32), topk (+ its sort of the k values), sum, div and the cast back to
+the logits' dtype: 5-6 launches of a few µs each at batch 1, inside every MoE layer of a launch-bound forward.
+
+    p = softmax(logits.float())                       [T, E] fp32
+    scores, ids = topk(p, k)                          descending; ids [T, k] long
+    normalize: scores = scores / scores.sum(-1)       (= a softmax over the k largest logits)
+    scores = scores.to(logits.dtype)
+
+One program per token row (E ≤ 4096 in registers): the fp32 max and sum of exp over the row, then k passes that each
+take the largest remaining logit. The ranking is on the fp32 logits, which the softmax orders the same way, so the
+ids are torch.topk's wherever the probabilities differ. Ties (equal logits) go to the lowest expert id first;
+torch.topk leaves the order of equal probabilities unspecified (on the CPU it is not the index order), so at a tie
+the two may list different, equally probable experts, and a tie at the k-th place may pick a different expert.
+Ties are not rare in bf16: 256 logits with 8 significant bits often hold equal values. Scores follow transformers' rounding steps (p_j = e_j / Σe, then
+p_j / Σ_top p in fp32, one cast); the fp32 sums run in another order and Triton's exp is not libm's, so scores agree
+to ~1e-6 relative in fp32 and to one rounding of the output dtype otherwise.
+
+Kernels bind to `triton.jit` at launch (`_LazyJit`), so `TRITON_INTERPRET=1` runs them on the CPU (tests). Triton
+compiles on the first launch of each (E, k) shape: call once before CUDA-graph capture (the warm-up does).
+"""
+from __future__ import annotations
+
+import torch
+
+from .gdn_triton import HAS_TRITON, _LazyJit, tl, tl_dtype, triton
+
+MAX_EXPERTS = 4096  # one row in registers
+
+
+def route_topk_reference(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' router after its GEMM: logits [T, E] -> (scores [T, k] in logits' dtype, ids [T, k] long)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+    scores, ids = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        scores = scores / scores.sum(dim=-1, keepdim=True)
+    return scores.to(logits.dtype), ids
+
+
+def _route_topk_kernel(logits, scores, ids, stride_l, stride_s, stride_i, E, K: tl.constexpr, KP: tl.constexpr,
+                       BLOCK_E: tl.constexpr, NORMALIZE: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_E)
+    valid = cols < E
+    x = tl.load(logits + row * stride_l + cols, mask=valid, other=float("-inf")).to(tl.float32)
+    row_max = tl.max(x, axis=0)
+    total = tl.sum(tl.where(valid, tl.exp(x - row_max), 0.0), axis=0)  # softmax denominator
+    slots = tl.arange(0, KP)
+    top_p = tl.zeros([KP], dtype=tl.float32)
+    top_i = tl.zeros([KP], dtype=tl.int64)
+    free = valid
+    for j in tl.static_range(K):  # k passes: the largest free logit, lowest id among equals
+        best = tl.max(tl.where(free, x, float("-inf")), axis=0)
+        pick = tl.min(tl.where(free & (x == best), cols, BLOCK_E), axis=0)
+        free = free & (cols != pick)
+        top_p = tl.where(slots == j, tl.exp(best - row_max) / total, top_p)
+        top_i = tl.where(slots == j, pick.to(tl.int64), top_i)
+    if NORMALIZE:
+        top_p = top_p / tl.sum(top_p, axis=0)  # padding slots hold 0
+    keep = slots < K
+    tl.store(scores + row * stride_s + slots, top_p.to(OUT_DTYPE), mask=keep)
+    tl.store(ids + row * stride_i + slots, top_i, mask=keep)
+
+
+if HAS_TRITON:
+    _route_topk_kernel = _LazyJit(_route_topk_kernel)
+
+
+def route_topk(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton `route_topk_reference` (one launch): logits [T, E] float32/bfloat16/float16 -> (scores [T, k] in
+    logits' dtype, ids [T, k] long). Equal logits go to the lowest expert id first."""
+    if logits.dim() != 2 or not 0 < top_k <= logits.shape[1] or logits.shape[1] > MAX_EXPERTS:
+        raise ValueError(f"route_topk takes logits [T, E] with 0 < top_k <= E <= {MAX_EXPERTS}; got logits "
+                         f"{tuple(logits.shape)}, top_k={top_k}")
+    num_tokens, num_experts = logits.shape
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    scores = torch.empty(num_tokens, top_k, dtype=logits.dtype, device=logits.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.long, device=logits.device)
+    if num_tokens == 0:
+        return scores, ids
+    block = triton.next_power_of_2(num_experts)
+    # 2k+2 row reductions: one warp (shuffles only, no shared-memory round trips) up to 512 experts
+    _route_topk_kernel[(num_tokens,)](logits, scores, ids, logits.stride(0), scores.stride(0), ids.stride(0),
+                                      num_experts, K=top_k, KP=triton.next_power_of_2(top_k), BLOCK_E=block,
+                                      NORMALIZE=normalize, OUT_DTYPE=tl_dtype(logits.dtype),
+                                      num_warps=1 if block <= 512 else 4)
+    return scores, ids

@@ -1,0 +1,163 @@
+"""Fused MoE blocks (router top-k, shared expert, final combine) inside GPU-resident forwards only.
+
+At batch 1 a resident forward is launch-bound. Per MoE layer transformers launches, around the routed experts, ~7
+kernels in the router (GEMM, softmax, topk + sort, sum, div, cast) and 9 for the shared expert and the combine
+(gate, up, down and shared_expert_gate GEMMs, silu, mul, sigmoid, mul, add). The patched classes launch 6:
+
+    router   GEMM, route_topk                                     (kernels/router_triton.py)
+    shared   GEMM over [gate_proj; up_proj; shared_expert_gate], silu_mul, down GEMM
+    combine  gated_add: routed + sigmoid(gate logit) · shared     (kernels/shared_expert_triton.py)
+
+The router is still called as a module (`self.gate(x)`) and the experts too (`self.experts(...)`), so forward hooks
+on them (RouterRecorder, RoutingReplay, VerifyWindow, users') fire as before. The shared expert's modules are
+skipped, so any hook on them (or a replaced forward, LoRA layers, a non-SiLU activation) keeps transformers' forward.
+
+Both patches are inert unless `fused_norms()` is active (HybridSpec's resident forwards), the input is on CUDA and
+grad is off, so plain generate(), training and every CPU path run transformers' code unchanged.
+
+The concatenated weight [2I + 1 rows padded to 8, H] is a copy: (2·512 + 8) × 2048 × 2 bytes = 4.2 MB per layer
+at the Qwen3.5-35B-A3B / Qwen3-Next-80B-A3B shapes (169 / 203 MB over 40 / 48 layers). `prepare_fused_moe` makes it
+before capture and refreshes it in place (same address, so captured graphs stay right) at the start of every
+generate() call whose source weights changed (their data_ptr or in-place `_version`; writes through `.data` are not
+seen: release the graphs after those). A forward never builds it: inside a capture the copy would become a graph
+node replayed every round. A block without a current copy runs transformers' shared expert. `release_fused_moe`
+frees it with the resident rounds (`hybridspec_hf.release_graphs`).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.nn.modules import module as nn_module
+from transformers.activations import SiLUActivation
+
+from hybridspec_hf.kernels import router_triton, shared_expert_triton
+from hybridspec_hf.kernels.norm_triton import fused_norms_active
+
+__all__ = ["patch_moe_classes", "prepare_fused_moe", "release_fused_moe"]
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_CACHE = "_hybridspec_shared_weights"
+_ON_CPU = False  # tests only: take the fused route on CPU tensors too (with the Triton interpreter)
+
+
+@dataclass
+class _SharedWeights:
+    weight: torch.Tensor  # [gate_proj; up_proj; shared_expert_gate; zero rows] [R, H]
+    key: tuple  # (data_ptr, _version) of the three sources when copied
+
+
+def _active(x: torch.Tensor) -> bool:
+    return (x.is_cuda or _ON_CPU) and fused_norms_active() and x.dtype in _DTYPES and not torch.is_grad_enabled()
+
+
+def patch_moe_classes(router_cls: type | None, block_cls: type | None, normalizes: Callable[[torch.nn.Module], bool]):
+    """Install the fused paths on a family's router (softmax top-k, `normalizes(router)`: renormalise the top-k
+    probabilities) and sparse MoE block (shared expert and combine) (idempotent)."""
+    if router_cls is not None and "_hybridspec_original_forward" not in router_cls.__dict__:
+        original_router = router_cls.forward
+
+        def router_forward(self, hidden_states):
+            if not _active(hidden_states) or self.num_experts > router_triton.MAX_EXPERTS:
+                return original_router(self, hidden_states)
+            hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+            router_logits = F.linear(hidden_states, self.weight)  # [T, E]
+            scores, ids = router_triton.route_topk(router_logits, self.top_k, normalizes(self))
+            return router_logits, scores, ids
+
+        router_cls._hybridspec_original_forward = original_router
+        router_cls.forward = router_forward
+    if block_cls is not None and "_hybridspec_original_forward" not in block_cls.__dict__:
+        original_block = block_cls.forward
+
+        def block_forward(self, hidden_states):
+            weights = _current_weights(self, hidden_states) if _active(hidden_states) else None
+            if weights is None:
+                return original_block(self, hidden_states)
+            return _fused_block_forward(self, hidden_states, weights)
+
+        block_cls._hybridspec_original_forward = original_block
+        block_cls.forward = block_forward
+
+
+def _fused_block_forward(block: torch.nn.Module, hidden_states: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """transformers' SparseMoeBlock.forward with the shared expert and the combine fused (same module calls to the
+    router and the experts)."""
+    batch_size, sequence_length, hidden_dim = hidden_states.shape
+    hidden = hidden_states.view(-1, hidden_dim)
+    mlp = block.shared_expert
+    shared, gate_logit = shared_expert_triton.shared_expert(hidden, weights, mlp.down_proj.weight,
+                                                            mlp.gate_proj.out_features)
+    _, routing_weights, selected_experts = block.gate(hidden)
+    routed = block.experts(hidden, selected_experts, routing_weights)
+    out = shared_expert_triton.gated_add(routed, gate_logit, shared)
+    return out.reshape(batch_size, sequence_length, hidden_dim)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the concatenated weight
+
+
+def _sources(block: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return block.shared_expert.gate_proj.weight, block.shared_expert.up_proj.weight, block.shared_expert_gate.weight
+
+
+def _key(block: torch.nn.Module) -> tuple:
+    return tuple((w.data_ptr(), w._version) for w in _sources(block))
+
+
+def _skipped_modules(block: torch.nn.Module) -> list[torch.nn.Module]:
+    return [*block.shared_expert.modules(), block.shared_expert_gate]
+
+
+def _fusable(block: torch.nn.Module) -> bool:
+    """transformers' layout (plain bias-free Linears, SiLU) on CUDA (or `_ON_CPU`), float32/bfloat16/float16."""
+    mlp = block.shared_expert
+    linears = [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+    linears.append(getattr(block, "shared_expert_gate", None))
+    if not all(type(m) is torch.nn.Linear and m.bias is None for m in linears):
+        return False
+    if not isinstance(getattr(mlp, "act_fn", None), (SiLUActivation, torch.nn.SiLU)):
+        return False
+    weights = [m.weight for m in linears]
+    return (linears[-1].out_features == 1 and len({(w.dtype, w.device) for w in weights}) == 1
+            and weights[0].dtype in _DTYPES and (weights[0].is_cuda or _ON_CPU))
+
+
+def _hooked(modules: list[torch.nn.Module]) -> bool:
+    """Whether a call of these modules would run anything but their class forward (hooks, a replaced forward)."""
+    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__ for m in modules)
+
+
+def _current_weights(block: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor | None:
+    """The block's concatenated weight if it is current and the skipped modules have nothing that must run."""
+    cached = block.__dict__.get(_CACHE)
+    if cached is None or cached.key != _key(block) or _hooked(_skipped_modules(block)):
+        return None
+    weight = cached.weight
+    return weight if weight.dtype == hidden.dtype and weight.device == hidden.device else None
+
+
+def prepare_fused_moe(blocks: list[torch.nn.Module]) -> None:
+    """Make (or refresh in place) each fusable block's concatenated shared-expert weight. Outside graph capture:
+    the resident rounds call it before capturing and at the start of every generate() call."""
+    for block in blocks:
+        if not _fusable(block):
+            block.__dict__.pop(_CACHE, None)
+            continue
+        cached, key = block.__dict__.get(_CACHE), _key(block)
+        if cached is not None and cached.key == key:
+            continue
+        previous = cached.weight if cached is not None else None
+        weight = shared_expert_triton.concat_shared_weights(*_sources(block), out=previous)
+        block.__dict__[_CACHE] = _SharedWeights(weight, key)
+
+
+def release_fused_moe(blocks: list[torch.nn.Module]) -> None:
+    """Free the concatenated weights (the blocks run transformers' shared expert until the next prepare)."""
+    for block in blocks:
+        block.__dict__.pop(_CACHE, None)

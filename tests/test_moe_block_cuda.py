@@ -1,0 +1,88 @@
+"""Fused MoE blocks on CUDA at the Qwen3.5-35B-A3B / Qwen3-Next-80B-A3B widths: compiled Triton kernels, a CUDA
+graph replay, and the concatenated weight refreshed in place under a captured graph. Skipped without CUDA; the CPU
+twin (Triton interpreter) is tests/test_moe_block_triton.py, whose tolerances these reuse (fp32 block outputs
+within 1e-5 relative here: cuBLAS may accumulate the concatenated GEMM in another order)."""
+import pytest
+import torch
+from test_moe_block_triton import assert_routing_matches
+from transformers import Qwen3_5MoeTextConfig, Qwen3NextConfig
+from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
+from transformers.models.qwen3_next import modeling_qwen3_next
+
+import hybridspec_hf  # noqa: F401  (installs the patches)
+from hybridspec_hf import patches
+from hybridspec_hf.patches.experts import fused_experts_for
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+WIDTHS = dict(hidden_size=2048, moe_intermediate_size=512, shared_expert_intermediate_size=512)
+
+
+def full_width_block(family: str, dtype: torch.dtype) -> torch.nn.Module:
+    """One randomly initialised sparse MoE block of the family at full width, on CUDA."""
+    if family == "qwen3_5_moe":
+        config = Qwen3_5MoeTextConfig(**WIDTHS, num_experts=256, num_experts_per_tok=8)
+        block = modeling_qwen3_5_moe.Qwen3_5MoeSparseMoeBlock(config)
+    else:
+        config = Qwen3NextConfig(**WIDTHS, num_experts=512, num_experts_per_tok=10, norm_topk_prob=True)
+        block = modeling_qwen3_next.Qwen3NextSparseMoeBlock(config)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in block.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * param.shape[-1] ** -0.5)
+    return block.to("cuda", dtype)
+
+
+def fused(block, x):
+    with torch.no_grad(), patches.fused_norms():
+        return block(x)
+
+
+def plain(block, x):
+    with torch.no_grad():
+        return block(x)
+
+
+def rel(a, b) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
+def test_fused_block_and_router_match_transformers(family):
+    block = full_width_block(family, torch.float32)
+    patches.prepare_fused_moe([block])
+    with fused_experts_for([block]):
+        for tokens in (1, 5, 17):
+            x = torch.randn(1, tokens, 2048, device="cuda")
+            assert rel(fused(block, x), plain(block, x)) < 1e-5
+    block = block.to(torch.bfloat16)
+    for tokens in (1, 5, 17):
+        hidden = torch.randn(tokens, 2048, device="cuda", dtype=torch.bfloat16)
+        logits, scores, ids = fused(block.gate, hidden)
+        assert_routing_matches(logits.cpu(), scores.cpu(), ids.cpu(), block.gate.top_k, True)
+    patches.release_fused_moe([block])
+
+
+def test_a_captured_block_replays_and_follows_in_place_weight_updates():
+    block = full_width_block("qwen3_5_moe", torch.float32)
+    patches.prepare_fused_moe([block])
+    x = torch.randn(1, 5, 2048, device="cuda")
+    with fused_experts_for([block]):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fused(block, x)  # warm-up: Triton compiles outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fused(block, x)
+        x.copy_(torch.randn(1, 5, 2048, device="cuda"))
+        graph.replay()
+        assert rel(out, plain(block, x)) < 1e-5
+        with torch.no_grad():
+            block.shared_expert.up_proj.weight.mul_(-1.5)
+            block.shared_expert_gate.weight.add_(0.5)
+        patches.prepare_fused_moe([block])  # what every generate() call's start does
+        graph.replay()
+        assert rel(out, plain(block, x)) < 1e-5
+    patches.release_fused_moe([block])

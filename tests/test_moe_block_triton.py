@@ -1,0 +1,282 @@
+"""Fused MoE block (patches/_moe.py): `route_topk` (kernels/router_triton.py), the shared expert and the combine
+(kernels/shared_expert_triton.py) against their torch references and transformers' modules, and the patched block
+forward against transformers' on tiny models (CPU, Triton interpreter, the fused route forced onto CPU tensors).
+
+Tolerances. Router scores, elementwise: fp32 1e-6 relative (only the fp32 sum order and Triton's exp differ), bf16
+one rounding (2^-7 relative). Ids equal torch.topk's except at exact ties, where ours take the lowest expert id and
+torch's order is unspecified: there the chosen experts must be exactly as probable as torch's.
+Shared expert, combine and block, relative Frobenius error (GEMM outputs cancel, so elementwise relative errors are
+meaningless near 0): fp32 1e-6 (measured ~1e-7), bf16 2e-2 (measured ~1e-2). The kernels keep transformers' bf16
+roundings of silu(g), silu(g)·up, sigmoid, the gated product and the sum, but the interpreter truncates fp32 -> bf16
+casts where torch (and the GPU) round to nearest: `silu_mul` equals a truncating emulation bit for bit here, and its
+elementwise error against torch stays within two roundings (2^-6 relative).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from _tiny import make_target  # noqa: E402
+from transformers import Qwen3_5MoeTextConfig, Qwen3NextConfig  # noqa: E402
+from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe  # noqa: E402
+from transformers.models.qwen3_next import modeling_qwen3_next  # noqa: E402
+
+import hybridspec_hf  # noqa: E402,F401  (installs the patches)
+from hybridspec_hf import patches  # noqa: E402
+from hybridspec_hf.generation.router_hooks import RoutingReplay  # noqa: E402
+from hybridspec_hf.kernels import router_triton, shared_expert_triton  # noqa: E402
+from hybridspec_hf.kernels.router_triton import route_topk, route_topk_reference  # noqa: E402
+from hybridspec_hf.kernels.shared_expert_triton import (  # noqa: E402
+    concat_shared_weights,
+    gated_add,
+    gated_add_reference,
+    shared_expert,
+    shared_expert_reference,
+    silu_mul,
+)
+from hybridspec_hf.patches import _moe  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("triton_interpreter")
+
+SCORES_TOL = {torch.float32: dict(rtol=1e-6, atol=1e-7), torch.bfloat16: dict(rtol=2**-7, atol=0.0)}
+BLOCK_TOL = {torch.float32: 1e-6, torch.bfloat16: 2e-2}
+
+
+def assert_near(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Relative Frobenius error within BLOCK_TOL of the dtype; same shape and dtype."""
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    error = ((actual.double() - expected.double()).norm() / expected.double().norm()).item()
+    assert error < BLOCK_TOL[expected.dtype], f"relative error {error:.3g} in {expected.dtype}"
+
+
+def fused_forward(module: torch.nn.Module, *args):
+    """A call as a resident forward makes it: `fused_norms()` active, grad off."""
+    with torch.no_grad(), patches.fused_norms():
+        return module(*args)
+
+
+def plain_forward(module: torch.nn.Module, *args):
+    """A call as generate() makes it: transformers' code throughout."""
+    with torch.no_grad():
+        return module(*args)
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """The fused route allowed on CPU tensors (the internal switch), with launch counters of its kernels."""
+    counts = {"route_topk": 0, "gated_add": 0}
+    for module, name in ((router_triton, "route_topk"), (shared_expert_triton, "gated_add")):
+        def counted(*args, _fn=getattr(module, name), _name=name):
+            counts[_name] += 1
+            return _fn(*args)
+
+        monkeypatch.setattr(module, name, counted)
+    monkeypatch.setattr(_moe, "_ON_CPU", True)
+    return counts
+
+
+def assert_routing_matches(logits, scores, ids, top_k, normalize):
+    """Scores as the reference's; ids torch.topk's, or at ties equally probable experts, equal logits lowest id
+    first."""
+    ref_scores, ref_ids = route_topk_reference(logits, top_k, normalize)
+    torch.testing.assert_close(scores, ref_scores, **SCORES_TOL[logits.dtype])
+    assert ids.dtype == torch.long and ids.shape == ref_ids.shape
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+    assert torch.equal(probs.gather(1, ids), probs.gather(1, ref_ids))  # the same probabilities, in order
+    chosen = logits.gather(1, ids)
+    tied = chosen[:, 1:] == chosen[:, :-1]
+    assert bool((ids[:, 1:] > ids[:, :-1])[tied].all()), "equal logits: lowest expert id first"
+    unchosen = torch.ones_like(probs, dtype=torch.bool).scatter(1, ids, False)
+    rivals = unchosen & (logits == chosen[:, -1:])  # left out, as large as the last chosen: a higher id
+    assert bool((torch.arange(logits.shape[1]) > ids[:, -1:])[rivals].all())
+    distinct = torch.topk(probs, top_k + 1).values.diff(dim=-1).ne(0).all(-1)  # no tie within the top k + 1
+    assert torch.equal(ids[distinct], ref_ids[distinct])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("tokens, experts, top_k", [(1, 256, 8), (5, 512, 10), (17, 200, 8), (3, 4, 2)])
+def test_route_topk_matches_reference(tokens, experts, top_k, normalize, dtype):
+    gen = torch.Generator().manual_seed(tokens * experts + top_k)
+    logits = (torch.randn(tokens, experts, generator=gen) * 2).to(dtype)
+    scores, ids = route_topk(logits, top_k, normalize)
+    assert scores.dtype == dtype
+    assert_routing_matches(logits, scores, ids, top_k, normalize)
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_route_topk_ties_take_the_lowest_expert_id(normalize):
+    logits = torch.zeros(3, 40)
+    logits[1, [30, 5, 17, 22]] = 2.0  # 4 equal winners for k = 3, in no id order
+    logits[2, [9, 3]] = 3.0
+    logits[2, [31, 7, 12]] = 1.0  # the third slot: three equally probable experts
+    scores, ids = route_topk(logits, 3, normalize)
+    assert ids.tolist() == [[0, 1, 2], [5, 17, 22], [3, 9, 7]]
+    assert_routing_matches(logits, scores, ids, 3, normalize)
+
+
+def router_configs():
+    return [
+        (modeling_qwen3_5_moe.Qwen3_5MoeTopKRouter, Qwen3_5MoeTextConfig(hidden_size=48, num_experts=256,
+                                                                          num_experts_per_tok=8), True),
+        (modeling_qwen3_next.Qwen3NextTopKRouter, Qwen3NextConfig(hidden_size=48, num_experts=512,
+                                                                  num_experts_per_tok=10, norm_topk_prob=True), True),
+        (modeling_qwen3_next.Qwen3NextTopKRouter, Qwen3NextConfig(hidden_size=48, num_experts=60,
+                                                                  num_experts_per_tok=4, norm_topk_prob=False), False),
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("router_cls, config, normalize", router_configs())
+def test_patched_router_returns_what_transformers_returns(router_cls, config, normalize, dtype, calls):
+    gen = torch.Generator().manual_seed(config.num_experts)
+    router = router_cls(config)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=gen))
+    router = router.to(dtype)
+    for tokens in (1, 5, 17):
+        hidden = torch.randn(1, tokens, config.hidden_size, generator=gen).to(dtype)
+        logits, scores, ids = fused_forward(router, hidden)
+        ref_logits, ref_scores, ref_ids = plain_forward(router, hidden)
+        assert torch.equal(logits, ref_logits) and logits.dtype == ref_logits.dtype == dtype
+        assert scores.dtype == ref_scores.dtype and ids.dtype == ref_ids.dtype == torch.long
+        assert_routing_matches(logits, scores, ids, config.num_experts_per_tok, normalize)
+    assert calls["route_topk"] == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 5, 17])
+def test_shared_expert_and_combine_match_transformers(tokens, dtype):
+    hidden_size, inter = 40, 20  # neither a power of two nor a multiple of the blocks
+    gen = torch.Generator().manual_seed(tokens)
+    config = Qwen3_5MoeTextConfig(hidden_size=hidden_size, shared_expert_intermediate_size=inter)
+    mlp = modeling_qwen3_5_moe.Qwen3_5MoeMLP(config, intermediate_size=inter)
+    gate = torch.nn.Linear(hidden_size, 1, bias=False)
+    with torch.no_grad():
+        for linear in (mlp.gate_proj, mlp.up_proj, mlp.down_proj, gate):
+            linear.weight.copy_(torch.randn(linear.weight.shape, generator=gen) * linear.in_features**-0.5 * 2)
+    mlp, gate = mlp.to(dtype), gate.to(dtype)
+    x = torch.randn(tokens, hidden_size, generator=gen).to(dtype)
+    routed = torch.randn(tokens, hidden_size, generator=gen).to(dtype)
+    weights = concat_shared_weights(mlp.gate_proj.weight, mlp.up_proj.weight, gate.weight)
+    assert weights.shape == (48, hidden_size) and not weights[41:].any()  # 2I + 1 rows padded to 8
+    with torch.no_grad():
+        shared, logit = shared_expert(x, weights, mlp.down_proj.weight, inter)
+        ref_shared, ref_logit = shared_expert_reference(x, mlp.gate_proj.weight, mlp.up_proj.weight,
+                                                        mlp.down_proj.weight, gate.weight)
+        out = gated_add(routed, logit, shared)
+        block_ref = routed + torch.sigmoid(gate(x)) * mlp(x)  # SparseMoeBlock.forward's last lines
+    assert_near(shared, ref_shared)
+    assert_near(shared, mlp(x))
+    assert_near(logit, ref_logit)
+    assert_near(gated_add(routed, ref_logit, ref_shared), gated_add_reference(routed, ref_logit, ref_shared))
+    assert_near(out, block_ref)
+    gate_up = torch.randn(tokens, 2 * inter + 3, generator=gen).mul(3).to(dtype)  # + a gate logit and padding
+    act = silu_mul(gate_up, inter)
+    expected = F.silu(gate_up[:, :inter]) * gate_up[:, inter : 2 * inter]
+    torch.testing.assert_close(act, expected, rtol=1e-6 if dtype == torch.float32 else 2**-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["qwen3_5_moe", "qwen3_next"])
+def test_patched_block_equals_transformers(name, dtype, calls):
+    model = make_target(name, seed=3, dtype=dtype)
+    blocks = patches.moe_blocks(model)
+    patches.prepare_fused_moe(blocks)
+    gen = torch.Generator().manual_seed(7)
+    for tokens in (1, 5, 17):
+        x = torch.randn(1, tokens, model.config.hidden_size, generator=gen).to(dtype)
+        for block in blocks:
+            assert_near(fused_forward(block, x), plain_forward(block, x))
+    assert calls == {"route_topk": 3 * len(blocks), "gated_add": 3 * len(blocks)}
+
+
+def test_hooks_on_router_and_experts_fire_and_hooks_on_the_shared_expert_keep_transformers(calls):
+    model = make_target("qwen3_5_moe", seed=4, dtype=torch.float32)
+    blocks = patches.moe_blocks(model)
+    patches.prepare_fused_moe(blocks)
+    block = blocks[0]
+    x = torch.randn(1, 3, model.config.hidden_size)
+    bank = torch.tensor([[[[3, 1], [0, 2], [2, 3]]] * len(blocks)])  # [rounds, layers, B, k]
+    replay = RoutingReplay(blocks, bank)
+    replay.armed = True
+    seen = []
+    handles = [block.gate.register_forward_hook(lambda m, a, out: seen.append(("gate", out[2].clone()))),
+               block.experts.register_forward_pre_hook(lambda m, a: seen.append(("experts", a[1].clone())))]
+    out = fused_forward(block, x)
+    assert [kind for kind, _ in seen] == ["gate", "experts"]
+    assert torch.equal(seen[1][1], bank[0, 0])  # the experts got RoutingReplay's ids
+    assert calls == {"route_topk": 1, "gated_add": 1}
+    assert_near(out, plain_forward(block, x))  # the replayed routing, in transformers' forward too
+    replay.remove()
+    handles.append(block.shared_expert.up_proj.register_forward_hook(lambda m, a, out: seen.append(("up", None))))
+    assert_near(fused_forward(block, x), plain_forward(block, x))
+    assert seen.count(("up", None)) == 2 and calls["gated_add"] == 1  # a hooked shared expert: transformers' forward
+    for handle in handles:
+        handle.remove()
+
+
+def test_inert_outside_the_flag_on_cpu_with_grad_and_without_prepare(calls, monkeypatch):
+    model = make_target("qwen3_next", seed=5, dtype=torch.float32)
+    blocks = patches.moe_blocks(model)
+    x = torch.randn(1, 2, model.config.hidden_size)
+    monkeypatch.setattr(_moe, "_ON_CPU", False)
+    patches.prepare_fused_moe(blocks)
+    assert _moe._CACHE not in blocks[0].__dict__  # CPU weights: nothing copied
+    with torch.no_grad(), patches.fused_norms():
+        blocks[0](x)  # CPU tensors
+    monkeypatch.setattr(_moe, "_ON_CPU", True)
+    with torch.no_grad():
+        blocks[0](x)  # flag off
+    with patches.fused_norms():
+        blocks[0](x)  # grad on
+    assert calls == {"route_topk": 0, "gated_add": 0}
+    assert_near(fused_forward(blocks[0], x), plain_forward(blocks[0], x))
+    assert calls == {"route_topk": 1, "gated_add": 0}  # not prepared: fused router, transformers' shared expert
+
+
+def test_concatenated_weights_follow_in_place_updates_at_the_same_address_and_are_released(calls):
+    model = make_target("qwen3_5_moe", seed=6, dtype=torch.float32)
+    blocks = patches.moe_blocks(model)
+    patches.prepare_fused_moe(blocks)
+    block = blocks[1]
+    weight = block.__dict__[_moe._CACHE].weight
+    address = weight.data_ptr()
+    x = torch.randn(1, 4, model.config.hidden_size)
+    with torch.no_grad():
+        block.shared_expert.up_proj.weight.mul_(-2.0)
+        block.shared_expert_gate.weight.add_(1.0)
+    assert_near(fused_forward(block, x), plain_forward(block, x))  # a stale copy is not used ...
+    assert calls["gated_add"] == 0  # ... transformers' shared expert runs
+    patches.prepare_fused_moe(blocks)  # what every generate() call's start does
+    assert block.__dict__[_moe._CACHE].weight.data_ptr() == address
+    inter = block.shared_expert.gate_proj.out_features
+    assert torch.equal(weight[inter : 2 * inter], block.shared_expert.up_proj.weight)
+    assert torch.equal(weight[2 * inter], block.shared_expert_gate.weight[0])
+    assert_near(fused_forward(block, x), plain_forward(block, x))
+    assert calls["gated_add"] == 1
+    patches.release_fused_moe(blocks)
+    assert all(_moe._CACHE not in b.__dict__ for b in blocks)
+
+
+def test_resident_rounds_run_the_fused_blocks_and_release_them(calls):
+    from test_exactness import run
+
+    from _tiny import VOCAB, make_drafter
+
+    target = make_target("qwen3_5_moe", seed=8, dtype=torch.float32)
+    prompt = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        ar = target.generate(prompt, do_sample=False, max_new_tokens=6)
+    drafter = make_drafter(target, 4, ar, error_rate=0.3).to(torch.float32)
+    settings = hybridspec_hf.HybridSpecConfig(cuda_graphs="on")
+    out = run(target, prompt, drafter, "dflash", 6, hybridspec_config=settings)
+    assert torch.equal(out, ar)
+    assert calls["gated_add"] > 0 and calls["route_topk"] > 0
+    blocks = patches.moe_blocks(target)
+    assert all(_moe._CACHE in b.__dict__ for b in blocks)
+    hybridspec_hf.release_graphs(target)
+    assert all(_moe._CACHE not in b.__dict__ for b in blocks)
