@@ -14,12 +14,14 @@ from ._gdn import (
     GDN_KERNEL_FUNCTIONS,
     VerifySession,
     commit_session,
+    concatenate_projections,
     patch_gdn_class,
     per_token_state_buffer,
+    release_concatenated_projections,
     route_cpu_to_torch,
 )
 from ._moe import patch_moe_classes, prepare_fused_moe, release_fused_moe
-from ._norms import fused_norms, patch_norm_classes
+from ._norms import fused_kernels, fused_norms, patch_norm_classes
 from ._rope import patch_rope
 from .experts import register_experts_implementation
 
@@ -89,7 +91,9 @@ __all__ = [
     "GDN_KERNEL_FUNCTIONS",
     "VerifySession",
     "commit_session",
+    "concatenate_projections",
     "family_of",
+    "fused_kernels",
     "fused_norms",
     "gdn_layers",
     "install",

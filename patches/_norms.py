@@ -1,13 +1,13 @@
 """Fused RMSNorms (kernels/norm_triton.py) inside GPU-resident forwards only.
 
-The class patch is inert unless `fused_norms()` is active and the input is on CUDA, so plain generate(), training
+The class patch is inert unless `fused_kernels()` is active and the input is on CUDA, so plain generate(), training
 and every CPU path run transformers' own norms unchanged.
 """
 from __future__ import annotations
 
-from hybridspec_hf.kernels.norm_triton import fused_norms, fused_norms_active
+from hybridspec_hf.kernels.norm_triton import fused_kernels, fused_kernels_active, fused_norms
 
-__all__ = ["fused_norms", "patch_norm_classes"]
+__all__ = ["fused_kernels", "fused_norms", "patch_norm_classes"]
 
 
 def patch_norm_classes(rms_cls: type, gated_cls: type | None) -> None:
@@ -18,7 +18,7 @@ def patch_norm_classes(rms_cls: type, gated_cls: type | None) -> None:
         original = rms_cls.forward
 
         def forward(self, x):
-            if x.is_cuda and fused_norms_active():
+            if x.is_cuda and fused_kernels_active():
                 return rms_norm(x, self.weight, self.eps, offset=True)
             return original(self, x)
 
@@ -28,7 +28,7 @@ def patch_norm_classes(rms_cls: type, gated_cls: type | None) -> None:
         original_gated = gated_cls.forward
 
         def gated_forward(self, hidden_states, gate):
-            if hidden_states.is_cuda and fused_norms_active() and getattr(self, "activation", "silu") == "silu":
+            if hidden_states.is_cuda and fused_kernels_active() and getattr(self, "activation", "silu") == "silu":
                 return gated_rms_norm(hidden_states, gate, self.weight, self.variance_epsilon)
             return original_gated(self, hidden_states, gate)
 

@@ -322,13 +322,20 @@ def test_package_imports_without_triton():
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
 
 
-def test_round_loop_with_triton_kernels_matches_the_torch_path():
+@pytest.mark.parametrize("cuda_graphs", ["off", "on"])
+def test_round_loop_with_triton_kernels_matches_the_torch_path(cuda_graphs, monkeypatch):
     """The GPU path of the loop (Triton verify + one-launch commit), run here by its CPU twin under the interpreter:
-    same tokens and same committed caches as kernel_backend="torch"."""
+    same tokens and same committed caches as kernel_backend="torch". cuda_graphs="on": the resident rounds' twin
+    with the GPU route forced, so their forwards also run the fused GDN prologue (conv + gates kernels, and one GEMM
+    over the concatenated projections built at set-up; the "torch" run uses that GEMM too) until release_graphs."""
     from _tiny import VOCAB, cache_tensors, make_drafter, make_target, output_cache
 
-    from hybridspec_hf import HybridSpecConfig
+    import hybridspec_hf
+    from hybridspec_hf import HybridSpecConfig, patches
+    from hybridspec_hf.graphs.static_target import StaticTarget
 
+    monkeypatch.setattr(StaticTarget, "concatenate_projections",
+                        lambda self: patches.concatenate_projections(self.gdn_layers))
     target = make_target("qwen3_5_moe_odd", seed=1, dtype=torch.float32)
     prompt = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(1))
     drafter = make_drafter(target, 8, target.generate(prompt, do_sample=False, max_new_tokens=24), 0.25).float()
@@ -336,9 +343,15 @@ def test_round_loop_with_triton_kernels_matches_the_torch_path():
     for backend in ("torch", "triton"):
         outs[backend] = target.generate(
             prompt, do_sample=False, max_new_tokens=16, assistant_model=drafter, generation_strategy="confidence",
-            return_dict_in_generate=True, hybridspec_config=HybridSpecConfig(kernel_backend=backend),
+            return_dict_in_generate=True,
+            hybridspec_config=HybridSpecConfig(kernel_backend=backend, cuda_graphs=cuda_graphs),
         )
+        assert hybridspec_hf.get_telemetry(target).path == ("static_eager" if cuda_graphs == "on" else "eager")
     assert torch.equal(outs["torch"].sequences, outs["triton"].sequences)
     for mine, theirs in zip(cache_tensors(output_cache(outs["triton"])), cache_tensors(output_cache(outs["torch"])),
                             strict=True):
         assert rel(mine, theirs) < 1e-5
+    concatenated = ["_hybridspec_in_proj" in layer.__dict__ for layer in patches.gdn_layers(target)]
+    assert all(concatenated) == (cuda_graphs == "on") and any(concatenated) == all(concatenated)
+    hybridspec_hf.release_graphs(target)
+    assert not any("_hybridspec_in_proj" in m.__dict__ for m in target.modules())

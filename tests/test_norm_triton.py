@@ -57,11 +57,30 @@ def test_gated_rms_norm_equals_the_module(shape, dtype):
 
 
 def test_fused_kernels_switch_off_with_the_environment(monkeypatch):
-    from hybridspec_hf.kernels.norm_triton import fused_norms, fused_norms_active
+    from hybridspec_hf.kernels import fused_kernels, fused_kernels_active
 
-    with fused_norms():
-        assert fused_norms_active()
+    with fused_kernels():
+        assert fused_kernels_active()
     monkeypatch.setenv("HYBRIDSPEC_FUSED_KERNELS", "0")
-    with fused_norms():
-        assert not fused_norms_active()
-    assert not fused_norms_active()
+    with fused_kernels():
+        assert not fused_kernels_active()
+    assert not fused_kernels_active()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_rms_norm_reads_a_gate_sliced_from_a_wider_projection(dtype):
+    """The GDN layer's z as a column slice of the concatenated projection GEMM, split into heads: [B, T, HV, dv]
+    with a token stride wider than HV·dv, read in place."""
+    gen = torch.Generator().manual_seed(7)
+    batch, t, heads, dv = 2, 5, 3, 16
+    module = modeling.Qwen3_5MoeRMSNormGated(dv, eps=1e-6)
+    with torch.no_grad():
+        module.weight.copy_(1 + torch.randn(dv, generator=gen) * 0.2)
+    module = module.to(dtype)
+    wide = (torch.randn(batch, t, heads * dv + 40, generator=gen) * 2).to(dtype)
+    z = wide[..., 24 : 24 + heads * dv].reshape(batch, t, heads, dv)
+    x = (torch.randn(batch, t, heads, dv, generator=gen) * 2).to(dtype)
+    forward = getattr(type(module), "_hybridspec_original_forward", type(module).forward)
+    expected = forward(module, x.reshape(-1, dv), z.reshape(-1, dv)).view(x.shape)
+    tol = TOL[dtype] if dtype == torch.float32 else dict(rtol=2**-5, atol=2**-5)
+    torch.testing.assert_close(gated_rms_norm(x, z, module.weight, module.variance_epsilon), expected, **tol)

@@ -77,7 +77,7 @@ def test_the_patch_routes_only_cuda_tensors_inside_resident_forwards():
 
     patches.install()
     q, k, cos, sin = _inputs(1, 2, 1, 3, 16, 8, torch.float32, seed=2)
-    with patches.fused_norms():  # CPU tensors take transformers' own function even while the flag is on
+    with patches.fused_kernels():  # CPU tensors take transformers' own function even while the flag is on
         got = modeling.apply_rotary_pos_emb(q, k, cos, sin)
     assert modeling.apply_rotary_pos_emb._hybridspec_original is not None
     assert torch.equal(got[0], rope_reference(q, cos, sin))

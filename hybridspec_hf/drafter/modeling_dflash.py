@@ -29,7 +29,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutput
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from hybridspec_hf.kernels.norm_triton import fused_norms_active, rms_norm
+from hybridspec_hf.kernels.norm_triton import fused_kernels_active, rms_norm
 from hybridspec_hf.kernels.rope_triton import rope
 from hybridspec_hf.kernels.rope_triton import supported as rope_supported
 
@@ -241,7 +241,7 @@ class DFlashRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and fused_norms_active() and x.dtype == self.weight.dtype:
+        if x.is_cuda and fused_kernels_active() and x.dtype == self.weight.dtype:
             return rms_norm(x, self.weight, self.eps, offset=False)  # one launch inside resident rounds
         dtype = x.dtype
         x = x.to(torch.promote_types(dtype, torch.float32))
@@ -289,7 +289,7 @@ class DFlashRotaryEmbedding(nn.Module):
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE on x [B, heads, T, D] with cos/sin [B, T, D] (half-split rotation, as in transformers' Qwen3)."""
-    if x.is_cuda and fused_norms_active() and rope_supported(x, x, cos, sin):
+    if x.is_cuda and fused_kernels_active() and rope_supported(x, x, cos, sin):
         return rope(x, cos, sin)  # one launch inside resident rounds, same rounding steps
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)

@@ -106,10 +106,10 @@ def resident_rounds(model, drafter, strategy, logits_processor, do_sample: bool,
     key = _Key(id(drafter), strategy.identity(), do_sample, tuple(repr(p.__dict__) for p in logits_processor),
                capacity, position_rows, device_commit)
     current = model.__dict__.get("_hybridspec_resident")
-    if current is not None and _reusable(current.key, key):
+    # the graphs read copies of the GDN projection weights: refreshed here if the weights changed in place
+    if current is not None and _reusable(current.key, key) and current.target.concatenate_projections():
         return current
-    if current is not None:
-        release_resident_rounds(model)
+    release_resident_rounds(model)  # the old rounds (and whatever a failed set-up left) go first
     devices = [next(model.parameters()).device] if next(model.parameters()).device.type == "cuda" else []
     before = torch.cuda.memory_allocated(devices[0]) if devices else 0
     with torch.random.fork_rng(devices=devices):  # warm-up and capture draw random numbers: the seed stays the user's
@@ -122,12 +122,13 @@ def resident_rounds(model, drafter, strategy, logits_processor, do_sample: bool,
 
 
 def release_resident_rounds(model) -> None:
-    """Free the target's captured rounds (graphs, static caches)."""
+    """Free the target's captured rounds (graphs, static caches, concatenated projection weights)."""
     current = model.__dict__.pop("_hybridspec_resident", None)
     if current is not None:
         current.close()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+    patches.release_concatenated_projections(model)  # also what a failed set-up may have left
+    if current is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 class ResidentRounds:
@@ -188,6 +189,7 @@ class ResidentRounds:
             # the fused MoE blocks' concatenated shared-expert weights: made here, outside capture (a copy made
             # inside would be a graph node replayed every round), refreshed in place by `start`, freed by `close`
             patches.prepare_fused_moe(moe)
+            self.target.concatenate_projections()  # outside capture: inside, the copy would re-run at every replay
             self.routing = _routing_replay(strategy.routing, moe, model, self.device)  # before the window: it sets ids
             self.window = VerifyWindow(moe)
             with torch.no_grad(), experts as self.fused_experts:

@@ -95,7 +95,16 @@ class StaticTarget:
             self.state_buffer = patches.per_token_state_buffer(self.gdn_layers, self.cache, max_tokens)
 
     def close(self) -> None:
-        """Nothing is left on the model between forwards (feature hooks live only inside `forward`)."""
+        """Drop the concatenated projection weights; nothing else is left on the model between forwards (feature
+        hooks live only inside `forward`)."""
+        patches.release_concatenated_projections(self.model)
+
+    def concatenate_projections(self) -> bool:
+        """On CUDA: one GEMM instead of four for Qwen3.5-layout GDN projections (`patches.concatenate_projections`,
+        ≈ 50 MB per GDN layer at full size). Builds the copies, or refreshes them in place when the weights were
+        updated in place since; call it before warm-up and capture, and before replaying graphs in a later call.
+        False when a copy cannot be refreshed (a projection was replaced): the graphs must be rebuilt."""
+        return self.device.type != "cuda" or patches.concatenate_projections(self.gdn_layers)
 
     # ------------------------------------------------------------------------------------------------ set-up
     def _initialise(self) -> None:
@@ -144,7 +153,7 @@ class StaticTarget:
                 layer._hybridspec_verify = verify
         capture = FeatureCapture(self.decoder_layers, self.feature_layer_ids)  # only for this forward
         try:
-            with patches.fused_norms():
+            with patches.fused_kernels():
                 outputs = self.model(input_ids=tokens, position_ids=self._position_ids(positions),
                                      attention_mask=self.mask(num_tokens), use_cache=True,
                                      logits_to_keep=num_tokens, **{self.cache_kwarg: self.cache})

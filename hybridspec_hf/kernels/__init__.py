@@ -5,6 +5,9 @@
 `moe_triton` is the routed-experts path (`fused_experts`, reference `fused_experts_reference` beside it).
 `norm_triton`, `router_triton` and `shared_expert_triton` hold the fused norms and MoE-block kernels of the resident
 forwards (used by patches/_norms.py and patches/_moe.py), each with its torch reference.
+`gdn_prologue_triton` is the GDN layer's conv + gates in verify mode (references `conv_silu_reference`,
+`gdn_gates_reference` beside it). `fused_kernels()` is the flag that routes patched modules to these kernels inside
+GPU-resident forwards.
 """
 from .gdn_torch import (
     GDNVerifyResult,
@@ -24,7 +27,15 @@ from .default_verifier import (
     commit_default_states,
     default_verify,
 )
-from .gdn_triton import HAS_TRITON, commit_gdn_states_auto, gdn_verify_auto, select_backend
+from .gdn_triton import (
+    HAS_TRITON,
+    commit_gdn_states_auto,
+    fused_kernels,
+    fused_kernels_active,
+    gdn_verify_auto,
+    select_backend,
+)
+from .gdn_prologue_triton import conv_silu, conv_silu_reference, gdn_gates, gdn_gates_reference
 from .moe_triton import fused_experts, fused_experts_reference
 
 __all__ = [
@@ -34,9 +45,15 @@ __all__ = [
     "allocate_state_buffer",
     "commit_default_states",
     "commit_gdn_states_auto",
+    "conv_silu",
+    "conv_silu_reference",
     "default_verify",
     "fused_experts",
     "fused_experts_reference",
+    "fused_kernels",
+    "fused_kernels_active",
+    "gdn_gates",
+    "gdn_gates_reference",
     "gdn_verify_auto",
     "select_backend",
     "GDNVerifyResult",

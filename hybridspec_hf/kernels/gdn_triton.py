@@ -32,6 +32,7 @@ before CUDA-graph capture (the warm-up that Triton's JIT needs anyway).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import OrderedDict
 
@@ -53,7 +54,28 @@ _L2NORM_EPS = 1e-6
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# plumbing shared with default_verifier.py
+# plumbing shared with default_verifier.py, norm_triton.py and gdn_prologue_triton.py
+
+_fused_active = False
+
+
+@contextlib.contextmanager
+def fused_kernels():
+    """While active, patched modules route their tensors to our fused kernels: RMSNorms and RoPE (CUDA tensors),
+    the GDN layer's input projection, conv and gates (`patches._gdn`). Entered around GPU-resident forwards only, so
+    plain generate(), training and the eager loop run transformers' own code. HYBRIDSPEC_FUSED_KERNELS=0 in the
+    environment keeps transformers' own modules there too (read when a resident forward starts, so graphs captured
+    afterwards follow it; for A/B timings and for ruling our kernels out)."""
+    global _fused_active
+    previous, _fused_active = _fused_active, HAS_TRITON and os.environ.get("HYBRIDSPEC_FUSED_KERNELS", "1") != "0"
+    try:
+        yield
+    finally:
+        _fused_active = previous
+
+
+def fused_kernels_active() -> bool:
+    return _fused_active
 
 
 class _LazyJit:

@@ -12,33 +12,13 @@ All math in fp32, inputs/outputs in the model dtype; one program per row.
 """
 from __future__ import annotations
 
-import contextlib
-import os
-
 import torch
 import torch.nn.functional as F
 
-from .gdn_triton import HAS_TRITON, _LazyJit, tl, tl_dtype, triton
+from .gdn_triton import HAS_TRITON, _LazyJit, fused_kernels, fused_kernels_active, tl, tl_dtype, triton
 
-
-_active = False
-
-
-@contextlib.contextmanager
-def fused_norms():
-    """While active, the patched modules route CUDA tensors to our fused kernels (GPU-resident forwards only).
-    HYBRIDSPEC_FUSED_KERNELS=0 in the environment keeps transformers' own modules there too (read when a resident
-    forward starts, so graphs captured afterwards follow it; for A/B timings and for ruling our kernels out)."""
-    global _active
-    previous, _active = _active, HAS_TRITON and os.environ.get("HYBRIDSPEC_FUSED_KERNELS", "1") != "0"
-    try:
-        yield
-    finally:
-        _active = previous
-
-
-def fused_norms_active() -> bool:
-    return _active
+# the flag's first name, from when it routed only the norms: kept for code written against it
+fused_norms, fused_norms_active = fused_kernels, fused_kernels_active
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = True) -> torch.Tensor:
@@ -70,8 +50,8 @@ def _rms_norm_kernel(x, w, y, stride_x, stride_y, n, eps, OFFSET: tl.constexpr, 
     tl.store(y + row * stride_y + cols, (v * rstd * weight).to(OUT_DTYPE), mask=mask)
 
 
-def _gated_rms_norm_kernel(x, z, w, y, stride_x, stride_z, stride_y, n, eps, BLOCK: tl.constexpr,
-                           OUT_DTYPE: tl.constexpr):
+def _gated_rms_norm_kernel(x, z, w, y, stride_x, stride_z_group, stride_z, z_group, stride_y, n, eps,
+                           BLOCK: tl.constexpr, OUT_DTYPE: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
@@ -80,7 +60,8 @@ def _gated_rms_norm_kernel(x, z, w, y, stride_x, stride_z, stride_y, n, eps, BLO
     normed = (v * rstd).to(OUT_DTYPE).to(tl.float32)  # transformers rounds to the model dtype before the weight
     weight = tl.load(w + cols, mask=mask, other=0.0)
     scaled = (weight.to(tl.float32) * normed).to(OUT_DTYPE).to(tl.float32)  # w · y in the model dtype
-    gate = tl.load(z + row * stride_z + cols, mask=mask, other=0.0).to(tl.float32)
+    p_z = z + (row // z_group) * stride_z_group + (row % z_group) * stride_z  # gate rows come in groups of z_group
+    gate = tl.load(p_z + cols, mask=mask, other=0.0).to(tl.float32)
     silu = gate / (1.0 + tl.exp(-gate))
     tl.store(y + row * stride_y + cols, (scaled * silu).to(OUT_DTYPE), mask=mask)
 
@@ -107,11 +88,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = T
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Triton `gated_rms_norm_reference` (one launch); x, gate [..., D], weight [D] in x's dtype."""
-    rows, gates = _rows(x), _rows(gate)
+    """Triton `gated_rms_norm_reference` (one launch); x, gate [..., D], weight [D] in x's dtype.
+
+    The gate is read as groups of rows ([..., M, D] -> [N, M, D]), so a gate sliced from a wider GEMM output and
+    split into heads ([B, T, HV, dv] with token stride > HV·dv) is read in place instead of copied."""
+    rows = _rows(x)
+    gates = gate.reshape(-1, gate.shape[-2] if gate.dim() > 2 else 1, gate.shape[-1])  # [N, M, D]
+    gates = gates if gates.stride(-1) == 1 else gates.contiguous()
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     block = triton.next_power_of_2(rows.shape[1])
     _gated_rms_norm_kernel[(rows.shape[0],)](rows, gates, weight, out, rows.stride(0), gates.stride(0),
-                                             out.stride(0), rows.shape[1], eps, BLOCK=block,
-                                             OUT_DTYPE=tl_dtype(x.dtype), num_warps=4 if block >= 1024 else 1)
+                                             gates.stride(1), gates.shape[1], out.stride(0), rows.shape[1], eps,
+                                             BLOCK=block, OUT_DTYPE=tl_dtype(x.dtype),
+                                             num_warps=4 if block >= 1024 else 1)
     return out.view(x.shape)

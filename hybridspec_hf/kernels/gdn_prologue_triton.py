@@ -1,0 +1,142 @@
+"""The GDN layer's prologue in verify mode: the glue between its input projections and the verify kernel.
+
+transformers' torch code runs it as ~11 small kernels per layer (cat, depthwise conv1d, silu; casts, add,
+softplus, exp, neg, mul, sigmoid), and the [B, C, T] conv output makes q/k/v strided, so the verify kernel copies
+them (3 more kernels at T > 1). Here it is one launch for the conv and one for the gates, with a contiguous output:
+
+    conv_silu: out[t] = silu(bias + Σ_j w[:, j] · full[t + j + 1]),  full = [conv_state (K columns) ‖ x (T columns)]
+               (`gdn_torch.conv_verify` with silu: the last T outputs of a valid conv over K + T inputs)
+    gdn_gates: g = -exp(A_log) · softplus(a + dt_bias) (fp32),  beta = sigmoid(b) (in b's dtype)
+
+Rounding follows transformers: conv inputs are cast to the conv weight's dtype, the conv accumulates in fp32 and
+rounds to the weight dtype (conv1d's output), silu runs in fp32 and rounds again, then to x's dtype; the gates
+are computed in fp32 from upcast inputs (softplus with PyTorch's threshold 20) and beta rounds once to b's dtype.
+Only the order of the conv's fp32 sum differs (and on CUDA `tl.exp`/`tl.log` are the fast hardware versions).
+Kernels bind to `triton.jit` at launch (`_LazyJit`), like the other kernel files.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .gdn_torch import conv_verify
+from .gdn_triton import HAS_TRITON, _LazyJit, _last_dim_contiguous, tl, tl_dtype, triton
+
+SOFTPLUS_THRESHOLD = 20.0  # F.softplus's default: above it softplus(x) = x
+CONV_BLOCK = 128  # channels per program: 64 programs for C = 8192 at batch 1
+
+
+def conv_silu_reference(conv_state: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                        bias: torch.Tensor | None) -> torch.Tensor:
+    """conv_state [B, C, K], x [B, T, C] (new conv inputs), weight [C, K], bias [C] or None -> [B, T, C] in x's
+    dtype: transformers' depthwise causal conv + silu of T inputs after the cached K, cache untouched."""
+    return conv_verify(conv_state, x.transpose(1, 2), weight, bias, F.silu).transpose(1, 2)
+
+
+def gdn_gates_reference(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+                        dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' GDN gates: a, b [B, T, HV]; A_log, dt_bias [HV] -> g [B, T, HV] fp32, beta in b's dtype."""
+    beta = b.sigmoid()
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)  # the .float(): an fp16 exp(A_log) may overflow
+    return g, beta
+
+
+def _conv_silu_kernel(state, x, w, bias, out,
+                      stride_sb, stride_sc, stride_sk,
+                      stride_xb, stride_xt, stride_xc,
+                      stride_wc, stride_wk,
+                      C, T,
+                      K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr):
+    i_c = tl.program_id(0)
+    i_b = tl.program_id(1).to(tl.int64)
+    rc = i_c * BC + tl.arange(0, BC)
+    rt = tl.arange(0, BT)
+    mc = rc < C
+    mt = rt < T
+    acc = tl.zeros([BT, BC], dtype=tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(bias + rc, mask=mc, other=0.0).to(tl.float32)[None, :]
+    p_state = state + i_b * stride_sb + rc[None, :] * stride_sc
+    p_x = x + i_b * stride_xb + rc[None, :] * stride_xc
+    for j in tl.static_range(K):
+        col = rt + j + 1  # the column of [conv_state ‖ x] that output t reads with tap j
+        in_state = col < K
+        v_state = tl.load(p_state + col[:, None] * stride_sk, mask=(in_state & mt)[:, None] & mc[None, :], other=0.0)
+        v_x = tl.load(p_x + (col - K)[:, None] * stride_xt, mask=(~in_state & mt)[:, None] & mc[None, :], other=0.0)
+        # transformers casts the cached inputs to x's dtype, then everything to the weight's
+        v = tl.where(in_state[:, None], v_state.to(X_DTYPE).to(W_DTYPE), v_x.to(W_DTYPE)).to(tl.float32)
+        w_j = tl.load(w + rc * stride_wc + j * stride_wk, mask=mc, other=0.0).to(tl.float32)
+        acc += w_j[None, :] * v
+    conv = acc.to(W_DTYPE).to(tl.float32)  # conv1d's output in the weight dtype
+    silu = (conv / (1.0 + tl.exp(-conv))).to(W_DTYPE)  # silu in fp32, rounded to its input's dtype
+    p_out = out + i_b * T * C + rt[:, None] * C + rc[None, :]
+    tl.store(p_out, silu.to(X_DTYPE), mask=mt[:, None] & mc[None, :])
+
+
+def _gates_kernel(a, b, A_log, dt_bias, g, beta, stride_a, stride_b, rows, HV, threshold,
+                  BR: tl.constexpr, BH: tl.constexpr, BETA_DTYPE: tl.constexpr):
+    rr = tl.program_id(0) * BR + tl.arange(0, BR)
+    rh = tl.arange(0, BH)
+    mh = rh < HV
+    mask = (rr < rows)[:, None] & mh[None, :]
+    x = tl.load(a + rr[:, None] * stride_a + rh[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = x + tl.load(dt_bias + rh, mask=mh, other=0.0).to(tl.float32)[None, :]
+    # softplus = log1p(e^x) below the threshold; log1p(u) = u · log(1 + u) / ((1 + u) - 1) keeps its precision
+    # for small u (the rounding of 1 + u cancels) where log(1 + u) alone would lose it
+    u = tl.exp(tl.minimum(x, threshold))
+    one_plus = 1.0 + u
+    exact = one_plus == 1.0  # u below half an ulp of 1: log1p(u) = u to fp32 precision
+    log1p = tl.where(exact, u, tl.log(one_plus) * (u / tl.where(exact, 1.0, one_plus - 1.0)))
+    softplus = tl.where(x > threshold, x, log1p)
+    decay = tl.exp(tl.load(A_log + rh, mask=mh, other=0.0).to(tl.float32))
+    offsets = rr[:, None] * HV + rh[None, :]
+    tl.store(g + offsets, -decay[None, :] * softplus, mask=mask)
+    v = tl.load(b + rr[:, None] * stride_b + rh[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(beta + offsets, (1.0 / (1.0 + tl.exp(-v))).to(BETA_DTYPE), mask=mask)
+
+
+if HAS_TRITON:
+    _conv_silu_kernel = _LazyJit(_conv_silu_kernel)
+    _gates_kernel = _LazyJit(_gates_kernel)
+
+
+def conv_silu(conv_state: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+              bias: torch.Tensor | None) -> torch.Tensor:
+    """Triton `conv_silu_reference` (one launch): conv_state [B, C, K], x [B, T, C] (any strides, e.g. a slice of
+    the projection output), weight [C, K], bias [C] or None -> contiguous [B, T, C] in x's dtype."""
+    batch, t, channels = x.shape
+    k = conv_state.shape[-1]
+    if conv_state.shape[:2] != (batch, channels) or weight.shape != (channels, k):
+        raise ValueError(f"conv_silu takes conv_state [B, C, K], x [B, T, C] and weight [C, K]; got "
+                         f"{tuple(conv_state.shape)}, {tuple(x.shape)} and {tuple(weight.shape)}")
+    out = torch.empty(batch, t, channels, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(channels, CONV_BLOCK), batch)
+    _conv_silu_kernel[grid](
+        conv_state, x, weight, bias if bias is not None else weight, out,
+        *conv_state.stride(), *x.stride(), *weight.stride(), channels, t,
+        K=k, BT=max(2, triton.next_power_of_2(t)), BC=CONV_BLOCK, HAS_BIAS=bias is not None,
+        X_DTYPE=tl_dtype(x.dtype), W_DTYPE=tl_dtype(weight.dtype), num_warps=4,
+    )
+    return out
+
+
+def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+              dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton `gdn_gates_reference` (one launch): a, b [B, T, HV] (rows may be strided) -> g [B, T, HV] fp32,
+    beta [B, T, HV] in b's dtype, both contiguous."""
+    heads = a.shape[-1]
+    if b.shape != a.shape or A_log.shape != (heads,) or dt_bias.shape != (heads,):
+        raise ValueError(f"gdn_gates takes a, b [B, T, HV] and A_log, dt_bias [HV]; got {tuple(a.shape)}, "
+                         f"{tuple(b.shape)}, {tuple(A_log.shape)} and {tuple(dt_bias.shape)}")
+    a_rows, b_rows = (_last_dim_contiguous(x.reshape(-1, heads)) for x in (a, b))  # views for column slices
+    g = torch.empty(a.shape, dtype=torch.float32, device=a.device)
+    beta = torch.empty(b.shape, dtype=b.dtype, device=b.device)
+    block_rows = 16
+    _gates_kernel[(triton.cdiv(a_rows.shape[0], block_rows),)](
+        a_rows, b_rows, A_log, dt_bias, g, beta, a_rows.stride(0), b_rows.stride(0), a_rows.shape[0], heads,
+        SOFTPLUS_THRESHOLD, BR=block_rows, BH=max(2, triton.next_power_of_2(heads)), BETA_DTYPE=tl_dtype(b.dtype),
+        num_warps=1,
+    )
+    return g, beta
+
