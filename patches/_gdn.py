@@ -31,6 +31,7 @@ from hybridspec_hf.kernels import (
     conv_verify,
     default_verify,
     fused_kernels_active,
+    fused_kernels_allowed,
     gdn_gates,
     gdn_gates_reference,
     gdn_verify_auto,
@@ -135,15 +136,16 @@ def concatenate_projections(layers: list[torch.nn.Module]) -> bool:
     """Give each Qwen3.5-layout GDN layer its concatenated projection weight, or refresh an existing one in place
     after in-place weight updates. Costs one more copy of the weights: 2048 x 12352 bf16 ≈ 50 MB per layer at
     Qwen3.5-35B-A3B's size (30 GDN layers: ≈ 1.5 GB). Call it outside CUDA-graph capture: a copy made inside
-    one would be a graph node re-run at every replay. False when an existing copy could not be refreshed (the
-    graphs that read it must be dropped; `release_concatenated_projections` then removes it)."""
+    one would be a graph node re-run at every replay. No new copies while HYBRIDSPEC_FUSED_KERNELS=0 (nothing
+    would read them). False when an existing copy could not be refreshed (the graphs that read it must be
+    dropped; `release_concatenated_projections` then removes it)."""
     for layer in layers:
         weights = _projection_weights(layer)
         entry = layer.__dict__.get(_CONCATENATED)
         if entry is not None:
             if not _refreshed(entry, weights):
                 return False
-        elif weights is not None:
+        elif weights is not None and fused_kernels_allowed():
             with torch.no_grad():
                 layer.__dict__[_CONCATENATED] = ConcatenatedProjection(
                     torch.cat(weights), [w.shape[0] for w in weights], _stamp(weights))

@@ -191,11 +191,14 @@ def test_without_the_flag_or_the_interpreter_the_torch_glue_runs(monkeypatch):
     verify_once(layer, _gdn.project_separate, hidden, conv_state, state, fused=True)
 
 
-def test_concatenated_projection_follows_in_place_weight_updates():
+def test_concatenated_projection_follows_in_place_weight_updates(monkeypatch):
     target = make_target("qwen3_5_moe", seed=5, dtype=torch.float32)
     layers = patches.gdn_layers(target)
     layer = layers[0]
     hooked = layers[1]
+    monkeypatch.setenv("HYBRIDSPEC_FUSED_KERNELS", "0")  # fused kernels switched off: no copy to make
+    assert patches.concatenate_projections(layers) and "_hybridspec_in_proj" not in layer.__dict__
+    monkeypatch.delenv("HYBRIDSPEC_FUSED_KERNELS")
     handle = hooked.in_proj_z.register_forward_hook(lambda *args: None)  # e.g. an adapter or offloading hook
     try:
         assert patches.concatenate_projections(layers)

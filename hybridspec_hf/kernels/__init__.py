@@ -32,6 +32,7 @@ from .gdn_triton import (
     commit_gdn_states_auto,
     fused_kernels,
     fused_kernels_active,
+    fused_kernels_allowed,
     gdn_verify_auto,
     select_backend,
 )
@@ -52,6 +53,7 @@ __all__ = [
     "fused_experts_reference",
     "fused_kernels",
     "fused_kernels_active",
+    "fused_kernels_allowed",
     "gdn_gates",
     "gdn_gates_reference",
     "gdn_verify_auto",

@@ -67,7 +67,7 @@ def fused_kernels():
     environment keeps transformers' own modules there too (read when a resident forward starts, so graphs captured
     afterwards follow it; for A/B timings and for ruling our kernels out)."""
     global _fused_active
-    previous, _fused_active = _fused_active, HAS_TRITON and os.environ.get("HYBRIDSPEC_FUSED_KERNELS", "1") != "0"
+    previous, _fused_active = _fused_active, fused_kernels_allowed()
     try:
         yield
     finally:
@@ -76,6 +76,11 @@ def fused_kernels():
 
 def fused_kernels_active() -> bool:
     return _fused_active
+
+
+def fused_kernels_allowed() -> bool:
+    """Whether `fused_kernels()` turns them on: triton is installed and HYBRIDSPEC_FUSED_KERNELS is not "0"."""
+    return HAS_TRITON and os.environ.get("HYBRIDSPEC_FUSED_KERNELS", "1") != "0"
 
 
 class _LazyJit:
