@@ -8,7 +8,7 @@ leaves the cache as it was, and records what the commit needs.
 Inside GPU-resident forwards (`fused_kernels()`, CUDA-graph captured) the glue is fused, because at batch 1 the
 forward is launch-bound: the conv and the gates take one Triton launch each (kernels/gdn_prologue_triton.py) instead
 of ~11 small kernels, and the Qwen3.5 layout's four input projections one GEMM over a concatenated weight
-(`concatenate_projections`, built by the resident rounds before capture). Elsewhere the torch code runs unchanged.
+(`prepare_gdn_projections`, made by the resident rounds before capture). Elsewhere the torch code runs unchanged.
 """
 from __future__ import annotations
 
@@ -37,6 +37,8 @@ from hybridspec_hf.kernels import (
     gdn_verify_auto,
     select_backend,
 )
+
+from ._weight_copies import WeightCopy, current_copy, hooked, refresh_copy
 
 # (layer, hidden_states [B, T, H]) -> mixed_qkv [B, T, C] (pre-conv), z [B, T, HV, dv], b [B, T, HV], a [B, T, HV]
 ProjectFn = Callable[[torch.nn.Module, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -75,96 +77,78 @@ def commit_session(session: VerifySession, num_committed: torch.Tensor) -> None:
 
 def project_separate(layer: torch.nn.Module, hidden_states: torch.Tensor):
     """Qwen3.5 layout: separate in_proj_qkv / in_proj_z / in_proj_b / in_proj_a; inside resident forwards one GEMM
-    over their concatenated weight when `concatenate_projections` made one (the outputs are then column slices)."""
+    over their concatenated weight while `prepare_gdn_projections`' copy is current (outputs are column slices)."""
     batch, seq_len, _ = hidden_states.shape
-    concatenated = _current_concatenation(layer) if fused_kernels_active() else None
-    if concatenated is not None:
-        mixed_qkv, z, b, a = F.linear(hidden_states, concatenated.weight).split(concatenated.sizes, dim=-1)
+    modules = _projections(layer)
+    copy = _current_projection_copy(layer, modules) if fused_kernels_active() else None
+    if copy is not None:
+        sizes = [m.out_features for m in modules]
+        mixed_qkv, z, b, a = F.linear(hidden_states, copy.weight).split(sizes, dim=-1)
     else:
         mixed_qkv, z, b, a = (getattr(layer, name)(hidden_states) for name in SEPARATE_PROJECTIONS)
     return mixed_qkv, z.reshape(batch, seq_len, -1, layer.head_v_dim), b, a
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# the Qwen3.5 layout's projections as one GEMM (GPU-resident forwards)
+# the Qwen3.5 layout's projections as one GEMM (GPU-resident forwards; patches/_weight_copies.py)
 
 SEPARATE_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")  # in the order of the concatenation
-_CONCATENATED = "_hybridspec_in_proj"  # key in the layer's __dict__: not a parameter, buffer or state_dict entry
+_COPY = "_hybridspec_in_proj"  # a WeightCopy of the four weights [C + HV·dv + 2·HV, H] in the layer's __dict__
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-@dataclass
-class ConcatenatedProjection:
-    """A copy of the four projection weights stacked along the output features, for one GEMM instead of four."""
-
-    weight: torch.Tensor  # [C + HV·dv + 2·HV, H] (qkv, z, b, a), the weights' dtype and device
-    sizes: list[int]  # output features of each projection
-    stamp: tuple  # (data_ptr, _version) of each source weight when copied: a different stamp means a stale copy
-
-
-def _projection_weights(layer: torch.nn.Module) -> list[torch.Tensor] | None:
-    """The four weights when a concatenation computes the same thing: plain bias-free nn.Linear modules without
-    hooks (not quantized, no adapters, no offloading), all of one dtype and device. Else None."""
+def _projections(layer: torch.nn.Module) -> list[torch.nn.Module] | None:
+    """The four projections if they are plain bias-free nn.Linear modules (not quantized, no adapters), else None."""
     modules = [getattr(layer, name, None) for name in SEPARATE_PROJECTIONS]
-    if not all(type(m) is torch.nn.Linear and m.bias is None and not m._forward_hooks and not m._forward_pre_hooks
-               for m in modules):
+    return modules if all(type(m) is torch.nn.Linear and m.bias is None for m in modules) else None
+
+
+def _fusable_projections(layer: torch.nn.Module) -> list[torch.nn.Module] | None:
+    """The four projections when one GEMM over a copy of their weights computes what they do: plain Linears with
+    nothing else to run (hooks, a replaced forward), one float dtype and device, where the fused GDN route runs
+    (CUDA, or the Triton interpreter in tests) and the fused kernels are not switched off."""
+    modules = _projections(layer)
+    if modules is None or hooked(modules):
         return None
     weights = [m.weight for m in modules]
-    return weights if len({(w.dtype, w.device, w.shape[1]) for w in weights}) == 1 else None
+    one_kind = len({(w.dtype, w.device, w.shape[1]) for w in weights}) == 1 and weights[0].dtype in _DTYPES
+    on_route = fused_kernels_allowed() and select_backend("auto", weights[0]) == "triton"
+    return modules if one_kind and on_route else None
 
 
-def _stamp(weights: list[torch.Tensor]) -> tuple:
-    # inference tensors keep no version counter (and cannot be written outside inference mode)
-    return tuple((w.data_ptr(), None if w.is_inference() else w._version) for w in weights)
+def _concatenate(*weights: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    rows = sum(w.shape[0] for w in weights)
+    if out is None or out.shape != (rows, weights[0].shape[1]) or out.dtype != weights[0].dtype or \
+            out.device != weights[0].device:
+        out = torch.empty(rows, weights[0].shape[1], dtype=weights[0].dtype, device=weights[0].device)
+    with torch.no_grad():
+        return torch.cat(weights, out=out)
 
 
-def _refreshed(entry: ConcatenatedProjection, weights: list[torch.Tensor] | None) -> bool:
-    """Bring the copy up to date in place (captured graphs keep reading its address); False when it cannot be: a
-    projection was replaced by one of another shape, dtype or kind."""
-    if weights is None or [w.shape[0] for w in weights] != entry.sizes or \
-            (weights[0].dtype, weights[0].device, weights[0].shape[1]) != \
-            (entry.weight.dtype, entry.weight.device, entry.weight.shape[1]):
-        return False
-    stamp = _stamp(weights)
-    if stamp != entry.stamp:  # the weights were updated in place (or re-allocated) since the copy
-        with torch.no_grad():
-            torch.cat(weights, out=entry.weight)
-        entry.stamp = stamp
-    return True
+def prepare_gdn_projections(layers: list[torch.nn.Module]) -> None:
+    """Make (or refresh in place) each Qwen3.5-layout GDN layer's concatenated projection weight, one more copy of
+    those weights: 12352 x 2048 bf16 ≈ 50 MB per layer at Qwen3.5-35B-A3B's shape (30 GDN layers: ≈ 1.5 GB).
+    Outside graph capture: the resident rounds call it before capturing and at the start of every generate() call.
+    All layers or none: the one-launch commit reads every layer's conv input (a column slice of this GEMM's
+    output, or the separate projection's own output) with one layout."""
+    fusable = [_fusable_projections(layer) for layer in layers]
+    if not layers or any(modules is None for modules in fusable):
+        release_gdn_projections(layers)
+        return
+    for layer, modules in zip(layers, fusable):
+        refresh_copy(layer, _COPY, [m.weight for m in modules], _concatenate)
 
 
-def concatenate_projections(layers: list[torch.nn.Module]) -> bool:
-    """Give each Qwen3.5-layout GDN layer its concatenated projection weight, or refresh an existing one in place
-    after in-place weight updates. Costs one more copy of the weights: 2048 x 12352 bf16 ≈ 50 MB per layer at
-    Qwen3.5-35B-A3B's size (30 GDN layers: ≈ 1.5 GB). Call it outside CUDA-graph capture: a copy made inside
-    one would be a graph node re-run at every replay. No new copies while HYBRIDSPEC_FUSED_KERNELS=0 (nothing
-    would read them). False when an existing copy could not be refreshed (the graphs that read it must be
-    dropped; `release_concatenated_projections` then removes it)."""
+def release_gdn_projections(layers: list[torch.nn.Module]) -> None:
+    """Free the copies (the layers run their four projections until the next prepare)."""
     for layer in layers:
-        weights = _projection_weights(layer)
-        entry = layer.__dict__.get(_CONCATENATED)
-        if entry is not None:
-            if not _refreshed(entry, weights):
-                return False
-        elif weights is not None and fused_kernels_allowed():
-            with torch.no_grad():
-                layer.__dict__[_CONCATENATED] = ConcatenatedProjection(
-                    torch.cat(weights), [w.shape[0] for w in weights], _stamp(weights))
-    return True
+        layer.__dict__.pop(_COPY, None)
 
 
-def release_concatenated_projections(model: torch.nn.Module) -> None:
-    """Drop every concatenated projection weight under `model` (any module: nothing else is touched)."""
-    for module in model.modules():
-        module.__dict__.pop(_CONCATENATED, None)
-
-
-def _current_concatenation(layer: torch.nn.Module) -> ConcatenatedProjection | None:
-    entry = layer.__dict__.get(_CONCATENATED)
-    if entry is not None and not _refreshed(entry, _projection_weights(layer)):
-        raise RuntimeError(
-            f"GDN layer {layer.layer_idx}'s input projections changed shape, dtype or kind after HybridSpec's "
-            "resident rounds were built; call hybridspec_hf.release_graphs(model) before generating again.")
-    return entry
+def _current_projection_copy(layer: torch.nn.Module, modules: list[torch.nn.Module] | None) -> WeightCopy | None:
+    if modules is None or _COPY not in layer.__dict__ or hooked(modules):
+        return None
+    return current_copy(layer, _COPY, [m.weight for m in modules])
 
 
 def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -12,7 +12,7 @@ The router is still called as a module (`self.gate(x)`) and the experts too (`se
 on them (RouterRecorder, RoutingReplay, VerifyWindow, users') fire as before. The shared expert's modules are
 skipped, so any hook on them (or a replaced forward, LoRA layers, a non-SiLU activation) keeps transformers' forward.
 
-Both patches are inert unless `fused_norms()` is active (HybridSpec's resident forwards), the input is on CUDA and
+Both patches are inert unless `fused_kernels()` is active (HybridSpec's resident forwards), the input is on CUDA and
 grad is off, so plain generate(), training and every CPU path run transformers' code unchanged.
 
 The concatenated weight [2I + 1 rows padded to 8, H] is a copy: (2·512 + 8) × 2048 × 2 bytes = 4.2 MB per layer
@@ -26,31 +26,24 @@ frees it with the resident rounds (`hybridspec_hf.release_graphs`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.nn.modules import module as nn_module
 from transformers.activations import SiLUActivation
 
-from hybridspec_hf.kernels import router_triton, shared_expert_triton
-from hybridspec_hf.kernels.norm_triton import fused_norms_active
+from hybridspec_hf.kernels import fused_kernels_active, router_triton, shared_expert_triton
+
+from ._weight_copies import current_copy, hooked, refresh_copy
 
 __all__ = ["patch_moe_classes", "prepare_fused_moe", "release_fused_moe"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_CACHE = "_hybridspec_shared_weights"
+_CACHE = "_hybridspec_shared_weights"  # a WeightCopy of [gate_proj; up_proj; shared_expert_gate; zero rows] [R, H]
 _ON_CPU = False  # tests only: take the fused route on CPU tensors too (with the Triton interpreter)
 
 
-@dataclass
-class _SharedWeights:
-    weight: torch.Tensor  # [gate_proj; up_proj; shared_expert_gate; zero rows] [R, H]
-    key: tuple  # (data_ptr, _version) of the three sources when copied
-
-
 def _active(x: torch.Tensor) -> bool:
-    return (x.is_cuda or _ON_CPU) and fused_norms_active() and x.dtype in _DTYPES and not torch.is_grad_enabled()
+    return (x.is_cuda or _ON_CPU) and fused_kernels_active() and x.dtype in _DTYPES and not torch.is_grad_enabled()
 
 
 def patch_moe_classes(router_cls: type | None, block_cls: type | None, normalizes: Callable[[torch.nn.Module], bool]):
@@ -104,10 +97,6 @@ def _sources(block: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.
     return block.shared_expert.gate_proj.weight, block.shared_expert.up_proj.weight, block.shared_expert_gate.weight
 
 
-def _key(block: torch.nn.Module) -> tuple:
-    return tuple((w.data_ptr(), w._version) for w in _sources(block))
-
-
 def _skipped_modules(block: torch.nn.Module) -> list[torch.nn.Module]:
     return [*block.shared_expert.modules(), block.shared_expert_gate]
 
@@ -126,17 +115,10 @@ def _fusable(block: torch.nn.Module) -> bool:
             and weights[0].dtype in _DTYPES and (weights[0].is_cuda or _ON_CPU))
 
 
-def _hooked(modules: list[torch.nn.Module]) -> bool:
-    """Whether a call of these modules would run anything but their class forward (hooks, a replaced forward)."""
-    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
-        return True
-    return any(m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__ for m in modules)
-
-
 def _current_weights(block: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor | None:
     """The block's concatenated weight if it is current and the skipped modules have nothing that must run."""
-    cached = block.__dict__.get(_CACHE)
-    if cached is None or cached.key != _key(block) or _hooked(_skipped_modules(block)):
+    cached = current_copy(block, _CACHE, _sources(block))
+    if cached is None or hooked(_skipped_modules(block)):
         return None
     weight = cached.weight
     return weight if weight.dtype == hidden.dtype and weight.device == hidden.device else None
@@ -149,12 +131,7 @@ def prepare_fused_moe(blocks: list[torch.nn.Module]) -> None:
         if not _fusable(block):
             block.__dict__.pop(_CACHE, None)
             continue
-        cached, key = block.__dict__.get(_CACHE), _key(block)
-        if cached is not None and cached.key == key:
-            continue
-        previous = cached.weight if cached is not None else None
-        weight = shared_expert_triton.concat_shared_weights(*_sources(block), out=previous)
-        block.__dict__[_CACHE] = _SharedWeights(weight, key)
+        refresh_copy(block, _CACHE, _sources(block), shared_expert_triton.concat_shared_weights)
 
 
 def release_fused_moe(blocks: list[torch.nn.Module]) -> None:

@@ -23,7 +23,6 @@ pytest.importorskip("triton")
 from _tiny import make_target  # noqa: E402
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as modeling  # noqa: E402
 
-import hybridspec_hf  # noqa: E402
 from hybridspec_hf import patches  # noqa: E402
 from hybridspec_hf.kernels import conv_verify, fused_kernels  # noqa: E402
 from hybridspec_hf.kernels.gdn_prologue_triton import (  # noqa: E402
@@ -145,13 +144,13 @@ def test_fused_verify_forward_equals_the_torch_glue(name, dtype, t, monkeypatch)
     for kernel in ("conv_silu", "gdn_gates"):
         original = getattr(_gdn, kernel)
         monkeypatch.setattr(_gdn, kernel, lambda *args, _f=original, _n=kernel: launches.append(_n) or _f(*args))
-    assert patches.concatenate_projections(layers)
+    patches.prepare_gdn_projections(layers)
     separate = "_hybridspec_in_proj" in layer.__dict__
     assert separate == (name != "qwen3_next")  # Qwen3-Next's projections are fused already
     try:
         fused, pending = verify_once(layer, family.project_gdn_inputs, hidden, conv_state, state, fused=True)
     finally:
-        patches.release_concatenated_projections(target)
+        patches.release_gdn_projections(layers)
     assert launches == ["conv_silu", "gdn_gates"]
     if separate:  # the conv input is a column slice of the one GEMM's output [B, T, C + HV·dv + 2·HV]
         assert pending.conv_input.stride(2) > plain.conv_input.stride(2) == layer.conv_dim
@@ -167,7 +166,7 @@ def test_without_the_flag_or_the_interpreter_the_torch_glue_runs(monkeypatch):
     target = make_target("qwen3_5_moe", seed=4, dtype=torch.float32)
     layers = patches.gdn_layers(target)
     layer = layers[0]
-    patches.concatenate_projections(layers)
+    patches.prepare_gdn_projections(layers)
     layer.__dict__["_hybridspec_in_proj"].weight.zero_()  # zero outputs tell which path ran
     hidden = torch.randn(1, 3, target.config.hidden_size)
     try:
@@ -175,7 +174,7 @@ def test_without_the_flag_or_the_interpreter_the_torch_glue_runs(monkeypatch):
         with fused_kernels():
             concatenated = _gdn.project_separate(layer, hidden)
     finally:
-        hybridspec_hf.release_graphs(target)
+        patches.release_gdn_projections(layers)
     assert separate[0].abs().sum() > 0 and all((x == 0).all() for x in concatenated)
     assert all("_hybridspec_in_proj" not in m.__dict__ for m in target.modules())
 
@@ -187,39 +186,44 @@ def test_without_the_flag_or_the_interpreter_the_torch_glue_runs(monkeypatch):
     conv_state = torch.randn(1, layer.conv_dim, layer.conv_kernel_size)
     state = torch.zeros(1, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim)
     verify_once(layer, _gdn.project_separate, hidden, conv_state, state, fused=False)  # no flag
-    monkeypatch.delenv("TRITON_INTERPRET")  # a CPU tensor outside the interpreter: kernel_backend "auto" -> torch
+    monkeypatch.delenv("TRITON_INTERPRET")  # CPU tensors outside the interpreter: no fused route, no copies
     verify_once(layer, _gdn.project_separate, hidden, conv_state, state, fused=True)
+    patches.prepare_gdn_projections(layers)
+    assert "_hybridspec_in_proj" not in layer.__dict__
 
 
 def test_concatenated_projection_follows_in_place_weight_updates(monkeypatch):
+    """What the resident rounds do: prepare before capture, again at every call's start (in place, same address);
+    a stale copy is never read; a hook on any layer's projection (or the switch) leaves every layer unfused."""
     target = make_target("qwen3_5_moe", seed=5, dtype=torch.float32)
     layers = patches.gdn_layers(target)
     layer = layers[0]
-    hooked = layers[1]
+    copied = lambda: ["_hybridspec_in_proj" in m.__dict__ for m in layers]  # noqa: E731
     monkeypatch.setenv("HYBRIDSPEC_FUSED_KERNELS", "0")  # fused kernels switched off: no copy to make
-    assert patches.concatenate_projections(layers) and "_hybridspec_in_proj" not in layer.__dict__
+    patches.prepare_gdn_projections(layers)
+    assert not any(copied())
     monkeypatch.delenv("HYBRIDSPEC_FUSED_KERNELS")
-    handle = hooked.in_proj_z.register_forward_hook(lambda *args: None)  # e.g. an adapter or offloading hook
+    handle = layers[1].in_proj_z.register_forward_hook(lambda *args: None)  # e.g. an adapter or offloading hook
+    patches.prepare_gdn_projections(layers)
+    assert not any(copied())  # all layers or none: the one-launch commit reads every conv input with one layout
+    handle.remove()
+    patches.prepare_gdn_projections(layers)
+    assert all(copied())
+    address = layer.__dict__["_hybridspec_in_proj"].weight.data_ptr()
+    hidden = torch.randn(1, 4, target.config.hidden_size)
     try:
-        assert patches.concatenate_projections(layers)
-        entry = layer.__dict__["_hybridspec_in_proj"]
-        address = entry.weight.data_ptr()
-        assert "_hybridspec_in_proj" not in hooked.__dict__  # not a plain Linear: keeps its own forward
-        hidden = torch.randn(1, 4, target.config.hidden_size)
         with torch.no_grad():
             layer.in_proj_z.weight.mul_(-2.0)
             layer.in_proj_a.weight.add_(0.5)
+            separate = _gdn.project_separate(layer, hidden)
             with fused_kernels():
+                stale = _gdn.project_separate(layer, hidden)  # the copy is stale: the four projections run
+                patches.prepare_gdn_projections(layers)  # a call's start
                 concatenated = _gdn.project_separate(layer, hidden)
-        separate = _gdn.project_separate(layer, hidden)
-        for mine, theirs in zip(concatenated, separate, strict=True):
-            torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-6)
-        assert entry.weight.data_ptr() == address  # refreshed in place: captured graphs keep reading it
-        assert patches.concatenate_projections(layers)
-        layer.in_proj_b = torch.nn.Linear(target.config.hidden_size, 2 * layer.num_v_heads, bias=False)
-        assert not patches.concatenate_projections(layers)  # replaced by another shape: rounds must be rebuilt
-        with pytest.raises(RuntimeError, match="release_graphs"), fused_kernels():
-            _gdn.project_separate(layer, hidden)
+        for out in (stale, concatenated):
+            for mine, theirs in zip(out, separate, strict=True):
+                torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-6)
+        assert layer.__dict__["_hybridspec_in_proj"].weight.data_ptr() == address  # captured graphs still read it
     finally:
-        handle.remove()
-        patches.release_concatenated_projections(target)
+        patches.release_gdn_projections(layers)
+    assert not any(copied())

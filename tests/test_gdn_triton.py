@@ -323,19 +323,17 @@ def test_package_imports_without_triton():
 
 
 @pytest.mark.parametrize("cuda_graphs", ["off", "on"])
-def test_round_loop_with_triton_kernels_matches_the_torch_path(cuda_graphs, monkeypatch):
+def test_round_loop_with_triton_kernels_matches_the_torch_path(cuda_graphs):
     """The GPU path of the loop (Triton verify + one-launch commit), run here by its CPU twin under the interpreter:
-    same tokens and same committed caches as kernel_backend="torch". cuda_graphs="on": the resident rounds' twin
-    with the GPU route forced, so their forwards also run the fused GDN prologue (conv + gates kernels, and one GEMM
-    over the concatenated projections built at set-up; the "torch" run uses that GEMM too) until release_graphs."""
+    same tokens and same committed caches as kernel_backend="torch". cuda_graphs="on": the resident rounds' twin,
+    whose forwards then also take the fused GDN route the interpreter opens to CPU tensors (conv + gates kernels,
+    and one GEMM over the projection copies made at set-up; the "torch" run uses that GEMM too) until
+    release_graphs."""
     from _tiny import VOCAB, cache_tensors, make_drafter, make_target, output_cache
 
     import hybridspec_hf
     from hybridspec_hf import HybridSpecConfig, patches
-    from hybridspec_hf.graphs.static_target import StaticTarget
 
-    monkeypatch.setattr(StaticTarget, "concatenate_projections",
-                        lambda self: patches.concatenate_projections(self.gdn_layers))
     target = make_target("qwen3_5_moe_odd", seed=1, dtype=torch.float32)
     prompt = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(1))
     drafter = make_drafter(target, 8, target.generate(prompt, do_sample=False, max_new_tokens=24), 0.25).float()

@@ -106,10 +106,10 @@ def resident_rounds(model, drafter, strategy, logits_processor, do_sample: bool,
     key = _Key(id(drafter), strategy.identity(), do_sample, tuple(repr(p.__dict__) for p in logits_processor),
                capacity, position_rows, device_commit)
     current = model.__dict__.get("_hybridspec_resident")
-    # the graphs read copies of the GDN projection weights: refreshed here if the weights changed in place
-    if current is not None and _reusable(current.key, key) and current.target.concatenate_projections():
+    if current is not None and _reusable(current.key, key):
         return current
-    release_resident_rounds(model)  # the old rounds (and whatever a failed set-up left) go first
+    if current is not None:
+        release_resident_rounds(model)
     devices = [next(model.parameters()).device] if next(model.parameters()).device.type == "cuda" else []
     before = torch.cuda.memory_allocated(devices[0]) if devices else 0
     with torch.random.fork_rng(devices=devices):  # warm-up and capture draw random numbers: the seed stays the user's
@@ -122,13 +122,12 @@ def resident_rounds(model, drafter, strategy, logits_processor, do_sample: bool,
 
 
 def release_resident_rounds(model) -> None:
-    """Free the target's captured rounds (graphs, static caches, concatenated projection weights)."""
+    """Free the target's captured rounds (graphs, static caches)."""
     current = model.__dict__.pop("_hybridspec_resident", None)
     if current is not None:
         current.close()
-    patches.release_concatenated_projections(model)  # also what a failed set-up may have left
-    if current is not None and torch.cuda.is_available():
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 class ResidentRounds:
@@ -186,10 +185,10 @@ class ResidentRounds:
         self.verifies: dict[int, Replay] = {}
         self.commits: dict[int, Replay] = {}
         try:
-            # the fused MoE blocks' concatenated shared-expert weights: made here, outside capture (a copy made
-            # inside would be a graph node replayed every round), refreshed in place by `start`, freed by `close`
-            patches.prepare_fused_moe(moe)
-            self.target.concatenate_projections()  # outside capture: inside, the copy would re-run at every replay
+            # the fused paths' weight copies (MoE shared expert, GDN input projections): made here, outside capture
+            # (a copy made inside would be a graph node replayed every round), refreshed in place by `start`, freed
+            # by `close`
+            self._prepare_weight_copies()
             self.routing = _routing_replay(strategy.routing, moe, model, self.device)  # before the window: it sets ids
             self.window = VerifyWindow(moe)
             with torch.no_grad(), experts as self.fused_experts:
@@ -216,9 +215,14 @@ class ResidentRounds:
             if hooks is not None:
                 hooks.remove()
         patches.release_fused_moe(self.moe)
+        patches.release_gdn_projections(self.target.gdn_layers)
         self.target.close()
         self.step = self.spec = self.draft = None
         self.verifies, self.commits = {}, {}
+
+    def _prepare_weight_copies(self) -> None:
+        patches.prepare_fused_moe(self.moe)
+        patches.prepare_gdn_projections(self.target.gdn_layers)
 
     def reset_selector(self) -> None:
         """A new generate() call: the selector's streams restart from its prior, in place (graphs hold them)."""
@@ -367,7 +371,7 @@ class ResidentRounds:
     def start(self, cache, last_position: torch.Tensor, prompt_features: torch.Tensor, first_token: torch.Tensor,
               max_length: int, eos_ids: set[int]) -> None:
         """Load a prefilled call into the static buffers (eager, once per generate() call)."""
-        patches.prepare_fused_moe(self.moe)  # weights changed in place since capture: the copies follow
+        self._prepare_weight_copies()  # weights changed in place since capture: the copies follow
         if self.device_commit:
             ids = sorted(eos_ids)[:MAX_EOS_IDS]
             self.eos_ids.fill_(-1)

@@ -95,16 +95,7 @@ class StaticTarget:
             self.state_buffer = patches.per_token_state_buffer(self.gdn_layers, self.cache, max_tokens)
 
     def close(self) -> None:
-        """Drop the concatenated projection weights; nothing else is left on the model between forwards (feature
-        hooks live only inside `forward`)."""
-        patches.release_concatenated_projections(self.model)
-
-    def concatenate_projections(self) -> bool:
-        """On CUDA: one GEMM instead of four for Qwen3.5-layout GDN projections (`patches.concatenate_projections`,
-        ≈ 50 MB per GDN layer at full size). Builds the copies, or refreshes them in place when the weights were
-        updated in place since; call it before warm-up and capture, and before replaying graphs in a later call.
-        False when a copy cannot be refreshed (a projection was replaced): the graphs must be rebuilt."""
-        return self.device.type != "cuda" or patches.concatenate_projections(self.gdn_layers)
+        """Nothing is left on the model between forwards (feature hooks live only inside `forward`)."""
 
     # ------------------------------------------------------------------------------------------------ set-up
     def _initialise(self) -> None:

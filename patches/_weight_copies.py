@@ -1,0 +1,50 @@
+"""Weight copies read by the fused paths of resident forwards (one GEMM over concatenated weights, not several).
+
+A copy is made before CUDA-graph capture and refreshed in place at the start of every generate() call (same
+address, so captured graphs stay right) when a source changed: its data_ptr or in-place `_version` (writes through
+`.data` are not seen: release the graphs after those). A forward never makes one (inside a capture the copy would
+become a graph node replayed every round): it uses the copy while it is current, else the modules themselves.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.nn.modules import module as nn_module
+
+
+@dataclass
+class WeightCopy:
+    weight: torch.Tensor  # the concatenation the fused path reads
+    key: tuple  # `source_key` of its sources when copied
+
+
+def source_key(weights: Sequence[torch.Tensor]) -> tuple:
+    """(data_ptr, in-place version) of each source: a different key means a stale copy."""
+    # inference tensors keep no version counter (and cannot be written outside inference mode)
+    return tuple((w.data_ptr(), None if w.is_inference() else w._version) for w in weights)
+
+
+def refresh_copy(module: torch.nn.Module, attr: str, sources: Sequence[torch.Tensor],
+                 concatenate: Callable[..., torch.Tensor]) -> None:
+    """Make `module`'s copy (kept in its __dict__ under `attr`), or rewrite it when a source changed:
+    `concatenate(*sources, out=previous)` writes into the previous copy when that has the right shape."""
+    cached, key = module.__dict__.get(attr), source_key(sources)
+    if cached is not None and cached.key == key:
+        return
+    weight = concatenate(*sources, out=cached.weight if cached is not None else None)
+    module.__dict__[attr] = WeightCopy(weight, key)
+
+
+def current_copy(module: torch.nn.Module, attr: str, sources: Sequence[torch.Tensor]) -> WeightCopy | None:
+    """The module's copy if it was made from these sources as they are now."""
+    cached = module.__dict__.get(attr)
+    return cached if cached is not None and cached.key == source_key(sources) else None
+
+
+def hooked(modules: Sequence[torch.nn.Module]) -> bool:
+    """Whether a call of these modules would run anything but their class forward (hooks, a replaced forward)."""
+    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__ for m in modules)
