@@ -157,6 +157,14 @@ def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     raise ValueError(f"GDN conv activation {name!r} is not supported by HybridSpec (expected 'silu').")
 
 
+def _fused_route(session: VerifySession, mixed_qkv: torch.Tensor, conv_state: torch.Tensor,
+                 weight: torch.Tensor) -> bool:
+    """Conv and gates by our kernels: inside resident forwards, on the Triton backend (CUDA tensors, or the
+    interpreter in tests), in a dtype the kernels take."""
+    return (fused_kernels_active() and all(t.dtype in _DTYPES for t in (mixed_qkv, conv_state, weight))
+            and select_backend(session.kernel_backend, mixed_qkv, conv_state) == "triton")
+
+
 def verify_forward(layer: torch.nn.Module, session: VerifySession, hidden_states: torch.Tensor, project: ProjectFn):
     """The GDN layer's output for w tokens from the committed state, without writing the cache."""
     batch, seq_len, _ = hidden_states.shape
@@ -170,7 +178,7 @@ def verify_forward(layer: torch.nn.Module, session: VerifySession, hidden_states
     conv_input = mixed_qkv.transpose(1, 2)  # [B, C, T]
     activation = _activation(layer.activation)
     weight = layer.conv1d.weight.squeeze(1)  # [C, K]
-    if fused_kernels_active() and select_backend(session.kernel_backend, mixed_qkv, conv_state) == "triton":
+    if _fused_route(session, mixed_qkv, conv_state, weight):
         mixed = conv_silu(conv_state, mixed_qkv, weight, layer.conv1d.bias)  # [B, T, C] contiguous
         g, beta = gdn_gates(a, b, layer.A_log, layer.dt_bias)
     else:
