@@ -130,13 +130,18 @@ def prepare_gdn_projections(layers: list[torch.nn.Module]) -> None:
     those weights: 12352 x 2048 bf16 ≈ 50 MB per layer at Qwen3.5-35B-A3B's shape (30 GDN layers: ≈ 1.5 GB).
     Outside graph capture: the resident rounds call it before capturing and at the start of every generate() call.
     All layers or none: the one-launch commit reads every layer's conv input (a column slice of this GEMM's
-    output, or the separate projection's own output) with one layout."""
-    fusable = [_fusable_projections(layer) for layer in layers]
-    if not layers or any(modules is None for modules in fusable):
-        release_gdn_projections(layers)
-        return
+    output, or the separate projection's own output) with one layout. Existing copies are only refreshed, never
+    dropped here, since captured graphs read them (a hook added since capture would not run in a graph anyway:
+    release the graphs after such changes)."""
+    if any(_COPY in layer.__dict__ for layer in layers):
+        fusable = [_projections(layer) for layer in layers]
+    else:
+        fusable = [_fusable_projections(layer) for layer in layers]
+        if not layers or any(modules is None for modules in fusable):
+            return
     for layer, modules in zip(layers, fusable):
-        refresh_copy(layer, _COPY, [m.weight for m in modules], _concatenate)
+        if modules is not None:
+            refresh_copy(layer, _COPY, [m.weight for m in modules], _concatenate)
 
 
 def release_gdn_projections(layers: list[torch.nn.Module]) -> None:

@@ -209,6 +209,12 @@ def test_concatenated_projection_follows_in_place_weight_updates(monkeypatch):
     handle.remove()
     patches.prepare_gdn_projections(layers)
     assert all(copied())
+    handle = layers[1].in_proj_z.register_forward_hook(lambda *args: None)
+    patches.prepare_gdn_projections(layers)  # a later call's start: graphs captured on the copies still read them
+    assert all(copied())
+    # but a forward (eager, or a new capture) runs the hooked module itself
+    assert _gdn._current_projection_copy(layers[1], _gdn._projections(layers[1])) is None
+    handle.remove()
     address = layer.__dict__["_hybridspec_in_proj"].weight.data_ptr()
     hidden = torch.randn(1, 4, target.config.hidden_size)
     try:
