@@ -163,7 +163,7 @@ def run_method(target, drafter, prompt, method: str, profile, tokens: int, routi
         rounds = tel.rounds
         row.update(path=tel.path, capture_s=capture_s, recaptured=tel.capture_s > 0, tau=tel.mean_emitted, mean_w=tel.mean_verified,
                    round_ms=statistics.median(r.wall_s for r in rounds) * 1e3,
-                   host_ms=statistics.median(r.host_s for r in rounds) * 1e3,
+                   host_ms=statistics.median(r.host_s or 0.0 for r in rounds) * 1e3,  # None: eager loop
                    plain_steps=sum(not r.drafted for r in rounds), rounds=len(rounds),
                    chosen_w=[r.w for r in rounds if r.drafted],
                    round_ms_by_w={w: statistics.median(r.wall_s * 1e3 for r in rounds if r.w == w and r.drafted)
@@ -242,12 +242,15 @@ def main(argv: list[str] | None = None) -> None:
                 "mean_accepted_length": replay.mean_accepted_length, "routing": routing_name,
                 "replayed_rows": half, "estimator_fit_rows": held.accepted.shape[0],
                 "bytes_ceiling_tokens_per_s": ceiling, "methods": rows}
-    name = args.name or f"e2e_{args.model}"
-    payload = {"title": f"End-to-end, timing mode ({args.model})", "environment": environment(), **report,
+            save(args.name or f"e2e_{args.model}", report)  # after every profile: a cut-short run keeps what it did
+    print(markdown(report))
+
+
+def save(name: str, report: dict) -> None:
+    payload = {"title": f"End-to-end, timing mode ({report['model']})", "environment": environment(), **report,
                "notes": __doc__.split("\n\n")[1]}
     write_results(name, payload, markdown(report))
     plots(report, RESULTS / name)
-    print(markdown(report))
 
 
 def markdown(report: dict) -> str:

@@ -30,6 +30,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--name", default="fused_ab")
+    parser.add_argument("--methods", default="ar,dflash", help="ar and/or dflash")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     target, drafter = build(args.model, args.layers, device)
@@ -38,7 +39,7 @@ def main() -> None:
     rows = {}
     for setting in ("1", "0", "1"):  # on, off, on again (drift check)
         os.environ["HYBRIDSPEC_FUSED_KERNELS"] = setting
-        for method in ("ar", "dflash"):
+        for method in args.methods.split(","):
             hybridspec_hf.release_graphs(target)
             row = run_method(target, drafter, prompt, method, None, args.tokens)
             rows.setdefault(f"{method}, fused {'on' if setting == '1' else 'off'}", []).append(

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, write_results  # noqa: E402
 
 import hybridspec_hf  # noqa: E402
-from hybridspec_hf import DFlashDrafter, HybridSpecConfig  # noqa: E402
+from hybridspec_hf import DFlashDrafter, HybridSpecConfig, patches  # noqa: E402
 
 STRATEGIES = ["ar", "dflash", "static", "hybridspec", "nominal", "ratio", "confidence"]
 
@@ -176,7 +176,11 @@ def big(args) -> tuple[dict, str]:
     rounds = target.__dict__["_hybridspec_resident"]
     from hybridspec_hf.graphs.capture import Replay
 
-    draft_only = Replay(lambda: drafter.draft_static(rounds.last_token, rounds.context), torch.device("cuda"))
+    def draft_only_fn():
+        with patches.fused_kernels():
+            return drafter.draft_static(rounds.last_token, rounds.context)
+
+    draft_only = Replay(draft_only_fn, torch.device("cuda"))
     report["pieces_ms"] = {
         "draft": _time_replays(draft_only),
         "round: spec graph (draft+choose+verify+accept+commit)": _time_replays(rounds.spec),

@@ -126,12 +126,12 @@ def _current_weights(block: torch.nn.Module, hidden: torch.Tensor) -> torch.Tens
 
 def prepare_fused_moe(blocks: list[torch.nn.Module]) -> None:
     """Make (or refresh in place) each fusable block's concatenated shared-expert weight. Outside graph capture:
-    the resident rounds call it before capturing and at the start of every generate() call."""
+    the resident rounds call it before capturing and at the start of every generate() call. An existing copy is
+    only refreshed, never dropped here, since captured graphs read it (a hook added since capture would not run in
+    a graph anyway: release the graphs after such changes)."""
     for block in blocks:
-        if not _fusable(block):
-            block.__dict__.pop(_CACHE, None)
-            continue
-        refresh_copy(block, _CACHE, _sources(block), shared_expert_triton.concat_shared_weights)
+        if _CACHE in block.__dict__ or _fusable(block):
+            refresh_copy(block, _CACHE, _sources(block), shared_expert_triton.concat_shared_weights)
 
 
 def release_fused_moe(blocks: list[torch.nn.Module]) -> None:

@@ -294,7 +294,8 @@ class ResidentRounds:
         """Draft, choose w0 (and arm the routing correction): what the round verifies."""
         t = self.verify_tokens
         self.round_context_len = self.target.length.clone()
-        draft_logits = self.drafter.draft_static(self.last_token, self.context)  # [1, B-1, V]
+        with patches.fused_kernels():  # the drafter's RMSNorms and RoPE take our kernels too
+            draft_logits = self.drafter.draft_static(self.last_token, self.context)  # [1, B-1, V]
         drafts = draft_logits.argmax(-1)
         self.block = torch.cat([self.last_token, drafts[:, : t - 1]], dim=1)  # [1, T]
         room = self.max_length - (self.target.length + 1)  # tokens generate() still allows
