@@ -7,6 +7,7 @@ between calls: the buffers it reads and writes are attributes of its owner, crea
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
 from collections.abc import Callable
 
@@ -25,16 +26,26 @@ class Replay:
         if torch.device(device).type != "cuda":
             return
         start = time.perf_counter()
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for _ in range(warmup):
-                fn()
-        torch.cuda.current_stream(device).wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.outputs = fn()
-        torch.cuda.synchronize(device)
+        # no garbage collection while capturing: collecting an unreachable object that holds a CUDA graph or device
+        # memory (e.g. rounds of an earlier call) calls CUDA APIs that are illegal during stream capture (seen on
+        # the H200 as an abort inside a captured launch)
+        collecting = gc.isenabled()
+        gc.collect()
+        gc.disable()
+        try:
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                for _ in range(warmup):
+                    fn()
+            torch.cuda.current_stream(device).wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=pool):
+                self.outputs = fn()
+            torch.cuda.synchronize(device)
+        finally:
+            if collecting:
+                gc.enable()
         self.capture_s = time.perf_counter() - start
 
     @property
