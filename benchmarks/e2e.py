@@ -14,9 +14,9 @@ per emitted token for our methods; (timed call - prefill-only call) / (new token
 Methods, all through generate(): HF eager AR (no profile: plain decoding), our captured AR ("ar"), vanilla DFlash
 (whole block) with our verifier and with the serving engines' per-token-state verifier, static w = 7, the
 per-round-ratio selector (EVICT-like), HybridSpec without routing correction ("nominal"), HybridSpec with the
-per-token-state verifier, HybridSpec with max-shape rounds ("hybridspec_max": one graph per round verifying the
-whole block with a device-side valid length, instead of a draft graph + the verify graph of the chosen length), and
-HybridSpec. Routing: "uniform" (the random router) and "calibrated" (every router's
+per-token-state verifier, HybridSpec with exact-length rounds ("hybridspec_exact": a draft graph, then the verify
+graph of the chosen length, instead of the default max-shape round on CUDA: one graph verifying the whole block with a
+device-side valid length), and HybridSpec. Routing: "uniform" (the random router) and "calibrated" (every router's
 choices replaced by expert ids sampled from the excess reuse fitted on the real pair, profiles/routing_tiny_pair.json).
 Not run unless asked: HF static cache + compile (minutes of compilation; --with-compile).
 Writes benchmarks/results/e2e_<model>.{json,md} and .png plots (speedup bars, round latency vs w, chosen lengths).
@@ -37,13 +37,14 @@ from common import RESULTS, environment, write_results  # noqa: E402
 
 import hybridspec_hf  # noqa: E402
 from hybridspec_hf import DFlashDrafter, HybridSpecConfig  # noqa: E402
+from hybridspec_hf.config import resolved_verify_shape  # noqa: E402
 from hybridspec_hf.generation.calibration import calibrate_latency  # noqa: E402
 from hybridspec_hf.selector import AcceptanceEstimator  # noqa: E402
 from hybridspec_hf.selector.profiles import RoutingProfile, load_profile  # noqa: E402
 
 PROFILES = Path(__file__).resolve().parent / "profiles"
 METHODS = ["hf_eager", "ar", "dflash", "dflash_per_token_state", "static7", "ratio", "nominal",
-           "hybridspec_per_token_state", "hybridspec_max", "hybridspec"]
+           "hybridspec_per_token_state", "hybridspec_exact", "hybridspec"]
 NOT_RUN = {
     "hf_static_compile": "not run by default (generate(cache_implementation='static') compiles for minutes); "
                          "--with-compile runs it",
@@ -131,9 +132,9 @@ def run_method(target, drafter, prompt, method: str, profile, tokens: int, routi
     elif method == "hf_static_compile":  # transformers' fast path: compiles on the first call of each length
         kwargs, warmup_tokens = {"cache_implementation": "static"}, tokens
     else:
-        strategy = {"static7": "static"}.get(method, method).replace("_per_token_state", "").replace("_max", "")
+        strategy = {"static7": "static"}.get(method, method).replace("_per_token_state", "").replace("_exact", "")
         verifier = "per_token_state" if method.endswith("_per_token_state") else "block"
-        shape = "max" if method.endswith("_max") else "exact"
+        shape = "exact" if method.endswith("_exact") else resolved_verify_shape(HybridSpecConfig(), prompt.device)
         timed = profile is not None and method != "ar"
         settings = HybridSpecConfig(static_length=7, acceptance_profile=profile if timed else None,
                                     routing_profile=routing if timed else None, gdn_verifier=verifier,

@@ -5,6 +5,8 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+import torch
+
 from hybridspec_hf.selector import AcceptanceEstimator, LatencyModel, LengthSelector
 
 # "hybridspec": Dinkelbach length + plain-decoding option + routing correction; "nominal": the same without routing
@@ -35,11 +37,12 @@ class HybridSpecConfig:
     acceptance_estimator: a `selector.AcceptanceEstimator` or a path to its JSON; None: the uncalibrated
         prefix-product of the drafter's top-1 probabilities (D-Cut's score).
     selector: a `selector.LengthSelector` instance that replaces the strategy's own (advanced; used by calibration).
-    verify_shape: for strategies that choose w on the device: "exact" reads w0 (+1 for the routing correction) on
-        the host and verifies only those tokens (GPU-resident rounds: a draft graph, then the verify graph of that
-        length); "max" verifies min(B, room) tokens with a device-side valid length and no host read inside the
-        round (one graph per round; on the H200 it cost ≈ 0.7 ms more per round at w ≈ 7 than "exact");
-        "auto": "exact".
+    verify_shape: for strategies that choose w on the device: "max" verifies min(B, room) tokens with a device-side
+        valid length (GPU-resident rounds: one graph per round, no host read inside it); "exact" reads w0 (+1 for the
+        routing correction) on the host and verifies only those tokens (GPU-resident rounds: a draft graph, then the
+        verify graph of that length). "auto": "max" on CUDA — on the H200 with our fused kernels a per-length round
+        saved ≈ 0.1 ms at w ≈ 8 and the extra read cost ≈ 0.25 ms of host time (benchmarks/results/
+        gpu_rounds_runs.md, run 16) — and "exact" elsewhere (on a CPU every verified row costs).
     """
 
     static_length: int = 7
@@ -83,3 +86,10 @@ class HybridSpecConfig:
         for name in objects[1:]:
             data[name] = None if getattr(self, name) is None else id(getattr(self, name))
         return data
+
+
+def resolved_verify_shape(settings: "HybridSpecConfig", device: torch.device) -> str:
+    """The verification shape a call runs with ("auto" resolved by device; see HybridSpecConfig.verify_shape)."""
+    if settings.verify_shape != "auto":
+        return settings.verify_shape
+    return "max" if torch.device(device).type == "cuda" else "exact"

@@ -258,3 +258,11 @@ def test_a_failed_capture_leaves_the_model_usable(failure, monkeypatch, fp64_gdn
     monkeypatch.undo()
     assert torch.equal(target.generate(prompt, do_sample=False, max_new_tokens=16), ar.sequences)
     assert_same_as_ar(run(target, prompt, drafter, "hybridspec", 16, hybridspec_config=ON), ar)
+
+
+def test_auto_verify_shape_is_max_shape_on_cuda_and_exact_elsewhere():
+    from hybridspec_hf.config import resolved_verify_shape
+
+    assert resolved_verify_shape(HybridSpecConfig(), torch.device("cuda")) == "max"
+    assert resolved_verify_shape(HybridSpecConfig(), torch.device("cpu")) == "exact"
+    assert resolved_verify_shape(HybridSpecConfig(verify_shape="exact"), torch.device("cuda")) == "exact"

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from hybridspec_hf import patches
-from hybridspec_hf.config import HybridSpecConfig
+from hybridspec_hf.config import HybridSpecConfig, resolved_verify_shape
 from hybridspec_hf.graphs.capture import host_syncs
 from hybridspec_hf.generation.router_hooks import RouterRecorder
 from hybridspec_hf.selector.profiles import AcceptanceProfile
@@ -66,13 +66,14 @@ class ForcedLength(LengthSelector):
         return w if w_max is None else torch.minimum(w, on_device(w_max, w.device))
 
 
-def cache_key(target, drafter, kernel_backend: str, verify_shape: str = "exact") -> dict:
+def cache_key(target, drafter, kernel_backend: str, verify_shape: str | None = None) -> dict:
     import transformers
 
     device = next(target.parameters()).device
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{device.type}:{os.cpu_count()}cpu"
+    shape = verify_shape or resolved_verify_shape(HybridSpecConfig(), device)
     config = {"target": target.config.to_dict(), "drafter": drafter.config.to_dict(), "kernels": kernel_backend,
-              "verify_shape": verify_shape}
+              "verify_shape": shape}
     return make_cache_key(config, next(target.parameters()).dtype, device_name, {"transformers": transformers.__version__})
 
 
@@ -86,7 +87,7 @@ def resolve_latency_model(settings: HybridSpecConfig, target, drafter) -> Latenc
     """The latency model for a calibrated strategy: given, cached, or calibrated now (settings.calibration)."""
     if settings.latency_model is not None:
         return latency_model_from(settings.latency_model)
-    shape = "exact" if settings.verify_shape == "auto" else settings.verify_shape  # rounds of either cost differently
+    shape = resolved_verify_shape(settings, next(target.parameters()).device)  # the two shapes cost differently
     key = cache_key(target, drafter, settings.kernel_backend, shape)
     path = cache_path(key)
     model = _load_cached(path, key)
@@ -164,12 +165,13 @@ def calibrate_latency(
     prompt_ids: torch.Tensor | None = None,
     progress: bool = True,
     routing_profile=None,
-    verify_shape: str = "exact",
+    verify_shape: str | None = None,
 ) -> LatencyModel:
     """Measure C(w) for w = 1..B and C_ar at each context length, fit the expert model and η.
 
     prompt_ids: [1, L] real text to take prompts from (random tokens otherwise; real text gives real routing).
-    verify_shape: the rounds' verification shape ("exact" or "max", see HybridSpecConfig), timed as such.
+    verify_shape: the rounds' verification shape ("exact" or "max"; None: the device's default, see
+    HybridSpecConfig), timed as such.
     routing_profile: a `selector.profiles.RoutingProfile` (timing mode's calibrated routing, GPU-resident rounds
     only): the rounds are timed with the routers' choices replaced by the profile's, and the expert model is fitted
     on the same replayed ids, so a benchmark under calibrated routing is calibrated under it too.
@@ -216,7 +218,8 @@ def calibrate_latency(
             ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=block_size * (rounds_per_call + 1),
             assistant_model=drafter, generation_strategy="hybridspec",
             stopping_criteria=StoppingCriteriaList([AfterRounds()]),
-            hybridspec_config=HybridSpecConfig(selector=forced, kernel_backend=kernel_backend, verify_shape=verify_shape,
+            hybridspec_config=HybridSpecConfig(selector=forced, kernel_backend=kernel_backend,
+                                               verify_shape=verify_shape or "auto",
                                                **{"cuda_graphs": cuda_graphs, **timing}),
         )
         return target.hybridspec_telemetry

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridspec_hf.config import CALIBRATED_STRATEGIES, HybridSpecConfig
+from hybridspec_hf.config import CALIBRATED_STRATEGIES, HybridSpecConfig, resolved_verify_shape
 from hybridspec_hf.generation.calibration import resolve_latency_model
 from hybridspec_hf.selector.profiles import AcceptanceProfile, RoutingProfile, load_profile
 from hybridspec_hf.selector import AcceptanceEstimator, count_new_experts, draft_signals, make_selector
@@ -58,7 +58,7 @@ class RoundStrategy:
     - "max": w0 is chosen on the device from the drafts; verify min(B, room) tokens with a device-side valid length
       and no host sync inside the round;
     - "exact": w0 is chosen on the device, read on the host, and only those tokens are verified (resident rounds:
-      a draft graph, then the verify graph of that length; the default).
+      a draft graph, then the verify graph of that length). "auto" picks by device (HybridSpecConfig).
     """
 
     def __init__(self, name: str, fixed_length: int | None, selector, estimator, corrects: bool,
@@ -119,10 +119,7 @@ class RoundStrategy:
             identity = (*identity, latency.digest())
         selector.reset()
         estimator = _estimator(settings.acceptance_estimator, block_size)
-        # "auto": exact everywhere. On a CPU every verified row costs; on the H200 a per-length round cost ≈ 0.7 ms
-        # less than the max-shape one at w ≈ 7 (35B-A3B, benchmarks/results/gpu_rounds_runs.md), far more than the
-        # extra read of w0 (≈ 30 µs of GPU idle)
-        shape = "exact" if settings.verify_shape == "auto" else settings.verify_shape
+        shape = resolved_verify_shape(settings, next(target.parameters()).device)
         return cls(name, None, selector, estimator, bool(selector.routing_correction and has_router), shape,
                    settings.kernel_backend, identity)
 
