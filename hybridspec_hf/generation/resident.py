@@ -1,19 +1,18 @@
 """GPU-resident rounds: the round loop of `loop.py` over static buffers, replayed from CUDA graphs.
 
-A speculative round of the calibrated strategies (verify_shape "exact", the default) is two replays and two small
-reads when EOS and max_length are the only stopping rules (the common case; m is then known on the device):
+A speculative round is one replay and one hand-off when EOS and max_length are the only stopping rules (the
+common case; m is then known on the device). With verify_shape "max" (the default on CUDA) and the fixed-length
+strategies ("dflash", "static"):
 
-    draft graph   draft → choose w0 (device) → copy the number of tokens stage 0 verifies (w0, + 1 for the routing
-                  correction's extra token) to pinned memory
-    host          read it (≈ 30 µs of GPU idle), replay the verify graph of that length
-    verify graph  verify (stage 0 → routing correction → stage 1) → accept → m = a + 1 (cut after the first EOS) →
-                  commit: S_m of every GDN layer + conv windows (one launch), lengths, drafter context, selector
-                  update → hand-off copy
-    host          wait for the hand-off, emit its tokens to the streamer
+    spec graph    draft → choose w0 → verify min(B, room) tokens with a device-side valid length (stage 0 →
+                  routing correction → stage 1) → accept → m = a + 1 (cut after the first EOS) → commit: S_m of every
+                  GDN layer + conv windows (one launch), lengths, drafter context, selector update → hand-off copy
+    host          wait for the hand-off (the round's one device→host transfer), emit its tokens to the streamer
 
-verify_shape "max" (and the fixed-length strategies "dflash", "static") run the whole round as ONE graph over the
-block's shape: the max-shape round verifies min(B, room) tokens with a device-side valid length and needs no read
-before verification, but every round then pays for the whole block's dense work.
+With verify_shape "exact" the round is split: a draft graph (draft, choose) copies the number of tokens stage 0
+verifies (w0, + 1 for the routing correction's extra token) to pinned memory, the host reads it and replays the
+verify graph of that length (the rest of the round). It verifies only the chosen tokens, at the cost of a second
+read per round (on the H200 with our fused kernels this did not pay: gpu_rounds_runs.md, run 16).
 
 With host-only criteria (stop strings, user criteria) the host decides m: the verify graph stops before the commit,
 the host emits tokens until a criterion fires, fills m into a device buffer and replays the commit graph captured
