@@ -3,8 +3,8 @@
 transformers' `apply_rotary_pos_emb` (Qwen3.5, Qwen3.5-MoE, Qwen3-Next: partial rotary, half-split rotation) runs
 six small kernels per tensor (slice, neg, cat, two muls, add, cat with the pass-through part): twelve per attention
 layer, a few µs each inside a batch-1 CUDA graph. `rope_qk` does both tensors in one launch with the same rounding
-steps (each product rounded to the model dtype, then the sum), so it equals `rope_reference` bit for bit up to the
-order of nothing: there is no reduction.
+steps (each product rounded to the model dtype, then the sum) and no reduction, so it equals `rope_reference` bit
+for bit wherever fp32 -> dtype rounds to nearest as torch does (tests/test_rope_triton.py).
 
     out[..., :R] = (x_rot · cos).to(dt) + (rotate_half(x_rot) · sin).to(dt)     R = cos.shape[-1] (even)
     out[..., R:] = x[..., R:]
