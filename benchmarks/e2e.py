@@ -236,17 +236,23 @@ def main(argv: list[str] | None = None) -> None:
             replay, held = profile.rows(slice(0, half)), profile.rows(slice(half, None))
             estimator = AcceptanceEstimator.fit(held.signals())
             rows = dict(plain)
-            for method in methods:
-                if method not in rows:
-                    rows[method] = run_method(target, drafter, prompt, method, replay, args.tokens, routing, latency,
-                                              estimator)
-                    print(name, routing_name, method, {k: v for k, v in rows[method].items() if k != "chosen_w"},
-                          flush=True)
             ceiling = ceiling_tokens_per_s(target, replay.mean_accepted_length, profile.block_size, routing)
             report["profiles"][f"{name} / {routing_name} routing"] = {
                 "mean_accepted_length": replay.mean_accepted_length, "routing": routing_name,
                 "replayed_rows": half, "estimator_fit_rows": held.accepted.shape[0],
                 "bytes_ceiling_tokens_per_s": ceiling, "methods": rows}
+            for method in methods:
+                if method in rows:
+                    continue
+                try:
+                    rows[method] = run_method(target, drafter, prompt, method, replay, args.tokens, routing,
+                                              latency, estimator)
+                except Exception as error:  # keep what was measured, say what failed (CUDA errors are sticky: stop)
+                    rows[method] = {"error": f"{type(error).__name__}: {error}"}
+                    save(args.name or f"e2e_{args.model}", report)
+                    raise
+                print(name, routing_name, method, {k: v for k, v in rows[method].items() if k != "chosen_w"},
+                      flush=True)
             save(args.name or f"e2e_{args.model}", report)  # after every profile: a cut-short run keeps what it did
     print(markdown(report))
 
@@ -280,6 +286,10 @@ def markdown(report: dict) -> str:
                   "prefill ms | e2e ms/tok | GPU GiB |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for method, row in rows.items():
+            if "error" in row:
+                lines.append(f"| {method} | failed: {row['error'][:120]} |" + " |" * 10)
+                continue
+
             def fmt(key, spec=".2f"):
                 value = row.get(key)
                 return "–" if value is None else format(value, spec)
@@ -288,10 +298,10 @@ def markdown(report: dict) -> str:
                          f"{row['tokens_per_s'] / hf if hf else float('nan'):.2f} | {fmt('tau')} | {fmt('mean_w')} | "
                          f"{fmt('round_ms')} | {row.get('plain_steps', '–')} | {fmt('prefill_ms', '.1f')} | "
                          f"{fmt('end_to_end_ms_per_token')} | {fmt('gpu_memory_gib', '.1f')} |")
-        if "hybridspec" in rows:
+        if "tokens_per_s" in rows.get("hybridspec", {}):
             hs = rows["hybridspec"]["tokens_per_s"]
             ablation = {other: hs / rows[other]["tokens_per_s"] for other in ("ar", "dflash", "ratio", "nominal", "static7")
-                        if other in rows}
+                        if "tokens_per_s" in rows.get(other, {})}
             lines += ["", "HybridSpec speedup over: " + ", ".join(f"{k} {v:.2f}×" for k, v in ablation.items())]
     lines += ["", "Not run: " + "; ".join(f"{k}: {v}" for k, v in report["not_run"].items())]
     return "\n".join(lines)
@@ -308,7 +318,7 @@ def plots(report: dict, stem: Path) -> None:
     for i, name in enumerate(profiles):
         rows = report["profiles"][name]["methods"]
         ar = rows.get("ar", {}).get("tokens_per_s") or 1.0
-        methods = [m for m in rows if not m.startswith("hf_")]
+        methods = [m for m in rows if not m.startswith("hf_") and "tokens_per_s" in rows[m]]
         axes[0].bar([x + i * 0.8 / len(profiles) for x in range(len(methods))],
                     [rows[m]["tokens_per_s"] / ar for m in methods], width=0.8 / len(profiles), label=name)
         axes[0].set_xticks(range(len(methods)), methods, rotation=30)

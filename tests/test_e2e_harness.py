@@ -17,3 +17,28 @@ def test_bench_runs_every_method_under_a_profile_and_writes_results(tmp_path):
     assert rows["dflash"]["path"] == "static_eager" and rows["dflash"]["tau"] > 1.0
     assert "hf_static_compile" in report["not_run"]
     assert stem.with_suffix(".md").exists() and stem.with_suffix(".png").exists()
+
+
+def test_a_failing_method_is_written_down_before_the_run_stops(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    import pytest
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import e2e
+
+    measured = e2e.run_method
+
+    def run_method(target, drafter, prompt, method, *args, **kwargs):
+        if method == "dflash":
+            raise RuntimeError("CUDA error: invalid argument")
+        return measured(target, drafter, prompt, method, *args, **kwargs)
+
+    monkeypatch.setattr(e2e, "run_method", run_method)
+    stem = tmp_path / "e2e_fail"
+    with pytest.raises(RuntimeError, match="invalid argument"):
+        e2e.main(["--model", "tiny", "--tokens", "8", "--context", "8", "--profiles", "low", "--methods",
+                  "ar,dflash,static7", "--routing", "uniform", "--name", str(stem)])
+    rows = json.loads(stem.with_suffix(".json").read_text())["profiles"]["low / uniform routing"]["methods"]
+    assert rows["dflash"] == {"error": "RuntimeError: CUDA error: invalid argument"} and "ar" in rows
+    assert "failed: RuntimeError" in stem.with_suffix(".md").read_text()
