@@ -21,7 +21,7 @@ from ._gdn import (
     route_cpu_to_torch,
 )
 from ._moe import patch_moe_classes, prepare_fused_moe, release_fused_moe
-from ._norms import fused_kernels, fused_norms, patch_norm_classes
+from ._norms import fused_kernels, patch_norm_classes
 from ._rope import patch_rope
 from .experts import register_experts_implementation
 
@@ -93,7 +93,6 @@ __all__ = [
     "commit_session",
     "family_of",
     "fused_kernels",
-    "fused_norms",
     "gdn_layers",
     "install",
     "is_linear_cache_layer",

@@ -5,9 +5,9 @@ and every CPU path run transformers' own norms unchanged.
 """
 from __future__ import annotations
 
-from hybridspec_hf.kernels.norm_triton import fused_kernels, fused_kernels_active, fused_norms
+from hybridspec_hf.kernels.norm_triton import fused_kernels, fused_kernels_active
 
-__all__ = ["fused_kernels", "fused_norms", "patch_norm_classes"]
+__all__ = ["fused_kernels", "patch_norm_classes"]
 
 
 def patch_norm_classes(rms_cls: type, gated_cls: type | None) -> None:

@@ -24,7 +24,9 @@ def hybridspec_experts_forward(
     self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
     """The ExpertsInterface function: [T, H] from `fused_experts` (Triton on CUDA, the torch reference on CPU)."""
-    _check_supported(self)
+    reason = _unsupported_reason(self)
+    if reason is not None:
+        raise ValueError(reason)
     if hidden_states.is_cuda and hidden_states.shape[0] >= GROUPED_MM_FROM_TOKENS:
         return moe.grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     return fused_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
@@ -39,11 +41,7 @@ def register_experts_implementation() -> None:
 
 def supports(experts: torch.nn.Module) -> bool:
     """Whether "hybridspec" can compute this experts module (transformers' SiLU [gate; up] layout)."""
-    try:
-        _check_supported(experts)
-    except NotImplementedError:
-        return False
-    return True
+    return _unsupported_reason(experts) is None
 
 
 @contextlib.contextmanager
@@ -65,7 +63,8 @@ def fused_experts_for(blocks: list[torch.nn.Module]):
             config._experts_implementation_internal = value
 
 
-def _check_supported(experts: torch.nn.Module) -> None:
+def _unsupported_reason(experts: torch.nn.Module) -> str | None:
+    """Why "hybridspec" cannot compute this experts module (a message for the user), or None."""
     layout = {
         "has_gate": getattr(experts, "has_gate", True),
         "is_concatenated": getattr(experts, "is_concatenated", True),
@@ -78,9 +77,10 @@ def _check_supported(experts: torch.nn.Module) -> None:
     expected = {"has_gate": True, "is_concatenated": True, "is_transposed": False, "has_bias": False,
                 "has_post_expert_norm": False}
     if layout != expected or act not in ("silu", "swish") or not default_gate:
-        raise NotImplementedError(
+        return (
             f'experts_implementation="{NAME}" computes SiLU(gate)·up experts with gate_up_proj [E, 2I, H] '
             f"(gate rows first), down_proj [E, H, I] and no bias; {type(experts).__name__} has {layout}, "
             f"hidden_act={act!r}, {'its own' if not default_gate else 'the default'} gate. "
             'Use experts_implementation="grouped_mm" for this model.'
         )
+    return None

@@ -34,7 +34,7 @@ def full_width_block(family: str, dtype: torch.dtype) -> torch.nn.Module:
 
 
 def fused(block, x):
-    with torch.no_grad(), patches.fused_norms():
+    with torch.no_grad(), patches.fused_kernels():
         return block(x)
 
 

@@ -53,8 +53,8 @@ def assert_near(actual: torch.Tensor, expected: torch.Tensor) -> None:
 
 
 def fused_forward(module: torch.nn.Module, *args):
-    """A call as a resident forward makes it: `fused_norms()` active, grad off."""
-    with torch.no_grad(), patches.fused_norms():
+    """A call as a resident forward makes it: `fused_kernels()` active, grad off."""
+    with torch.no_grad(), patches.fused_kernels():
         return module(*args)
 
 
@@ -226,12 +226,12 @@ def test_inert_outside_the_flag_on_cpu_with_grad_and_without_prepare(calls, monk
     monkeypatch.setattr(_moe, "_ON_CPU", False)
     patches.prepare_fused_moe(blocks)
     assert _moe._CACHE not in blocks[0].__dict__  # CPU weights: nothing copied
-    with torch.no_grad(), patches.fused_norms():
+    with torch.no_grad(), patches.fused_kernels():
         blocks[0](x)  # CPU tensors
     monkeypatch.setattr(_moe, "_ON_CPU", True)
     with torch.no_grad():
         blocks[0](x)  # flag off
-    with patches.fused_norms():
+    with patches.fused_kernels():
         blocks[0](x)  # grad on
     assert calls == {"route_topk": 0, "gated_add": 0}
     assert_near(fused_forward(blocks[0], x), plain_forward(blocks[0], x))

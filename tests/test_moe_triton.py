@@ -182,5 +182,5 @@ def test_unsupported_experts_layout_is_refused():
     experts = Qwen3_5MoeExperts(config)
     experts.has_bias = True
     x = make_layer(13, 2, 40, 24, 4, 2)
-    with pytest.raises(NotImplementedError, match="grouped_mm"):
+    with pytest.raises(ValueError, match="grouped_mm"):
         hybridspec_experts_forward(experts, x["hidden"], x["top_k_index"], x["top_k_weights"])

@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from .gdn_triton import HAS_TRITON, _LazyJit, fused_kernels, fused_kernels_active, tl, tl_dtype, triton
 
 # the flag's first name, from when it routed only the norms: kept for code written against it
-fused_norms, fused_norms_active = fused_kernels, fused_kernels_active
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = True) -> torch.Tensor:
