@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def save(name: str, report: dict) -> None:
     payload = {"title": f"End-to-end, timing mode ({report['model']})", "environment": environment(), **report,
-               "notes": __doc__.split("\n\n")[1]}
+               "notes": __doc__.split("\n\n")[2]}
     write_results(name, payload, markdown(report))
     plots(report, RESULTS / name)
 

@@ -5,7 +5,8 @@
 
 The fused kernels (RMSNorms, RoPE, GDN prologue, MoE router and shared expert; inside resident forwards only) are
 switched off with HYBRIDSPEC_FUSED_KERNELS=0; the graphs are released and captured again for each setting. Vanilla
-DFlash with the random drafter (τ ≈ 1) times a round verifying the whole block. Writes
+DFlash with the random drafter (τ ≈ 1) times a round verifying the whole block. Random bf16 weights; no acceptance
+profile (AR emits one token per step; DFlash's random drafter gets almost nothing accepted). Writes
 benchmarks/results/fused_ab.{json,md}.
 """
 from __future__ import annotations
@@ -51,7 +52,7 @@ def main() -> None:
         for run in runs:
             lines.append(f"| {name} | {run['ms_per_token']:.3f} | {run['round_ms']:.3f} | {run['capture_s']:.1f} |")
     payload = {"title": f"Fused kernels on/off ({args.model}, random weights)", "environment": environment(),
-               "rows": rows, "notes": __doc__.split("\n\n")[1]}
+               "rows": rows, "notes": __doc__.split("\n\n")[2]}
     write_results(args.name, payload, "\n".join(lines))
     print("\n".join(lines))
 

@@ -86,7 +86,10 @@ def main() -> None:
         for module, row in report[strategy].items():
             print(f"{row['ops']:6d}  {module:45s} {row['top']}")
     if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=1))
+        from common import environment
+
+        payload = {"environment": environment(), "weights": "random", "layers": args.layers, "census": report}
+        Path(args.out).write_text(json.dumps(payload, indent=1))
 
 
 if __name__ == "__main__":
