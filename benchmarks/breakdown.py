@@ -75,6 +75,57 @@ def traced_kernels(replay, n: int) -> list[dict]:
             if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
 
 
+def attributed_kernels(model, drafter, fn) -> dict:
+    """fn() run eagerly once under the profiler, each kernel charged to the innermost module it ran under and the aten
+    op that launched it: {"module | op": {kernels, us}}. Matches a kernel to its launch by correlation id and the
+    launch to the CPU ops around it by time on the launching thread (the graphs replay exactly these kernels)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    handles, ranges = [], []
+    modules = [(name, m) for name, m in model.named_modules() if "layers." in name and name.count(".") <= 5]
+    if drafter is not None:
+        modules += [(f"drafter.{name}", m) for name, m in drafter.named_modules() if name and name.count(".") <= 3]
+    for name, module in modules:
+        parts = name.split(".")
+        short = "hs:" + ".".join("N" if p.isdigit() else p for p in (parts[2:] if parts[0] == "model" else parts))
+
+        def pre(m, a, s=short):
+            ranges.append(record_function(s))
+            ranges[-1].__enter__()
+
+        def post(m, a, o):
+            ranges.pop().__exit__(None, None, None)
+        handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+    torch.cuda.synchronize()
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+    finally:
+        for handle in handles:
+            handle.remove()
+    with tempfile.NamedTemporaryFile(suffix=".json") as handle:
+        prof.export_chrome_trace(handle.name)
+        events = json.loads(Path(handle.name).read_text())["traceEvents"]
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") == "cuda_runtime" or e.get("cat") == "cuda_driver"
+                if "correlation" in e.get("args", {})}
+    cpu = sorted((e for e in events if e.get("cat") in ("cpu_op", "user_annotation")), key=lambda e: e["ts"])
+    table = collections.defaultdict(lambda: [0, 0.0])
+    for kernel in (e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")):
+        launch = launches.get(kernel.get("args", {}).get("correlation"))
+        module, op = "(round code)", "?"
+        if launch is not None:
+            around = [e for e in cpu if e["tid"] == launch["tid"] and e["ts"] <= launch["ts"] <= e["ts"] + e["dur"]]
+            names = [e["name"] for e in around]
+            module = next((n[3:] for n in reversed(names) if n.startswith("hs:")), module)
+            op = next((n for n in reversed(names) if not n.startswith("hs:")), kernel["name"][:40])
+        entry = table[f"{module} | {op}"]
+        entry[0] += 1
+        entry[1] += float(kernel.get("dur", 0.0))
+    return {k: {"kernels": c, "us": us} for k, (c, us) in sorted(table.items(), key=lambda kv: -kv[1][1])}
+
+
 def wall_ms(replay, n: int) -> float:
     """Median wall time of one replay, by CUDA events around each (the GPU's time, launch included)."""
     times = []
@@ -141,6 +192,8 @@ def main() -> None:
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--lengths", default="1,4,8,16", help="verify graphs to trace")
     parser.add_argument("--name", default="breakdown_qwen35_35b_a3b")
+    parser.add_argument("--attribute", action="store_true",
+                        help="also run each part eagerly under the profiler: kernels by (module, aten op)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     target, drafter = build(args.model, args.layers, device)
@@ -173,6 +226,21 @@ def main() -> None:
                 rounds.round_valid.fill_(tokens)
             row = summarize(traced_kernels(graph, args.replays), args.replays)
             row["wall_ms"] = wall_ms(graph, args.replays)
+            if args.attribute and device == "cuda":
+                from hybridspec_hf.patches.experts import fused_experts_for
+
+                fn = {"AR step (w = 1)": rounds._step}.get(label) or (
+                    rounds._draft if drafting else (lambda n=tokens: rounds._verify(n)))
+                saved = dict(rounds.__dict__)  # the eager call rebinds round buffers; the graphs keep reading these
+                try:  # a diagnostic: a failure here must not cost the run its timings
+                    with torch.no_grad(), fused_experts_for(rounds.moe):
+                        row["attributed"] = attributed_kernels(target, drafter, fn)
+                except Exception as error:
+                    row["attributed"] = {f"failed: {type(error).__name__}: {error}": {"kernels": 0, "us": 0.0}}
+                finally:
+                    rounds.__dict__.update(saved)
+                for key, value in list(row["attributed"].items())[:40]:
+                    print(f"    {value['kernels']:5d} {value['us']:8.1f} us  {key}", flush=True)
             length = int(rounds.target.length)
             row["bytes"] = roofline_bytes(target, drafter, tokens, length, drafting)
             row["roofline_ms"] = sum(row["bytes"].values()) / (HBM_TBPS * 1e12) * 1e3

@@ -100,24 +100,43 @@ def build(name: str, layers: int | None, device: str):
     return target, drafter
 
 
-def ceiling_tokens_per_s(target, tau: float, block: int, routing=None) -> float | None:
-    """Bytes ceiling of a round verifying the whole block: dense weights + the distinct experts w tokens touch per
-    MoE layer (uniform: E·(1-(1-k/E)^w); calibrated: measured on the routing profile's bank), at the H200's copy
-    bandwidth; τ tokens per round."""
+def roofline_seconds(target, tokens: int, routing=None) -> float | None:
+    """Fewest seconds a target forward over `tokens` tokens can take at the H200's copy bandwidth: dense weights (the
+    embedding table counted as the rows read) + the distinct experts the tokens touch per MoE layer (uniform:
+    E·(1-(1-k/E)^w); calibrated: measured on the routing profile's bank). None for a model without experts."""
     config = target.config.get_text_config()
     experts = getattr(config, "num_experts", None)
     if experts is None:
         return None
-    k, size = config.num_experts_per_tok, 2 * 3 * config.hidden_size * config.moe_intermediate_size
+    k, size = config.num_experts_per_tok, 3 * config.hidden_size * config.moe_intermediate_size
+    size *= next(target.parameters()).element_size()
     moe_layers = sum(1 for name, _ in target.named_modules() if name.endswith(".mlp.experts"))
-    routed = moe_layers * experts * size
-    dense = sum(p.numel() * p.element_size() for p in target.parameters()) - routed
-    distinct = experts * (1 - (1 - k / experts) ** block)
+    embed = target.get_input_embeddings().weight
+    routed = sum(p.numel() * p.element_size() for n, p in target.named_parameters() if ".mlp.experts." in n)
+    dense = sum(p.numel() * p.element_size() for p in target.parameters()) - routed - embed.numel() * embed.element_size()
+    distinct = experts * (1 - (1 - k / experts) ** tokens)
     if routing is not None:
         bank = routing.bank(1, experts, k, rounds=64)  # [rounds, 1, B, k]
-        distinct = sum(len(set(bank[r, 0, :block].flatten().tolist())) for r in range(64)) / 64
-    seconds = (dense + moe_layers * distinct * size) / (HBM_TBPS * 1e12)
-    return tau / seconds
+        distinct = sum(len(set(bank[r, 0, :tokens].flatten().tolist())) for r in range(64)) / 64
+    return (dense + moe_layers * distinct * size + tokens * embed.shape[1] * embed.element_size()) / (HBM_TBPS * 1e12)
+
+
+def ceiling_tokens_per_s(target, tau: float, block: int, routing=None) -> float | None:
+    """Bytes ceiling of rounds verifying the whole block (τ tokens per round; drafting not counted)."""
+    seconds = roofline_seconds(target, block, routing)
+    return None if seconds is None else tau / seconds
+
+
+def length_choice_bound(cost: torch.Tensor, cost_ar: float, accepted: torch.Tensor) -> float:
+    """How much faster than vanilla DFlash (always the whole block) ANY choice of verification length can be, given
+    round costs `cost` [B] (C(w), w = 1..B) and the rows' accepted lengths `accepted` [rows] (with the whole block
+    verified): an oracle that knows each round's accepted length a beforehand verifies a + 1 tokens (a plain step at
+    cost_ar when a = 0) and emits the same tokens as DFlash does. Its tokens/s over DFlash's bounds every selector's
+    gain over vanilla DFlash under these costs and this profile."""
+    block = cost.shape[0]
+    a = accepted.double().clamp(max=block - 1)
+    spent = torch.where(a == 0, torch.full_like(a, cost_ar), cost.double()[(a + 1).long() - 1])
+    return float(cost[-1].double() * a.numel() / spent.sum())
 
 
 def run_method(target, drafter, prompt, method: str, profile, tokens: int, routing=None, latency=None,
@@ -174,6 +193,17 @@ def run_method(target, drafter, prompt, method: str, profile, tokens: int, routi
                    round_ms_by_w={w: statistics.median(r.wall_s * 1e3 for r in rounds if r.w == w and r.drafted)
                                   for w in sorted({r.w for r in rounds if r.drafted})})
     return row
+
+
+def bounds(target, models: dict, accepted: torch.Tensor, routing) -> dict:
+    """The most any length choice can gain over vanilla DFlash on these rows (`length_choice_bound`): under each
+    calibrated latency model's measured C(w), and under the bytes roofline C(w) (the target's forward only)."""
+    result = {f"measured C(w), {shape} verification": length_choice_bound(m.cost[0], float(m.cost_ar[0]), accepted)
+              for shape, m in models.items()}
+    roof = [roofline_seconds(target, w, routing) for w in range(1, 17)]
+    if roof[0] is not None:
+        result["bytes roofline C(w)"] = length_choice_bound(torch.tensor(roof), roof[0], accepted)
+    return result
 
 
 def latency_table(model) -> dict:
@@ -253,6 +283,8 @@ def main(argv: list[str] | None = None) -> None:
                     raise
                 print(name, routing_name, method, {k: v for k, v in rows[method].items() if k != "chosen_w"},
                       flush=True)
+            report["profiles"][f"{name} / {routing_name} routing"]["length_choice_bound"] = bounds(
+                target, models, replay.accepted, routing)
             save(args.name or f"e2e_{args.model}", report)  # after every profile: a cut-short run keeps what it did
     print(markdown(report))
 
@@ -298,6 +330,10 @@ def markdown(report: dict) -> str:
                          f"{row['tokens_per_s'] / hf if hf else float('nan'):.2f} | {fmt('tau')} | {fmt('mean_w')} | "
                          f"{fmt('round_ms')} | {row.get('plain_steps', '–')} | {fmt('prefill_ms', '.1f')} | "
                          f"{fmt('end_to_end_ms_per_token')} | {fmt('gpu_memory_gib', '.1f')} |")
+        if data.get("length_choice_bound"):
+            lines += ["", "Length-choice bound (an oracle that knows each round's accepted length verifies exactly "
+                          "a + 1 tokens; its speed over vanilla DFlash bounds any selector's): "
+                      + ", ".join(f"{k}: {v:.2f}×" for k, v in data["length_choice_bound"].items())]
         if "tokens_per_s" in rows.get("hybridspec", {}):
             hs = rows["hybridspec"]["tokens_per_s"]
             ablation = {other: hs / rows[other]["tokens_per_s"] for other in ("ar", "dflash", "ratio", "nominal", "static7")

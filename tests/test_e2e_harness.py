@@ -42,3 +42,20 @@ def test_a_failing_method_is_written_down_before_the_run_stops(tmp_path, monkeyp
     rows = json.loads(stem.with_suffix(".json").read_text())["profiles"]["low / uniform routing"]["methods"]
     assert rows["dflash"] == {"error": "RuntimeError: CUDA error: invalid argument"} and "ar" in rows
     assert "failed: RuntimeError" in stem.with_suffix(".md").read_text()
+
+
+def test_length_choice_bound_is_the_oracle_over_whole_block_rounds(monkeypatch):
+    from pathlib import Path
+
+    import torch
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import e2e
+
+    cost = torch.arange(1, 17, dtype=torch.float32)  # C(w) = w
+    # every round accepts the whole block: the oracle verifies 16 tokens too, no gain
+    assert e2e.length_choice_bound(cost, 0.5, torch.full((8,), 15)) == 1.0
+    # a = 3 and a = 0: the oracle pays C(4) = 4 and C_ar = 0.5 where DFlash pays 16 twice
+    assert abs(e2e.length_choice_bound(cost, 0.5, torch.tensor([3, 0])) - 32 / 4.5) < 1e-9
+    # a flat C(w) with plain steps no cheaper: choosing the length cannot pay
+    assert e2e.length_choice_bound(torch.ones(16), 1.0, torch.tensor([0, 5, 9, 15])) == 1.0
