@@ -20,7 +20,7 @@ from ._gdn import (
     release_gdn_projections,
     route_cpu_to_torch,
 )
-from ._moe import patch_moe_classes, prepare_fused_moe, release_fused_moe
+from ._moe import mask_invalid_routes, patch_moe_classes, prepare_fused_moe, release_fused_moe
 from ._norms import fused_kernels, patch_norm_classes
 from ._rope import patch_rope
 from .experts import register_experts_implementation
@@ -101,6 +101,7 @@ __all__ = [
     "prepare_fused_moe",
     "prepare_gdn_projections",
     "register_experts_implementation",
+    "mask_invalid_routes",
     "release_fused_moe",
     "release_gdn_projections",
     "route_cpu_to_torch",

@@ -46,6 +46,14 @@ def _active(x: torch.Tensor) -> bool:
     return (x.is_cuda or _ON_CPU) and fused_kernels_active() and x.dtype in _DTYPES and not torch.is_grad_enabled()
 
 
+def mask_invalid_routes(ids: torch.Tensor, weights: torch.Tensor, valid: torch.Tensor):
+    """Tokens at or past the device-side `valid` take token 0's experts with weight 0 (stage 1 of a verification):
+    one launch inside resident forwards, transformers-free torch elsewhere."""
+    if _active(weights):
+        return router_triton.mask_invalid_routes(ids, weights, valid)
+    return router_triton.mask_invalid_routes_reference(ids, weights, valid)
+
+
 def patch_moe_classes(router_cls: type | None, block_cls: type | None, normalizes: Callable[[torch.nn.Module], bool]):
     """Install the fused paths on a family's router (softmax top-k, `normalizes(router)`: renormalise the top-k
     probabilities) and sparse MoE block (shared expert and combine) (idempotent)."""

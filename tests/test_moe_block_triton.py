@@ -67,8 +67,9 @@ def plain_forward(module: torch.nn.Module, *args):
 @pytest.fixture
 def calls(monkeypatch):
     """The fused route allowed on CPU tensors (the internal switch), with launch counters of its kernels."""
-    counts = {"route_topk": 0, "gated_add": 0}
-    for module, name in ((router_triton, "route_topk"), (shared_expert_triton, "gated_add")):
+    counts = {"route_topk": 0, "gated_add": 0, "mask_invalid_routes": 0}
+    for module, name in ((router_triton, "route_topk"), (shared_expert_triton, "gated_add"),
+                         (router_triton, "mask_invalid_routes")):
         def counted(*args, _fn=getattr(module, name), _name=name):
             counts[_name] += 1
             return _fn(*args)
@@ -191,7 +192,7 @@ def test_patched_block_equals_transformers(name, dtype, calls):
         x = torch.randn(1, tokens, model.config.hidden_size, generator=gen).to(dtype)
         for block in blocks:
             assert_near(fused_forward(block, x), plain_forward(block, x))
-    assert calls == {"route_topk": 3 * len(blocks), "gated_add": 3 * len(blocks)}
+    assert calls == {"route_topk": 3 * len(blocks), "gated_add": 3 * len(blocks), "mask_invalid_routes": 0}
 
 
 def test_hooks_on_router_and_experts_fire_and_hooks_on_the_shared_expert_keep_transformers(calls):
@@ -209,7 +210,7 @@ def test_hooks_on_router_and_experts_fire_and_hooks_on_the_shared_expert_keep_tr
     out = fused_forward(block, x)
     assert [kind for kind, _ in seen] == ["gate", "experts"]
     assert torch.equal(seen[1][1], bank[0, 0])  # the experts got RoutingReplay's ids
-    assert calls == {"route_topk": 1, "gated_add": 1}
+    assert calls == {"route_topk": 1, "gated_add": 1, "mask_invalid_routes": 0}
     assert_near(out, plain_forward(block, x))  # the replayed routing, in transformers' forward too
     replay.remove()
     handles.append(block.shared_expert.up_proj.register_forward_hook(lambda m, a, out: seen.append(("up", None))))
@@ -233,9 +234,9 @@ def test_inert_outside_the_flag_on_cpu_with_grad_and_without_prepare(calls, monk
         blocks[0](x)  # flag off
     with patches.fused_kernels():
         blocks[0](x)  # grad on
-    assert calls == {"route_topk": 0, "gated_add": 0}
+    assert calls == {"route_topk": 0, "gated_add": 0, "mask_invalid_routes": 0}
     assert_near(fused_forward(blocks[0], x), plain_forward(blocks[0], x))
-    assert calls == {"route_topk": 1, "gated_add": 0}  # not prepared: fused router, transformers' shared expert
+    assert calls == {"route_topk": 1, "gated_add": 0, "mask_invalid_routes": 0}  # not prepared: fused router, transformers' shared expert
 
 
 def test_concatenated_weights_follow_in_place_updates_at_the_same_address_and_are_released(calls):
@@ -262,7 +263,8 @@ def test_concatenated_weights_follow_in_place_updates_at_the_same_address_and_ar
     assert all(_moe._CACHE not in b.__dict__ for b in blocks)
 
 
-def test_resident_rounds_run_the_fused_blocks_and_release_them(calls):
+@pytest.mark.parametrize("strategy", ["dflash", "confidence"])
+def test_resident_rounds_run_the_fused_blocks_and_release_them(calls, strategy):
     from test_exactness import run
 
     from _tiny import VOCAB, make_drafter
@@ -273,10 +275,24 @@ def test_resident_rounds_run_the_fused_blocks_and_release_them(calls):
         ar = target.generate(prompt, do_sample=False, max_new_tokens=6)
     drafter = make_drafter(target, 4, ar, error_rate=0.3).to(torch.float32)
     settings = hybridspec_hf.HybridSpecConfig(cuda_graphs="on")
-    out = run(target, prompt, drafter, "dflash", 6, hybridspec_config=settings)
+    out = run(target, prompt, drafter, strategy, 6, hybridspec_config=settings)
     assert torch.equal(out, ar)
     assert calls["gated_add"] > 0 and calls["route_topk"] > 0
+    assert (calls["mask_invalid_routes"] > 0) == (strategy != "dflash")  # stage 1 of a chosen length
     blocks = patches.moe_blocks(target)
     assert all(_moe._CACHE in b.__dict__ for b in blocks)
     hybridspec_hf.release_graphs(target)
     assert all(_moe._CACHE not in b.__dict__ for b in blocks)
+
+
+@pytest.mark.parametrize("valid", [0, 1, 3, 5, 9])
+def test_mask_invalid_routes_matches_reference(valid):
+    """Stage 1's masking in one launch: tokens at or past `valid` take token 0's experts with weight 0 (exact)."""
+    torch.manual_seed(valid)
+    ids = torch.randint(0, 256, (5, 8))
+    weights = torch.rand(5, 8, dtype=torch.bfloat16) + 0.1
+    limit = torch.tensor([valid])
+    got_ids, got_weights = router_triton.mask_invalid_routes(ids, weights, limit)
+    ref_ids, ref_weights = router_triton.mask_invalid_routes_reference(ids, weights, limit)
+    assert torch.equal(got_ids, ref_ids) and torch.equal(got_weights, ref_weights)
+    assert (got_weights[valid:] == 0).all() and torch.equal(got_ids[valid:], ids[:1].expand(max(5 - valid, 0), 8))

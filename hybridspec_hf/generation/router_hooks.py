@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from hybridspec_hf import patches
+
 
 class VerifyWindow:
     """Hooks on the target's MoE blocks for one generate() call; inert while disarmed (prefill).
@@ -40,9 +42,7 @@ class VerifyWindow:
         if self.choice is None:
             return None
         hidden, ids, weights = args[:3]
-        invalid = (torch.arange(ids.shape[0], device=ids.device) >= self.choice.valid).unsqueeze(1)  # [T, 1]
-        ids = torch.where(invalid, ids[:1].expand_as(ids), ids)
-        weights = weights.masked_fill(invalid, 0)
+        ids, weights = patches.mask_invalid_routes(ids, weights, self.choice.valid)
         return (hidden, ids, weights, *args[3:])
 
     def remove(self) -> None:

@@ -64,8 +64,44 @@ def _route_topk_kernel(logits, scores, ids, stride_l, stride_s, stride_i, E, K: 
     tl.store(ids + row * stride_i + slots, top_i, mask=keep)
 
 
+def mask_invalid_routes_reference(ids: torch.Tensor, weights: torch.Tensor, valid: torch.Tensor):
+    """Stage 1 of a verification (generation/router_hooks.py): tokens at or past `valid` ([1] long, on the device)
+    take token 0's experts with weight 0, so they read no expert weights of their own. ids [T, k], weights [T, k]."""
+    invalid = (torch.arange(ids.shape[0], device=ids.device) >= valid).unsqueeze(1)  # [T, 1]
+    return torch.where(invalid, ids[:1].expand_as(ids), ids), weights.masked_fill(invalid, 0)
+
+
+def _mask_routes_kernel(ids, weights, out_ids, out_weights, valid, stride_i, stride_w, stride_oi, stride_ow,
+                        K: tl.constexpr, KP: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    slots = tl.arange(0, KP)
+    keep = slots < K
+    invalid = row >= tl.load(valid)
+    source = tl.where(invalid, 0, row)
+    expert = tl.load(ids + source * stride_i + slots, mask=keep)
+    weight = tl.load(weights + row * stride_w + slots, mask=keep)
+    tl.store(out_ids + row * stride_oi + slots, expert, mask=keep)
+    tl.store(out_weights + row * stride_ow + slots, tl.where(invalid, tl.zeros_like(weight), weight), mask=keep)
+
+
 if HAS_TRITON:
     _route_topk_kernel = _LazyJit(_route_topk_kernel)
+    _mask_routes_kernel = _LazyJit(_mask_routes_kernel)
+
+
+def mask_invalid_routes(ids: torch.Tensor, weights: torch.Tensor, valid: torch.Tensor):
+    """Triton `mask_invalid_routes_reference` in one launch (four torch kernels per MoE layer otherwise): new
+    (ids, weights); `valid` is read on the device (no sync, capturable)."""
+    if ids.dim() != 2 or weights.shape != ids.shape or valid.numel() != 1:
+        raise ValueError(f"mask_invalid_routes takes ids and weights [T, k] and valid [1]; got {tuple(ids.shape)}, "
+                         f"{tuple(weights.shape)}, {tuple(valid.shape)}")
+    out_ids, out_weights = torch.empty_like(ids), torch.empty_like(weights)
+    if ids.shape[0]:
+        k = ids.shape[1]
+        _mask_routes_kernel[(ids.shape[0],)](ids, weights, out_ids, out_weights, valid, ids.stride(0),
+                                             weights.stride(0), out_ids.stride(0), out_weights.stride(0),
+                                             K=k, KP=triton.next_power_of_2(k), num_warps=1)
+    return out_ids, out_weights
 
 
 def route_topk(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
