@@ -272,7 +272,8 @@ class ResidentRounds:
         scores = self._scores(logits[0].float())  # [1, V]
         token = sample_tokens(scores.softmax(-1)) if self.do_sample else scores.argmax(-1)  # [1]
         if self.context is not None:
-            self.context.append(features, 1)
+            with patches.fused_kernels():  # the drafter's K/V of the new features: its k-norm and RoPE fused
+                self.context.append(features, 1)
         self.target.commit(session, self.one)
         self.last_token.copy_(token.view(1, 1))
         draft_next = self._flag(self.strategy.should_draft(context_len)) if self.speculative else \
@@ -358,7 +359,8 @@ class ResidentRounds:
     def _commit(self):
         """Keep m = self.count tokens of the last verification."""
         self.target.commit(self.pending, self.count)
-        self.context.append(self.features, self.count)
+        with patches.fused_kernels():
+            self.context.append(self.features, self.count)
         self.last_token.copy_(self.target_tokens.gather(1, (self.count - 1).clamp(min=0).view(1, 1)))
         if self.strategy.selector is not None:
             self.strategy.selector.observe(self.valid.view(1), self.count, None, True)
