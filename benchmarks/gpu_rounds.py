@@ -74,7 +74,8 @@ def tiny(args) -> tuple[dict, str]:
     methods = ["hf"] + STRATEGIES
     for method in methods:  # warm-up: captures and calibrations happen here, not in the timed runs
         run_generate(target, prompts[0], method, drafter, 32)
-    rows = {m: {"seconds": [], "tokens": [], "tau": [], "w": [], "identical": 0, "gaps": []} for m in methods}
+    rows = {m: {"seconds": [], "tokens": [], "tau": [], "w": [], "identical": 0, "gaps": [], "decode_s": [],
+                "decode_tokens": [], "host_ms": []} for m in methods}
     for prompt in prompts:
         ar = target.generate(prompt, do_sample=False, max_new_tokens=args.tokens, output_logits=True,
                              return_dict_in_generate=True)
@@ -83,7 +84,10 @@ def tiny(args) -> tuple[dict, str]:
             row = rows[method]
             row["seconds"].append(seconds)
             row["tokens"].append(out.shape[1] - prompt.shape[1])
-            if tel is not None:
+            if tel is not None:  # the decode loop's own time (rounds and the host's work between them)
+                row["decode_s"].append(sum(r.wall_s for r in tel.rounds))
+                row["decode_tokens"].append(sum(r.emitted for r in tel.rounds))
+                row["host_ms"] += [r.host_s * 1e3 for r in tel.rounds if r.host_s is not None]
                 row["tau"].append(tel.mean_emitted)
                 row["w"].append(tel.mean_verified)
                 row["path"] = tel.path
@@ -96,6 +100,8 @@ def tiny(args) -> tuple[dict, str]:
                 row["gaps"].append(float(top2[0] - top2[1]))
     for method, row in rows.items():
         row["tokens_per_s"] = sum(row["tokens"]) / sum(row["seconds"])
+        row["decode_tokens_per_s"] = sum(row["decode_tokens"]) / sum(row["decode_s"]) if row["decode_s"] else None
+        row["host_ms_per_round"] = median(row["host_ms"]) if row["host_ms"] else None
     # what the calibrated selector believed against what its rounds cost (last prompt's hybridspec call)
     run_generate(target, prompts[-1], "hybridspec", drafter, args.tokens)
     tel = hybridspec_hf.get_telemetry(target)
@@ -111,10 +117,19 @@ def tiny(args) -> tuple[dict, str]:
     }
     print("selector check", report["selector_check"], flush=True)
     base, hf = rows["ar"]["tokens_per_s"], rows["hf"]["tokens_per_s"]
-    lines = ["| method | path | tokens/s | × our AR | × HF eager | τ | mean w | identical to AR (bf16) | top-2 gaps at divergences |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    decode_ar = rows["ar"]["decode_tokens_per_s"]
+    lines = ["tokens/s: whole generate() calls (prefill and set-up included); decode tokens/s: the decode loop's own "
+             "time (every round and the host's work between rounds), as benchmarks/e2e.py reports; host ms: per round, "
+             "wall minus the wait for the hand-off.", "",
+             "| method | path | tokens/s | decode tokens/s | decode × our AR | host ms/round | × our AR | × HF eager | τ | "
+             "mean w | identical to AR (bf16) | top-2 gaps at divergences |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for method, row in rows.items():
+        decode, host = row["decode_tokens_per_s"], row["host_ms_per_round"]
         lines.append(f"| {method} | {row.get('path', 'hf eager')} | {row['tokens_per_s']:.0f} | "
+                     f"{'–' if decode is None else f'{decode:.0f}'} | "
+                     f"{'–' if decode is None else f'{decode / decode_ar:.2f}'} | "
+                     f"{'–' if host is None else f'{host:.3f}'} | "
                      f"{row['tokens_per_s'] / base:.2f} | {row['tokens_per_s'] / hf:.2f} | "
                      f"{median(row['tau']):.2f} | {median(row['w']):.2f} | {row['identical']}/{len(prompts)} | "
                      f"{', '.join(f'{g:.3g}' for g in row['gaps'])} |")
