@@ -22,7 +22,7 @@ tokens. Tested in float64 against each prompt's own generate() (tests/test_batch
 Rows leave the batch when they finish (an EOS-type criterion fired, or max_length): their cache rows are copied
 out and dropped, so later rounds verify only the rows still running. Stopping criteria and logits processors are
 asked per row with the row's own sequence, left padding included: what transformers' batched loop shows them for
-that row at that length. As there, a finished row is filled with pad_token_id when an EOS criterion is present, and
+that row at that length (a custom processor marked `hybridspec_stateless` must accept one row). As there, a finished row is filled with pad_token_id when an EOS criterion is present, and
 otherwise (only custom criteria or stop strings stopped it) keeps generating until every row has stopped.
 The returned cache is rebuilt so that, as after stock generate(), column j of every attention layer holds the
 keys of sequences[:, j] (zeros for columns a row never processed: its tokens after it finished).
@@ -31,9 +31,12 @@ Not here: the routing correction ("hybridspec" runs as "nominal" at batch > 1), 
 """
 from __future__ import annotations
 
+import copy
 import time
 
 import torch
+from transformers import LogitsProcessorList
+from transformers.generation.logits_process import PrefixConstrainedLogitsProcessor, RepetitionPenaltyLogitsProcessor
 
 from hybridspec_hf.drafter.modeling_dflash import StaticDraftContext
 from hybridspec_hf.generation.acceptance import greedy_accept, sample_tokens, score_positions, speculative_sample
@@ -136,11 +139,30 @@ class RowEmitter:
         return tuple(steps)
 
 
-def _row_scores(logits_processor, emitter: RowEmitter, active: list[int], tokens, raw) -> torch.Tensor:
-    """Logits processors at every verified position of every row, each row with its own prefix. raw: [n, T, V]."""
-    if len(logits_processor) == 0:
+def row_processors(logits_processor, row: int) -> LogitsProcessorList:
+    """The processors as batch row `row` sees them when called with that row alone ([1, L] input_ids).
+
+    Processors hold no per-row state except these two, which transformers builds for the whole batch: the
+    repetition penalty's per-row prompt padding (transformers ≥ 5.2x) and the prefix constraint's batch id."""
+    views = LogitsProcessorList()
+    for processor in logits_processor:
+        if isinstance(processor, RepetitionPenaltyLogitsProcessor) and \
+                isinstance(processor.prompt_ignore_length, torch.Tensor):
+            processor = copy.copy(processor)
+            processor.prompt_ignore_length = processor.prompt_ignore_length[row: row + 1]
+        elif isinstance(processor, PrefixConstrainedLogitsProcessor):
+            processor = copy.copy(processor)
+            allowed = processor._prefix_allowed_tokens_fn
+            processor._prefix_allowed_tokens_fn = lambda batch_id, ids, allowed=allowed: allowed(row + batch_id, ids)
+        views.append(processor)
+    return views
+
+
+def _row_scores(processors: list, emitter: RowEmitter, active: list[int], tokens, raw) -> torch.Tensor:
+    """Each row's processors at every verified position, with its own prefix. raw: [n, T, V] -> [n, T, V]."""
+    if len(processors[0]) == 0:
         return raw
-    return torch.cat([score_positions(logits_processor, emitter.sequences[row], tokens[i: i + 1], raw[i: i + 1])
+    return torch.cat([score_positions(processors[row], emitter.sequences[row], tokens[i: i + 1], raw[i: i + 1])
                       for i, row in enumerate(active)])
 
 
@@ -169,6 +191,7 @@ def batched_decode(model, input_ids, position_ids, attention_mask, cache, cache_
     feature_ids = drafter.config.target_layer_ids if drafter is not None else []
     runner = BatchTargetRunner(model, cache, cache_key, feature_ids, settings.kernel_backend, settings.gdn_verifier,
                                max_tokens=block_size)
+    processors = [row_processors(logits_processor, row) for row in range(batch)]
     start = time.perf_counter()
     active = list(range(batch))  # the batch row each row of the running batch started as
     snapshots: list = [None] * batch  # each finished row's cache (BatchTargetRunner.snapshot)
@@ -213,7 +236,7 @@ def batched_decode(model, input_ids, position_ids, attention_mask, cache, cache_
             raw = logits.float()  # [n, w, V]
 
             # 4. Accept per row: greedy, or lossless speculative sampling.
-            scores = _row_scores(logits_processor, emitter, active, tokens, raw)
+            scores = _row_scores(processors, emitter, active, tokens, raw)
             if do_sample:
                 accepted, sampled = speculative_sample(tokens[:, 1:], scores.softmax(dim=-1))
                 target_tokens = torch.cat([tokens[:, 1:], sampled[:, None]], dim=1)
@@ -223,6 +246,7 @@ def batched_decode(model, input_ids, position_ids, attention_mask, cache, cache_
                 accepted = greedy_accept(tokens[:, 1:], target_tokens)
             if signals is not None:
                 strategy.estimator.observe(signals, accepted, tokens.shape[1] - 1)
+            next_draft = strategy.should_draft(context_len)  # as in loop.py: before this round is observed
 
             # 5. Emit per row, token by token, until its criteria fire; m_b = tokens it emitted.
             counts = accepted.tolist()
@@ -242,7 +266,7 @@ def batched_decode(model, input_ids, position_ids, attention_mask, cache, cache_
                 context.append(features, torch.tensor(committed, device=context.length.device))
             mean_emitted = sum(committed) / len(committed)
             strategy.observe(tokens.shape[1], mean_emitted, None, drafted, like=accepted)
-            draft_next = drafter is not None and bool(torch.as_tensor(strategy.should_draft(context_len)).all())
+            draft_next = drafter is not None and bool(torch.as_tensor(next_draft).all())
             telemetry.rounds.append(RoundRecord(
                 tokens.shape[1], sum(counts), sum(committed), sum(committed), time.perf_counter() - round_start,
                 drafted, w0=tokens.shape[1] if signals is not None else None,
