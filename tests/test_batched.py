@@ -4,6 +4,7 @@ import pytest
 import torch
 from _tiny import TARGETS, VOCAB, cache_tensors, make_drafter, make_target, output_cache
 from test_exactness import assert_same_as_ar
+from test_generate_semantics import Recorder
 from test_properties import latency_model
 from transformers import StaticCache, StoppingCriteria, StoppingCriteriaList
 
@@ -158,16 +159,20 @@ def test_scores_logits_and_cache_like_batched_generate(fp64_gdn):
         torch.testing.assert_close(mine, theirs, rtol=1e-10, atol=1e-10)
 
 
-def test_one_left_padded_prompt_runs_the_batched_loop(fp64_gdn):
+def test_one_left_padded_prompt_runs_the_batched_loop_and_streams(fp64_gdn):
     target = make_target("qwen3_5_dense")
     prompt = random_prompts((5,), seed=7)[0]
     own = own_generate(target, [prompt], 20)
     drafter = make_drafter(target, BLOCK, own[0].sequences, error_rate=0.2)
     ids = torch.cat([torch.full((1, 3), PAD), prompt[None]], dim=1)
     mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 5, dtype=torch.long)], dim=1)
+    stock_stream, stream = Recorder(), Recorder()
+    stock = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20, streamer=stock_stream)
     out = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20, assistant_model=drafter,
-                          generation_strategy="dflash", pad_token_id=PAD)
+                          generation_strategy="dflash", pad_token_id=PAD, streamer=stream)
     assert_rows_equal_own(out, [prompt], own, width=ids.shape[1])
+    assert torch.equal(out, stock) and hybridspec_hf.get_telemetry(target).path == "eager"
+    assert torch.equal(stream.puts[0], ids) and stream.tokens() == stock_stream.tokens() and stream.ended
 
 
 def test_sampling_batch_runs_and_a_seed_fixes_it():
@@ -205,11 +210,6 @@ def test_batched_errors_name_the_problem():
     ids, mask = left_pad(prompts)
     kwargs = dict(attention_mask=mask, max_new_tokens=4, assistant_model=drafter, generation_strategy="dflash",
                   pad_token_id=PAD)
-
-    class Recorder:
-        def put(self, value): ...
-
-        def end(self): ...
 
     with pytest.raises(ValueError, match="batch size 2.*streamer"):
         target.generate(ids, streamer=Recorder(), **kwargs)

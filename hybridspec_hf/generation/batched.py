@@ -27,7 +27,7 @@ otherwise (only custom criteria or stop strings stopped it) keeps generating unt
 The returned cache is rebuilt so that, as after stock generate(), column j of every attention layer holds the
 keys of sequences[:, j] (zeros for columns a row never processed: its tokens after it finished).
 Not here: the routing correction ("hybridspec" runs as "nominal" at batch > 1), GPU-resident rounds (batch 1 only;
-"auto" runs this eager loop), streamers (transformers' refuse batches too) and StaticCache.
+"auto" runs this eager loop), streamers at batch > 1 (transformers' refuse batches too) and StaticCache.
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ from hybridspec_hf.patches._cache import set_rows
 def check_batched_call(settings, streamer, cache, batch: int) -> None:
     """What a batched call cannot do, as one clear error."""
     problems = []
-    if streamer is not None:
+    if streamer is not None and batch > 1:
         problems.append("a streamer: transformers' streamers take one sequence (TextStreamer raises for batches); "
                         "generate without streamer=, or one prompt per call")
     if settings.cuda_graphs == "on" or settings.acceptance_profile is not None:
@@ -70,8 +70,10 @@ class RowEmitter:
     loop shows them for that row at that length; `done` is sticky, as there.
     """
 
-    def __init__(self, input_ids, stopping_criteria, generation_config, keep_scores: bool, keep_logits: bool):
+    def __init__(self, input_ids, stopping_criteria, generation_config, keep_scores: bool, keep_logits: bool,
+                 streamer=None):
         self.sequences = [input_ids[row: row + 1] for row in range(input_ids.shape[0])]
+        self.streamer = streamer  # batch size 1 only (a left-padded prompt), as transformers' streamers
         self.prompt_length = input_ids.shape[1]
         self.stopping_criteria = stopping_criteria
         self.max_length = generation_config.max_length
@@ -96,6 +98,8 @@ class RowEmitter:
             self.scores[row].append(scores.clone())
         if self.logits is not None:
             self.logits[row].append(raw_logits.clone())
+        if self.streamer is not None:
+            self.streamer.put(token.view(1).cpu())
         if self.done_length[row] is None and (sequence.shape[1] >= self.max_length or
                                               bool(self.stopping_criteria(sequence, scores[None]).all())):
             self.done_length[row] = sequence.shape[1]
@@ -186,7 +190,9 @@ def batched_decode(model, input_ids, position_ids, attention_mask, cache, cache_
     do_sample = generation_config.do_sample
     keep = generation_config.return_dict_in_generate
     emitter = RowEmitter(input_ids, stopping_criteria, generation_config, keep and generation_config.output_scores,
-                         keep and generation_config.output_logits)
+                         keep and generation_config.output_logits, streamer)
+    if streamer is not None:
+        streamer.put(input_ids.cpu())  # generate() streams the prompt only for its own `streamer` argument
     block_size = drafter.config.block_size if drafter is not None else 1
     feature_ids = drafter.config.target_layer_ids if drafter is not None else []
     runner = BatchTargetRunner(model, cache, cache_key, feature_ids, settings.kernel_backend, settings.gdn_verifier,
@@ -277,6 +283,8 @@ def batched_decode(model, input_ids, position_ids, attention_mask, cache, cache_
         runner.close()
 
     telemetry.total_s = time.perf_counter() - start
+    if streamer is not None:
+        streamer.end()
     emitter.finish(home)
     set_rows(cache, snapshots, emitter.input_ids.shape[1] - 1)
     return finish_output(generation_config, emitter, cache, cache_key)
