@@ -159,6 +159,24 @@ def test_scores_logits_and_cache_like_batched_generate(fp64_gdn):
         torch.testing.assert_close(mine, theirs, rtol=1e-10, atol=1e-10)
 
 
+def test_prefix_constraint_sees_each_rows_own_batch_id(fp64_gdn):
+    """Batch-shaped processors (prefix_allowed_tokens_fn's batch_id) see each row's batch id, also after earlier
+    rows left the batch: equal to transformers' batched generate()."""
+    target = make_target("qwen3_5_moe", seed=6)
+    prompts = random_prompts((3, 7, 5), seed=10)
+    ids, mask = left_pad(prompts)
+    allowed = {0: list(range(1, 33)), 1: list(range(33, 65)), 2: list(range(65, VOCAB))}
+    common = dict(attention_mask=mask, do_sample=False, max_new_tokens=14, pad_token_id=PAD,
+                  prefix_allowed_tokens_fn=lambda batch_id, sentence: allowed[batch_id])
+    free = target.generate(ids, **common)
+    common["eos_token_id"] = int(free[0, ids.shape[1] + 2])  # row 0 leaves first
+    stock = target.generate(ids, **common)
+    drafter = make_drafter(target, BLOCK, [torch.cat([p, s[ids.shape[1]:]]) for p, s in zip(prompts, stock)], 0.2)
+    ours = target.generate(ids, assistant_model=drafter, generation_strategy="dflash", **common)
+    assert torch.equal(ours, stock)
+    assert hybridspec_hf.get_telemetry(target).rounds[-1].rows < 3
+
+
 def test_one_left_padded_prompt_runs_the_batched_loop_and_streams(fp64_gdn):
     target = make_target("qwen3_5_dense")
     prompt = random_prompts((5,), seed=7)[0]

@@ -25,7 +25,9 @@ asked per row with the row's own sequence, left padding included: what transform
 that row at that length (a custom processor marked `hybridspec_stateless` must accept one row). As there, a finished row is filled with pad_token_id when an EOS criterion is present, and
 otherwise (only custom criteria or stop strings stopped it) keeps generating until every row has stopped.
 The returned cache is rebuilt so that, as after stock generate(), column j of every attention layer holds the
-keys of sequences[:, j] (zeros for columns a row never processed: its tokens after it finished).
+keys of sequences[:, j] (zeros for columns a row never processed: its tokens after it finished; a row that kept
+generating past the returned length has its GDN states from further on).
+Every round verifies exactly the chosen w tokens (verify_shape is a batch-1 setting).
 Not here: the routing correction ("hybridspec" runs as "nominal" at batch > 1), GPU-resident rounds (batch 1 only;
 "auto" runs this eager loop), streamers at batch > 1 (transformers' refuse batches too) and StaticCache.
 """
