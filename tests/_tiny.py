@@ -186,7 +186,8 @@ class OracleDrafter(DFlashDrafter):
         tokens = reference[which.view(-1, 1), positions.clamp(max=reference.shape[1] - 1)]  # [B or 1, bs-1]
         boost = torch.where(inside & right, logits.abs().amax() + 10.0, 0.0)  # no host sync
         shape = (logits.shape[0], -1, 1)
-        return logits.scatter_add(2, tokens.unsqueeze(-1).expand(shape), boost.unsqueeze(-1).expand(shape).to(logits.dtype))
+        boost = boost.unsqueeze(-1).expand(shape).to(logits.dtype)
+        return logits.scatter_add(2, tokens.unsqueeze(-1).expand(shape), boost)
 
 
 def make_drafter(target, block_size: int = 8, reference=None, error_rate: float = 0.25, seed: int = 0):

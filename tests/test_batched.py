@@ -213,7 +213,8 @@ def test_shared_length_maximises_the_pooled_objective():
     strategy = RoundStrategy.build("nominal", settings, target, drafter, has_router=True)
     generator = torch.Generator().manual_seed(0)
     for case in range(20):
-        logits = torch.randn(3, BLOCK - 1, VOCAB, generator=generator) * (1 + 4 * torch.rand(3, 1, 1, generator=generator))
+        sharpness = 1 + 4 * torch.rand(3, 1, 1, generator=generator)
+        logits = torch.randn(3, BLOCK - 1, VOCAB, generator=generator) * sharpness
         w, _ = strategy.choose_shared(logits, 64, BLOCK)
         gain = expected_tokens(strategy.estimator.survival(draft_signals(logits))).sum(0)  # Σ_b G_b(w)
         rho = strategy.selector.throughput.rho  # per row

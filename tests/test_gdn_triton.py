@@ -370,7 +370,8 @@ def test_batched_round_loop_with_triton_kernels_matches_the_torch_path():
     for row, n in enumerate(lengths):
         ids[row, -n:] = torch.randint(1, VOCAB, (n,), generator=generator)
         mask[row, -n:] = 1
-    own = [target.generate(ids[row:row + 1, -n:], do_sample=False, max_new_tokens=16)[0] for row, n in enumerate(lengths)]
+    own = [target.generate(ids[row:row + 1, -n:], do_sample=False, max_new_tokens=16)[0]
+           for row, n in enumerate(lengths)]
     drafter = make_drafter(target, 8, own, 0.3).float()
     eos = int(own[0][lengths[0] + 4])  # row 0 stops early and leaves the batch
     outs = {}

@@ -22,8 +22,9 @@ tokens. Tested in float64 against each prompt's own generate() (tests/test_batch
 Rows leave the batch when they finish (an EOS-type criterion fired, or max_length): their cache rows are copied
 out and dropped, so later rounds verify only the rows still running. Stopping criteria and logits processors are
 asked per row with the row's own sequence, left padding included: what transformers' batched loop shows them for
-that row at that length (a custom processor marked `hybridspec_stateless` must accept one row). As there, a finished row is filled with pad_token_id when an EOS criterion is present, and
-otherwise (only custom criteria or stop strings stopped it) keeps generating until every row has stopped.
+that row at that length (a custom processor marked `hybridspec_stateless` must accept one row). As there, a
+finished row is filled with pad_token_id when an EOS criterion is present, and otherwise (only custom criteria or
+stop strings stopped it) keeps generating until every row has stopped.
 The returned cache is rebuilt so that, as after stock generate(), column j of every attention layer holds the
 keys of sequences[:, j] (zeros for columns a row never processed: its tokens after it finished; a row that kept
 generating past the returned length has its GDN states from further on).
