@@ -52,3 +52,39 @@ def check_supported_cache(cache) -> None:
 def gdn_layer_is_prefilled(cache, layer_idx: int) -> bool:
     layer = cache.layers[layer_idx]
     return layer.recurrent_states.get(0) is not None and layer.conv_states.get(0) is not None
+
+
+def keep_rows(cache, index: torch.Tensor) -> None:
+    """Keep only the batch rows `index` [n] long of every layer: attention K/V and GDN conv/recurrent states."""
+    for layer in cache.layers:
+        layer.reorder_cache(index)
+
+
+def row_snapshot(cache, row: int, slots: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Copies of one batch row's cache, per layer: attention (keys, values) [H, n, D] at `slots` [n] long, in that
+    order; GDN layers (conv state [C, K], recurrent state [HV, dk, dv])."""
+    snapshot = []
+    for layer in cache.layers:
+        if is_linear_cache_layer(layer):
+            snapshot.append((layer.conv_states[0][row].clone(), layer.recurrent_states[0][row].clone()))
+        else:
+            snapshot.append((layer.keys[row].index_select(-2, slots), layer.values[row].index_select(-2, slots)))
+    return snapshot
+
+
+def set_rows(cache, snapshots: list[list[tuple[torch.Tensor, torch.Tensor]]], length: int) -> None:
+    """Rebuild every layer of a DynamicCache from per-row `row_snapshot`s: attention K/V [B, H, length, D], row b's
+    own n_b ≤ length positions first and zeros after them; GDN states stacked in row order."""
+    for index, layer in enumerate(cache.layers):
+        parts = [snapshot[index] for snapshot in snapshots]
+        if is_linear_cache_layer(layer):
+            layer.conv_states[0] = torch.stack([conv for conv, _ in parts])
+            layer.recurrent_states[0] = torch.stack([state for _, state in parts])
+            continue
+        keys, values = parts[0]
+        shape = (len(parts), keys.shape[0], length, keys.shape[-1])
+        layer.keys, layer.values = keys.new_zeros(shape), values.new_zeros(shape)
+        for row, (keys, values) in enumerate(parts):
+            n = min(keys.shape[-2], length)
+            layer.keys[row, :, :n] = keys[:, :n]
+            layer.values[row, :, :n] = values[:, :n]

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.nn.functional as F
 from transformers import (
     Qwen3_5ForCausalLM,
     Qwen3_5MoeConfig,
@@ -140,8 +141,13 @@ class OracleDrafter(DFlashDrafter):
     acceptance length occur while still running the real drafter code and context cache.
     """
 
-    def steer(self, reference: torch.Tensor, error_rate: float, seed: int) -> "OracleDrafter":
-        self.reference = reference[0]
+    def steer(self, reference, error_rate: float, seed: int) -> "OracleDrafter":
+        """reference: [R, L] token ids, or a list of R 1-D ones of any lengths: row b of a batch is steered towards
+        reference b (R = 1: every row towards the same one), in the row's own positions (no padding)."""
+        rows = [torch.as_tensor(r).reshape(-1) for r in reference]
+        width = max(r.numel() for r in rows)
+        self.reference = torch.stack([F.pad(r, (0, width - r.numel())) for r in rows])  # [R, L]
+        self.reference_lengths = torch.tensor([r.numel() for r in rows])
         self._reference_device = None
         self.error_rate = error_rate
         self.generator = torch.Generator().manual_seed(seed)
@@ -152,26 +158,36 @@ class OracleDrafter(DFlashDrafter):
         return self._steered(logits, cache.length)
 
     def draft_static(self, anchor_ids, ctx):
-        """The same steering on the graph path (the anchor sits at ctx.length, a device tensor)."""
-        return self._steered(super().draft_static(anchor_ids, ctx).clone(), ctx.length)
+        """The same steering on the static-context path (the anchor of each row sits at ctx.length, on the device)."""
+        return self._steered(super().draft_static(anchor_ids, ctx).clone(), ctx.length, ctx.rows)
 
-    def _steered(self, logits, anchor_position):
+    def _steered(self, logits, anchor_position, rows=None):
         if getattr(self, "reference", None) is None:
             return logits
         device = logits.device
-        if getattr(self, "_reference_device", None) is None or self._reference_device.device != device:
-            self._reference_device = self.reference.to(device)  # before any graph capture (warm-up runs first)
-        reference = self._reference_device
-        positions = anchor_position + torch.arange(1, self.config.block_size, device=device)  # tokens predicted
-        inside = positions < reference.shape[0]
+        if getattr(self, "_reference_device", None) is None or self._reference_device[0].device != device:
+            # before any graph capture (warm-up runs first)
+            self._reference_device = (self.reference.to(device), self.reference_lengths.to(device))
+        reference, lengths = self._reference_device
+        steps = torch.arange(1, self.config.block_size, device=device)
+        if isinstance(anchor_position, torch.Tensor):
+            positions = anchor_position.view(-1, 1) + steps  # [B, bs-1] tokens predicted
+        else:
+            positions = (anchor_position + steps).view(1, -1)
+        if reference.shape[0] > 1:  # one reference per batch row (a CPU batch: `rows` says which)
+            which = rows.to(device) if rows is not None else torch.arange(logits.shape[0], device=device)
+        else:
+            which = torch.zeros(positions.shape[0], dtype=torch.long, device=device)
+        inside = positions < lengths[which].view(-1, 1)
         if device.type == "cpu":
             right = torch.rand(positions.shape, generator=self.generator) >= self.error_rate
         else:  # the default CUDA generator: graph-safe
             right = torch.rand(positions.shape, device=device) >= self.error_rate
-        tokens = reference[positions.clamp(max=reference.shape[0] - 1)]
-        boost = torch.where(inside & right, logits.abs().amax() + 10.0, 0.0)  # [bs-1]; no host sync
-        return logits.scatter_add(2, tokens.view(1, -1, 1).expand(logits.shape[0], -1, 1),
-                                  boost.view(1, -1, 1).expand(logits.shape[0], -1, 1).to(logits.dtype))
+        tokens = reference[which.view(-1, 1), positions.clamp(max=reference.shape[1] - 1)]  # [B or 1, bs-1]
+        boost = torch.where(inside & right, logits.abs().amax() + 10.0, 0.0)  # no host sync
+        shape = (logits.shape[0], -1, 1)
+        boost = boost.unsqueeze(-1).expand(shape).to(logits.dtype)
+        return logits.scatter_add(2, tokens.unsqueeze(-1).expand(shape), boost)
 
 
 def make_drafter(target, block_size: int = 8, reference=None, error_rate: float = 0.25, seed: int = 0):

@@ -162,12 +162,22 @@ class StaticDraftContext:
         self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_hidden_layers)]
         self.length = torch.zeros(batch_size, dtype=torch.long, device=device)  # [B]
         self.positions = torch.arange(slots, device=device)  # [S] the position each slot holds
+        self.rows = torch.arange(batch_size)  # [B] the batch row each row started as (`keep_rows` drops rows)
         self._host_length: int | None = 0  # exact length while every count was a host int (free overflow check)
 
     def reset(self) -> None:
         """Forget the whole context (new generation); the buffers stay where they are."""
         self.length.zero_()
         self._host_length = 0
+
+    def keep_rows(self, index: torch.Tensor) -> None:
+        """Keep only the rows `index` [n] long (a batch whose finished rows leave it); new buffers, not for graphs."""
+        index = index.to(self.length.device)
+        self.keys = [keys.index_select(0, index) for keys in self.keys]
+        self.values = [values.index_select(0, index) for values in self.values]
+        self.length = self.length.index_select(0, index)
+        self.rows = self.rows.index_select(0, index.cpu())
+        self.batch_size = index.numel()
 
     @torch.no_grad()
     def append(self, features: torch.Tensor, count: int | torch.Tensor) -> None:

@@ -56,3 +56,16 @@ def sample_tokens(probs: torch.Tensor, generator: torch.Generator | None = None)
     """
     races = torch.empty_like(probs, dtype=torch.float32).exponential_(generator=generator)
     return (probs.float() / races).argmax(dim=-1)
+
+
+def score_positions(logits_processor, prefix: torch.Tensor, tokens: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+    """Logits processors applied to each verified position with the prefix AR would have seen there.
+
+    prefix: [B, L] ending with the anchor; tokens: [B, T] the verified tokens (anchor first); raw: [B, T, V] fp32.
+    """
+    if len(logits_processor) == 0:
+        return raw
+    scores = torch.empty_like(raw)
+    for i in range(raw.shape[1]):
+        scores[:, i] = logits_processor(torch.cat([prefix, tokens[:, 1 : i + 1]], dim=1), raw[:, i])
+    return scores

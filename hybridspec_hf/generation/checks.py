@@ -40,11 +40,6 @@ def check_prompt(model, input_ids: torch.Tensor) -> None:
         raise TypeError(f"input_ids must be integer token ids (torch.long), got dtype {input_ids.dtype}.")
     if input_ids.shape[1] == 0:
         raise ValueError("The prompt is empty: HybridSpec needs at least one prompt token (e.g. a BOS token).")
-    if input_ids.shape[0] != 1:
-        raise ValueError(
-            f"HybridSpec generates one sequence at a time (batch size 1); got batch size {input_ids.shape[0]}. "
-            "Call generate once per prompt."
-        )
     vocab = model.get_input_embeddings().weight.shape[0]
     with host_syncs():  # the call's set-up: one read of the prompt's range
         if input_ids.numel() and not bool(((input_ids >= 0) & (input_ids < vocab)).all()):
@@ -60,8 +55,9 @@ def check_prompt(model, input_ids: torch.Tensor) -> None:
         )
 
 
-def check_generation_config(model, generation_config, input_ids: torch.Tensor, model_kwargs: dict) -> None:
-    """Reject what the loop does not support, after generate() merged the model's defaults."""
+def check_generation_config(model, generation_config, input_ids: torch.Tensor, model_kwargs: dict) -> bool:
+    """Reject what the loop does not support, after generate() merged the model's defaults. Returns whether the
+    attention mask has (left) padding."""
     problems = []
     if generation_config.num_beams not in (None, 1):
         problems.append(f"num_beams={generation_config.num_beams} (beam search): use num_beams=1")
@@ -76,15 +72,19 @@ def check_generation_config(model, generation_config, input_ids: torch.Tensor, m
     mask = model_kwargs.get("attention_mask")
     with host_syncs():  # a per-call check, allowed to read the mask on the host
         padded = mask is not None and not bool((mask == 1).all())
-    if padded:
+        left = not padded or bool(((mask == 0) | (mask == 1)).all() and (mask[:, 1:] >= mask[:, :-1]).all()
+                                  and (mask[:, -1] == 1).all())
+    if not left:
         problems.append(
-            "attention_mask has padding (zeros; without an attention_mask, generate() infers them from prompt tokens "
-            "equal to pad_token_id): HybridSpec runs batch size 1 without padding; strip the pad tokens, or pass "
-            "attention_mask=torch.ones_like(input_ids) if they are real tokens"
+            "attention_mask has padding that is not left padding (zeros only before each row's tokens, the last "
+            "column all ones; without an attention_mask, generate() infers it from prompt tokens equal to "
+            "pad_token_id): pad on the left (tokenizer.padding_side = 'left'), or pass "
+            "attention_mask=torch.ones_like(input_ids) if those are real tokens"
         )
     if problems:
         raise ValueError("Unsupported generation options for HybridSpec: " + "; ".join(problems) + ".")
     check_prompt(model, input_ids)  # again: generate() may have expanded it (beams, return sequences)
+    return padded
 
 
 def check_logits_processors(logits_processor) -> None:

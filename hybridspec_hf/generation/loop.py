@@ -17,7 +17,8 @@ import torch
 
 from hybridspec_hf import patches
 from hybridspec_hf.config import HybridSpecConfig
-from hybridspec_hf.generation.acceptance import greedy_accept, sample_tokens, speculative_sample
+from hybridspec_hf.generation.acceptance import greedy_accept, sample_tokens, score_positions, speculative_sample
+from hybridspec_hf.generation.batched import batched_decode
 from hybridspec_hf.generation.checks import check_generation_config, check_logits_processors, finish_output
 from hybridspec_hf.generation.router_hooks import VerifyWindow
 from hybridspec_hf.generation.strategy import RoundStrategy
@@ -66,19 +67,6 @@ class Emitter:
         if self.streamer is not None:
             self.streamer.put(token.cpu())
         self.finished = bool(self.stopping_criteria(self.input_ids, scores).all())
-
-
-def score_positions(logits_processor, prefix: torch.Tensor, tokens: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
-    """Logits processors applied to each verified position with the prefix AR would have seen there.
-
-    prefix: [B, L] ending with the anchor; tokens: [B, T] the verified tokens (anchor first); raw: [B, T, V] fp32.
-    """
-    if len(logits_processor) == 0:
-        return raw
-    scores = torch.empty_like(raw)
-    for i in range(raw.shape[1]):
-        scores[:, i] = logits_processor(torch.cat([prefix, tokens[:, 1 : i + 1]], dim=1), raw[:, i])
-    return scores
 
 
 def _use_resident_rounds(settings, model, drafter, strategy, generation_config, logits_processor, cache,
@@ -142,11 +130,12 @@ def hybridspec_decode(
     hybridspec_settings: HybridSpecConfig | None = None,
     **model_kwargs,
 ):
-    """Exact speculative decoding of a hybrid GDN target with a DFlash drafter (batch size 1; greedy output equals
-    AR token for token, sampling keeps the target distribution)."""
+    """Exact speculative decoding of a hybrid GDN target with a DFlash drafter (greedy output equals AR token for
+    token, sampling keeps the target distribution). Batch size 1 here; a batch or a left-padded prompt runs the
+    batched loop (generation/batched.py)."""
     drafter, settings = hybridspec_drafter, hybridspec_settings or HybridSpecConfig()
     streamer = hybridspec_streamer if hybridspec_streamer is not None else streamer
-    check_generation_config(model, generation_config, input_ids, model_kwargs)
+    padded = check_generation_config(model, generation_config, input_ids, model_kwargs)
     check_logits_processors(logits_processor)
     cache_key = "cache" if model_kwargs.get("cache") is not None else "past_key_values"
     cache = model_kwargs.pop(cache_key)
@@ -167,6 +156,10 @@ def hybridspec_decode(
     strategy = RoundStrategy.build(hybridspec_strategy, settings, model, drafter, has_router=bool(moe_blocks))
     telemetry = GenerationTelemetry(strategy=hybridspec_strategy, block_size=block_size, prompt_tokens=input_ids.shape[1])
     model.hybridspec_telemetry = telemetry
+    if input_ids.shape[0] > 1 or padded:
+        return batched_decode(model, input_ids, position_ids, attention_mask, cache, cache_key, drafter, strategy,
+                              settings, logits_processor, stopping_criteria, generation_config, streamer, telemetry,
+                              home, model_kwargs)
     emitter = Emitter(
         input_ids,
         stopping_criteria,

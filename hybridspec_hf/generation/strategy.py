@@ -154,6 +154,20 @@ class RoundStrategy:
 
         return Choice(w0, valid, keep, n_new, decide_keep, signals)
 
+    def choose_shared(self, draft_logits: torch.Tensor, context_len: int, w_max: int) -> tuple[int, dict]:
+        """One w for every row of a batch (generation/batched.py), read on the host: the strategy's rule applied to
+        the rows' mean survival. Returns (w, the rows' draft signals).
+
+        Why the mean: Σ_b G_b(w) = N·(1 + Σ_{i<w} mean_b p̂_{b,i}), so the pooled objective Σ_b G_b(w) − ρ_N·C_N(w)
+        of N rows is N times the selector's objective on the mean survival with ρ = ρ_N / N, the throughput per row,
+        which is what the selector learns from `observe(..., emitted=mean tokens per row, seconds=None)`. C is the
+        batch-1 calibration: with seconds=None ρ is fed from it too, so the choice equals the pooled optimum whenever
+        C_N(w) = k_N·C(w) (a (batch, w) calibration would drop that assumption; not done)."""
+        signals = draft_signals(draft_logits)
+        survival = self.estimator.to(draft_logits.device).survival(signals).mean(0, keepdim=True)  # [1, B-1]
+        w0 = self.selector.choose(survival, context_len, w_max)
+        return max(1, min(int(w0.reshape(-1)[0]), w_max)), signals
+
     def observe_acceptance(self, choice: Choice | None, accepted: torch.Tensor) -> None:
         """The acceptance estimator's online update (a no-op unless it was built with online_lr > 0): one step on
         the positions this round verified. On the device, no host sync."""

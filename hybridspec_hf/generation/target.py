@@ -8,7 +8,7 @@ import torch
 
 from hybridspec_hf import patches
 from hybridspec_hf.graphs.static_target import FeatureCapture
-from hybridspec_hf.patches._cache import drop_last_tokens
+from hybridspec_hf.patches._cache import drop_last_tokens, keep_rows, row_snapshot
 
 
 class TargetRunner:
@@ -34,15 +34,18 @@ class TargetRunner:
     def close(self) -> None:
         self.capture.remove()
 
+    def _extend_mask(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """The attention mask of a forward over `input_ids` after the cached tokens (None: no mask)."""
+        if self.mask_length is None:
+            return None
+        self.mask_length += input_ids.shape[1]
+        return torch.ones(input_ids.shape[0], self.mask_length, dtype=torch.long, device=input_ids.device)
+
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_to_keep: int, **extra):
-        mask = None
-        if self.mask_length is not None:
-            self.mask_length += input_ids.shape[1]
-            mask = torch.ones(input_ids.shape[0], self.mask_length, dtype=torch.long, device=input_ids.device)
         outputs = self.model(
             input_ids=input_ids,
             position_ids=position_ids,
-            attention_mask=mask,
+            attention_mask=self._extend_mask(input_ids),
             use_cache=True,
             logits_to_keep=logits_to_keep,
             **{self.cache_key: self.cache},
@@ -105,3 +108,64 @@ class TargetRunner:
     @staticmethod
     def cache_batch_size(session: patches.VerifySession) -> int:
         return session.pending[0].state.shape[0]
+
+
+class BatchTargetRunner(TargetRunner):
+    """The target side of a batch whose rows commit different counts per round (generation/batched.py).
+
+    The rows share the attention cache's slots. A verification appends T slots to every row and row b keeps its m_b
+    committed tokens; its other T - m_b slots become holes, masked out of attention for the rest of the call
+    (attention_mask 0), and slots past the round's largest m_b are dropped. positions [B, 1] (or [R, B, 1]) are per
+    row: the position id of the row's last real token, so RoPE sees what the row's own AR decoding would.
+    slots[b] lists, for every sequence column of row b the target has processed, the cache slot that holds it.
+    """
+
+    attention_mask: torch.Tensor  # [B, slots] long: 1 = a real token of that row, 0 = left padding or a hole
+    slots: list[list[int]]
+
+    def _extend_mask(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The mask over the cache's slots and the new tokens: a verification's tokens are real (ones); the
+        prefill's mask came with the prompt."""
+        missing = int(self.cache.get_seq_length()) + input_ids.shape[1] - self.attention_mask.shape[1]
+        if missing > 0:
+            new = self.attention_mask.new_ones(input_ids.shape[0], missing)
+            self.attention_mask = torch.cat([self.attention_mask, new], dim=1)
+        return self.attention_mask
+
+    def prefill(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor, **extra):
+        """The prompt as stock generate() runs it, left padding masked. Returns last logits [B, V], features."""
+        cached = int(self.cache.get_seq_length())
+        self.attention_mask = attention_mask
+        logits, features = self._forward(input_ids[:, cached:], position_ids[..., cached:], 1, **extra)
+        self.positions = position_ids[..., -1:]
+        self.slots = [list(range(input_ids.shape[1])) for _ in range(input_ids.shape[0])]
+        return logits[:, -1], features
+
+    def commit_rows(self, session: patches.VerifySession, verified: int, committed: list[int]) -> None:
+        """Keep the first committed[b] of the `verified` tokens of row b (0 ≤ committed[b] ≤ verified): S_m and conv
+        windows per row, holes in the attention mask, slots past the largest count dropped."""
+        device = self.attention_mask.device
+        m = torch.tensor(committed, device=device)  # [B]
+        if session.pending:
+            patches.commit_session(session, m.to(device=session.pending[0].state.device, dtype=torch.int32))
+        start, keep = self.attention_mask.shape[1] - verified, max(committed)
+        kept = torch.arange(keep, device=device) < m[:, None]  # [B, keep]
+        self.attention_mask = torch.cat([self.attention_mask[:, :start], kept.to(self.attention_mask.dtype)], dim=1)
+        drop_last_tokens(self.cache, verified - keep)
+        self.positions = self.positions + m.to(self.positions.device).view(-1, 1)
+        for row, count in zip(self.slots, committed):
+            row.extend(range(start, start + count))
+
+    def snapshot(self, row: int) -> list:
+        """Copies of batch row `row`'s cache, its processed sequence columns in order (patches.row_snapshot)."""
+        slots = torch.tensor(self.slots[row], dtype=torch.long, device=self.attention_mask.device)
+        return row_snapshot(self.cache, row, slots)
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Drop every batch row not in `rows` (finished rows leave the batch and cost no more verification)."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.attention_mask.device)
+        keep_rows(self.cache, index)
+        self.attention_mask = self.attention_mask.index_select(0, index)
+        self.positions = self.positions.index_select(self.positions.dim() - 2, index.to(self.positions.device))
+        self.slots = [self.slots[row] for row in rows]
+        self._state_buffer = None  # the "per_token_state" verifier's buffer has one slot per row

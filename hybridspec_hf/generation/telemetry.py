@@ -13,7 +13,8 @@ class RoundRecord:
     """One round. w: tokens the target verified (anchor + drafts); accepted: drafts accepted (a);
     emitted: tokens emitted (a + 1 unless cut short by EOS/stop/length); committed: tokens committed into the
     target's state (m); wall_s: wall time of the round in seconds (drafting to commit); drafted: False for a plain
-    decoding step (the selector switched speculation off)."""
+    decoding step (the selector switched speculation off). In a batched call w is shared by the round's rows and the
+    counts are summed over them."""
 
     w: int
     accepted: int
@@ -26,6 +27,7 @@ class RoundRecord:
     n_new: int | None = None  # new first-MoE-layer experts of the extra token
     predicted_s: float | None = None  # calibrated latency of this round's choice (C(w), or C_ar for a plain step)
     host_s: float | None = None  # GPU-resident rounds: wall time minus the wait for the hand-off (host work)
+    rows: int = 1  # batch rows verified in this round (batched calls: accepted/emitted/committed sum over them)
 
 
 @dataclass
