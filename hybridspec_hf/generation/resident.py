@@ -309,7 +309,8 @@ class ResidentRounds:
                 self.routing.row.copy_(self.profile_row)
             self.profile_row.add_(1)
         if self.strategy.mode != "fixed":
-            self.choice = self.strategy.choose(draft_logits, self.round_context_len, w_max, signals)
+            with patches.fused_kernels():  # the draft signals in one launch
+                self.choice = self.strategy.choose(draft_logits, self.round_context_len, w_max, signals)
             self.round_valid = self.choice.valid  # the extra token included until the correction drops it
         else:
             self.round_valid = w_max

@@ -37,6 +37,9 @@ from typing import Mapping
 
 import torch
 
+from hybridspec_hf.kernels.gdn_triton import fused_kernels_active
+from hybridspec_hf.kernels.signals_triton import draft_signals_fused
+
 FEATURES = ("logit_top1", "margin", "entropy")  # + a per-position intercept
 _EPS = 1e-6
 _FORMAT = "hybridspec.acceptance/1"
@@ -54,6 +57,8 @@ def draft_signals(draft_logits: torch.Tensor) -> dict[str, torch.Tensor]:
             f"draft_signals expects draft logits [batch, B-1, V] with V >= 2, got shape {tuple(draft_logits.shape)}; "
             "pass the logits of block positions 1..B-1 (not the anchor)."
         )
+    if draft_logits.is_cuda and fused_kernels_active():  # inside resident rounds: one launch, not ≈ 30
+        return draft_signals_fused(draft_logits)
     logp = draft_logits.float().log_softmax(-1)  # [batch, B-1, V] fp32
     top2 = logp.topk(2, dim=-1).values.exp()  # [batch, B-1, 2]
     entropy = torch.special.entr(logp.exp()).sum(-1)  # [batch, B-1]; entr(0) = 0, no 0·log 0 NaN

@@ -1,0 +1,72 @@
+"""The drafter's per-position signals (top-1 probability, top-1 minus top-2 probability, entropy) in one launch.
+
+`selector.survival.draft_signals` is the truth: log_softmax over the vocabulary in fp32, topk(2), exp, entr and a
+sum — on CUDA about 30 kernels per round at a 248k vocabulary (radix top-k alone takes four), ≈ 0.15 ms of the
+draft graph on the H200 (benchmarks/results/breakdown_attributed.md). Here one program per draft position streams
+its logits once with an online softmax: the running max m, s = Σ e^(x-m), t = Σ e^(x-m)·(x-m) and the two largest
+values (a repeated maximum counts twice, as topk's values do). Then
+
+    top1 = 1 / s,   top2 = e^(x2 - m) / s,   entropy = log s - t / s     (−Σ p log p with p = e^(x-m) / s)
+
+Logits of -inf contribute nothing (entr(0) = 0). fp32 throughout; against the reference the sums run in another
+order: agreement to ~1e-5 relative (entropy to ~1e-5 absolute). Kernels bind to `triton.jit` at launch (`_LazyJit`),
+so `TRITON_INTERPRET=1` runs them on the CPU (tests).
+"""
+from __future__ import annotations
+
+import torch
+
+from .gdn_triton import HAS_TRITON, _LazyJit, tl
+
+BLOCK_V = 2048  # logits per step of the stream
+
+
+def _signals_kernel(logits, out, stride_row, V: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    base = logits + row * stride_row
+    m = tl.full([], float("-inf"), tl.float32)  # running max (= x1, the largest value)
+    x2 = tl.full([], float("-inf"), tl.float32)  # second largest value
+    s = tl.zeros([], tl.float32)  # Σ e^(x - m)
+    t = tl.zeros([], tl.float32)  # Σ e^(x - m) · (x - m)
+    for start in range(0, V, BLOCK):
+        idx = start + cols
+        x = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+        b1 = tl.max(x, axis=0)
+        first = tl.min(tl.where(x == b1, cols, BLOCK), axis=0)  # one occurrence of the block max ...
+        b2 = tl.max(tl.where(cols == first, float("-inf"), x), axis=0)  # ... out: a repeat stays a candidate
+        x2 = tl.maximum(tl.maximum(x2, b2), tl.minimum(m, b1))
+        new_m = tl.maximum(m, b1)
+        ref = tl.where(new_m > float("-inf"), new_m, 0.0)  # all -inf so far: nothing to add, keep s = t = 0
+        seen = m > float("-inf")
+        shift = tl.where(seen, m - ref, 0.0)
+        t = tl.where(seen, tl.exp(shift) * (t + shift * s), 0.0)
+        s = tl.where(seen, tl.exp(shift) * s, 0.0)
+        live = x > float("-inf")
+        d = tl.where(live, x - ref, 0.0)
+        e = tl.where(live, tl.exp(d), 0.0)
+        s += tl.sum(e, axis=0)
+        t += tl.sum(e * d, axis=0)
+        m = new_m
+    top1 = 1.0 / s
+    top2 = tl.where(x2 > float("-inf"), tl.exp(x2 - m), 0.0) / s
+    tl.store(out + row * 3 + 0, top1)
+    tl.store(out + row * 3 + 1, top1 - top2)
+    tl.store(out + row * 3 + 2, tl.log(s) - t / s)
+
+
+if HAS_TRITON:
+    _signals_kernel = _LazyJit(_signals_kernel)
+
+
+def draft_signals_fused(draft_logits: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Triton `draft_signals`: draft_logits [batch, B-1, V] -> {"top1", "margin", "entropy"} fp32 [batch, B-1]."""
+    batch, positions, vocab = draft_logits.shape
+    logits = draft_logits.reshape(batch * positions, vocab)
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    out = torch.empty(batch * positions, 3, dtype=torch.float32, device=draft_logits.device)
+    if out.shape[0]:
+        _signals_kernel[(out.shape[0],)](logits, out, logits.stride(0), vocab, BLOCK=BLOCK_V, num_warps=8)
+    out = out.view(batch, positions, 3)
+    return {"top1": out[..., 0], "margin": out[..., 1], "entropy": out[..., 2]}
