@@ -155,12 +155,6 @@ def hybridspec_decode(
     check_supported_cache(cache)
     position_ids = model_kwargs.pop("position_ids")
     attention_mask = model_kwargs.pop("attention_mask", None)
-    # stock generate() accepts a prompt on another device than the embedding (e.g. a CPU prompt under tensor
-    # parallelism); the rounds need it beside the model, and the output goes back where the prompt came from
-    home, device = input_ids.device, patches.text_model(model).embed_tokens.weight.device
-    if home != device:
-        input_ids, position_ids = input_ids.to(device), position_ids.to(device)
-        attention_mask = None if attention_mask is None else attention_mask.to(device)
 
     block_size = drafter.config.block_size if drafter is not None else 1
     moe_blocks = patches.moe_blocks(model)
@@ -201,7 +195,6 @@ def hybridspec_decode(
             telemetry.total_s = time.perf_counter() - start
             if streamer is not None:
                 streamer.end()
-            emitter.input_ids = emitter.input_ids.to(home)
             return finish_output(generation_config, emitter, cache, cache_key)
         draft_cache = drafter.new_context_cache() if drafter is not None else None
         draft_next = drafter is not None
@@ -216,9 +209,10 @@ def hybridspec_decode(
                 # 1. Draft (not when the round is a plain decoding step).
                 drafted = draft_next and max_tokens > 1
                 if drafted:
-                    draft_logits = drafter.draft(anchor, context, draft_cache)  # [B, block-1, V]
+                    # [B, block-1, V], beside the tokens (a no-op unless the drafter or the LM head is elsewhere)
+                    draft_logits = drafter.draft(anchor, context, draft_cache).to(anchor.device)
                     context = context[:, :0]
-                    drafts = draft_logits.argmax(dim=-1).to(anchor.device)
+                    drafts = draft_logits.argmax(dim=-1)
                     tokens = torch.cat([anchor, drafts[:, : max_tokens - 1]], dim=1)  # [B, T]
                 else:
                     tokens = anchor
@@ -282,5 +276,4 @@ def hybridspec_decode(
     telemetry.total_s = time.perf_counter() - start
     if streamer is not None:
         streamer.end()
-    emitter.input_ids = emitter.input_ids.to(home)
     return finish_output(generation_config, emitter, cache, cache_key)

@@ -40,7 +40,8 @@ class VerifyWindow:
         if self.choice is None:
             return None
         hidden, ids, weights = args[:3]
-        invalid = (torch.arange(ids.shape[0], device=ids.device) >= self.choice.valid).unsqueeze(1)  # [T, 1]
+        valid = self.choice.valid.to(ids.device)  # a no-op unless a device_map put this layer on another device
+        invalid = (torch.arange(ids.shape[0], device=ids.device) >= valid).unsqueeze(1)  # [T, 1]
         ids = torch.where(invalid, ids[:1].expand_as(ids), ids)
         weights = weights.masked_fill(invalid, 0)
         return (hidden, ids, weights, *args[3:])

@@ -44,7 +44,7 @@ class Choice:
 
     def correct(self, first_layer_ids: torch.Tensor) -> None:
         """The routing correction, from the [T, k] router choices at the first MoE layer; updates in place."""
-        ids = first_layer_ids.view(1, -1, first_layer_ids.shape[-1])
+        ids = first_layer_ids.view(1, -1, first_layer_ids.shape[-1]).to(self.w0.device)  # device_map: may differ
         self.n_new.copy_(count_new_experts(ids, self.w0))
         self.keep.copy_(self.decide_keep(self.n_new))
         self.valid.copy_(self.w0 + self.keep.long())
