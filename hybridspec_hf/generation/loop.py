@@ -23,7 +23,7 @@ from hybridspec_hf.generation.router_hooks import VerifyWindow
 from hybridspec_hf.generation.strategy import RoundStrategy
 from hybridspec_hf.generation.target import TargetRunner
 from hybridspec_hf.generation.telemetry import GenerationTelemetry, RoundRecord
-from hybridspec_hf.graphs.capture import host_syncs
+from hybridspec_hf.graphs.capture import collective_capture_failure, distributed, host_syncs
 from hybridspec_hf.patches._cache import check_supported_cache
 
 _sync_allowed = True
@@ -83,7 +83,8 @@ def score_positions(logits_processor, prefix: torch.Tensor, tokens: torch.Tensor
 
 def _use_resident_rounds(settings, model, drafter, strategy, generation_config, logits_processor, cache,
                          telemetry) -> bool:
-    """GPU-resident rounds for this call? ("auto": on CUDA when possible; "on": required; "off": never)."""
+    """GPU-resident rounds for this call? ("auto": on CUDA when possible; "on": required; "off": never;
+    "uncaptured": required, never captured). Sets telemetry.path, and telemetry.path_reason when "auto" fell back."""
     from hybridspec_hf.generation.resident import unsupported_reason
 
     telemetry.path = "eager"
@@ -94,16 +95,23 @@ def _use_resident_rounds(settings, model, drafter, strategy, generation_config, 
         return False
     reason = unsupported_reason(model, drafter, strategy, generation_config, logits_processor, cache)
     if reason is not None:
-        if settings.cuda_graphs == "on" or profile:
-            asked = "acceptance_profile= (timing mode)" if profile else "HybridSpecConfig(cuda_graphs='on')"
+        if settings.cuda_graphs in ("on", "uncaptured") or profile:
+            asked = "acceptance_profile= (timing mode)" if profile else f"HybridSpecConfig(cuda_graphs={settings.cuda_graphs!r})"
             raise ValueError(f"{asked} needs GPU-resident rounds, which this call cannot run: {reason}. "
                              "Change that option, or use cuda_graphs='auto' (falls back to the eager loop).")
         telemetry.path_reason = reason
         return False
-    on_cuda = next(model.parameters()).device.type == "cuda"
-    if settings.cuda_graphs == "auto" and not on_cuda and not profile:
+    device = next(model.parameters()).device
+    if settings.cuda_graphs == "auto" and device.type != "cuda" and not profile:
         return False
-    telemetry.path = "cuda_graphs" if on_cuda else "static_eager"
+    capture = device.type == "cuda" and settings.cuda_graphs != "uncaptured"
+    failure = collective_capture_failure(device) if capture and distributed() else None
+    if failure is not None:  # tensor parallelism where NCCL collectives cannot be captured: the same rounds, uncaptured
+        if settings.cuda_graphs == "on":
+            raise ValueError(f"HybridSpecConfig(cuda_graphs='on') needs CUDA-graph capture, which fails here: {failure}. "
+                             "Use cuda_graphs='uncaptured' or 'auto'.")
+        telemetry.path_reason, capture = f"no CUDA-graph capture: {failure}", False
+    telemetry.path = "cuda_graphs" if capture else "static_eager"
     return True
 
 
@@ -118,7 +126,8 @@ def _resident(model, drafter, strategy, logits_processor, generation_config, sto
         host = HostEmitter(emitter.input_ids, generation_config, stopping_criteria, streamer)
         device_commit = not host.criteria and len(host.eos) <= MAX_EOS_IDS  # m known on the device
         rounds = resident_rounds(model, drafter, strategy, logits_processor, generation_config.do_sample,
-                                 generation_config.max_length, rows, device_commit)
+                                 generation_config.max_length, rows, device_commit,
+                                 capture=telemetry.path == "cuda_graphs")
         telemetry.capture_s, rounds.capture_s = rounds.capture_s, 0.0  # reported by the call that captured
         telemetry.resident_memory_bytes = rounds.memory_bytes
         rounds.start(cache, positions, context, first, generation_config.max_length, host.eos)

@@ -16,6 +16,7 @@ import torch
 
 from hybridspec_hf.config import CALIBRATED_STRATEGIES, HybridSpecConfig, resolved_verify_shape
 from hybridspec_hf.generation.calibration import resolve_latency_model
+from hybridspec_hf.graphs.capture import distributed
 from hybridspec_hf.selector.profiles import AcceptanceProfile, RoutingProfile, load_profile
 from hybridspec_hf.selector import AcceptanceEstimator, count_new_experts, draft_signals, make_selector
 
@@ -190,7 +191,7 @@ class RoundStrategy:
         if self.selector is None:
             return
         device = like.device
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if distributed():
             seconds = None
         self.selector.observe(torch.tensor([w], device=device), torch.tensor([emitted], device=device), seconds, drafted)
 
