@@ -37,7 +37,7 @@ from common import RESULTS, environment, write_results  # noqa: E402
 
 import hybridspec_hf  # noqa: E402
 from hybridspec_hf import DFlashDrafter, HybridSpecConfig  # noqa: E402
-from hybridspec_hf.config import resolved_verify_shape  # noqa: E402
+from hybridspec_hf.config import CALIBRATED_STRATEGIES, resolved_verify_shape  # noqa: E402
 from hybridspec_hf.generation.calibration import calibrate_latency  # noqa: E402
 from hybridspec_hf.selector import AcceptanceEstimator  # noqa: E402
 from hybridspec_hf.selector.profiles import RoutingProfile, load_profile  # noqa: E402
@@ -70,6 +70,15 @@ def model_config(name: str, layers: int | None):
             head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
             linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=256, num_experts_per_tok=8,
             moe_intermediate_size=512, shared_expert_intermediate_size=512, max_position_embeddings=262144,
+            layer_types=["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(n)],
+            tie_word_embeddings=False)
+    if name == "qwen35_122b_a10b":  # 244 GB in bf16: two H200s under tensor parallelism (benchmarks/multigpu.py)
+        n = layers or 48
+        return Qwen3_5MoeTextConfig(
+            vocab_size=248320, hidden_size=3072, num_hidden_layers=n, num_attention_heads=32, num_key_value_heads=2,
+            head_dim=256, linear_num_key_heads=16, linear_num_value_heads=64, linear_key_head_dim=128,
+            linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=256, num_experts_per_tok=8,
+            moe_intermediate_size=1024, shared_expert_intermediate_size=1024, max_position_embeddings=262144,
             layer_types=["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(n)],
             tie_word_embeddings=False)
     if name == "qwen3_next_80b_a3b":  # 48 layers ≈ 160 GB in bf16: does not fit one H200, run fewer (--layers)
@@ -121,10 +130,10 @@ def ceiling_tokens_per_s(target, tau: float, block: int, routing=None) -> float 
 
 
 def run_method(target, drafter, prompt, method: str, profile, tokens: int, routing=None, latency=None,
-               estimator=None) -> dict:
+               estimator=None, cuda_graphs: str = "auto") -> dict:
     """One method: a warm-up call (captures, compiles), a prefill-only call (time to first token), a timed call.
     Decode ms/token = (timed - prefill-only) / (new tokens - 1): the decoding speed, without the prefill that every
-    method shares (reported separately)."""
+    method shares (reported separately). cuda_graphs: HybridSpecConfig.cuda_graphs of our methods."""
     sync = torch.cuda.synchronize if prompt.is_cuda else (lambda: None)
     warmup_tokens = tokens  # the same length: resident rounds are captured for the call's static-cache capacity
     if method == "hf_eager":
@@ -136,10 +145,11 @@ def run_method(target, drafter, prompt, method: str, profile, tokens: int, routi
         verifier = "per_token_state" if method.endswith("_per_token_state") else "block"
         shape = "exact" if method.endswith("_exact") else resolved_verify_shape(HybridSpecConfig(), prompt.device)
         timed = profile is not None and method != "ar"
+        calibrated = latency is not None and strategy in CALIBRATED_STRATEGIES  # the others need no C(w)
         settings = HybridSpecConfig(static_length=7, acceptance_profile=profile if timed else None,
                                     routing_profile=routing if timed else None, gdn_verifier=verifier,
-                                    latency_model=latency(shape) if latency else None,
-                                    acceptance_estimator=estimator, verify_shape=shape)
+                                    latency_model=latency(shape) if calibrated else None,
+                                    acceptance_estimator=estimator, verify_shape=shape, cuda_graphs=cuda_graphs)
         kwargs = dict(generation_strategy=strategy, hybridspec_config=settings,
                       assistant_model=drafter if method != "ar" else None)
 
@@ -174,6 +184,44 @@ def run_method(target, drafter, prompt, method: str, profile, tokens: int, routi
                    round_ms_by_w={w: statistics.median(r.wall_s * 1e3 for r in rounds if r.w == w and r.drafted)
                                   for w in sorted({r.w for r in rounds if r.drafted})})
     return row
+
+
+def routing_profile(name: str) -> RoutingProfile | None:
+    """"uniform": the random router (None); "calibrated": expert ids sampled from the reuse fitted on the real pair."""
+    if name == "uniform":
+        return None
+    if name == "calibrated":
+        return RoutingProfile.from_dict(json.loads((PROFILES / "routing_tiny_pair.json").read_text()))
+    raise ValueError(f"routing must be 'uniform' or 'calibrated', got {name!r}")
+
+
+def profile_halves(name: str):
+    """(profile, replayed rows, held-out rows, acceptance estimator) of a declared profile: the first half of its rows
+    is replayed; the estimator (the draft-side p̂ every calibrated strategy reads) is fitted on the other half, as a
+    user fits it on traces of their drafter."""
+    profile = load_profile(PROFILES / f"{name}.safetensors")
+    half = profile.accepted.shape[0] // 2
+    replay, held = profile.rows(slice(0, half)), profile.rows(slice(half, None))
+    return profile, replay, held, AcceptanceEstimator.fit(held.signals())
+
+
+def latency_for(target, drafter, routing, routing_name: str, report: dict, cuda_graphs: str = "auto"):
+    """`latency(shape)`: the calibrated strategies' latency model for a verify shape, measured once under the routing
+    (and verify shape) the rounds see, and entered in report["latency"]."""
+    models = {}
+
+    def latency(shape: str):
+        if shape not in models:
+            start = time.perf_counter()
+            models[shape] = calibrate_latency(target, drafter, routing_profile=routing, progress=False,
+                                              verify_shape=shape, cuda_graphs=cuda_graphs)
+            label = f"{routing_name} routing, {shape} verification"
+            report.setdefault("latency", {})[label] = {**latency_table(models[shape]),
+                                                      "calibration_s": time.perf_counter() - start}
+            print("latency model,", label, report["latency"][label], flush=True)
+        return models[shape]
+
+    return latency
 
 
 def latency_table(model) -> dict:
@@ -211,30 +259,13 @@ def main(argv: list[str] | None = None) -> None:
         methods.insert(1, "hf_static_compile")
     plain = {m: run_method(target, drafter, prompt, m, None, min(args.tokens, 64) if m == "hf_eager" else args.tokens)
              for m in methods if m in ("hf_eager", "hf_static_compile", "ar")}
-    calibrated = RoutingProfile.from_dict(json.loads((PROFILES / "routing_tiny_pair.json").read_text()))
     report["latency"] = {}
     for routing_name in args.routing.split(","):
-        routing = {"uniform": None, "calibrated": calibrated}[routing_name]
-        # the calibrated strategies' latency model, measured under the routing (and verify shape) the rounds see
-        models = {}
-
-        def latency(shape: str, routing=routing, routing_name=routing_name, models=models):
-            if shape not in models:
-                start = time.perf_counter()
-                models[shape] = calibrate_latency(target, drafter, routing_profile=routing, progress=False,
-                                                  verify_shape=shape)
-                label = f"{routing_name} routing, {shape} verification"
-                report["latency"][label] = {**latency_table(models[shape]), "calibration_s": time.perf_counter() - start}
-                print("latency model,", label, report["latency"][label], flush=True)
-            return models[shape]
-
+        routing = routing_profile(routing_name)
+        latency = latency_for(target, drafter, routing, routing_name, report)
         for name in args.profiles.split(","):
-            profile = load_profile(PROFILES / f"{name}.safetensors")
-            # replay the first half of the rows; the acceptance estimator (the draft-side p̂ every calibrated
-            # strategy reads) is fitted on the other half, as a user fits it on traces of their drafter
-            half = profile.accepted.shape[0] // 2
-            replay, held = profile.rows(slice(0, half)), profile.rows(slice(half, None))
-            estimator = AcceptanceEstimator.fit(held.signals())
+            profile, replay, held, estimator = profile_halves(name)
+            half = replay.accepted.shape[0]
             rows = dict(plain)
             ceiling = ceiling_tokens_per_s(target, replay.mean_accepted_length, profile.block_size, routing)
             report["profiles"][f"{name} / {routing_name} routing"] = {
