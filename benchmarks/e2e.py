@@ -52,6 +52,13 @@ NOT_RUN = {
 HBM_TBPS = 4.25  # H200 copy bandwidth ceiling used for rooflines
 
 
+# name -> (layers, hidden size, attention heads, GDN value heads, expert and shared-expert intermediate size)
+QWEN35_MOE_SHAPES = {
+    "qwen35_35b_a3b": (40, 2048, 16, 32, 512),  # also Qwen3.6-35B-A3B: same architecture, the same with random weights
+    "qwen35_122b_a10b": (48, 3072, 32, 64, 1024),  # 244 GB in bf16: two H200s under tensor parallelism (multigpu.py)
+}
+
+
 def model_config(name: str, layers: int | None):
     from transformers import Qwen3_5MoeTextConfig, Qwen3NextConfig
 
@@ -63,22 +70,14 @@ def model_config(name: str, layers: int | None):
             linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4, max_position_embeddings=4096,
             moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
             layer_types=["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(n)])
-    if name == "qwen35_35b_a3b":  # also stands for Qwen3.6-35B-A3B: same architecture, same model with random weights
-        n = layers or 40
+    if name in QWEN35_MOE_SHAPES:  # the fields the Qwen3.5-MoE sizes differ in (shared/notes/transformers.md)
+        default_layers, hidden, heads, value_heads, inter = QWEN35_MOE_SHAPES[name]
+        n = layers or default_layers
         return Qwen3_5MoeTextConfig(
-            vocab_size=248320, hidden_size=2048, num_hidden_layers=n, num_attention_heads=16, num_key_value_heads=2,
-            head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+            vocab_size=248320, hidden_size=hidden, num_hidden_layers=n, num_attention_heads=heads, num_key_value_heads=2,
+            head_dim=256, linear_num_key_heads=16, linear_num_value_heads=value_heads, linear_key_head_dim=128,
             linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=256, num_experts_per_tok=8,
-            moe_intermediate_size=512, shared_expert_intermediate_size=512, max_position_embeddings=262144,
-            layer_types=["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(n)],
-            tie_word_embeddings=False)
-    if name == "qwen35_122b_a10b":  # 244 GB in bf16: two H200s under tensor parallelism (benchmarks/multigpu.py)
-        n = layers or 48
-        return Qwen3_5MoeTextConfig(
-            vocab_size=248320, hidden_size=3072, num_hidden_layers=n, num_attention_heads=32, num_key_value_heads=2,
-            head_dim=256, linear_num_key_heads=16, linear_num_value_heads=64, linear_key_head_dim=128,
-            linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=256, num_experts_per_tok=8,
-            moe_intermediate_size=1024, shared_expert_intermediate_size=1024, max_position_embeddings=262144,
+            moe_intermediate_size=inter, shared_expert_intermediate_size=inter, max_position_embeddings=262144,
             layer_types=["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(n)],
             tie_word_embeddings=False)
     if name == "qwen3_next_80b_a3b":  # 48 layers ≈ 160 GB in bf16: does not fit one H200, run fewer (--layers)
@@ -234,7 +233,7 @@ def latency_table(model) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="qwen35_35b_a3b", choices=["qwen35_35b_a3b", "qwen3_next_80b_a3b", "tiny"])
+    parser.add_argument("--model", default="qwen35_35b_a3b", choices=[*QWEN35_MOE_SHAPES, "qwen3_next_80b_a3b", "tiny"])
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: all that fit)")
     parser.add_argument("--profiles", default="dflash_like,low,tiny_pair_heldout",
                         help="acceptance profiles in benchmarks/profiles/ (comma-separated stems)")

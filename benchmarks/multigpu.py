@@ -40,6 +40,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, environment, write_results  # noqa: E402
 from e2e import (  # noqa: E402 - one definition of shapes, profiles, latency models, a timed method, the table
+    QWEN35_MOE_SHAPES,
     ceiling_tokens_per_s,
     latency_for,
     markdown,
@@ -311,7 +312,7 @@ def memory_markdown(report: dict) -> str:
 # ------------------------------------------------------------------------------------------------------ main
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="qwen35_122b_a10b", choices=["qwen35_122b_a10b", "qwen35_35b_a3b", "tiny"])
+    parser.add_argument("--model", default="qwen35_122b_a10b", choices=[*QWEN35_MOE_SHAPES, "tiny"])
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: all 48)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cuda: NCCL, a GPU per rank; cpu: gloo")
     parser.add_argument("--modes", default="timing", help="timing and/or correctness, comma-separated")
