@@ -1,7 +1,7 @@
 """HybridSpec with the target sharded over GPUs by transformers' tensor parallelism: AR vs vanilla DFlash vs
 HybridSpec (timing mode), and greedy outputs of every strategy against stock generate() (correctness mode).
 
-    NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc_per_node 2 benchmarks/multigpu.py --out DIR                # 2× H200
+    NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc_per_node 2 benchmarks/multigpu.py --out DIR      # 2× H200
     NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc_per_node 2 benchmarks/multigpu.py --modes correctness --out DIR
     torchrun --standalone --nproc_per_node 2 benchmarks/multigpu.py --model tiny --device cpu --out DIR  # gloo, CI
 
@@ -314,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen35_122b_a10b", choices=[*QWEN35_MOE_SHAPES, "tiny"])
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: all 48)")
-    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cuda: NCCL, a GPU per rank; cpu: gloo")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                        help="cuda: NCCL, a GPU per rank; cpu: gloo")
     parser.add_argument("--modes", default="timing", help="timing and/or correctness, comma-separated")
     parser.add_argument("--methods", default="hf_eager,ar,dflash,hybridspec,static7,ratio",
                         help="timing methods, comma-separated subset of " + ",".join(TIMING_METHODS))
@@ -400,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     report["total_s"] = round(time.perf_counter() - started, 1)
     save()
     failed = [c for c in report.get("correctness", []) if "error" in c] + list(report.get("errors", {}))
-    log(f"done in {report['total_s']:.0f} s; results in {stem}.json/.md" + (f"; {len(failed)} failed" if failed else ""))
+    log(f"done in {report['total_s']:.0f} s; results in {stem}.json/.md", f"({len(failed)} failed)" if failed else "")
     dist.barrier()
     dist.destroy_process_group()
     return 1 if failed else 0

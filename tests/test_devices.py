@@ -5,10 +5,11 @@ import pytest
 import torch
 from _tiny import VOCAB, make_drafter, make_target
 from accelerate import dispatch_model
+from accelerate.hooks import AlignDevicesHook, add_hook_to_module
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 import hybridspec_hf
-from hybridspec_hf import HybridSpecConfig
+from hybridspec_hf import HybridSpecConfig, patches
 from hybridspec_hf.generation.integration import place_inputs, return_to
 
 
@@ -34,7 +35,8 @@ def _hooked_pair():
     """A float32 tiny target behind accelerate's AlignDevicesHook on every module (one device: the CPU), an AR
     reference and a drafter steered to it."""
     target = make_target("qwen3_5_moe", dtype=torch.float32)
-    names = ["model.embed_tokens", *[f"model.layers.{i}" for i in range(4)], "model.norm", "model.rotary_emb", "lm_head"]
+    names = ["model.embed_tokens", *[f"model.layers.{i}" for i in range(4)], "model.norm", "model.rotary_emb",
+             "lm_head"]
     dispatch_model(target, device_map={name: "cpu" for name in names}, force_hooks=True)
     prompt = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(0))
     ar = target.generate(prompt, do_sample=False, max_new_tokens=20)
@@ -62,20 +64,17 @@ def test_gdn_layers_hooked_before_the_patch_are_refused_not_run_wrong():
     target = make_target("qwen3_5_moe", dtype=torch.float32)
     gdn_class = type(target.model.layers[0].linear_attn)
     patched = gdn_class.forward
-    gdn_class.forward = gdn_class._hybridspec_original_forward
+    gdn_class.forward = gdn_class._hybridspec_original_forward  # as before `import hybridspec_hf`
     try:
-        dispatch_model(target, device_map={"": "cpu"}, force_hooks=True)
-        for module in target.modules():  # down to the GDN modules, as device_map entries at that level would
-            if module is not target and not hasattr(module, "_hf_hook"):
-                from accelerate.hooks import AlignDevicesHook, add_hook_to_module
-                add_hook_to_module(module, AlignDevicesHook(execution_device="cpu"))
+        for layer in patches.gdn_layers(target):  # as device_map entries at the GDN modules' level would
+            add_hook_to_module(layer, AlignDevicesHook(execution_device="cpu"))
     finally:
         gdn_class.forward = patched
     prompt = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(0))
     drafter = make_drafter(target, 8).float()
     with pytest.raises(RuntimeError, match="ran HybridSpec's verify mode"):
-        target.generate(prompt, do_sample=False, max_new_tokens=8, assistant_model=drafter, generation_strategy="dflash",
-                        hybridspec_config=HybridSpecConfig(cuda_graphs="off"))
+        target.generate(prompt, do_sample=False, max_new_tokens=8, assistant_model=drafter,
+                        generation_strategy="dflash", hybridspec_config=HybridSpecConfig(cuda_graphs="off"))
 
 
 def test_a_model_split_over_devices_runs_the_eager_loop_and_says_why():
@@ -84,7 +83,8 @@ def test_a_model_split_over_devices_runs_the_eager_loop_and_says_why():
     prompt = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(0))
     ar = target.generate(prompt, do_sample=False, max_new_tokens=12)
     drafter = make_drafter(target, 8, ar).float()
-    out = target.generate(prompt, do_sample=False, max_new_tokens=12, assistant_model=drafter, generation_strategy="dflash")
+    out = target.generate(prompt, do_sample=False, max_new_tokens=12, assistant_model=drafter,
+                          generation_strategy="dflash")
     telemetry = hybridspec_hf.get_telemetry(target)
     assert torch.equal(out, ar) and telemetry.path == "eager" and "device_map" in telemetry.path_reason
     with pytest.raises(ValueError, match="split over devices"):

@@ -96,7 +96,8 @@ def _use_resident_rounds(settings, model, drafter, strategy, generation_config, 
     reason = unsupported_reason(model, drafter, strategy, generation_config, logits_processor, cache)
     if reason is not None:
         if settings.cuda_graphs in ("on", "uncaptured") or profile:
-            asked = "acceptance_profile= (timing mode)" if profile else f"HybridSpecConfig(cuda_graphs={settings.cuda_graphs!r})"
+            asked = ("acceptance_profile= (timing mode)" if profile
+                     else f"HybridSpecConfig(cuda_graphs={settings.cuda_graphs!r})")
             raise ValueError(f"{asked} needs GPU-resident rounds, which this call cannot run: {reason}. "
                              "Change that option, or use cuda_graphs='auto' (falls back to the eager loop).")
         telemetry.path_reason = reason
@@ -106,10 +107,10 @@ def _use_resident_rounds(settings, model, drafter, strategy, generation_config, 
         return False
     capture = device.type == "cuda" and settings.cuda_graphs != "uncaptured"
     failure = collective_capture_failure(device) if capture and distributed() else None
-    if failure is not None:  # tensor parallelism where NCCL collectives cannot be captured: the same rounds, uncaptured
+    if failure is not None:  # tensor parallelism whose collectives do not capture here: the same rounds, uncaptured
         if settings.cuda_graphs == "on":
-            raise ValueError(f"HybridSpecConfig(cuda_graphs='on') needs CUDA-graph capture, which fails here: {failure}. "
-                             "Use cuda_graphs='uncaptured' or 'auto'.")
+            raise ValueError(f"HybridSpecConfig(cuda_graphs='on') needs CUDA-graph capture, which fails here: "
+                             f"{failure}. Use cuda_graphs='uncaptured' or 'auto'.")
         telemetry.path_reason, capture = f"no CUDA-graph capture: {failure}", False
     telemetry.path = "cuda_graphs" if capture else "static_eager"
     return True
