@@ -3,7 +3,8 @@ HybridSpec (timing mode), and greedy outputs of every strategy against stock gen
 
     NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc_per_node 2 benchmarks/multigpu.py --out DIR      # 2× H200
     NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc_per_node 2 benchmarks/multigpu.py --modes correctness --out DIR
-    torchrun --standalone --nproc_per_node 2 benchmarks/multigpu.py --model tiny --device cpu --out DIR  # gloo, CI
+    CUDA_VISIBLE_DEVICES= torchrun --standalone --nproc_per_node 2 benchmarks/multigpu.py --model tiny --device cpu \
+        --out DIR                                                                      # CPU ranks over gloo (CI)
 
 The target: the Qwen3.5-122B-A10B shape (`--model qwen35_122b_a10b`, 48 layers, 244 GB in bf16; `--layers` fewer)
 with random weights, loaded by from_pretrained(tp_plan="auto") from a checkpoint that holds only its config and one

@@ -17,7 +17,8 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="to
 
 def test_the_tensor_parallel_benchmark_runs_both_modes_on_two_cpu_ranks(tmp_path):
     env = {**os.environ, "HYBRIDSPEC_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "CUDA_VISIBLE_DEVICES": ""}  # CPU ranks even on a GPU machine (transformers' TP takes the accelerator)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                str(ROOT / "benchmarks" / "multigpu.py"), "--model", "tiny", "--device", "cpu",
                "--modes", "correctness,timing", "--tokens", "10", "--context", "8", "--profiles", "low",
