@@ -37,7 +37,7 @@ from common import RESULTS, environment, write_results  # noqa: E402
 
 import hybridspec_hf  # noqa: E402
 from hybridspec_hf import DFlashDrafter, HybridSpecConfig  # noqa: E402
-from hybridspec_hf.config import resolved_verify_shape  # noqa: E402
+from hybridspec_hf.config import CALIBRATED_STRATEGIES, resolved_verify_shape  # noqa: E402
 from hybridspec_hf.generation.calibration import calibrate_latency  # noqa: E402
 from hybridspec_hf.selector import AcceptanceEstimator  # noqa: E402
 from hybridspec_hf.selector.profiles import RoutingProfile, load_profile  # noqa: E402
@@ -52,6 +52,13 @@ NOT_RUN = {
 HBM_TBPS = 4.25  # H200 copy bandwidth ceiling used for rooflines
 
 
+# name -> (layers, hidden size, attention heads, GDN value heads, expert and shared-expert intermediate size)
+QWEN35_MOE_SHAPES = {
+    "qwen35_35b_a3b": (40, 2048, 16, 32, 512),  # also Qwen3.6-35B-A3B: same architecture, the same with random weights
+    "qwen35_122b_a10b": (48, 3072, 32, 64, 1024),  # 244 GB in bf16: two H200s under tensor parallelism (multigpu.py)
+}
+
+
 def model_config(name: str, layers: int | None):
     from transformers import Qwen3_5MoeTextConfig, Qwen3NextConfig
 
@@ -63,13 +70,14 @@ def model_config(name: str, layers: int | None):
             linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4, max_position_embeddings=4096,
             moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
             layer_types=["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(n)])
-    if name == "qwen35_35b_a3b":  # also stands for Qwen3.6-35B-A3B: same architecture, same model with random weights
-        n = layers or 40
+    if name in QWEN35_MOE_SHAPES:  # the fields the Qwen3.5-MoE sizes differ in (shared/notes/transformers.md)
+        default_layers, hidden, heads, value_heads, inter = QWEN35_MOE_SHAPES[name]
+        n = layers or default_layers
         return Qwen3_5MoeTextConfig(
-            vocab_size=248320, hidden_size=2048, num_hidden_layers=n, num_attention_heads=16, num_key_value_heads=2,
-            head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+            vocab_size=248320, hidden_size=hidden, num_hidden_layers=n, num_attention_heads=heads, num_key_value_heads=2,
+            head_dim=256, linear_num_key_heads=16, linear_num_value_heads=value_heads, linear_key_head_dim=128,
             linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=256, num_experts_per_tok=8,
-            moe_intermediate_size=512, shared_expert_intermediate_size=512, max_position_embeddings=262144,
+            moe_intermediate_size=inter, shared_expert_intermediate_size=inter, max_position_embeddings=262144,
             layer_types=["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(n)],
             tie_word_embeddings=False)
     if name == "qwen3_next_80b_a3b":  # 48 layers ≈ 160 GB in bf16: does not fit one H200, run fewer (--layers)
@@ -140,10 +148,10 @@ def length_choice_bound(cost: torch.Tensor, cost_ar: float, accepted: torch.Tens
 
 
 def run_method(target, drafter, prompt, method: str, profile, tokens: int, routing=None, latency=None,
-               estimator=None) -> dict:
+               estimator=None, cuda_graphs: str = "auto") -> dict:
     """One method: a warm-up call (captures, compiles), a prefill-only call (time to first token), a timed call.
     Decode ms/token = (timed - prefill-only) / (new tokens - 1): the decoding speed, without the prefill that every
-    method shares (reported separately)."""
+    method shares (reported separately). cuda_graphs: HybridSpecConfig.cuda_graphs of our methods."""
     sync = torch.cuda.synchronize if prompt.is_cuda else (lambda: None)
     warmup_tokens = tokens  # the same length: resident rounds are captured for the call's static-cache capacity
     if method == "hf_eager":
@@ -155,10 +163,11 @@ def run_method(target, drafter, prompt, method: str, profile, tokens: int, routi
         verifier = "per_token_state" if method.endswith("_per_token_state") else "block"
         shape = "exact" if method.endswith("_exact") else resolved_verify_shape(HybridSpecConfig(), prompt.device)
         timed = profile is not None and method != "ar"
+        calibrated = latency is not None and strategy in CALIBRATED_STRATEGIES  # the others need no C(w)
         settings = HybridSpecConfig(static_length=7, acceptance_profile=profile if timed else None,
                                     routing_profile=routing if timed else None, gdn_verifier=verifier,
-                                    latency_model=latency(shape) if latency else None,
-                                    acceptance_estimator=estimator, verify_shape=shape)
+                                    latency_model=latency(shape) if calibrated else None,
+                                    acceptance_estimator=estimator, verify_shape=shape, cuda_graphs=cuda_graphs)
         kwargs = dict(generation_strategy=strategy, hybridspec_config=settings,
                       assistant_model=drafter if method != "ar" else None)
 
@@ -206,6 +215,45 @@ def bounds(target, models: dict, accepted: torch.Tensor, routing) -> dict:
     return result
 
 
+def routing_profile(name: str) -> RoutingProfile | None:
+    """"uniform": the random router (None); "calibrated": expert ids sampled from the reuse fitted on the real pair."""
+    if name == "uniform":
+        return None
+    if name == "calibrated":
+        return RoutingProfile.from_dict(json.loads((PROFILES / "routing_tiny_pair.json").read_text()))
+    raise ValueError(f"routing must be 'uniform' or 'calibrated', got {name!r}")
+
+
+def profile_halves(name: str):
+    """(profile, replayed rows, held-out rows, acceptance estimator) of a declared profile: the first half of its rows
+    is replayed; the estimator (the draft-side p̂ every calibrated strategy reads) is fitted on the other half, as a
+    user fits it on traces of their drafter."""
+    profile = load_profile(PROFILES / f"{name}.safetensors")
+    half = profile.accepted.shape[0] // 2
+    replay, held = profile.rows(slice(0, half)), profile.rows(slice(half, None))
+    return profile, replay, held, AcceptanceEstimator.fit(held.signals())
+
+
+def latency_for(target, drafter, routing, routing_name: str, report: dict, cuda_graphs: str = "auto"):
+    """`latency(shape)`: the calibrated strategies' latency model for a verify shape, measured once under the routing
+    (and verify shape) the rounds see, and entered in report["latency"]."""
+    models = {}
+
+    def latency(shape: str):
+        if shape not in models:
+            start = time.perf_counter()
+            models[shape] = calibrate_latency(target, drafter, routing_profile=routing, progress=False,
+                                              verify_shape=shape, cuda_graphs=cuda_graphs)
+            label = f"{routing_name} routing, {shape} verification"
+            report.setdefault("latency", {})[label] = {**latency_table(models[shape]),
+                                                      "calibration_s": time.perf_counter() - start}
+            print("latency model,", label, report["latency"][label], flush=True)
+        return models[shape]
+
+    latency.models = models  # what was calibrated so far, by verify shape
+    return latency
+
+
 def latency_table(model) -> dict:
     """C(w) and C_ar (ms) at the first calibrated context, and C(16)/C(4) (the paper's is 1.71, real routing)."""
     cost = model.cost[0] * 1e3
@@ -216,7 +264,7 @@ def latency_table(model) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="qwen35_35b_a3b", choices=["qwen35_35b_a3b", "qwen3_next_80b_a3b", "tiny"])
+    parser.add_argument("--model", default="qwen35_35b_a3b", choices=[*QWEN35_MOE_SHAPES, "qwen3_next_80b_a3b", "tiny"])
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: all that fit)")
     parser.add_argument("--profiles", default="dflash_like,low,tiny_pair_heldout",
                         help="acceptance profiles in benchmarks/profiles/ (comma-separated stems)")
@@ -241,30 +289,13 @@ def main(argv: list[str] | None = None) -> None:
         methods.insert(1, "hf_static_compile")
     plain = {m: run_method(target, drafter, prompt, m, None, min(args.tokens, 64) if m == "hf_eager" else args.tokens)
              for m in methods if m in ("hf_eager", "hf_static_compile", "ar")}
-    calibrated = RoutingProfile.from_dict(json.loads((PROFILES / "routing_tiny_pair.json").read_text()))
     report["latency"] = {}
     for routing_name in args.routing.split(","):
-        routing = {"uniform": None, "calibrated": calibrated}[routing_name]
-        # the calibrated strategies' latency model, measured under the routing (and verify shape) the rounds see
-        models = {}
-
-        def latency(shape: str, routing=routing, routing_name=routing_name, models=models):
-            if shape not in models:
-                start = time.perf_counter()
-                models[shape] = calibrate_latency(target, drafter, routing_profile=routing, progress=False,
-                                                  verify_shape=shape)
-                label = f"{routing_name} routing, {shape} verification"
-                report["latency"][label] = {**latency_table(models[shape]), "calibration_s": time.perf_counter() - start}
-                print("latency model,", label, report["latency"][label], flush=True)
-            return models[shape]
-
+        routing = routing_profile(routing_name)
+        latency = latency_for(target, drafter, routing, routing_name, report)
         for name in args.profiles.split(","):
-            profile = load_profile(PROFILES / f"{name}.safetensors")
-            # replay the first half of the rows; the acceptance estimator (the draft-side p̂ every calibrated
-            # strategy reads) is fitted on the other half, as a user fits it on traces of their drafter
-            half = profile.accepted.shape[0] // 2
-            replay, held = profile.rows(slice(0, half)), profile.rows(slice(half, None))
-            estimator = AcceptanceEstimator.fit(held.signals())
+            profile, replay, held, estimator = profile_halves(name)
+            half = replay.accepted.shape[0]
             rows = dict(plain)
             ceiling = ceiling_tokens_per_s(target, replay.mean_accepted_length, profile.block_size, routing)
             report["profiles"][f"{name} / {routing_name} routing"] = {
@@ -284,7 +315,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(name, routing_name, method, {k: v for k, v in rows[method].items() if k != "chosen_w"},
                       flush=True)
             report["profiles"][f"{name} / {routing_name} routing"]["length_choice_bound"] = bounds(
-                target, models, replay.accepted, routing)
+                target, latency.models, replay.accepted, routing)
             save(args.name or f"e2e_{args.model}", report)  # after every profile: a cut-short run keeps what it did
     print(markdown(report))
 

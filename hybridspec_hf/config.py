@@ -18,7 +18,7 @@ CALIBRATED_STRATEGIES = ("hybridspec", "nominal", "ratio")
 KERNEL_BACKENDS = ("auto", "torch", "triton")
 VERIFY_SHAPES = ("auto", "max", "exact")
 CALIBRATION_MODES = ("auto", "require")
-CUDA_GRAPH_MODES = ("auto", "on", "off")
+CUDA_GRAPH_MODES = ("auto", "on", "off", "uncaptured")
 GDN_VERIFIERS = ("block", "per_token_state")
 
 
@@ -43,6 +43,10 @@ class HybridSpecConfig:
         verify graph of that length). "auto": "max" on CUDA — on the H200 with our fused kernels a per-length round
         saved ≈ 0.1 ms at w ≈ 8 and the extra read cost ≈ 0.25 ms of host time (benchmarks/results/
         gpu_rounds_runs.md, run 16) — and "exact" elsewhere (on a CPU every verified row costs).
+    cuda_graphs: "auto": GPU-resident rounds captured in CUDA graphs on CUDA when the call allows them, else the
+        eager loop (telemetry.path_reason says why); "on": resident rounds required (on a CPU they run uncaptured);
+        "off": the eager loop; "uncaptured": resident rounds required, never captured (every kernel launched from
+        the host: slow; to tell a capture problem from a logic one, or where capture fails).
     """
 
     static_length: int = 7

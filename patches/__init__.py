@@ -13,6 +13,7 @@ from ._cache import is_linear_cache_layer
 from ._gdn import (
     GDN_KERNEL_FUNCTIONS,
     VerifySession,
+    check_verified,
     commit_session,
     patch_gdn_class,
     per_token_state_buffer,
@@ -90,6 +91,7 @@ def gdn_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 __all__ = [
     "GDN_KERNEL_FUNCTIONS",
     "VerifySession",
+    "check_verified",
     "commit_session",
     "family_of",
     "fused_kernels",

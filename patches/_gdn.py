@@ -66,13 +66,27 @@ def per_token_state_buffer(gdn_layers: list[torch.nn.Module], cache, max_tokens:
 
 
 def commit_session(session: VerifySession, num_committed: torch.Tensor) -> None:
-    """Commit m tokens ([B] int device tensor) of a verification into every GDN layer, in one launch on CUDA."""
-    if not session.pending:
-        return
-    if session.verifier == "per_token_state":
-        commit_default_states(session.pending, num_committed, session.kernel_backend)
-    else:
-        commit_gdn_states_auto(session.pending, num_committed, session.kernel_backend)
+    """Commit m tokens ([B] int device tensor) of a verification into every GDN layer: one launch per device on
+    CUDA (one in all, unless a device_map spreads the layers over several GPUs)."""
+    commit = commit_default_states if session.verifier == "per_token_state" else commit_gdn_states_auto
+    by_device: dict[torch.device, list] = {}
+    for pending in session.pending:
+        by_device.setdefault(pending.state.device, []).append(pending)
+    for device, layers in by_device.items():
+        commit(layers, num_committed.to(device), session.kernel_backend)
+
+
+def check_verified(session: VerifySession, gdn_layers: list[torch.nn.Module]) -> None:
+    """Every GDN layer ran in verify mode during the session's forward (host-side count, no sync). A layer whose
+    forward was replaced or hooked before `import hybridspec_hf` patched its class ran transformers' forward
+    instead, which advanced its state by every verified token: the output would no longer be exact."""
+    if len(session.pending) != len(gdn_layers):
+        raise RuntimeError(
+            f"Only {len(session.pending)} of {len(gdn_layers)} Gated-DeltaNet layers ran HybridSpec's verify mode: "
+            "the others' forward was replaced or wrapped before hybridspec_hf patched their class (e.g. accelerate "
+            "hooks on the GDN modules themselves). Import hybridspec_hf before loading the model, and keep "
+            "device_map entries at decoder-layer granularity."
+        )
 
 
 def project_separate(layer: torch.nn.Module, hidden_states: torch.Tensor):
@@ -194,13 +208,16 @@ def verify_forward(layer: torch.nn.Module, session: VerifySession, hidden_states
     key = key.reshape(batch, seq_len, -1, layer.head_k_dim)
     value = value.reshape(batch, seq_len, -1, layer.head_v_dim)
 
+    valid = session.valid_len  # read now: the routing correction may have rewritten it since the session began
+    if valid is not None and valid.device != state.device:  # a device_map put this layer on another device
+        valid = valid.to(state.device)
     if session.verifier == "per_token_state":
         states = session.state_buffer[len(session.pending)]  # this layer's slot: [B, >= T, HV, dk, dv]
-        verified = default_verify(query, key, value, g, beta, state, states, valid_len=session.valid_len,
+        verified = default_verify(query, key, value, g, beta, state, states, valid_len=valid,
                                   kernel_backend=session.kernel_backend)
         session.pending.append(PendingDefaultLayer(state, conv_state, conv_input, verified))
     else:
-        verified = gdn_verify_auto(query, key, value, g, beta, state, valid_len=session.valid_len,
+        verified = gdn_verify_auto(query, key, value, g, beta, state, valid_len=valid,
                                    kernel_backend=session.kernel_backend)
         session.pending.append(PendingGDNLayer(state, conv_state, conv_input, key, verified))
 

@@ -110,11 +110,13 @@ def _skipped_modules(block: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def _fusable(block: torch.nn.Module) -> bool:
-    """transformers' layout (plain bias-free Linears, SiLU) on CUDA (or `_ON_CPU`), float32/bfloat16/float16."""
+    """transformers' layout (plain bias-free Linears, SiLU) on CUDA (or `_ON_CPU`), float32/bfloat16/float16, with
+    nothing else to run: a hooked or wrapped module (tensor parallelism wraps the sharded shared expert's, whose
+    weights are shards) keeps transformers' forward, so no copy is made for it."""
     mlp = block.shared_expert
     linears = [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
     linears.append(getattr(block, "shared_expert_gate", None))
-    if not all(type(m) is torch.nn.Linear and m.bias is None for m in linears):
+    if not all(type(m) is torch.nn.Linear and m.bias is None for m in linears) or hooked(_skipped_modules(block)):
         return False
     if not isinstance(getattr(mlp, "act_fn", None), (SiLUActivation, torch.nn.SiLU)):
         return False

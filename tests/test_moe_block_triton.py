@@ -239,6 +239,20 @@ def test_inert_outside_the_flag_on_cpu_with_grad_and_without_prepare(calls, monk
     assert calls == {"route_topk": 1, "gated_add": 0, "mask_invalid_routes": 0}  # not prepared: fused router, transformers' shared expert
 
 
+def test_wrapped_shared_experts_get_no_copy(calls):
+    """Tensor parallelism replaces the sharded shared expert's forwards on the instances (their weights are shards):
+    no concatenated copy is made for such a block, which keeps transformers' forward; the others are fused."""
+    model = make_target("qwen3_5_moe", seed=8, dtype=torch.float32)
+    blocks = patches.moe_blocks(model)
+    wrapped = blocks[0].shared_expert.gate_proj
+    wrapped.forward = wrapped.forward  # an instance-level forward, as transformers' tensor parallelism installs
+    patches.prepare_fused_moe(blocks)
+    assert _moe._CACHE not in blocks[0].__dict__ and _moe._CACHE in blocks[1].__dict__
+    x = torch.randn(1, 3, model.config.hidden_size)
+    assert_near(fused_forward(blocks[0], x), plain_forward(blocks[0], x))
+    assert calls["gated_add"] == 0
+
+
 def test_concatenated_weights_follow_in_place_updates_at_the_same_address_and_are_released(calls):
     model = make_target("qwen3_5_moe", seed=6, dtype=torch.float32)
     blocks = patches.moe_blocks(model)

@@ -20,7 +20,7 @@ import torch
 
 from hybridspec_hf import patches
 from hybridspec_hf.config import HybridSpecConfig, resolved_verify_shape
-from hybridspec_hf.graphs.capture import host_syncs
+from hybridspec_hf.graphs.capture import distributed, host_syncs
 from hybridspec_hf.generation.router_hooks import RouterRecorder
 from hybridspec_hf.selector.profiles import AcceptanceProfile
 from hybridspec_hf.selector import LatencyModel, LengthSelector, calibrate, fit_eta, fit_expert_model, make_cache_key
@@ -101,11 +101,10 @@ def resolve_latency_model(settings: HybridSpecConfig, target, drafter) -> Latenc
     logger.warning("HybridSpec: no latency calibration for this model on this device yet; calibrating now "
                    "(cached in %s).", path)
     with host_syncs():  # set-up: timing and routing statistics are read on the host
-        model = calibrate_latency(target, drafter, kernel_backend=settings.kernel_backend, verify_shape=shape)
+        model = calibrate_latency(target, drafter, kernel_backend=settings.kernel_backend, verify_shape=shape,
+                                  cuda_graphs="uncaptured" if settings.cuda_graphs == "uncaptured" else "auto")
     model.key = key
-    if _distributed():  # tensor parallel: every rank must choose the same w, so all use the mean calibration
-        model = _mean_over_ranks(model)
-    if not _distributed() or torch.distributed.get_rank() == 0:
+    if not distributed() or torch.distributed.get_rank() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         model.save(path)
     return model
@@ -124,7 +123,7 @@ def latency_model_from(value) -> LatencyModel:
 def _load_cached(path: Path, key: dict) -> LatencyModel | None:
     """The cached calibration; under tensor parallelism rank 0 reads it and every rank gets rank 0's copy (ranks
     must agree on whether to calibrate, since calibrating runs collective forwards)."""
-    if not _distributed():
+    if not distributed():
         return LatencyModel.load(path, key) if path.exists() else None
     payload = [None]
     if torch.distributed.get_rank() == 0:
@@ -132,10 +131,6 @@ def _load_cached(path: Path, key: dict) -> LatencyModel | None:
         payload = [None if model is None else model.to_dict()]
     torch.distributed.broadcast_object_list(payload, src=0)
     return None if payload[0] is None else LatencyModel.from_dict(payload[0])
-
-
-def _distributed() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
 
 
 def _mean_over_ranks(model: LatencyModel) -> LatencyModel:
@@ -166,6 +161,7 @@ def calibrate_latency(
     progress: bool = True,
     routing_profile=None,
     verify_shape: str | None = None,
+    cuda_graphs: str = "auto",
 ) -> LatencyModel:
     """Measure C(w) for w = 1..B and C_ar at each context length, fit the expert model and η.
 
@@ -175,6 +171,9 @@ def calibrate_latency(
     routing_profile: a `selector.profiles.RoutingProfile` (timing mode's calibrated routing, GPU-resident rounds
     only): the rounds are timed with the routers' choices replaced by the profile's, and the expert model is fitted
     on the same replayed ids, so a benchmark under calibrated routing is calibrated under it too.
+    cuda_graphs: how the timed rounds run ("auto": GPU-resident rounds in CUDA graphs on CUDA; "uncaptured": the
+    same rounds without capture, as the calls it calibrates for run them).
+    Under tensor parallelism every rank calls it and gets the same model: the mean over the ranks' timings.
     """
     from transformers import StoppingCriteria, StoppingCriteriaList
 
@@ -209,7 +208,7 @@ def calibrate_latency(
         half = torch.full((1, positions), 0.5)
         timing = dict(acceptance_profile=AcceptanceProfile(half, half, half, torch.zeros(1, dtype=torch.long),
                                                            name="calibration"),
-                      routing_profile=routing_profile, cuda_graphs="on")
+                      routing_profile=routing_profile, cuda_graphs="on" if cuda_graphs == "auto" else cuda_graphs)
 
     def run(w: int, context: int, cuda_graphs: str):
         forced.set(w)
@@ -226,7 +225,7 @@ def calibrate_latency(
 
     def measure_round(w: int, context: int) -> float:
         first = len(recorder.forwards) if recorder else 0
-        telemetry = run(w, context, "auto")
+        telemetry = run(w, context, cuda_graphs)
         # the call's first round always drafts: for w = 0 time only the plain steps that follow it
         times = sorted(r.wall_s for r in telemetry.rounds if r.drafted == (w > 0)) or \
             sorted(r.wall_s for r in telemetry.rounds)
@@ -266,6 +265,8 @@ def calibrate_latency(
         distinct = [float(_distinct_total(obs)) for obs in observations]
         eta = fit_eta([s for _, s, _ in samples[: len(distinct)]], distinct, [w for w, _, _ in samples[: len(distinct)]])
         model = dataclasses.replace(model, experts=experts, eta=eta)
+    if distributed():  # tensor parallelism: every rank must choose the same w, so all use the mean calibration
+        model = _mean_over_ranks(model)
     return model
 
 

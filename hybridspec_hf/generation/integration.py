@@ -69,7 +69,9 @@ def _hybridspec_generate(original, self, *args, generation_strategy=None, hybrid
     inputs = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
     if isinstance(inputs, torch.Tensor):
         check_prompt(self, inputs)
-    return original(
+    home = inputs.device if isinstance(inputs, torch.Tensor) else None
+    args = place_inputs(args, kwargs, self.get_input_embeddings().weight.device)
+    output = original(
         self,
         *args,
         custom_generate=hybridspec_decode,
@@ -79,6 +81,36 @@ def _hybridspec_generate(original, self, *args, generation_strategy=None, hybrid
         hybridspec_settings=settings,
         **kwargs,
     )
+    return output if home is None else return_to(output, home)
+
+
+def place_inputs(args: tuple, kwargs: dict, device: torch.device) -> tuple:
+    """The prompt's tensors (the positional input and every tensor keyword: input_ids, attention_mask, ...) on
+    `device`, the input embedding's; kwargs are updated in place, the new positional args returned.
+
+    Stock generate() takes a prompt on another device than the model (a CPU prompt for a model on a GPU, or under
+    tensor parallelism, where each rank's shards sit on its own GPU): it moves the forward's inputs to the model
+    right before each call and keeps its bookkeeping where the prompt is. HybridSpec's rounds keep everything on
+    the device, so the prompt moves once, here, and `return_to` brings the output back to where it came from."""
+    def moved(value):
+        return value.to(device) if isinstance(value, torch.Tensor) else value
+
+    for key, value in kwargs.items():
+        kwargs[key] = moved(value)
+    return tuple(moved(value) for value in args[:1]) + tuple(args[1:])
+
+
+def return_to(output, device: torch.device):
+    """generate()'s output (sequences, or a GenerateDecoderOnlyOutput with its sequences, scores and logits) on
+    `device`, where the prompt was, as stock generate() returns it; the cache stays beside the model."""
+    if isinstance(output, torch.Tensor):
+        return output.to(device)
+    output.sequences = output.sequences.to(device)
+    for name in ("scores", "logits"):
+        rows = getattr(output, name, None)
+        if rows is not None:
+            setattr(output, name, tuple(row.to(device) for row in rows))
+    return output
 
 
 def _move_stop_strings_to_criteria(model, args, kwargs) -> None:

@@ -24,7 +24,7 @@ from hybridspec_hf.generation.router_hooks import VerifyWindow
 from hybridspec_hf.generation.strategy import RoundStrategy
 from hybridspec_hf.generation.target import TargetRunner
 from hybridspec_hf.generation.telemetry import GenerationTelemetry, RoundRecord
-from hybridspec_hf.graphs.capture import host_syncs
+from hybridspec_hf.graphs.capture import collective_capture_failure, distributed, host_syncs
 from hybridspec_hf.patches._cache import check_supported_cache
 
 _sync_allowed = True
@@ -71,7 +71,8 @@ class Emitter:
 
 def _use_resident_rounds(settings, model, drafter, strategy, generation_config, logits_processor, cache,
                          telemetry) -> bool:
-    """GPU-resident rounds for this call? ("auto": on CUDA when possible; "on": required; "off": never)."""
+    """GPU-resident rounds for this call? ("auto": on CUDA when possible; "on": required; "off": never;
+    "uncaptured": required, never captured). Sets telemetry.path, and telemetry.path_reason when "auto" fell back."""
     from hybridspec_hf.generation.resident import unsupported_reason
 
     telemetry.path = "eager"
@@ -82,16 +83,24 @@ def _use_resident_rounds(settings, model, drafter, strategy, generation_config, 
         return False
     reason = unsupported_reason(model, drafter, strategy, generation_config, logits_processor, cache)
     if reason is not None:
-        if settings.cuda_graphs == "on" or profile:
-            asked = "acceptance_profile= (timing mode)" if profile else "HybridSpecConfig(cuda_graphs='on')"
+        if settings.cuda_graphs in ("on", "uncaptured") or profile:
+            asked = ("acceptance_profile= (timing mode)" if profile
+                     else f"HybridSpecConfig(cuda_graphs={settings.cuda_graphs!r})")
             raise ValueError(f"{asked} needs GPU-resident rounds, which this call cannot run: {reason}. "
                              "Change that option, or use cuda_graphs='auto' (falls back to the eager loop).")
         telemetry.path_reason = reason
         return False
-    on_cuda = next(model.parameters()).device.type == "cuda"
-    if settings.cuda_graphs == "auto" and not on_cuda and not profile:
+    device = next(model.parameters()).device
+    if settings.cuda_graphs == "auto" and device.type != "cuda" and not profile:
         return False
-    telemetry.path = "cuda_graphs" if on_cuda else "static_eager"
+    capture = device.type == "cuda" and settings.cuda_graphs != "uncaptured"
+    failure = collective_capture_failure(device) if capture and distributed() else None
+    if failure is not None:  # tensor parallelism whose collectives do not capture here: the same rounds, uncaptured
+        if settings.cuda_graphs == "on":
+            raise ValueError(f"HybridSpecConfig(cuda_graphs='on') needs CUDA-graph capture, which fails here: "
+                             f"{failure}. Use cuda_graphs='uncaptured' or 'auto'.")
+        telemetry.path_reason, capture = f"no CUDA-graph capture: {failure}", False
+    telemetry.path = "cuda_graphs" if capture else "static_eager"
     return True
 
 
@@ -106,7 +115,8 @@ def _resident(model, drafter, strategy, logits_processor, generation_config, sto
         host = HostEmitter(emitter.input_ids, generation_config, stopping_criteria, streamer)
         device_commit = not host.criteria and len(host.eos) <= MAX_EOS_IDS  # m known on the device
         rounds = resident_rounds(model, drafter, strategy, logits_processor, generation_config.do_sample,
-                                 generation_config.max_length, rows, device_commit)
+                                 generation_config.max_length, rows, device_commit,
+                                 capture=telemetry.path == "cuda_graphs")
         telemetry.capture_s, rounds.capture_s = rounds.capture_s, 0.0  # reported by the call that captured
         telemetry.resident_memory_bytes = rounds.memory_bytes
         rounds.start(cache, positions, context, first, generation_config.max_length, host.eos)
@@ -144,12 +154,6 @@ def hybridspec_decode(
     check_supported_cache(cache)
     position_ids = model_kwargs.pop("position_ids")
     attention_mask = model_kwargs.pop("attention_mask", None)
-    # stock generate() accepts a prompt on another device than the embedding (e.g. a CPU prompt under tensor
-    # parallelism); the rounds need it beside the model, and the output goes back where the prompt came from
-    home, device = input_ids.device, patches.text_model(model).embed_tokens.weight.device
-    if home != device:
-        input_ids, position_ids = input_ids.to(device), position_ids.to(device)
-        attention_mask = None if attention_mask is None else attention_mask.to(device)
 
     block_size = drafter.config.block_size if drafter is not None else 1
     moe_blocks = patches.moe_blocks(model)
@@ -194,7 +198,6 @@ def hybridspec_decode(
             telemetry.total_s = time.perf_counter() - start
             if streamer is not None:
                 streamer.end()
-            emitter.input_ids = emitter.input_ids.to(home)
             return finish_output(generation_config, emitter, cache, cache_key)
         draft_cache = drafter.new_context_cache() if drafter is not None else None
         draft_next = drafter is not None
@@ -209,9 +212,10 @@ def hybridspec_decode(
                 # 1. Draft (not when the round is a plain decoding step).
                 drafted = draft_next and max_tokens > 1
                 if drafted:
-                    draft_logits = drafter.draft(anchor, context, draft_cache)  # [B, block-1, V]
+                    # [B, block-1, V], beside the tokens (a no-op unless the drafter or the LM head is elsewhere)
+                    draft_logits = drafter.draft(anchor, context, draft_cache).to(anchor.device)
                     context = context[:, :0]
-                    drafts = draft_logits.argmax(dim=-1).to(anchor.device)
+                    drafts = draft_logits.argmax(dim=-1)
                     tokens = torch.cat([anchor, drafts[:, : max_tokens - 1]], dim=1)  # [B, T]
                 else:
                     tokens = anchor
@@ -275,5 +279,4 @@ def hybridspec_decode(
     telemetry.total_s = time.perf_counter() - start
     if streamer is not None:
         streamer.end()
-    emitter.input_ids = emitter.input_ids.to(home)
     return finish_output(generation_config, emitter, cache, cache_key)

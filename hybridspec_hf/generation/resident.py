@@ -60,11 +60,13 @@ def unsupported_reason(model, drafter, strategy, generation_config, logits_proce
         return f"attn_implementation={attn!r} (needs 'sdpa' or 'eager')"
     if type(cache).__name__ not in ("DynamicCache", "StaticCache"):
         return f"cache {type(cache).__name__}"
-    if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        return "tensor parallelism (resident rounds are not captured across ranks yet)"
     devices = {str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}
     if len(devices) > 1:
-        return f"the model is split over devices {sorted(devices)} (device_map)"
+        return (f"the model is split over devices {sorted(devices)} (device_map; the eager loop runs it, one GDN "
+                "commit per device; for speed use tensor parallelism: from_pretrained(..., tp_plan='auto'))")
+    device = next(model.parameters()).device
+    if drafter is not None and drafter.device != device:
+        return f"the drafter is on {drafter.device}, the target on {device} (drafter.to({str(device)!r}))"
     dtype = next(model.parameters()).dtype
     if next(model.parameters()).device.type == "cuda" and dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return f"dtype {dtype} (the Triton kernels take float32, bfloat16 or float16)"
@@ -84,6 +86,7 @@ class _Key:
     capacity: int
     position_rows: int
     device_commit: bool
+    capture: bool
 
 
 MAX_EOS_IDS = 8  # EOS ids a round can test on the device
@@ -97,13 +100,14 @@ def _reusable(have: _Key, want: _Key) -> bool:
 
 
 def resident_rounds(model, drafter, strategy, logits_processor, do_sample: bool, max_length: int,
-                    position_rows: int, device_commit: bool) -> "ResidentRounds":
+                    position_rows: int, device_commit: bool, capture: bool = True) -> "ResidentRounds":
     """The target's `ResidentRounds` for these settings: the cached one when it fits, else a new one (the old one
-    is released first, so one set of graphs and static caches per target is alive at a time)."""
+    is released first, so one set of graphs and static caches per target is alive at a time). capture=False: the
+    same rounds launched eagerly on CUDA too (HybridSpecConfig(cuda_graphs="uncaptured"))."""
     block = drafter.config.block_size if drafter is not None else 1
     capacity = -(-(max_length + block) // _CAPACITY_STEP) * _CAPACITY_STEP
     key = _Key(id(drafter), strategy.identity(), do_sample, tuple(repr(p.__dict__) for p in logits_processor),
-               capacity, position_rows, device_commit)
+               capacity, position_rows, device_commit, capture)
     current = model.__dict__.get("_hybridspec_resident")
     if current is not None and _reusable(current.key, key):
         return current
@@ -190,19 +194,20 @@ class ResidentRounds:
             self._prepare_weight_copies()
             self.routing = _routing_replay(strategy.routing, moe, model, self.device)  # before the window: it sets ids
             self.window = VerifyWindow(moe)
+            replay = functools.partial(Replay, device=self.device, capture=key.capture)
             with torch.no_grad(), experts as self.fused_experts:
-                self.step = Replay(self._step, self.device)
+                self.step = replay(self._step)
                 if self.exact:
-                    self.draft = Replay(self._draft, self.device)
+                    self.draft = replay(self._draft)
                     for n in range(1, self.verify_tokens + 1):
                         pool = self.draft.pool()
-                        self.verifies[n] = Replay(functools.partial(self._verify, n), self.device, pool=pool)
+                        self.verifies[n] = replay(functools.partial(self._verify, n), pool=pool)
                         if not device_commit:  # captured right after its verify: it reads that graph's outputs
-                            self.commits[n] = Replay(self._commit, self.device, pool=pool)
+                            self.commits[n] = replay(self._commit, pool=pool)
                 elif self.speculative:
-                    self.spec = Replay(self._spec, self.device)
+                    self.spec = replay(self._spec)
                     if not device_commit:
-                        self.commits[self.verify_tokens] = Replay(self._commit, self.device, pool=self.spec.pool())
+                        self.commits[self.verify_tokens] = replay(self._commit, pool=self.spec.pool())
         except BaseException:  # a failed capture (or CUDA OOM) leaves no hooks and no half-built rounds behind
             self.close()
             raise

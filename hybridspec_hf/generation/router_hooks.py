@@ -42,7 +42,8 @@ class VerifyWindow:
         if self.choice is None:
             return None
         hidden, ids, weights = args[:3]
-        ids, weights = patches.mask_invalid_routes(ids, weights, self.choice.valid)
+        valid = self.choice.valid.to(ids.device)  # a no-op unless a device_map put this layer on another device
+        ids, weights = patches.mask_invalid_routes(ids, weights, valid)
         return (hidden, ids, weights, *args[3:])
 
     def remove(self) -> None:

@@ -16,6 +16,7 @@ import torch
 
 from hybridspec_hf.config import CALIBRATED_STRATEGIES, HybridSpecConfig, resolved_verify_shape
 from hybridspec_hf.generation.calibration import resolve_latency_model
+from hybridspec_hf.graphs.capture import distributed
 from hybridspec_hf.selector.profiles import AcceptanceProfile, RoutingProfile, load_profile
 from hybridspec_hf.selector import AcceptanceEstimator, count_new_experts, draft_signals, make_selector
 
@@ -44,7 +45,7 @@ class Choice:
 
     def correct(self, first_layer_ids: torch.Tensor) -> None:
         """The routing correction, from the [T, k] router choices at the first MoE layer; updates in place."""
-        ids = first_layer_ids.view(1, -1, first_layer_ids.shape[-1])
+        ids = first_layer_ids.view(1, -1, first_layer_ids.shape[-1]).to(self.w0.device)  # device_map: may differ
         self.n_new.copy_(count_new_experts(ids, self.w0))
         self.keep.copy_(self.decide_keep(self.n_new))
         self.valid.copy_(self.w0 + self.keep.long())
@@ -204,7 +205,7 @@ class RoundStrategy:
         if self.selector is None:
             return
         device = like.device
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if distributed():
             seconds = None
         self.selector.observe(torch.tensor([w], device=device), torch.tensor([emitted], device=device), seconds, drafted)
 

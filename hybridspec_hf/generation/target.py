@@ -51,7 +51,8 @@ class TargetRunner:
             **{self.cache_key: self.cache},
             **extra,
         )
-        return outputs.logits, self.capture.take()
+        # beside the tokens: a no-op unless a device_map without accelerate's output hook left them elsewhere
+        return outputs.logits.to(input_ids.device), self.capture.take()
 
     def prefill(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask, **extra):
         """Process the uncached prompt tokens the way AR's prefill does. Returns last logits [B, V], features."""
@@ -82,6 +83,7 @@ class TargetRunner:
         finally:
             for layer in self.gdn_layers:
                 layer.__dict__.pop("_hybridspec_verify", None)
+        patches.check_verified(session, self.gdn_layers)
         return logits, features, session
 
     def commit(self, session: patches.VerifySession, verified: int, committed: int) -> None:

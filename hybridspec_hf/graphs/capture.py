@@ -16,14 +16,21 @@ import torch
 
 class Replay:
     """fn() captured into a CUDA graph (after `warmup` eager calls on a side stream, which also compiles Triton
-    kernels); on other devices every call runs fn() eagerly. `outputs` is what fn returned during capture."""
+    kernels); on other devices, or with capture=False, every call runs fn() eagerly. `outputs` is what fn returned
+    during capture.
 
-    def __init__(self, fn: Callable[[], object], device: torch.device, pool=None, warmup: int = 1):
+    Under torch.distributed (tensor parallelism: the forward's all-reduces and all-gathers are NCCL collectives,
+    captured into the graph like any kernel; every rank captures and replays the same sequence) the capture is
+    thread-local, so that the process group's watchdog thread, which queries its own events meanwhile, cannot
+    invalidate it."""
+
+    def __init__(self, fn: Callable[[], object], device: torch.device, pool=None, warmup: int = 1,
+                 capture: bool = True):
         self.fn = fn
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs = None
         self.capture_s = 0.0
-        if torch.device(device).type != "cuda":
+        if torch.device(device).type != "cuda" or not capture:
             return
         start = time.perf_counter()
         # no garbage collection while capturing: collecting an unreachable object that holds a CUDA graph or device
@@ -40,7 +47,7 @@ class Replay:
                     fn()
             torch.cuda.current_stream(device).wait_stream(stream)
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=pool):
+            with torch.cuda.graph(self.graph, pool=pool, capture_error_mode=_capture_mode()):
                 self.outputs = fn()
             torch.cuda.synchronize(device)
         finally:
@@ -61,6 +68,59 @@ class Replay:
             return self.fn()
         self.graph.replay()
         return self.outputs
+
+
+def distributed() -> bool:
+    """Several ranks (tensor parallelism): they must take identical decisions and capture identical graphs."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized() and \
+        torch.distributed.get_world_size() > 1
+
+
+def _capture_mode() -> str:
+    return "thread_local" if distributed() else "global"
+
+
+_COLLECTIVE_CAPTURE: dict[torch.device, str | None] = {}
+
+
+def collective_capture_failure(device: torch.device) -> str | None:
+    """None if this process group's collectives can be captured in a CUDA graph on `device` and replayed with the
+    right result, else why not. A tensor-parallel forward all-reduces (rowwise layers, experts) and all-gathers
+    (DTensor's redistribution of colwise outputs, through functional collectives): the probe captures one of each.
+    Every rank probes at once (a collective) and all get the same answer, so that they all capture or none does;
+    the answer is kept for the process."""
+    from torch.distributed import _functional_collectives as funcol
+
+    device = torch.device(device)
+    if device in _COLLECTIVE_CAPTURE:
+        return _COLLECTIVE_CAPTURE[device]
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    group = torch.distributed.group.WORLD
+    error = None
+    with host_syncs():  # the call's set-up: waits for the probe and reads its result
+        try:
+            x = torch.zeros(4, device=device)
+            torch.distributed.all_reduce(x)  # outside capture: communicators are set up lazily, not in a graph
+            funcol.all_gather_tensor(x, 0, group) * 1.0  # the product waits for the gather
+            torch.cuda.synchronize(device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, capture_error_mode=_capture_mode()):
+                torch.distributed.all_reduce(x)
+                gathered = funcol.all_gather_tensor(x, 0, group) * 1.0
+            x.fill_(rank + 1.0)
+            graph.replay()
+            total = world * (world + 1) / 2
+            if not (bool((x == total).all()) and bool((gathered == total).all())):
+                error = f"a captured all-reduce/all-gather replayed to {x.tolist()}/{gathered.tolist()}, not {total}"
+        except Exception as failure:  # noqa: BLE001 - the reason goes to telemetry.path_reason / the error
+            error = f"{type(failure).__name__}: {failure}"
+        failed = torch.tensor([0.0 if error is None else rank + 1.0], device=device)
+        torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX)
+        failed = float(failed)
+    if error is None and failed > 0:
+        error = f"capturing collectives failed on rank {int(failed) - 1}"
+    _COLLECTIVE_CAPTURE[device] = None if error is None else f"NCCL collectives do not capture here ({error})"
+    return _COLLECTIVE_CAPTURE[device]
 
 
 @contextlib.contextmanager

@@ -40,10 +40,12 @@ class FeatureCapture:
         return hook
 
     def take(self) -> torch.Tensor | None:
-        """Concatenated features of the last forward: [B, T, n_feat * H] (None without feature layers)."""
+        """Concatenated features of the last forward: [B, T, n_feat * H] (None without feature layers), on the
+        first feature layer's device (a device_map may spread the layers)."""
         if not self.layer_ids:
             return None
-        features = torch.cat([self.outputs[i] for i in self.layer_ids], dim=-1)
+        device = self.outputs[self.layer_ids[0]].device
+        features = torch.cat([self.outputs[i].to(device) for i in self.layer_ids], dim=-1)
         self.outputs.clear()
         return features
 
@@ -153,6 +155,8 @@ class StaticTarget:
             capture.remove()
             for layer in self.gdn_layers:
                 layer.__dict__.pop("_hybridspec_verify", None)
+        if verify is not None:
+            patches.check_verified(verify, self.gdn_layers)
         return outputs.logits, features
 
     def advance(self, count: torch.Tensor) -> None:
