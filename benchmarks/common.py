@@ -4,6 +4,7 @@ from __future__ import annotations
 import datetime
 import json
 import platform
+import statistics
 import sys
 from pathlib import Path
 
@@ -35,3 +36,19 @@ def write_results(name: str, payload: dict, table: str) -> None:
     env = payload["environment"]
     header = "\n".join(f"- {k}: {v}" for k, v in env.items())
     (RESULTS / f"{name}.md").write_text(f"# {payload['title']}\n\n{header}\n\n{payload.get('notes', '')}\n\n{table}\n")
+
+
+def time_graph(graph: torch.cuda.CUDAGraph, per_replay: int, replays: int) -> dict:
+    """Median (p10, p90) over `replays` timed replays, µs per unit (per_replay units per replay), after 20 untimed."""
+    for _ in range(20):
+        graph.replay()
+    torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
+    for start, end in events:
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    times = sorted(start.elapsed_time(end) * 1e3 / per_replay for start, end in events)
+    return dict(median_us=statistics.median(times), p10_us=times[len(times) // 10], p90_us=times[-len(times) // 10 - 1],
+                replays=replays)

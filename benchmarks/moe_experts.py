@@ -26,7 +26,6 @@ import importlib.util
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 import traceback
@@ -69,6 +68,9 @@ from hybridspec_hf.kernels.moe_triton import (  # noqa: E402
     fused_experts_triton,
 )
 from hybridspec_hf.patches.experts import register_experts_implementation  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import time_graph  # noqa: E402
 
 DEV = "cuda"
 E, TOP_K, H, INTER = 256, 8, 2048, 512
@@ -149,22 +151,6 @@ def capture(fn) -> tuple[torch.cuda.CUDAGraph, object]:
     with torch.cuda.graph(graph):
         out = fn()
     return graph, out
-
-
-def time_graph(graph: torch.cuda.CUDAGraph, per_replay: int, replays: int) -> dict:
-    """Median (p10, p90) over `replays` timed replays, µs per unit (per_replay units per replay), after 20 untimed."""
-    for _ in range(20):
-        graph.replay()
-    torch.cuda.synchronize()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
-    for start, end in events:
-        start.record()
-        graph.replay()
-        end.record()
-    torch.cuda.synchronize()
-    times = sorted(start.elapsed_time(end) * 1e3 / per_replay for start, end in events)
-    return dict(median_us=statistics.median(times), p10_us=times[len(times) // 10], p90_us=times[-len(times) // 10 - 1],
-                replays=replays)
 
 
 def time_impl(impl: str, layers: list, x: dict, replays: int, tiles: dict | None = None) -> dict:

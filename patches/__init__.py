@@ -21,6 +21,7 @@ from ._gdn import (
     release_gdn_projections,
     route_cpu_to_torch,
 )
+from ._linear import prepare_linears, release_linears
 from ._moe import mask_invalid_routes, patch_moe_classes, prepare_fused_moe, release_fused_moe
 from ._norms import fused_kernels, patch_norm_classes
 from ._rope import patch_rope
@@ -88,11 +89,18 @@ def gdn_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in text_model(model).modules() if isinstance(m, family.GDN_CLASS)]
 
 
+def decoder_linears(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The plain nn.Linear modules of the decoder layers (projections of attention, GDN, shared expert and dense
+    MLPs; not the LM head or the embedding): what `prepare_linears` routes to our skinny GEMM."""
+    return [m for m in text_model(model).layers.modules() if type(m) is torch.nn.Linear]
+
+
 __all__ = [
     "GDN_KERNEL_FUNCTIONS",
     "VerifySession",
     "check_verified",
     "commit_session",
+    "decoder_linears",
     "family_of",
     "fused_kernels",
     "gdn_layers",
@@ -102,10 +110,12 @@ __all__ = [
     "per_token_state_buffer",
     "prepare_fused_moe",
     "prepare_gdn_projections",
+    "prepare_linears",
     "register_experts_implementation",
     "mask_invalid_routes",
     "release_fused_moe",
     "release_gdn_projections",
+    "release_linears",
     "route_cpu_to_torch",
     "supported_classes",
     "text_model",

@@ -8,7 +8,8 @@ leaves the cache as it was, and records what the commit needs.
 Inside GPU-resident forwards (`fused_kernels()`, CUDA-graph captured) the glue is fused, because at batch 1 the
 forward is launch-bound: the conv and the gates take one Triton launch each (kernels/gdn_prologue_triton.py) instead
 of ~11 small kernels, and the Qwen3.5 layout's four input projections one GEMM over a concatenated weight
-(`prepare_gdn_projections`, made by the resident rounds before capture). Elsewhere the torch code runs unchanged.
+(`prepare_gdn_projections`, made by the resident rounds before capture; by `gemv_triton.linear`: cuBLAS unless its
+table names the shape). Elsewhere the torch code runs unchanged.
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ from hybridspec_hf.kernels import (
     gdn_verify_auto,
     select_backend,
 )
+from hybridspec_hf.kernels.gemv_triton import linear
 
 from ._weight_copies import WeightCopy, current_copy, hooked, refresh_copy
 
@@ -97,7 +99,7 @@ def project_separate(layer: torch.nn.Module, hidden_states: torch.Tensor):
     copy = _current_projection_copy(layer, modules) if fused_kernels_active() else None
     if copy is not None:
         sizes = [m.out_features for m in modules]
-        mixed_qkv, z, b, a = F.linear(hidden_states, copy.weight).split(sizes, dim=-1)
+        mixed_qkv, z, b, a = linear(hidden_states, copy.weight).split(sizes, dim=-1)
     else:
         mixed_qkv, z, b, a = (getattr(layer, name)(hidden_states) for name in SEPARATE_PROJECTIONS)
     return mixed_qkv, z.reshape(batch, seq_len, -1, layer.head_v_dim), b, a

@@ -8,6 +8,8 @@ kernels in the router (GEMM, softmax, topk + sort, sum, div, cast) and 9 for the
     shared   GEMM over [gate_proj; up_proj; shared_expert_gate], silu_mul, down GEMM
     combine  gated_add: routed + sigmoid(gate logit) · shared     (kernels/shared_expert_triton.py)
 
+The GEMMs go through `gemv_triton.linear` (kernels/gemv_triton.py): cuBLAS unless its table names the shape.
+
 The router is still called as a module (`self.gate(x)`) and the experts too (`self.experts(...)`), so forward hooks
 on them (RouterRecorder, RoutingReplay, VerifyWindow, users') fire as before. The shared expert's modules are
 skipped, so any hook on them (or a replaced forward, LoRA layers, a non-SiLU activation) keeps transformers' forward.
@@ -28,10 +30,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from transformers.activations import SiLUActivation
 
 from hybridspec_hf.kernels import fused_kernels_active, router_triton, shared_expert_triton
+from hybridspec_hf.kernels.gemv_triton import linear
 
 from ._weight_copies import current_copy, hooked, refresh_copy
 
@@ -64,7 +66,7 @@ def patch_moe_classes(router_cls: type | None, block_cls: type | None, normalize
             if not _active(hidden_states) or self.num_experts > router_triton.MAX_EXPERTS:
                 return original_router(self, hidden_states)
             hidden_states = hidden_states.reshape(-1, self.hidden_dim)
-            router_logits = F.linear(hidden_states, self.weight)  # [T, E]
+            router_logits = linear(hidden_states, self.weight)  # [T, E]
             scores, ids = router_triton.route_topk(router_logits, self.top_k, normalizes(self))
             return router_logits, scores, ids
 

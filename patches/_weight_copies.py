@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch.nn.modules import module as nn_module
 
+from ._linear import is_routed
+
 
 @dataclass
 class WeightCopy:
@@ -44,7 +46,9 @@ def current_copy(module: torch.nn.Module, attr: str, sources: Sequence[torch.Ten
 
 
 def hooked(modules: Sequence[torch.nn.Module]) -> bool:
-    """Whether a call of these modules would run anything but their class forward (hooks, a replaced forward)."""
+    """Whether a call of these modules would run anything but their class forward (hooks, a replaced forward; our
+    own routed forward of patches/_linear.py computes the class forward's output and does not count)."""
     if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
         return True
-    return any(m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__ for m in modules)
+    return any(m._forward_hooks or m._forward_pre_hooks or ("forward" in m.__dict__ and not is_routed(m))
+               for m in modules)

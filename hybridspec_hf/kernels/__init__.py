@@ -6,7 +6,8 @@
 `norm_triton`, `router_triton` and `shared_expert_triton` hold the fused norms and MoE-block kernels of the resident
 forwards (used by patches/_norms.py and patches/_moe.py), each with its torch reference.
 `gdn_prologue_triton` is the GDN layer's conv + gates in verify mode (references `conv_silu_reference`,
-`gdn_gates_reference` beside it). `fused_kernels()` is the flag that routes patched modules to these kernels inside
+`gdn_gates_reference` beside it). `gemv_triton` is the projections' skinny GEMM at ≤ 16 rows (`linear`: ours where
+its TABLE names the shape, else F.linear; reference `linear_reference`; used by patches/_linear.py). `fused_kernels()` is the flag that routes patched modules to these kernels inside
 GPU-resident forwards.
 """
 from .gdn_torch import (

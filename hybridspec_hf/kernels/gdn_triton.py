@@ -62,7 +62,9 @@ _fused_active = False
 @contextlib.contextmanager
 def fused_kernels():
     """While active, patched modules route their tensors to our fused kernels: RMSNorms and RoPE (CUDA tensors),
-    the GDN layer's input projection, conv and gates (`patches._gdn`). Entered around GPU-resident forwards only, so
+    the GDN layer's input projection, conv and gates (`patches._gdn`), the MoE router and shared expert
+    (`patches._moe`), and the decoder layers' projections to the skinny GEMM where its table names the shape
+    (`patches._linear`). Entered around GPU-resident forwards only, so
     plain generate(), training and the eager loop run transformers' own code. HYBRIDSPEC_FUSED_KERNELS=0 in the
     environment keeps transformers' own modules there too (read when a resident forward starts, so graphs captured
     afterwards follow it; for A/B timings and for ruling our kernels out)."""
@@ -84,16 +86,18 @@ def fused_kernels_allowed() -> bool:
 
 
 class _LazyJit:
-    """`triton.jit(fn)`, bound when first launched in the current TRITON_INTERPRET mode (read at launch, not import)."""
+    """`triton.jit(fn, **options)`, bound when first launched in the current TRITON_INTERPRET mode (read at launch,
+    not import)."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, **options):
         self.fn = fn
+        self.options = options
         self._bound = {}
 
     def __getitem__(self, grid):
         interpret = bool(triton.knobs.runtime.interpret)
         if interpret not in self._bound:
-            self._bound[interpret] = triton.jit(self.fn)
+            self._bound[interpret] = triton.jit(self.fn, **self.options)
         return self._bound[interpret][grid]
 
 

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .gdn_triton import HAS_TRITON, _LazyJit, tl, tl_dtype, triton
+from .gemv_triton import linear
 from .norm_triton import _rows
 
 ROW_ALIGN = 8  # rows of the concatenated weight, padded so that each GEMM output row starts 16-byte aligned
@@ -122,5 +123,5 @@ def shared_expert(hidden: torch.Tensor, weights: torch.Tensor, down_proj: torch.
                   inter: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`shared_expert_reference` in three launches: hidden [T, H], weights from `concat_shared_weights`, down_proj
     [H, I] -> (shared [T, H], gate logit [T, 1], a column view of the first GEMM's output)."""
-    gate_up = F.linear(hidden, weights)  # [T, rows]: gate | up | gate logit | padding
-    return F.linear(silu_mul(gate_up, inter), down_proj), gate_up[:, 2 * inter : 2 * inter + 1]
+    gate_up = linear(hidden, weights)  # [T, rows]: gate | up | gate logit | padding
+    return linear(silu_mul(gate_up, inter), down_proj), gate_up[:, 2 * inter : 2 * inter + 1]

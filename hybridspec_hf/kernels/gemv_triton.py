@@ -1,0 +1,240 @@
+"""Skinny GEMM for the projections of a batch-1 resident forward: y [M, N] = x [M, K] @ W [N, K]ᵀ (+ bias), M ≤ 16.
+
+At M = 1..16 tokens a projection reads its whole weight to make a few rows, so it is bound by how fast W streams.
+cuBLAS picks latency-bound tiles there: on the H200 the 35B-A3B forward's 272 GEMMs per step take 2.2 ms against
+≈ 0.9 ms of weight bytes at 4.25 TB/s (benchmarks/results/breakdown_qwen35_35b_a3b.md); the small ones (router
+[256, 2048], k/v [512, 2048], shared expert [1032, 2048] and down [2048, 512]) run on a few of the 132 SMs.
+
+Grid: one program per (BLOCK_N rows of W, one of SPLIT_K slices of K). A program streams its [BLOCK_N, K / SPLIT_K]
+block of W once, coalesced along K, in [BLOCK_N, BLOCK_K] tiles (num_stages of them in flight), and multiplies each
+by the matching x tile (≤ 16 rows, from L2): `dot=True` on tensor cores (x padded to a 16-row tile: the padding is
+free while W streams), `dot=False` as fp32 FMAs over [BLOCK_N, BLOCK_M, BLOCK_K] products (M ≤ 4). SPLIT_K > 1
+gives small N enough programs to fill the SMs (N = 256, BLOCK_N = 16: 16 row blocks x 8 slices = 128 programs) and
+reduces in the same launch: each program stores its fp32 partial [M, BLOCK_N] to a workspace, then bumps its row
+block's counter (a barrier, then an acq_rel atomic: CUTLASS's split-K semaphore); the program that arrives last sums
+the SPLIT_K partials in slice order 0, 1, ... and writes the output, so the result does not depend on arrival order
+(deterministic: the same bits every call), and resets the counter to 0 for the next launch. The counters are one
+int32 buffer per device shared by every launch, which is right while launches on a device do not overlap (the
+resident rounds replay their graphs on one stream).
+
+Precision: fp32 accumulation of exact products (bf16/fp16 operands; fp32 with `input_precision="ieee"`, no TF32,
+as torch's default), one rounding to x's dtype after the optional bias (added in fp32, as cuBLAS's bias epilogue).
+Against torch.matmul only the order of the fp32 sum differs. Under the interpreter (triton 3.6, CPU tests) dots
+take fp32 operands (the same values: it would multiply bf16 bit patterns as integers) and fp32 -> bf16 casts
+truncate where the GPU rounds to nearest.
+
+`linear(x, weight, bias)` is what the patched modules call inside resident forwards: our kernel where TABLE names a
+config for (N, K, M bucket), else F.linear. TABLE is filled from `benchmarks/gemv.py` on an H200 (it prints the dict
+to paste); empty, every projection keeps cuBLAS. Kernels bind to `triton.jit` at launch (`_LazyJit`); Triton
+compiles on the first launch of each config and shape: call once before CUDA-graph capture (the warm-up does).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .gdn_triton import HAS_TRITON, _LazyJit, select_backend, tl, tl_dtype, triton
+
+MAX_ROWS = 16  # rows of x (tokens) the kernel takes: one 16-row tile
+COUNTERS = 4096  # row blocks of one split-K launch (N / BLOCK_N); beyond it a launch does not split K
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """A launch of the kernel: BLOCK_N rows of W by BLOCK_K columns per step, K in SPLIT_K slices (one program each);
+    `dot`: tensor cores over a 16-row x tile (any M), else fp32 FMAs (M ≤ 4)."""
+
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    dot: bool = True
+
+
+# (N, K, M bucket) -> config for our kernel; a shape not listed runs F.linear (cuBLAS). M buckets: `m_bucket`.
+# Paste the dict that `benchmarks/gemv.py` prints after an H200 run here.
+TABLE: dict[tuple[int, int, int], GemvConfig] = {}
+
+_FORCE: GemvConfig | None = None  # tests only: this config (fitted to each shape) for every shape, whatever TABLE says
+
+
+def m_bucket(rows: int) -> int:
+    """The M bucket of TABLE's keys: 1, 4 (2-4 rows), 8 (5-8), 16 (9-16)."""
+    return 1 if rows <= 1 else 4 if rows <= 4 else 8 if rows <= 8 else 16
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# reference
+
+
+def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The truth for `gemv`: x [..., K] @ weight [N, K]ᵀ (+ bias [N]) in fp32 (float64 for float64), in x's dtype."""
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    out = F.linear(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
+    return out.to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# kernel
+
+
+def _gemv_kernel(
+    x, w, bias, y, partials, counters,
+    M, N, K, stride_xm, stride_wn, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STEPS: tl.constexpr, SPLIT_K: tl.constexpr,
+    DOT: tl.constexpr, DOT_FP32: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    k_start = pid_k * (STEPS * BLOCK_K)  # each program: STEPS tiles of BLOCK_K columns
+    # rows past N read row rn mod N (valid memory, so the W loads need no mask) and are never stored
+    p_w = w + (rn % N).to(tl.int64)[:, None] * stride_wn + (k_start + rk)[None, :]  # [BLOCK_N, BLOCK_K]
+    p_x = x + rm[:, None] * stride_xm + (k_start + rk)[None, :]  # [BLOCK_M, BLOCK_K]
+    row_ok = rm < M
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # y block, transposed: W's rows are the long side
+    for step in range(STEPS):
+        if EVEN_K:
+            b_w = tl.load(p_w)
+            b_x = tl.load(p_x, mask=row_ok[:, None], other=0.0)
+        else:
+            k_ok = (k_start + step * BLOCK_K + rk) < K
+            b_w = tl.load(p_w, mask=k_ok[None, :], other=0.0)
+            b_x = tl.load(p_x, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if DOT:
+            if DOT_FP32:
+                acc += tl.dot(b_w.to(tl.float32), tl.trans(b_x.to(tl.float32)), input_precision="ieee")
+            else:
+                acc += tl.dot(b_w, tl.trans(b_x))
+        else:
+            acc += tl.sum(b_w.to(tl.float32)[:, None, :] * b_x.to(tl.float32)[None, :, :], axis=2)
+        p_w += BLOCK_K
+        p_x += BLOCK_K
+
+    out_ok = (rn < N)[:, None] & row_ok[None, :]
+    if SPLIT_K > 1:
+        offsets = rm[None, :] * N + rn[:, None]  # partials [SPLIT_K, M, N] fp32
+        tl.store(partials + pid_k * M * N + offsets, acc, mask=out_ok)
+        tl.debug_barrier()  # every thread's partial is written before the signal (release below)
+        arrived = tl.atomic_add(counters + pid_n, 1, sem="acq_rel")
+        last = arrived == SPLIT_K - 1
+        if last:  # all partials are in: sum them in slice order (not arrival order), past L1
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                acc += tl.load(partials + s * M * N + offsets, mask=out_ok, other=0.0, cache_modifier=".cg")
+            tl.store(counters + pid_n, 0)  # zero again for the next launch
+        out_ok = out_ok & last
+    if HAS_BIAS:
+        acc += tl.load(bias + rn, mask=rn < N, other=0.0).to(tl.float32)[:, None]
+    tl.store(y + rm[None, :] * stride_ym + rn[:, None], acc.to(OUT_DTYPE), mask=out_ok)
+
+
+if HAS_TRITON:
+    _gemv_kernel = _LazyJit(_gemv_kernel, do_not_specialize=["M"])  # one compile for every M of a config
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# launch
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    """The device's split-K counters (all zero between launches). Made on the first launch outside a CUDA-graph
+    capture (the warm-up); one made inside a capture belongs to that graph's pool, so it is not kept."""
+    counters = _COUNTERS.get(device)
+    if counters is None:
+        counters = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _COUNTERS[device] = counters
+    return counters
+
+
+def fit_config(config: GemvConfig, rows: int, n: int, k: int) -> GemvConfig:
+    """`config` for this shape: blocks no larger than the problem (tl.dot takes ≥ 16), no more K slices than BLOCK_K
+    steps, no split past COUNTERS row blocks, FMAs only for ≤ 4 rows (else tensor cores)."""
+    dot = config.dot or rows > 4
+    block_n = min(config.block_n, triton.next_power_of_2(n))
+    block_k = min(config.block_k, triton.next_power_of_2(k))
+    if dot:
+        block_n, block_k = max(16, block_n), max(16, block_k)
+    split_k = max(1, min(config.split_k, triton.cdiv(k, block_k)))
+    if triton.cdiv(n, block_n) > COUNTERS:
+        split_k = 1
+    return GemvConfig(block_n, block_k, split_k, config.num_warps, config.num_stages, dot)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig) -> torch.Tensor:
+    """Triton `linear_reference` in one launch: x [..., K] with ≤ MAX_ROWS rows, weight [N, K] (K contiguous),
+    bias [N] or None, all of one float dtype -> [..., N] in x's dtype. `config` is fitted to the shape."""
+    n, k = weight.shape
+    if x.shape[-1] != k or weight.stride(-1) != 1 or x.dtype != weight.dtype or x.dtype not in _DTYPES or \
+            (bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype)):
+        raise ValueError(f"gemv takes x [..., K], weight [N, K] with K contiguous and bias [N] or None, all of one "
+                         f"dtype (float32/bfloat16/float16); got x {tuple(x.shape)} {x.dtype}, weight "
+                         f"{tuple(weight.shape)} {weight.dtype} strides {weight.stride()}, bias "
+                         f"{None if bias is None else (tuple(bias.shape), bias.dtype)}")
+    rows = x.reshape(-1, k)
+    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+    m = rows.shape[0]
+    if m > MAX_ROWS:
+        raise ValueError(f"gemv takes at most {MAX_ROWS} rows of x, got {m}; use F.linear")
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out.view(*x.shape[:-1], n)
+    config = fit_config(config, m, n, k)
+    steps = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k)
+    k_per_split = steps * config.block_k
+    split_k = triton.cdiv(k, k_per_split)  # no slice without columns
+    partials = counters = out  # unused without a split
+    if split_k > 1:
+        partials = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
+        counters = _counters(x.device)
+    interpret = bool(triton.knobs.runtime.interpret)
+    _gemv_kernel[(triton.cdiv(n, config.block_n), split_k)](
+        rows, weight, bias if bias is not None else weight, out, partials, counters,
+        m, n, k, rows.stride(0), weight.stride(0), out.stride(0),
+        BLOCK_M=16 if config.dot else triton.next_power_of_2(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        STEPS=steps, SPLIT_K=split_k, DOT=config.dot, DOT_FP32=x.dtype == torch.float32 or interpret,
+        EVEN_K=k % k_per_split == 0, HAS_BIAS=bias is not None, OUT_DTYPE=tl_dtype(x.dtype),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out.view(*x.shape[:-1], n)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# dispatch
+
+
+def choose_config(rows: int, n: int, k: int) -> GemvConfig | None:
+    """TABLE's config for (N, K, M bucket), or None: F.linear."""
+    if _FORCE is not None:
+        return _FORCE
+    return TABLE.get((n, k, m_bucket(rows)))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias), by `gemv` where TABLE names a config for the shape and the tensors suit it (≤ 16
+    rows, one float dtype, on CUDA or under the interpreter), else by F.linear itself."""
+    if weight.dim() == 2 and x.dim() >= 1 and x.shape[-1] == weight.shape[1] and x.numel() > 0:
+        rows = x.numel() // x.shape[-1]
+        config = choose_config(rows, *weight.shape) if rows <= MAX_ROWS else None
+        if config is not None and _suits(x, weight, bias):
+            return gemv(x, weight, bias, config)
+    return F.linear(x, weight, bias)
+
+
+def _suits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Plain tensors (not DTensors or other subclasses: their F.linear does more than a matmul) of one float dtype,
+    K contiguous, grad off, where Triton runs."""
+    tensors = (x, weight) if bias is None else (x, weight, bias)
+    plain = all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.dtype == x.dtype for t in tensors)
+    return (plain and x.dtype in _DTYPES and weight.stride(-1) == 1 and (bias is None or bias.dim() == 1)
+            and not torch.is_grad_enabled() and select_backend("auto", *tensors) == "triton")

@@ -1,0 +1,208 @@
+"""The skinny GEMM (kernels/gemv_triton.py) against torch.matmul and the float64 product, its dispatch (`linear`),
+and its wiring into resident forwards (patches/_linear.py), on the CPU under the Triton interpreter.
+
+Tolerance, elementwise, against the float64 product r of the same (rounded) inputs:
+    |y - r| <= ulp · |r| + K · 2^-24 · (|x| @ |W|ᵀ)
+the first term one rounding of the output (ulp = 2^-7 bf16, 2^-10 fp16, 0 fp32: the interpreter truncates fp32 ->
+bf16/fp16, a GPU rounds to nearest, half of it), the second the worst case of an fp32 sum of K products in any order
+(tensor-core dots, the split-K partials, numpy's blocked matmul in the interpreter). torch.matmul satisfies the same
+bound, so ours and torch's differ by at most twice it.
+"""
+from __future__ import annotations
+
+import copy
+import importlib
+import pickle
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from _tiny import VOCAB, make_drafter, make_target  # noqa: E402
+
+import hybridspec_hf  # noqa: E402,F401  (installs the patches)
+from hybridspec_hf import patches  # noqa: E402
+from hybridspec_hf.kernels import gemv_triton  # noqa: E402
+from hybridspec_hf.kernels.gemv_triton import GemvConfig, fit_config, gemv, linear, m_bucket  # noqa: E402
+from hybridspec_hf.patches import _linear, _moe  # noqa: E402
+from hybridspec_hf.patches._weight_copies import hooked  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("triton_interpreter")
+
+ULP = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 0.0}
+
+
+def inputs(rows: int, n: int, k: int, dtype: torch.dtype, seed: int, bias: bool = False):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    weight = (torch.randn(n, k, generator=gen) * k**-0.5).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    return x, weight, b
+
+
+def bound(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, exact: torch.Tensor) -> torch.Tensor:
+    """The elementwise error bound of the module docstring (bias: one more exact term in the sum)."""
+    magnitude = x.double().abs() @ weight.double().abs().T
+    if bias is not None:
+        magnitude = magnitude + bias.double().abs()
+    return ULP[x.dtype] * exact.abs() + (x.shape[-1] + 1) * 2.0**-24 * magnitude
+
+
+def assert_close_to_truth(y, x, weight, bias=None):
+    exact = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    assert y.dtype == x.dtype and y.shape == exact.shape
+    limit = bound(x, weight, bias, exact)
+    assert bool(((y.double() - exact).abs() <= limit).all()), f"max excess {((y.double() - exact).abs() - limit).max()}"
+    theirs = torch.matmul(x, weight.T) if bias is None else torch.matmul(x, weight.T) + bias
+    slack = 2 * limit
+    if bias is not None:  # torch rounds the product, then the sum: one more rounding, of the product's magnitude
+        slack = slack + ULP[x.dtype] * (exact - bias.double()).abs()
+    assert bool(((y.double() - theirs.double()).abs() <= slack).all())
+
+
+KS = (512, 2048, 4096)
+
+
+@pytest.mark.parametrize("n", [1, 256, 1025, 2048])
+@pytest.mark.parametrize("rows", [1, 3, 8, 16])
+def test_gemv_matches_torch_matmul(rows, n):
+    """Every M and N, with K in turn 512, 2048, 4096 (each (M, K) and (N, K) pair occurs), bf16: a tensor-core config
+    with K in 4 slices (the last program sums the partials) and one without a split (FMAs for M <= 4)."""
+    k = KS[([1, 3, 8, 16].index(rows) + [1, 256, 1025, 2048].index(n)) % 3]
+    x, weight, _ = inputs(rows, n, k, torch.bfloat16, seed=rows * n + k)
+    for config in (GemvConfig(128, min(512, k // 4), 4), GemvConfig(64, 1024, 1, dot=False)):
+        assert_close_to_truth(gemv(x, weight, None, config), x, weight)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_gemv_dtypes_bias_uneven_k_and_leading_dims(dtype):
+    """K not a multiple of the blocks or slices (masked tails), N not of the blocks, a bias, x [B, T, K] with a row
+    stride (a column slice of a wider tensor): output [B, T, N] in x's dtype."""
+    x, weight, bias = inputs(6, 200, 328, dtype, seed=5, bias=True)
+    wide = torch.cat([x, torch.ones(6, 8, dtype=dtype)], dim=1)[:, :328].view(2, 3, 328)
+    for config in (GemvConfig(64, 64, 4), GemvConfig(128, 32, 8), GemvConfig(256, 128, 1),
+                   GemvConfig(32, 128, 3, dot=False)):
+        y = gemv(wide, weight, bias, config)
+        assert y.shape == (2, 3, 200)
+        assert_close_to_truth(y.reshape(6, 200), x, weight, bias)
+        assert_close_to_truth(gemv(x[:2], weight, bias, config), x[:2], weight, bias)  # FMAs: 2 rows
+
+
+def test_split_k_is_deterministic_and_leaves_the_counters_zero():
+    x, weight, _ = inputs(5, 96, 1024, torch.float32, seed=9)
+    config = GemvConfig(16, 64, 16)
+    first = gemv(x, weight, None, config)
+    assert all(torch.equal(first, gemv(x, weight, None, config)) for _ in range(3))
+    assert not gemv_triton._COUNTERS[torch.device("cpu")].any()
+
+
+def test_fit_config_keeps_launches_within_the_problem():
+    assert fit_config(GemvConfig(128, 512, 8), 1, 1, 40) == GemvConfig(16, 64, 1)  # tl.dot's 16, one K step
+    assert fit_config(GemvConfig(16, 256, 32), 1, 256, 2048) == GemvConfig(16, 256, 8)  # one slice per step at most
+    assert fit_config(GemvConfig(4, 512, 4, dot=False), 3, 256, 2048).dot is False
+    assert fit_config(GemvConfig(4, 512, 4, dot=False), 5, 256, 2048) == GemvConfig(16, 512, 4)  # > 4 rows: dots
+    assert fit_config(GemvConfig(16, 64, 4), 1, 16 * gemv_triton.COUNTERS + 1, 512).split_k == 1
+
+
+def test_linear_takes_the_kernel_only_where_the_table_names_the_shape(monkeypatch):
+    calls = []
+    monkeypatch.setattr(gemv_triton, "gemv", lambda *args: calls.append(args[1].shape) or F.linear(*args[:3]))
+    x, weight, bias = inputs(3, 48, 64, torch.float32, seed=1, bias=True)
+    with torch.no_grad():
+        assert torch.equal(linear(x, weight, bias), F.linear(x, weight, bias)) and not calls  # empty table
+        monkeypatch.setitem(gemv_triton.TABLE, (48, 64, 4), GemvConfig(16, 32))
+        linear(x, weight, bias)
+        assert calls == [(48, 64)]
+        linear(x[:1], weight, bias)  # the M = 1 bucket is not listed
+        linear(torch.randn(17, 64), weight)  # more rows than the kernel takes
+        linear(x.double(), weight.double())  # float64
+        with torch.enable_grad():
+            linear(x, weight)
+        monkeypatch.delenv("TRITON_INTERPRET")  # CPU tensors without the interpreter
+        linear(x, weight, bias)
+    assert calls == [(48, 64)]
+    assert [m_bucket(m) for m in range(1, 17)] == [1, 4, 4, 4, 8, 8, 8, 8] + [16] * 8
+
+
+def test_routed_linears_are_installed_inert_outside_the_flag_and_released(monkeypatch):
+    model = make_target("qwen3_5_moe", seed=2, dtype=torch.float32)
+    linears = patches.decoder_linears(model)
+    assert linears and model.lm_head not in linears
+    names = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if m in linears}
+    assert {"q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "out_proj", "gate_proj", "down_proj",
+            "shared_expert_gate"} <= names
+    own = linears[0]
+    own.forward = lambda x: x  # someone else's forward: left alone
+    patches.prepare_linears(linears)
+    assert all(_linear.is_routed(m) for m in linears[1:]) and not _linear.is_routed(own)
+    assert not hooked(linears[1:])  # ours is not a change the fused paths must respect
+    calls = []
+    monkeypatch.setattr(_linear, "linear", lambda *args: calls.append(1) or F.linear(*args))
+    x = torch.randn(1, 2, linears[1].in_features)
+    with torch.no_grad():
+        assert torch.equal(linears[1](x), F.linear(x, linears[1].weight, linears[1].bias)) and not calls
+        with patches.fused_kernels():
+            linears[1](x)
+    assert calls == [1]
+    for twin in (copy.deepcopy(linears[1]), pickle.loads(pickle.dumps(linears[1]))):  # bound to the twin
+        assert _linear.is_routed(twin) and twin.forward.args[0] is twin
+    patches.release_linears(linears)
+    assert not any(_linear.is_routed(m) for m in linears) and "forward" in own.__dict__
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_moe", "qwen3_next"])
+def test_resident_generate_with_the_kernel_on_every_projection_equals_ar(name, monkeypatch):
+    from test_exactness import run
+
+    target = make_target(name, seed=8, dtype=torch.float32)
+    prompt = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        ar = target.generate(prompt, do_sample=False, max_new_tokens=6)
+    drafter = make_drafter(target, 4, ar, error_rate=0.3).to(torch.float32)
+    seen = set()  # weights the kernel read, by address
+    launch = gemv_triton.gemv
+
+    def counted(x, weight, bias, config):
+        seen.add(weight.data_ptr())
+        return launch(x, weight, bias, config)
+
+    monkeypatch.setattr(gemv_triton, "gemv", counted)
+    monkeypatch.setattr(gemv_triton, "_FORCE", GemvConfig(16, 16, 2))  # every shape, K in two slices
+    monkeypatch.setattr(_moe, "_ON_CPU", True)  # the fused router and shared expert on CPU tensors too
+    out = run(target, prompt, drafter, "dflash", 6, hybridspec_config=hybridspec_hf.HybridSpecConfig(cuda_graphs="on"))
+    assert torch.equal(out, ar)
+    assert seen >= projection_weights(target)
+    hybridspec_hf.release_graphs(target)
+    assert not any(_linear.is_routed(m) for m in patches.decoder_linears(target))
+
+
+def projection_weights(model) -> set[int]:
+    """Addresses of every weight a resident forward multiplies by: the decoder layers' Linears, except those read
+    through a concatenated copy (the Qwen3.5 GDN input projections, the shared expert's gate, up and gate logit),
+    the copies themselves and the routers."""
+    from hybridspec_hf.patches import _gdn
+
+    weights = {m.weight.data_ptr() for m in patches.decoder_linears(model)}
+    for layer in patches.gdn_layers(model):
+        if _gdn._COPY in layer.__dict__:
+            weights -= {getattr(layer, name).weight.data_ptr() for name in _gdn.SEPARATE_PROJECTIONS}
+            weights.add(layer.__dict__[_gdn._COPY].weight.data_ptr())
+    for block in patches.moe_blocks(model):
+        weights -= {m.weight.data_ptr() for m in (block.shared_expert.gate_proj, block.shared_expert.up_proj,
+                                                  block.shared_expert_gate)}
+        weights |= {block.__dict__[_moe._CACHE].weight.data_ptr(), block.gate.weight.data_ptr()}
+    return weights
+
+
+def test_benchmark_smoke_run_writes_results(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    benchmark = importlib.import_module("gemv")
+    report = benchmark.main(["--smoke", "--replays", "1", "--name", str(tmp_path / "gemv")])
+    cells = [cell for shape in report["shapes"] for cell in shape["cells"]]
+    assert cells and all(row["ok"] for cell in cells for row in cell["configs"])
+    assert (tmp_path / "gemv.md").exists() and "TABLE" in (tmp_path / "gemv.md").read_text()
+    sys.modules.pop("gemv", None)
