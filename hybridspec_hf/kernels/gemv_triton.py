@@ -57,7 +57,45 @@ class GemvConfig:
 
 # (N, K, M bucket) -> config for our kernel; a shape not listed runs F.linear (cuBLAS). M buckets: `m_bucket`.
 # Paste the dict that `benchmarks/gemv.py` prints after an H200 run here.
-TABLE: dict[tuple[int, int, int], GemvConfig] = {}
+# measured on the H200 by benchmarks/gemv.py (run 20 of benchmarks/results/gpu_rounds_runs.md, 2026-11-30): our
+# config where it beat F.linear by >= 3 %, the rest stays F.linear. GemvConfig(block_n, block_k, split_k, num_warps,
+# num_stages, dot)
+TABLE: dict[tuple[int, int, int], GemvConfig] = {
+    (2048, 4096, 1): GemvConfig(32, 128, 8, 4, 4, True),  # 7.7 µs (F.linear 8.6)
+    (2048, 4096, 4): GemvConfig(32, 128, 8, 4, 4, True),  # 8.3 µs (F.linear 8.6)
+    (2048, 4096, 8): GemvConfig(32, 128, 8, 4, 4, True),  # 8.3 µs (F.linear 8.6)
+    (2048, 4096, 16): GemvConfig(32, 128, 8, 4, 4, True),  # 8.5 µs (F.linear 8.8)
+    (12352, 2048, 1): GemvConfig(64, 128, 1, 4, 4, True),  # 14.3 µs (F.linear 15.9)
+    (12352, 2048, 4): GemvConfig(64, 128, 1, 4, 4, True),  # 14.4 µs (F.linear 16.0)
+    (12352, 2048, 8): GemvConfig(64, 128, 1, 4, 4, True),  # 14.5 µs (F.linear 16.1)
+    (12352, 2048, 16): GemvConfig(64, 128, 1, 4, 4, True),  # 14.8 µs (F.linear 16.2)
+    (1032, 2048, 1): GemvConfig(32, 128, 8, 4, 4, True),  # 5.1 µs (F.linear 13.0)
+    (1032, 2048, 4): GemvConfig(32, 128, 8, 4, 4, True),  # 5.1 µs (F.linear 8.3)
+    (1032, 2048, 8): GemvConfig(32, 128, 8, 4, 4, True),  # 5.2 µs (F.linear 5.9)
+    (1032, 2048, 16): GemvConfig(32, 128, 8, 4, 4, True),  # 5.3 µs (F.linear 5.9)
+    (256, 2048, 1): GemvConfig(4, 512, 4, 4, 2, False),  # 3.3 µs (F.linear 5.6)
+    (256, 2048, 4): GemvConfig(4, 512, 4, 4, 2, False),  # 3.8 µs (F.linear 5.7)
+    (256, 2048, 8): GemvConfig(16, 256, 8, 4, 3, True),  # 4.1 µs (F.linear 5.7)
+    (256, 2048, 16): GemvConfig(16, 256, 8, 4, 3, True),  # 4.1 µs (F.linear 5.7)
+    (2048, 512, 1): GemvConfig(4, 512, 1, 4, 2, False),  # 2.8 µs (F.linear 3.7)
+    (2048, 512, 4): GemvConfig(64, 128, 1, 4, 4, True),  # 3.3 µs (F.linear 3.7)
+    (2048, 512, 8): GemvConfig(64, 128, 1, 4, 4, True),  # 3.4 µs (F.linear 3.8)
+    (2048, 512, 16): GemvConfig(64, 128, 1, 4, 4, True),  # 3.4 µs (F.linear 3.8)
+    (512, 2048, 1): GemvConfig(4, 512, 4, 4, 2, False),  # 3.8 µs (F.linear 5.7)
+    (512, 2048, 4): GemvConfig(16, 256, 8, 4, 3, True),  # 4.5 µs (F.linear 5.7)
+    (512, 2048, 8): GemvConfig(16, 256, 8, 4, 3, True),  # 4.6 µs (F.linear 5.7)
+    (512, 2048, 16): GemvConfig(16, 256, 8, 4, 3, True),  # 4.7 µs (F.linear 5.7)
+    (8192, 2048, 1): GemvConfig(64, 128, 1, 4, 4, True),  # 10.3 µs (F.linear 10.7)
+    (8192, 2048, 8): GemvConfig(64, 128, 1, 4, 4, True),  # 10.5 µs (F.linear 10.8)
+    (12288, 2048, 1): GemvConfig(64, 128, 1, 4, 4, True),  # 14.3 µs (F.linear 15.2)
+    (12288, 2048, 4): GemvConfig(64, 128, 1, 4, 4, True),  # 14.4 µs (F.linear 15.3)
+    (12288, 2048, 8): GemvConfig(64, 128, 1, 4, 4, True),  # 14.5 µs (F.linear 15.4)
+    (12288, 2048, 16): GemvConfig(64, 128, 1, 4, 4, True),  # 14.7 µs (F.linear 15.5)
+    (64, 2048, 1): GemvConfig(4, 512, 4, 4, 2, False),  # 3.0 µs (F.linear 5.2)
+    (64, 2048, 4): GemvConfig(4, 512, 4, 4, 2, False),  # 3.3 µs (F.linear 5.2)
+    (64, 2048, 8): GemvConfig(16, 256, 8, 4, 3, True),  # 3.8 µs (F.linear 5.2)
+    (64, 2048, 16): GemvConfig(16, 256, 8, 4, 3, True),  # 3.8 µs (F.linear 5.3)
+}
 
 _FORCE: GemvConfig | None = None  # tests only: this config (fitted to each shape) for every shape, whatever TABLE says
 
