@@ -1,9 +1,10 @@
-"""Shared by the benchmark scripts: environment facts and result writing (JSON + markdown)."""
+"""Shared by the benchmark scripts: environment facts, result writing (JSON + markdown), CUDA-graph timing."""
 from __future__ import annotations
 
 import datetime
 import json
 import platform
+import statistics
 import sys
 from pathlib import Path
 
@@ -35,3 +36,34 @@ def write_results(name: str, payload: dict, table: str) -> None:
     env = payload["environment"]
     header = "\n".join(f"- {k}: {v}" for k, v in env.items())
     (RESULTS / f"{name}.md").write_text(f"# {payload['title']}\n\n{header}\n\n{payload.get('notes', '')}\n\n{table}\n")
+
+
+def capture(fn) -> torch.cuda.CUDAGraph:
+    """fn() in a CUDA graph, after one eager call on a side stream (which also compiles Triton kernels)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return graph
+
+
+def time_graph(graph: torch.cuda.CUDAGraph, steps_per_replay: int, replays: int = 40) -> dict:
+    """Median (and spread) over `replays` replays of µs per step."""
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / steps_per_replay)
+    times.sort()
+    return dict(median_us=statistics.median(times), p10_us=times[len(times) // 10], p90_us=times[-len(times) // 10 - 1])

@@ -6,8 +6,10 @@
 `norm_triton`, `router_triton` and `shared_expert_triton` hold the fused norms and MoE-block kernels of the resident
 forwards (used by patches/_norms.py and patches/_moe.py), each with its torch reference.
 `gdn_prologue_triton` is the GDN layer's conv + gates in verify mode (references `conv_silu_reference`,
-`gdn_gates_reference` beside it). `fused_kernels()` is the flag that routes patched modules to these kernels inside
-GPU-resident forwards.
+`gdn_gates_reference` beside it). `attention_triton` is the attention of a few queries over a static KV cache with a
+device-side length (`static_attention`, reference `attention_reference`), for the target's attention layers
+(patches/_attention.py) and the drafter's `draft_static`. `fused_kernels()` is the flag that routes patched modules
+to these kernels inside GPU-resident forwards.
 """
 from .gdn_torch import (
     GDNVerifyResult,
@@ -38,12 +40,14 @@ from .gdn_triton import (
 )
 from .gdn_prologue_triton import conv_silu, conv_silu_reference, gdn_gates, gdn_gates_reference
 from .moe_triton import fused_experts, fused_experts_reference
+from .attention_triton import attention_reference, static_attention
 
 __all__ = [
     "HAS_TRITON",
     "DefaultVerifyResult",
     "PendingDefaultLayer",
     "allocate_state_buffer",
+    "attention_reference",
     "commit_default_states",
     "commit_gdn_states_auto",
     "conv_silu",
@@ -58,6 +62,7 @@ __all__ = [
     "gdn_gates_reference",
     "gdn_verify_auto",
     "select_backend",
+    "static_attention",
     "GDNVerifyResult",
     "PendingGDNLayer",
     "commit_conv_state",
