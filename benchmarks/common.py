@@ -1,4 +1,4 @@
-"""Shared by the benchmark scripts: environment facts and result writing (JSON + markdown)."""
+"""Shared by the benchmark scripts: environment facts, result writing (JSON + markdown), CUDA-graph timing."""
 from __future__ import annotations
 
 import datetime
@@ -38,7 +38,22 @@ def write_results(name: str, payload: dict, table: str) -> None:
     (RESULTS / f"{name}.md").write_text(f"# {payload['title']}\n\n{header}\n\n{payload.get('notes', '')}\n\n{table}\n")
 
 
-def time_graph(graph: torch.cuda.CUDAGraph, per_replay: int, replays: int) -> dict:
+def capture(fn) -> torch.cuda.CUDAGraph:
+    """fn() in a CUDA graph, after one eager call on a side stream (which also compiles Triton kernels)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return graph
+
+
+def time_graph(graph: torch.cuda.CUDAGraph, per_replay: int, replays: int = 40) -> dict:
     """Median (p10, p90) over `replays` timed replays, µs per unit (per_replay units per replay), after 20 untimed."""
     for _ in range(20):
         graph.replay()

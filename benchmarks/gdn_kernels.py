@@ -16,7 +16,6 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -31,6 +30,8 @@ if "hybridspec_hf" not in sys.modules:
     _package = types.ModuleType("hybridspec_hf")
     _package.__path__ = [os.path.join(REPO, "hybridspec_hf")]
     sys.modules["hybridspec_hf"] = _package
+
+from common import capture, time_graph  # noqa: E402
 
 from hybridspec_hf.kernels import gdn_torch as ref  # noqa: E402
 from hybridspec_hf.kernels.default_verifier import (  # noqa: E402
@@ -123,36 +124,6 @@ def default_commit(s: InputSet, **cfg) -> None:
 
 # ----------------------------------------------------------------------------------------------------------------
 # timing
-
-
-def capture(fn) -> torch.cuda.CUDAGraph:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    torch.cuda.synchronize()
-    return graph
-
-
-def time_graph(graph: torch.cuda.CUDAGraph, steps_per_replay: int, replays: int = 40) -> dict:
-    """Median (and spread) over `replays` replays of µs per step."""
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / steps_per_replay)
-    times.sort()
-    return dict(median_us=statistics.median(times), p10_us=times[len(times) // 10], p90_us=times[-len(times) // 10 - 1])
 
 
 def time_step(sets: list[InputSet], step, repeat: int, **cfg) -> dict:

@@ -1,7 +1,7 @@
 """Model-family patches (shipped as `hybridspec_hf.patches`): one file per family, nothing else imports internals.
 
-Each family module exposes NAME, GDN_CLASS, MODEL_CLASSES, MOE_BLOCK_CLASS, ROUTER_CLASS, `router_normalizes`
-(None for dense families) and `project_gdn_inputs`.
+Each family module exposes NAME, GDN_CLASS, ATTENTION_CLASS, MODEL_CLASSES, MOE_BLOCK_CLASS, ROUTER_CLASS,
+`router_normalizes` (None for dense families) and `project_gdn_inputs`.
 """
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from types import ModuleType
 
 import torch
 
+from ._attention import patch_attention, static_cache_length
 from ._cache import is_linear_cache_layer
 from ._gdn import (
     GDN_KERNEL_FUNCTIONS,
@@ -51,15 +52,16 @@ def family_of(model: torch.nn.Module) -> ModuleType:
 
 
 def install() -> None:
-    """Patch every family's GDN layer with verify mode, its RMSNorms, RoPE and MoE blocks (router, shared expert)
-    with the fused paths (all inert outside HybridSpec's resident forwards), route CPU tensors of transformers' GDN
-    kernel functions to their torch references (fla crashes on CPU tensors), and register
-    experts_implementation="hybridspec" (idempotent)."""
+    """Patch every family's GDN layer with verify mode, its RMSNorms, RoPE, attention function and MoE blocks
+    (router, shared expert) with the fused paths (all inert outside HybridSpec's resident forwards), route CPU
+    tensors of transformers' GDN kernel functions to their torch references (fla crashes on CPU tensors), and
+    register experts_implementation="hybridspec" (idempotent)."""
     for family in _families():
         patch_gdn_class(family.GDN_CLASS, family.project_gdn_inputs)
         route_cpu_to_torch(family.modeling)
         patch_norm_classes(family.RMS_NORM_CLASS, family.GATED_NORM_CLASS)
         patch_rope(family.modeling)
+        patch_attention(family.modeling, family.ATTENTION_CLASS)
         if family.MOE_BLOCK_CLASS is not None:
             patch_moe_classes(family.ROUTER_CLASS, family.MOE_BLOCK_CLASS, family.router_normalizes)
     register_experts_implementation()
@@ -117,6 +119,7 @@ __all__ = [
     "release_gdn_projections",
     "release_linears",
     "route_cpu_to_torch",
+    "static_cache_length",
     "supported_classes",
     "text_model",
 ]

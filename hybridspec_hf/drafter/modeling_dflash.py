@@ -29,6 +29,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutput
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from hybridspec_hf.kernels.attention_triton import routed, static_attention
 from hybridspec_hf.kernels.norm_triton import fused_kernels_active, rms_norm
 from hybridspec_hf.kernels.rope_triton import rope
 from hybridspec_hf.kernels.rope_triton import supported as rope_supported
@@ -344,12 +345,15 @@ class DFlashAttention(nn.Module):
         sin: torch.Tensor,
         mask: torch.Tensor | None,  # bool [B|1, 1, Tq, Tk+Tq], True = attend; None = all
         block_slots: torch.Tensor | None = None,  # [B, H_kv, Tq, D] long: static path, see below
+        context_length: torch.Tensor | None = None,  # [B] long: static path, the context slots before the block
     ) -> torch.Tensor:
         """Attention output [B, Tq, H] of the block.
 
         Eager path: keys are cat([context K/V, block K/V]). Static path (`block_slots` given, context K/V are the
         whole static buffers [B, H_kv, S, D]): the block's K/V are scattered into their slots of those buffers and
         the block attends over all S slots with `mask` [B, 1, Tq, S]; no cat, so shapes and addresses stay fixed.
+        Inside resident rounds on CUDA the static path reads only the live slots instead (`static_attention`, from
+        `context_length`, under this layer's causal and sliding-window rules; `mask` unused).
         """
         batch, length = x.shape[:2]
         q = self.q_norm(self.q_proj(x).view(batch, length, self.num_heads, self.head_dim)).transpose(1, 2)
@@ -359,6 +363,10 @@ class DFlashAttention(nn.Module):
             context_key.scatter_(2, block_slots, k)
             context_value.scatter_(2, block_slots, v)
             k, v = context_key, context_value
+            if context_length is not None and not self.training and routed(q, k, v):
+                out = static_attention(q, k, v, context_length, self.head_dim**-0.5, causal=self.is_causal,
+                                       window=self.sliding_window)  # [B, Tq, Hq, D]
+                return self.o_proj(out.reshape(batch, length, -1))
         elif context_key is not None:
             k, v = torch.cat([context_key, k], dim=2), torch.cat([context_value, v], dim=2)
         out = F.scaled_dot_product_attention(
@@ -392,8 +400,10 @@ class DFlashDecoderLayer(GradientCheckpointingLayer):
         self.input_layernorm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, context_key, context_value, cos, sin, mask, block_slots=None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), context_key, context_value, cos, sin, mask, block_slots)
+    def forward(self, x, context_key, context_value, cos, sin, mask, block_slots=None,
+                context_length=None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), context_key, context_value, cos, sin, mask, block_slots,
+                               context_length)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -614,7 +624,9 @@ class DFlashDrafter(PreTrainedModel):
         context positions < ctx.length plus the block, under each layer's causal / sliding-window rules. New context
         goes in beforehand with `ctx.append(features, count)`. The block's K/V are written into ctx's spare slots
         (overwritten by the next append), and the mask is built on the device from ctx.length over all
-        capacity + B slots; every query sees at least its own key, so no row of the mask is all False.
+        capacity + B slots; every query sees at least its own key, so no row of the mask is all False. Inside
+        resident rounds on CUDA (`fused_kernels()`) the layers read only the live slots instead, from ctx.length
+        (kernels/attention_triton.py), so the cost follows the context, not the capacity.
         Args:
             anchor_ids: [B, 1] long, the last emitted token of each row.
             ctx: the `StaticDraftContext` of this generation (this drafter's, batch size B).
@@ -636,7 +648,7 @@ class DFlashDrafter(PreTrainedModel):
         slots = ctx.slot_index(query)  # [B, H_kv, bs, D]
         for layer, key, value in zip(self.layers, ctx.keys, ctx.values, strict=True):
             mask = layer_masks[(layer.self_attn.is_causal, layer.self_attn.sliding_window)]
-            hidden = layer(hidden, key, value, cos, sin, mask, block_slots=slots)
+            hidden = layer(hidden, key, value, cos, sin, mask, block_slots=slots, context_length=ctx.length)
         return self.compute_logits(self.norm(hidden)[:, 1:])
 
     def _block_embeddings(self, anchor_ids: torch.Tensor) -> torch.Tensor:

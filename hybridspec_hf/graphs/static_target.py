@@ -7,7 +7,9 @@ One `StaticTarget` per (model, capacity, block size) lives across generate() cal
   after each commit, so a verification writes its T keys at length .. length+T-1;
 - `next_position` [R, 1, 1] long: the position id of the next token (R = rows of mRoPE position ids, or 1);
 - masks built on the device from `length` (a mask dict, so transformers' mask code, which syncs on 5.17, never
-  runs).
+  runs). On CUDA the attention layers of the resident forwards ignore them and read `length` itself
+  (patches/_attention.py, kernels/attention_triton.py): keys past the live ones are never read, so a round's
+  attention no longer costs the whole capacity.
 
 Nothing here reads a device value on the host. A generate() call prefills with its own cache as AR does, `load`s
 that cache into the static one, runs rounds, and `store`s the result back into the caller's cache, so the caller
@@ -146,7 +148,8 @@ class StaticTarget:
                 layer._hybridspec_verify = verify
         capture = FeatureCapture(self.decoder_layers, self.feature_layer_ids)  # only for this forward
         try:
-            with patches.fused_kernels():
+            # attention layers read `length` on the device (our static-cache kernel, on CUDA) or the mask (SDPA)
+            with patches.fused_kernels(), patches.static_cache_length(self.length):
                 outputs = self.model(input_ids=tokens, position_ids=self._position_ids(positions),
                                      attention_mask=self.mask(num_tokens), use_cache=True,
                                      logits_to_keep=num_tokens, **{self.cache_kwarg: self.cache})

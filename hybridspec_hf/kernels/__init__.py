@@ -7,8 +7,11 @@
 forwards (used by patches/_norms.py and patches/_moe.py), each with its torch reference.
 `gdn_prologue_triton` is the GDN layer's conv + gates in verify mode (references `conv_silu_reference`,
 `gdn_gates_reference` beside it). `gemv_triton` is the projections' skinny GEMM at ≤ 16 rows (`linear`: ours where
-its TABLE names the shape, else F.linear; reference `linear_reference`; used by patches/_linear.py). `fused_kernels()` is the flag that routes patched modules to these kernels inside
-GPU-resident forwards.
+its TABLE names the shape, else F.linear; reference `linear_reference`; used by patches/_linear.py).
+`attention_triton` is the attention of a few queries over a static KV cache with a device-side length
+(`static_attention`, reference `attention_reference`), for the target's attention layers (patches/_attention.py) and
+the drafter's `draft_static`. `signals_triton` is the drafter's per-position signals in one launch. `fused_kernels()`
+is the flag that routes patched modules to these kernels inside GPU-resident forwards.
 """
 from .gdn_torch import (
     GDNVerifyResult,
@@ -39,12 +42,14 @@ from .gdn_triton import (
 )
 from .gdn_prologue_triton import conv_silu, conv_silu_reference, gdn_gates, gdn_gates_reference
 from .moe_triton import fused_experts, fused_experts_reference
+from .attention_triton import attention_reference, static_attention
 
 __all__ = [
     "HAS_TRITON",
     "DefaultVerifyResult",
     "PendingDefaultLayer",
     "allocate_state_buffer",
+    "attention_reference",
     "commit_default_states",
     "commit_gdn_states_auto",
     "conv_silu",
@@ -59,6 +64,7 @@ __all__ = [
     "gdn_gates_reference",
     "gdn_verify_auto",
     "select_backend",
+    "static_attention",
     "GDNVerifyResult",
     "PendingGDNLayer",
     "commit_conv_state",
