@@ -262,11 +262,13 @@ class ResidentRounds:
     def _step(self):
         """A plain decoding step: verify the anchor and commit it (m = 1 is known, so one graph does both).
 
-        Our block verify (w = 1) + one-launch commit instead of transformers' decode path: on the H200 the stock
-        one-token forward cost 13.7 ms in a graph against ≈ 11.8 ms this way (benchmarks/results/gpu_rounds_runs.md).
+        Our GDN path instead of transformers' decode path (on the H200 the stock one-token forward cost 13.7 ms in a
+        graph against ≈ 11.8 ms with the block verify + one-launch commit, benchmarks/results/gpu_rounds_runs.md).
+        With the fused kernels each GDN layer takes one recurrent step that updates its state and conv window in
+        place (`decode_step`: S read and written once, no commit launch); otherwise the block verify + commit.
         """
         context_len = self.target.length.clone()
-        session = self.target.session()
+        session = self.target.session(decode_step=True)
         with self._routing_armed():
             logits, features = self.target.forward(self.last_token, verify=session)
         scores = self._scores(logits[0].float())  # [1, V]
