@@ -404,6 +404,8 @@ VERIFY_VARIANTS = {  # name: gdn_verify_triton keywords (all fp32-grade: check_v
     # is in the main table with run 1's configs
     "tile_bv16_bk32_w4": dict(block_v=16, block_k=32, num_warps=4),
     "tile_bv16_bk32_w2": dict(block_v=16, block_k=32, num_warps=2),
+    "tile_bv16_bk32_w1": dict(block_v=16, block_k=32, num_warps=1),  # no cross-warp barriers, 4x the work per warp
+    "tile_bv8_bk32_w1": dict(block_v=8, block_k=32, num_warps=1),  # 512 programs at batch 1
     "tile_bv16_bk32_w8": dict(block_v=16, block_k=32, num_warps=8),
     "tile_bv16_bk64_w4": dict(block_v=16, block_k=64, num_warps=4),
     "tile_bv32_bk32_w4": dict(block_v=32, block_k=32, num_warps=4),

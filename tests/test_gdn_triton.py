@@ -141,7 +141,8 @@ def test_tile_kernels_bf16_every_window(w, b):
 
 
 @pytest.mark.parametrize("kernel, options", [("sliced", {}), ("tile", dict(solve="substitution")),
-                                             ("tile", dict(precision="tf32x3", small_precision="tf32x3"))])
+                                             ("tile", dict(precision="tf32x3", small_precision="tf32x3")),
+                                             ("tile", dict(block_v=8, block_k=16, num_warps=1))])
 def test_other_verify_variants_match_float64(kernel, options):
     """The variants the GPU benchmark compares: the first kernel ("sliced"), the row-by-row solve, other precisions
     (the interpreter computes every dot in fp32, so this checks their wiring, not TF32 rounding)."""
