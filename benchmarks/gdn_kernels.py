@@ -1,14 +1,20 @@
 """GDN verify + commit at Qwen3.5-35B-A3B shapes: ours vs the default verifier vs fla's chunk kernel (what HF runs).
 
 Shapes: 30 GDN layers, H = 16 key heads, HV = 32 value heads, dk = dv = 128, fp32 state, bf16 q/k/v/beta,
-fp32 g, conv state [B, 8192, 4] bf16; batch 1 and 8; w = 2, 4, 8, 12, 16; random inputs.
+fp32 g, conv state [B, 8192, 4] bf16; batch 1 and 8; w = 2, 4, 8, 16; random inputs.
 Every figure is the median over many replays of one CUDA graph per shape that runs the step for all 30 layers on
 each of several input sets in turn (sets together larger than the L2), divided by the number of sets run.
 
+Methods side by side: "tile" (the shipped kernels: whole-tile verify with tensor-core products and the doubling
+solve, whole-tile commit), "sliced" (the first kernels, run 1 of gdn_kernels_gpu_runs.md: dk slices, fp32 dots,
+forward substitution) and "default" (per-token states + copy, default_verifier.py). The w = 1 table is a plain
+decoding step: `gdn_decode_step` (one recurrent step in place) against verify(w = 1) + commit.
+
     python benchmarks/gdn_kernels.py --out DIR [--sweep] [--fla] [--check]
 
-Writes DIR/gdn_kernels.json and DIR/gdn_kernels.md. `--fla-worker` is the isolated fla timing (a subprocess:
-fla once hit an illegal memory access when one process captured many shapes).
+Writes DIR/gdn_kernels.json and DIR/gdn_kernels.md. `--sweep` times tile sizes / warps / precisions of every kernel
+at w = 4 and 16 (and the step at w = 1) first and runs the main table with the fastest. `--fla-worker` is the
+isolated fla timing (a subprocess: fla once hit an illegal memory access when one process captured many shapes).
 """
 from __future__ import annotations
 
@@ -39,6 +45,7 @@ from hybridspec_hf.kernels.default_verifier import (  # noqa: E402
     PendingDefaultLayer,
     commit_default_states_triton,
     default_verify_triton,
+    gdn_decode_step,
 )
 from hybridspec_hf.kernels.gdn_triton import (  # noqa: E402
     GDNVerifyResult,
@@ -122,16 +129,29 @@ def default_commit(s: InputSet, **cfg) -> None:
     commit_default_states_triton(s.default_pending, s.num_committed)
 
 
+def ours_step(s: InputSet, **cfg) -> None:
+    """A plain decoding step (w = 1): one recurrent step per layer, each state updated in place."""
+    for x in s.layers:
+        gdn_decode_step(x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"], **cfg.get("step", {}))
+
+
+def total_step(verify, commit):
+    def step(s: InputSet, **cfg) -> None:
+        verify(s, **cfg)
+        commit(s, **cfg)
+    return step
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # timing
 
 
-def time_step(sets: list[InputSet], step, repeat: int, **cfg) -> dict:
-    """One graph: `step` on every set in turn, `repeat` times; µs per step (all 30 layers of one set)."""
+def time_step(sets: list[InputSet], body, repeat: int, **cfg) -> dict:
+    """One graph: `body` on every set in turn, `repeat` times; µs per call (all 30 layers of one set)."""
     def run():
         for _ in range(repeat):
             for s in sets:
-                step(s, **cfg)
+                body(s, **cfg)
     graph = capture(run)
     result = time_graph(graph, repeat * len(sets))
     del graph
@@ -195,35 +215,51 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def check_correctness(precision: str, gen: torch.Generator) -> dict:
-    """Real head sizes, grouped heads, bf16 inputs; every prefix m = 0..16 against the float64 recurrence."""
+def check_correctness(cfg: dict, gen: torch.Generator) -> dict:
+    """Real head sizes, grouped heads, bf16 inputs; every prefix m = 0..16 against the float64 recurrence.
+    cfg: a method's {"verify": gdn_verify_triton keywords, "commit": commit_gdn_states_triton keywords}."""
     batch, w = 17, 16
     x = make_layer(batch, w, gen)
     x["state"] = x["state"] * 20  # a state of norm ~1 per column
     out64, states64 = ref.gdn_recurrence(x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"])
-    res = gdn_verify_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"], precision=precision)
+    res = gdn_verify_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"], **cfg["verify"])
     verify64 = ref.gdn_verify(*(x[n].double() for n in ("q", "k", "v", "g", "beta", "state")))
     m = torch.arange(batch, dtype=torch.int32, device=DEV)  # request b commits m = b
     state = x["state"].clone()
     commit_gdn_states_triton([PendingGDNLayer(state, x["conv_state"].clone(), x["conv_input"], x["k"], res)], m,
-                             precision=precision)
+                             **cfg["commit"])
     s_err = max(rel(state[b], states64[b, b - 1] if b else x["state"][b]) for b in range(batch))
+    fp32_cfg = {k: v for k, v in cfg["verify"].items() if k != "precision"}  # fp32 q/k take an fp32 precision
+    fp32 = gdn_verify_triton(*(x[n].float() for n in ("q", "k", "v", "g", "beta", "state")), **fp32_cfg)
+    step_state = x["state"].clone()
+    step_out = gdn_decode_step(x["q"][:, :1], x["k"][:, :1], x["v"][:, :1], x["g"][:, :1], x["beta"][:, :1],
+                               step_state)
+    return dict(
+        out_vs_recurrence64=rel(res.out.float(), out64.float()),  # includes the bf16 rounding of out
+        out_fp32_vs_recurrence64=rel(fp32.out, out64),  # the kernel's own arithmetic
+        z_vs_fp64=rel(res.z, verify64.z), state_every_m_vs_recurrence64=s_err,
+        decode_step_out_vs_recurrence64=rel(step_out.float(), out64[:, :1].float()),
+        decode_step_state_vs_recurrence64=rel(step_state, states64[:, 0]),
+    )
+
+
+def check_default(gen: torch.Generator) -> dict:
+    """The default verifier on the same kind of inputs (its per-token states and the copied S_m)."""
+    batch, w = 17, 16
+    x = make_layer(batch, w, gen)
+    x["state"] = x["state"] * 20
+    out64, states64 = ref.gdn_recurrence(x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"])
+    m = torch.arange(batch, dtype=torch.int32, device=DEV)
     buffer = torch.empty(batch, w, HV, DK, DV, device=DEV)
     dres = default_verify_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"], buffer)
     dstate = x["state"].clone()
     commit_default_states_triton([PendingDefaultLayer(dstate, x["conv_state"].clone(), x["conv_input"], dres)], m)
     d_err = max(rel(dstate[b], states64[b, b - 1] if b else x["state"][b]) for b in range(batch))
-    fp32 = gdn_verify_triton(*(x[n].float() for n in ("q", "k", "v", "g", "beta", "state")), precision=precision)
-    return dict(
-        out_vs_recurrence64=rel(res.out.float(), out64.float()),  # includes the bf16 rounding of out
-        out_fp32_vs_recurrence64=rel(fp32.out, out64),  # the kernel's own arithmetic
-        z_vs_fp64=rel(res.z, verify64.z), state_every_m_vs_recurrence64=s_err,
-        default_out_vs_recurrence64=rel(dres.out.float(), out64.float()),
-        default_states_vs_recurrence64=rel(dres.states, states64), default_commit_vs_recurrence64=d_err,
-    )
+    return dict(default_out_vs_recurrence64=rel(dres.out.float(), out64.float()),
+                default_states_vs_recurrence64=rel(dres.states, states64), default_commit_vs_recurrence64=d_err)
 
 
-def drift(precision: str, rounds: int, gen: torch.Generator) -> dict:
+def drift(cfg: dict, rounds: int, gen: torch.Generator) -> dict:
     """verify -> commit rounds vs the float64 recurrence of the committed tokens. Each round is a 16-token max shape
     with a random valid_len w (one compiled kernel, as in a max-shape CUDA graph) and random m in 1..w."""
     batch, heads, v_heads, t = 2, 2, 4, 16
@@ -238,45 +274,68 @@ def drift(precision: str, rounds: int, gen: torch.Generator) -> dict:
         beta = torch.rand(batch, t, v_heads, generator=gen, device=DEV)
         m = torch.randint(1, w + 1, (batch,), generator=gen, device=DEV, dtype=torch.int32)
         valid = torch.full((batch,), w, dtype=torch.int32, device=DEV)
-        res = gdn_verify_triton(q, k, v, g, beta, state, valid_len=valid, precision=precision)
+        res = gdn_verify_triton(q, k, v, g, beta, state, valid_len=valid, **cfg["verify"])
         conv = torch.randn(batch, 8, CONV_K, device=DEV)
         commit_gdn_states_triton([PendingGDNLayer(state, conv, torch.randn(batch, 8, t, device=DEV), k, res)], m,
-                                 precision=precision)
+                                 **cfg["commit"])
         _, states64 = ref.gdn_recurrence(q[:, :w], k[:, :w], v[:, :w], g[:, :w], beta[:, :w], state64)
         state64 = states64[torch.arange(batch, device=DEV), m.long() - 1]
         errors.append(rel(state, state64))
     return dict(rounds=rounds, max_rel=max(errors), final_rel=errors[-1], first_rel=errors[0])
 
 
+def check_variants(gen: torch.Generator) -> dict:
+    """Every swept verify and commit variant's worst error (Z; S_m over m = 0..16) on one bf16 layer."""
+    batch, w = 17, 16
+    x = make_layer(batch, w, gen)
+    x["state"] = x["state"] * 20
+    _, states64 = ref.gdn_recurrence(x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"])
+    z64 = ref.gdn_verify(*(x[n].double() for n in ("q", "k", "v", "g", "beta", "state"))).z
+    m = torch.arange(batch, dtype=torch.int32, device=DEV)
+    errors = {}
+    res = None
+    for name, kw in VERIFY_VARIANTS.items():
+        res = gdn_verify_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"], **kw)
+        errors[f"verify/{name}"] = rel(res.z, z64)
+    for name, kw in COMMIT_VARIANTS.items():
+        state = x["state"].clone()
+        commit_gdn_states_triton([PendingGDNLayer(state, x["conv_state"].clone(), x["conv_input"], x["k"], res)], m,
+                                 **kw)
+        errors[f"commit/{name}"] = max(rel(state[b], states64[b, b - 1] if b else x["state"][b]) for b in range(batch))
+    return errors
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # sweeps and the main table
 
+METHODS = {  # ours: {"verify": gdn_verify_triton keywords, "commit": commit_gdn_states_triton keywords}
+    "tile": dict(verify={}, commit={}),  # the code defaults (the shipped kernels)
+    "sliced": dict(verify=dict(kernel="sliced"), commit=dict(block_k=32, block_v=64, precision="ieee")),  # run 1's
+}
 
-def bench_shape(batch: int, w: int, cfg: dict, gen: torch.Generator, modes=("all", "random")) -> list[dict]:
+
+def bench_shape(batch: int, w: int, cfgs: dict, gen: torch.Generator, modes=("all", "random")) -> list[dict]:
+    """One shape, every method: cfgs = {method: cfg} for ours plus "default": {"default": default_verify keywords}."""
     sets = [InputSet(batch, w, gen) for _ in range(n_sets_for(batch, w))]
+    ours = {name: cfg for name, cfg in cfgs.items() if name != "default"}
     for s in sets:  # warm: JIT for this T, pointer tables, per-token views
-        ours_verify(s, **cfg)
-        ours_commit(s, **cfg)
-        default_verify_all(s, **cfg)
-        default_commit(s, **cfg)
+        for cfg in ours.values():
+            ours_verify(s, **cfg)
+            ours_commit(s, **cfg)
+        default_verify_all(s, **cfgs["default"])
+        default_commit(s)
     torch.cuda.synchronize()
     repeat = 2
-    verify = dict(ours=time_step(sets, ours_verify, repeat, **cfg), default=time_step(sets, default_verify_all, repeat,
-                                                                                          **cfg))
+    verify = {name: time_step(sets, ours_verify, repeat, **cfg) for name, cfg in ours.items()}
+    verify["default"] = time_step(sets, default_verify_all, repeat, **cfgs["default"])
     rows = []
     for mode in modes:
         ms = [s.set_accepted(mode, gen) for s in sets]
-        commit = dict(ours=time_step(sets, ours_commit, repeat, **cfg), default=time_step(sets, default_commit, repeat))
-
-        def ours_total(s, **c):
-            ours_verify(s, **c)
-            ours_commit(s, **c)
-
-        def default_total(s, **c):
-            default_verify_all(s, **c)
-            default_commit(s, **c)
-        total = dict(ours=time_step(sets, ours_total, repeat, **cfg), default=time_step(sets, default_total, repeat,
-                                                                                         **cfg))
+        commit = {name: time_step(sets, ours_commit, repeat, **cfg) for name, cfg in ours.items()}
+        commit["default"] = time_step(sets, default_commit, repeat)
+        both = total_step(ours_verify, ours_commit)
+        total = {name: time_step(sets, both, repeat, **cfg) for name, cfg in ours.items()}
+        total["default"] = time_step(sets, total_step(default_verify_all, default_commit), repeat, **cfgs["default"])
         rows.append(dict(batch=batch, w=w, accept=mode, m_first_set=ms[0], n_sets=len(sets),
                          verify_us={k: v["median_us"] for k, v in verify.items()},
                          commit_us={k: v["median_us"] for k, v in commit.items()},
@@ -288,37 +347,78 @@ def bench_shape(batch: int, w: int, cfg: dict, gen: torch.Generator, modes=("all
     return rows
 
 
-VERIFY_VARIANTS = {  # name: gdn_verify_triton keywords
-    "ieee_bv32_bk16_w4": dict(precision="ieee", block_v=32, block_k=16, num_warps=4),
-    "ieee_bv32_bk32_w4": dict(precision="ieee", block_v=32, block_k=32, num_warps=4),
-    "ieee_bv64_bk16_w4": dict(precision="ieee", block_v=64, block_k=16, num_warps=4),
-    "tf32x3_bv32_bk16_w4": dict(precision="tf32x3", block_v=32, block_k=16, num_warps=4),
-    "tf32x3_bv64_bk16_w4": dict(precision="tf32x3", block_v=64, block_k=16, num_warps=4),
+def bench_decode_step(batch: int, cfgs: dict, gen: torch.Generator) -> dict:
+    """w = 1, m = 1 (a plain decoding step's GDN work for 30 layers): `gdn_decode_step` in place against each
+    verifier's verify(w = 1) + commit (which also rolls the conv window; the step's conv roll rides in conv_silu)."""
+    sets = [InputSet(batch, 1, gen) for _ in range(n_sets_for(batch, 1))]
+    for s in sets:
+        s.set_accepted("all", gen)
+        ours_step(s, **cfgs["tile"])
+        for name, cfg in cfgs.items():
+            if name != "default":
+                total_step(ours_verify, ours_commit)(s, **cfg)
+        total_step(default_verify_all, default_commit)(s, **cfgs["default"])
+    torch.cuda.synchronize()
+    result = {"decode_step": time_step(sets, ours_step, 2, **cfgs["tile"])["median_us"]}
+    both = total_step(ours_verify, ours_commit)
+    for name, cfg in cfgs.items():
+        if name != "default":
+            result[f"{name}_verify_commit"] = time_step(sets, both, 2, **cfg)["median_us"]
+    result["default_verify_commit"] = time_step(sets, total_step(default_verify_all, default_commit), 2,
+                                                **cfgs["default"])["median_us"]
+    del sets
+    torch.cuda.empty_cache()
+    return result
+
+
+VERIFY_VARIANTS = {  # name: gdn_verify_triton keywords (all fp32-grade: check_variants measures them); "sliced"
+    # is in the main table with run 1's configs
+    "tile_bv16_bk32_w4": dict(block_v=16, block_k=32, num_warps=4),
+    "tile_bv16_bk32_w2": dict(block_v=16, block_k=32, num_warps=2),
+    "tile_bv16_bk32_w1": dict(block_v=16, block_k=32, num_warps=1),  # no cross-warp barriers, 4x the work per warp
+    "tile_bv8_bk32_w1": dict(block_v=8, block_k=32, num_warps=1),  # 512 programs at batch 1
+    "tile_bv16_bk32_w8": dict(block_v=16, block_k=32, num_warps=8),
+    "tile_bv16_bk64_w4": dict(block_v=16, block_k=64, num_warps=4),
+    "tile_bv32_bk32_w4": dict(block_v=32, block_k=32, num_warps=4),
+    "tile_bv32_bk32_w8": dict(block_v=32, block_k=32, num_warps=8),
+    "tile_bv64_bk32_w8": dict(block_v=64, block_k=32, num_warps=8),
+    "tile_bv16_bk32_w4_substitution": dict(block_v=16, block_k=32, num_warps=4, solve="substitution"),
+    "tile_bv16_bk32_w4_small_bf16x6": dict(block_v=16, block_k=32, num_warps=4, small_precision="bf16x6"),
+    "tile_bv16_bk32_w4_ieee": dict(block_v=16, block_k=32, num_warps=4, precision="ieee"),
+    "tile_bv16_bk32_w4_tf32x3": dict(block_v=16, block_k=32, num_warps=4, precision="tf32x3"),
 }
-COMMIT_VARIANTS = {  # commit_gdn_states_triton keywords
-    "ieee_bv32_bk32_w4": dict(precision="ieee", block_v=32, block_k=32, num_warps=4),
-    "ieee_bv64_bk32_w4": dict(precision="ieee", block_v=64, block_k=32, num_warps=4),
-    "tf32x3_bv64_bk32_w4": dict(precision="tf32x3", block_v=64, block_k=32, num_warps=4),
+COMMIT_VARIANTS = {  # commit_gdn_states_triton keywords ("sliced": main table)
+    "tile_bv16_w4": dict(block_v=16, num_warps=4),
+    "tile_bv32_w4": dict(block_v=32, num_warps=4),
+    "tile_bv32_w8": dict(block_v=32, num_warps=8),
+    "tile_bv64_w8": dict(block_v=64, num_warps=8),
 }
 DEFAULT_VARIANTS = {  # default_verify_triton keywords
-    "bv4_w1": dict(block_v=4, num_warps=1),
     "bv8_w1": dict(block_v=8, num_warps=1),
     "bv16_w2": dict(block_v=16, num_warps=2),
     "bv32_w4": dict(block_v=32, num_warps=4),
 }
+STEP_VARIANTS = {  # gdn_decode_step keywords (w = 1 only)
+    "bv8_w1": dict(block_v=8, num_warps=1),
+    "bv16_w2": dict(block_v=16, num_warps=2),
+    "bv16_w4": dict(block_v=16, num_warps=4),
+    "bv32_w4": dict(block_v=32, num_warps=4),
+}
+KINDS = (("verify", VERIFY_VARIANTS, ours_verify), ("commit", COMMIT_VARIANTS, ours_commit),
+         ("default", DEFAULT_VARIANTS, default_verify_all))
 
 
 def sweep(gen: torch.Generator, batches, windows) -> dict:
-    """Every variant above on 30-layer graphs, all drafts accepted: {shape: {kind/variant: µs}}. Restricted to
-    precision="ieee" for the main table unless --precision says otherwise (tf32x3 is reported for comparison)."""
+    """Every variant above on 30-layer graphs, all drafts accepted: {shape: {kind/variant: µs}}; the decode step
+    at w = 1."""
     out = {}
     for batch in batches:
-        for w in windows:
+        for w in [*windows, 1]:
             sets = [InputSet(batch, w, gen) for _ in range(n_sets_for(batch, w))]
             key = f"b{batch}_w{w}"
             out[key] = {}
-            for kind, variants, step in (("verify", VERIFY_VARIANTS, ours_verify), ("commit", COMMIT_VARIANTS, ours_commit),
-                                         ("default", DEFAULT_VARIANTS, default_verify_all)):
+            kinds = (("step", STEP_VARIANTS, ours_step),) if w == 1 else KINDS
+            for kind, variants, step in kinds:
                 for name, kw in variants.items():
                     c = {kind: kw}
                     try:
@@ -334,15 +434,23 @@ def sweep(gen: torch.Generator, batches, windows) -> dict:
     return out
 
 
-def best_config(sweep_result: dict, batch: int, precision: str) -> dict:
-    """Fastest variant of each kernel for this batch (summed over the swept windows), ours at `precision`."""
-    shapes = [k for k in sweep_result if k.startswith(f"b{batch}_")]
-    cfg = {}
-    for kind, variants in (("verify", VERIFY_VARIANTS), ("commit", COMMIT_VARIANTS), ("default", DEFAULT_VARIANTS)):
-        names = [n for n in variants if kind == "default" or variants[n]["precision"] == precision]
-        name = min(names, key=lambda n: sum(sweep_result[s][f"{kind}/{n}"] for s in shapes))
-        cfg[kind] = dict(variants[name])
-    return cfg
+def best_config(sweep_result: dict, batch: int) -> dict:
+    """Per batch: the fastest "tile" verify and whole-tile commit (summed over the swept windows) for the "tile"
+    method, the fastest default verifier and decode step; "sliced" keeps run 1's configs."""
+    def fastest(kind: str, names: list[str], shapes: list[str]) -> dict:
+        return dict(VARIANTS[kind][min(names, key=lambda n: sum(sweep_result[s][f"{kind}/{n}"] for s in shapes))])
+
+    shapes = [k for k in sweep_result if k.startswith(f"b{batch}_") and k != f"b{batch}_w1"]
+    tile = dict(
+        verify=fastest("verify", [n for n in VERIFY_VARIANTS if n.startswith("tile")], shapes),
+        commit=fastest("commit", [n for n in COMMIT_VARIANTS if n.startswith("tile")], shapes),
+        step=fastest("step", list(STEP_VARIANTS), [f"b{batch}_w1"]),
+    )
+    return dict(tile=tile, sliced=METHODS["sliced"], default=dict(default=fastest("default", list(DEFAULT_VARIANTS),
+                                                                                   shapes)))
+
+
+VARIANTS = dict(verify=VERIFY_VARIANTS, commit=COMMIT_VARIANTS, default=DEFAULT_VARIANTS, step=STEP_VARIANTS)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -420,6 +528,9 @@ def run_fla(batches, windows, out_dir: str, timeout: int) -> dict:
 NOMINAL_COPY_TBPS = 4.25  # H200 device-to-device copy measured in earlier sessions
 
 
+GOALS = {4: 2.0, 16: 4.0}  # issue 12: verify + commit at least this many times faster than the default (batch 1)
+
+
 def markdown(report: dict) -> str:
     bw = report["copy_bandwidth"]["TBps"]
     fla = report.get("fla", {})
@@ -430,65 +541,98 @@ def markdown(report: dict) -> str:
         f"({fla.get('status', '')}); {report['inputs']} inputs; command `{report['command']}`.",
         f"Copy bandwidth measured in this run: {bw:.2f} TB/s (read + write); rooflines are given at it and at "
         f"{NOMINAL_COPY_TBPS} TB/s.",
-        f"Configs (per batch, from the sweep): `{json.dumps(report['config'])}`.",
+        f"Configs (per batch): `{json.dumps(report['config'])}`.",
         "",
-        "All 30 GDN layers per figure, µs: median of CUDA-graph replays over rotating input sets. 'ours' = block "
-        "verify (one launch per layer) + one-launch commit; 'default' = token-by-token verify storing S per token + "
-        "one-launch copy of the accepted one; fla = `chunk_gated_delta_rule` (verify only, what transformers runs; it "
-        "has no commit). accept 'random' = m uniform in 1..w per request.",
+        "All 30 GDN layers per figure, µs: median of CUDA-graph replays over rotating input sets. 'tile' = the shipped "
+        "block verify (one launch per layer) + one-launch commit; 'sliced' = the first version of both (run 1); "
+        "'default' = token-by-token verify storing S per token + one-launch copy of the accepted one; fla = "
+        "`chunk_gated_delta_rule` (verify only, what transformers runs; it has no commit). accept 'random' = m "
+        "uniform in 1..w per request. Goal (issue 12, batch 1): default / tile >= 2 at w = 4, >= 4 at w = 16.",
         "",
-        "| B | w | accept | ours verify | ours commit | ours total | default verify | default commit | default total "
-        "| speedup (total) | fla chunk |",
-        "|" + "---|" * 11,
+        "| B | w | accept | tile verify | tile commit | tile total | sliced total | default verify | default commit "
+        "| default total | default / tile | default / sliced | goal | fla chunk |",
+        "|" + "---|" * 14,
     ]
     for r in report["rows"]:
         v, c, t = r["verify_us"], r["commit_us"], r["total_us"]
         f = fla.get("us", {}).get(f"b{r['batch']}_w{r['w']}")
+        goal = GOALS.get(r["w"]) if r["batch"] == 1 else None
+        speedup = t["default"] / t["tile"]
+        goal_cell = "—" if goal is None else f"{goal:.0f}× {'met' if speedup >= goal else 'missed'}"
         lines.append(
-            f"| {r['batch']} | {r['w']} | {r['accept']} | {v['ours']:.1f} | {c['ours']:.1f} | {t['ours']:.1f} | "
-            f"{v['default']:.1f} | {c['default']:.1f} | {t['default']:.1f} | {t['default'] / t['ours']:.2f}× | "
-            f"{f'{f:.1f}' if isinstance(f, float) else '—'} |"
+            f"| {r['batch']} | {r['w']} | {r['accept']} | {v['tile']:.1f} | {c['tile']:.1f} | {t['tile']:.1f} | "
+            f"{t['sliced']:.1f} | {v['default']:.1f} | {c['default']:.1f} | {t['default']:.1f} | {speedup:.2f}× | "
+            f"{t['default'] / t['sliced']:.2f}× | {goal_cell} | {f'{f:.1f}' if isinstance(f, float) else '—'} |"
         )
+    if report.get("decode_step"):
+        lines += [
+            "",
+            "Plain decoding step (w = 1, m = 1), 30 layers, µs: `gdn_decode_step` (one recurrent step, state read and "
+            "written once in place; its conv roll rides in conv_silu and is not in this figure) against verify(1) + "
+            "commit (which include the conv roll) of each method.",
+            "",
+            "| B | decode step | tile verify + commit | sliced verify + commit | default verify + commit |",
+            "|---|---|---|---|---|",
+        ]
+        for batch, d in report["decode_step"].items():
+            lines.append(f"| {batch} | {d['decode_step']:.1f} | {d['tile_verify_commit']:.1f} | "
+                         f"{d['sliced_verify_commit']:.1f} | {d['default_verify_commit']:.1f} |")
     lines += [
         "",
         "Bytes = fewest bytes moved (each input read once, each output written once; the default verifier's per-token "
         "states included). Achieved = bytes / measured total time. Scratch = memory each approach keeps between verify "
         "and commit (ours: Z + G; default: one state per token).",
         "",
-        "| B | w | accept | ours MB | ours TB/s | ours % copy | ours × roofline (measured / 4.25) | default MB | "
+        "| B | w | accept | ours MB | tile TB/s | tile % copy | tile × roofline (measured / 4.25) | default MB | "
         "default TB/s | default % copy | default × roofline (measured / 4.25) | scratch ours MiB | scratch default MiB |",
         "|" + "---|" * 13,
     ]
     for r in report["rows"]:
         b, t = r["bytes"], r["total_us"]
         cells = []
-        for who in ("ours", "default"):
-            tbps = b[f"{who}_total"] / (t[who] * 1e-6) / 1e12
-            cells += [f"{b[f'{who}_total'] / 1e6:.0f}", f"{tbps:.2f}", f"{100 * tbps / bw:.0f}%",
+        for who, key in (("tile", "ours"), ("default", "default")):
+            tbps = b[f"{key}_total"] / (t[who] * 1e-6) / 1e12
+            cells += [f"{b[f'{key}_total'] / 1e6:.0f}", f"{tbps:.2f}", f"{100 * tbps / bw:.0f}%",
                       f"{bw / tbps:.2f} / {NOMINAL_COPY_TBPS / tbps:.2f}"]
         lines.append(f"| {r['batch']} | {r['w']} | {r['accept']} | " + " | ".join(cells) +
                      f" | {r['extra_memory_MiB']['ours']:.1f} | {r['extra_memory_MiB']['default']:.0f} |")
     if "sweep" in report:
-        lines += ["", "Sweep (µs, 30 layers, all accepted): " + "; ".join(
-            f"{shape}: " + ", ".join(f"{k} {v:.0f}" for k, v in res.items()) for shape, res in report["sweep"].items())]
+        lines += ["", "Sweep (µs, 30 layers, all accepted; w = 1 rows: the decode step):", ""]
+        for shape, res in report["sweep"].items():
+            ranked = sorted(res.items(), key=lambda kv: kv[1])
+            lines.append(f"- {shape}: " + ", ".join(f"{k} {v:.0f}" for k, v in ranked))
     if "correctness" in report:
         lines += ["", f"GPU correctness vs float64 (relative): `{json.dumps(report['correctness'])}`; "
-                      f"drift: `{json.dumps(report.get('drift'))}`."]
+                      f"drift: `{json.dumps(report.get('drift'))}`; variants: `{json.dumps(report.get('variants'))}`."]
     return "\n".join(lines) + "\n"
+
+
+def table(report: dict) -> str:
+    """The console summary: batch, w, accept, µs per method and the speedups."""
+    out = [f"{'B':>2} {'w':>3} {'accept':>7} {'tile':>8} {'sliced':>8} {'default':>8} {'def/tile':>9} "
+           f"{'def/sliced':>10}"]
+    for r in report["rows"]:
+        t = r["total_us"]
+        out.append(f"{r['batch']:>2} {r['w']:>3} {r['accept']:>7} {t['tile']:>8.1f} {t['sliced']:>8.1f} "
+                   f"{t['default']:>8.1f} {t['default'] / t['tile']:>8.2f}x {t['default'] / t['sliced']:>9.2f}x")
+    for batch, d in report.get("decode_step", {}).items():
+        out.append(f"{batch} w=1 step: decode_step {d['decode_step']:.1f}, tile verify+commit "
+                   f"{d['tile_verify_commit']:.1f}, default verify+commit {d['default_verify_commit']:.1f} µs")
+    return "\n".join(out)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--windows", type=int, nargs="+", default=[2, 4, 8, 12, 16])
-    parser.add_argument("--sweep", action="store_true", help="time tile/precision variants and use the best")
+    parser.add_argument("--windows", type=int, nargs="+", default=[2, 4, 8, 16])
+    parser.add_argument("--sweep", action="store_true", help="time tile/warps/precision variants and use the best")
+    parser.add_argument("--sweep-windows", type=int, nargs="+", default=[4, 16])
     parser.add_argument("--check", action="store_true", help="GPU correctness + drift before timing")
     parser.add_argument("--fla", action="store_true", help="time fla chunk_gated_delta_rule in a subprocess")
     parser.add_argument("--fla-timeout", type=int, default=200)
     parser.add_argument("--fla-json", default=None, help="fla timings of an earlier run (fla_chunk.json) to report")
     parser.add_argument("--drift-rounds", type=int, default=200)
-    parser.add_argument("--precision", default="ieee", help="dot precision of ours in the main table")
     parser.add_argument("--fla-worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.fla_worker:
@@ -501,7 +645,7 @@ def main() -> None:
     report = dict(
         gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        command=" ".join([os.path.basename(sys.executable), *sys.argv]), inputs="random", rows=[],
+        command=" ".join([os.path.basename(sys.executable), *sys.argv]), inputs="random", rows=[], decode_step={},
     )
     path = os.path.join(args.out, "gdn_kernels.json")
 
@@ -513,24 +657,30 @@ def main() -> None:
     report["copy_bandwidth"] = copy_bandwidth()
     print("copy", report["copy_bandwidth"], flush=True)
     if args.check:
-        report["correctness"] = {p: check_correctness(p, gen) for p in ("ieee", "tf32x3")}
-        report["drift"] = {p: drift(p, args.drift_rounds, gen) for p in ("ieee", "tf32x3")}
-        print("correctness", json.dumps(report["correctness"]), "\ndrift", json.dumps(report["drift"]), flush=True)
+        report["correctness"] = {name: check_correctness(cfg, gen) for name, cfg in METHODS.items()}
+        report["correctness"]["default"] = check_default(gen)
+        report["drift"] = {name: drift(cfg, args.drift_rounds, gen) for name, cfg in METHODS.items()}
+        report["variants"] = check_variants(gen)
+        print("correctness", json.dumps(report["correctness"]), "\ndrift", json.dumps(report["drift"]),
+              "\nvariants", json.dumps(report["variants"]), flush=True)
         print(f"[{time.time() - t0:.0f} s]", flush=True)
     if args.sweep:
-        report["sweep"] = sweep(gen, args.batches, [16])
+        report["sweep"] = sweep(gen, args.batches, args.sweep_windows)
         print(f"[{time.time() - t0:.0f} s]", flush=True)
     report["config"] = {}
     for batch in args.batches:
-        cfg = dict(verify=dict(precision=args.precision), commit=dict(precision=args.precision))  # code defaults
+        cfgs = dict(METHODS, default=dict(default={}))  # code defaults
         if args.sweep:
-            cfg = best_config(report["sweep"], batch, args.precision)
-        report["config"][f"b{batch}"] = cfg
+            cfgs = best_config(report["sweep"], batch)
+        report["config"][f"b{batch}"] = cfgs
         for w in args.windows:
-            report["rows"] += bench_shape(batch, w, cfg, gen)
+            report["rows"] += bench_shape(batch, w, cfgs, gen)
             r = report["rows"][-2:]
             print(f"b{batch} w{w}", [(x["accept"], x["total_us"]) for x in r], f"[{time.time() - t0:.0f} s]", flush=True)
             save()
+        report["decode_step"][f"b{batch}"] = bench_decode_step(batch, cfgs, gen)
+        print(f"b{batch} w1 step", report["decode_step"][f"b{batch}"], f"[{time.time() - t0:.0f} s]", flush=True)
+        save()
     if args.fla:
         report["fla"] = run_fla(args.batches, args.windows, args.out, args.fla_timeout)
         print("fla", report["fla"], flush=True)
@@ -539,6 +689,8 @@ def main() -> None:
                              us=json.load(open(args.fla_json)))
     save()
     print(markdown(report))
+    print(table(report))
+    print(f"[{time.time() - t0:.0f} s total]", flush=True)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from hybridspec_hf.kernels import (
     default_verify,
     fused_kernels_active,
     fused_kernels_allowed,
+    gdn_decode_step,
     gdn_gates,
     gdn_gates_reference,
     gdn_verify_auto,
@@ -58,6 +59,9 @@ class VerifySession:
     # (a state per verified token in `state_buffer` [GDN layers, B, >= T, HV, dk, dv] fp32; the commit copies S_m)
     verifier: str = "block"
     state_buffer: Any = None
+    # a plain decoding step, its one token committed (m = 1): on the fused route each GDN layer runs one recurrent
+    # step that updates state and conv window in place (`gdn_decode_step`), and leaves nothing to commit
+    decode_step: bool = False
 
 
 def per_token_state_buffer(gdn_layers: list[torch.nn.Module], cache, max_tokens: int) -> torch.Tensor:
@@ -187,7 +191,8 @@ def _fused_route(session: VerifySession, mixed_qkv: torch.Tensor, conv_state: to
 
 
 def verify_forward(layer: torch.nn.Module, session: VerifySession, hidden_states: torch.Tensor, project: ProjectFn):
-    """The GDN layer's output for w tokens from the committed state, without writing the cache."""
+    """The GDN layer's output for w tokens from the committed state, without writing the cache (a decoding step
+    on the fused route writes it: see `VerifySession.decode_step`)."""
     batch, seq_len, _ = hidden_states.shape
     cache_layer = session.cache.layers[layer.layer_idx]
     conv_state = cache_layer.conv_states[0]  # [B, C, K]
@@ -199,8 +204,10 @@ def verify_forward(layer: torch.nn.Module, session: VerifySession, hidden_states
     conv_input = mixed_qkv.transpose(1, 2)  # [B, C, T]
     activation = _activation(layer.activation)
     weight = layer.conv1d.weight.squeeze(1)  # [C, K]
-    if _fused_route(session, mixed_qkv, conv_state, weight):
-        mixed = conv_silu(conv_state, mixed_qkv, weight, layer.conv1d.bias)  # [B, T, C] contiguous
+    fused = _fused_route(session, mixed_qkv, conv_state, weight)
+    step = fused and session.decode_step and seq_len == 1  # commit in place, as the layer goes
+    if fused:
+        mixed = conv_silu(conv_state, mixed_qkv, weight, layer.conv1d.bias, roll_state=step)  # [B, T, C] contiguous
         g, beta = gdn_gates(a, b, layer.A_log, layer.dt_bias)
     else:
         mixed = conv_verify(conv_state, conv_input, weight, layer.conv1d.bias, activation).transpose(1, 2)
@@ -213,18 +220,22 @@ def verify_forward(layer: torch.nn.Module, session: VerifySession, hidden_states
     valid = session.valid_len  # read now: the routing correction may have rewritten it since the session began
     if valid is not None and valid.device != state.device:  # a device_map put this layer on another device
         valid = valid.to(state.device)
-    if session.verifier == "per_token_state":
+    if step:
+        out = gdn_decode_step(query, key, value, g, beta, state)
+    elif session.verifier == "per_token_state":
         states = session.state_buffer[len(session.pending)]  # this layer's slot: [B, >= T, HV, dk, dv]
         verified = default_verify(query, key, value, g, beta, state, states, valid_len=valid,
                                   kernel_backend=session.kernel_backend)
         session.pending.append(PendingDefaultLayer(state, conv_state, conv_input, verified))
+        out = verified.out
     else:
         verified = gdn_verify_auto(query, key, value, g, beta, state, valid_len=valid,
                                    kernel_backend=session.kernel_backend)
         session.pending.append(PendingGDNLayer(state, conv_state, conv_input, key, verified))
+        out = verified.out
 
     # [B, T, HV, dv] (transformers flattens to rows first): a z sliced from the concatenated GEMM stays a view
-    core = layer.norm(verified.out, z)
+    core = layer.norm(out, z)
     return layer.out_proj(core.reshape(batch, seq_len, -1))
 
 

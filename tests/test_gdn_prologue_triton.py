@@ -24,7 +24,7 @@ from _tiny import make_target  # noqa: E402
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as modeling  # noqa: E402
 
 from hybridspec_hf import patches  # noqa: E402
-from hybridspec_hf.kernels import conv_verify, fused_kernels  # noqa: E402
+from hybridspec_hf.kernels import commit_conv_state, commit_gdn_states, conv_verify, fused_kernels  # noqa: E402
 from hybridspec_hf.kernels.gdn_prologue_triton import (  # noqa: E402
     conv_silu,
     conv_silu_reference,
@@ -71,6 +71,20 @@ def test_conv_silu_equals_the_reference_and_transformers(t, channels, bias, dtyp
     update = inspect.unwrap(modeling.causal_conv1d_update)
     theirs = update(x.transpose(1, 2), state.clone(), weight, b, "silu").transpose(1, 2)
     assert_conv_close(out, theirs, pre)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t", [1, 3, 6])
+def test_conv_silu_rolls_the_window_in_place(t, dtype):
+    """roll_state: the same outputs, and the conv state becomes the last K inputs (the commit of all T tokens),
+    from the old window and the new inputs alike (t < K and t >= K)."""
+    state, x, weight, b = conv_inputs(7 * t, 2, t, 200, True, dtype)
+    expected_out = conv_silu(state, x, weight, b)
+    expected_state = state.clone()
+    commit_conv_state(expected_state, x.transpose(1, 2), torch.full((2,), t))
+    rolled = state.clone()
+    out = conv_silu(rolled, x, weight, b, roll_state=True)
+    assert torch.equal(out, expected_out) and torch.equal(rolled, expected_state)
 
 
 def test_conv_silu_reads_the_window_of_each_token():
@@ -143,7 +157,8 @@ def test_fused_verify_forward_equals_the_torch_glue(name, dtype, t, monkeypatch)
     launches = []
     for kernel in ("conv_silu", "gdn_gates"):
         original = getattr(_gdn, kernel)
-        monkeypatch.setattr(_gdn, kernel, lambda *args, _f=original, _n=kernel: launches.append(_n) or _f(*args))
+        monkeypatch.setattr(_gdn, kernel,
+                            lambda *args, _f=original, _n=kernel, **kw: launches.append(_n) or _f(*args, **kw))
     patches.prepare_gdn_projections(layers)
     separate = "_hybridspec_in_proj" in layer.__dict__
     assert separate == (name != "qwen3_next")  # Qwen3-Next's projections are fused already
@@ -160,6 +175,37 @@ def test_fused_verify_forward_equals_the_torch_glue(name, dtype, t, monkeypatch)
     torch.testing.assert_close(pending.verified.g_cum, plain.verified.g_cum, rtol=1e-5, atol=1e-6)
     assert_close_to_scale(fused, unfused, rel)
     assert unfused.abs().max() > 0
+
+
+@pytest.mark.parametrize("name,dtype", [("qwen3_5_moe_odd", torch.float32), ("qwen3_5_moe", torch.bfloat16)])
+def test_decode_step_commits_in_place_like_verify_and_commit(name, dtype):
+    """A plain decoding step on the fused route (one recurrent step, conv window rolled by the conv kernel, nothing
+    pending) leaves the output, state and conv window that the verify + commit of m = 1 leaves. Tolerances as
+    test_fused_verify_forward_equals_the_torch_glue (in bf16 the two paths' q/k/v differ by the interpreter's
+    truncation, and the state carries that)."""
+    target = make_target(name, seed=6, dtype=dtype)
+    family = patches.family_of(target)
+    layer = patches.gdn_layers(target)[0]
+    gen = torch.Generator().manual_seed(6)
+    hidden = torch.randn(1, 1, target.config.hidden_size, generator=gen).to(dtype)
+    conv_state = torch.randn(1, layer.conv_dim, layer.conv_kernel_size, generator=gen).to(dtype)
+    state = torch.randn(1, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, generator=gen) * 0.1
+    results = {}
+    for step in (False, True):
+        cache = SimpleNamespace(layers={layer.layer_idx: SimpleNamespace(conv_states=[conv_state.clone()],
+                                                                         recurrent_states=[state.clone()])})
+        session = patches.VerifySession(cache=cache, kernel_backend="torch" if not step else "auto",
+                                        decode_step=step)
+        with torch.no_grad(), fused_kernels():
+            out = _gdn.verify_forward(layer, session, hidden, family.project_gdn_inputs)
+        assert bool(session.pending) != step  # the step leaves nothing to commit
+        commit_gdn_states(session.pending, torch.ones(1, dtype=torch.int32))
+        entry = cache.layers[layer.layer_idx]
+        results[step] = out, entry.recurrent_states[0], entry.conv_states[0]
+    rel = 1e-5 if dtype == torch.float32 else 2**-5
+    for fused, torch_glue in zip(results[True][:2], results[False][:2]):
+        assert_close_to_scale(fused, torch_glue, rel)
+    assert torch.equal(results[True][2], results[False][2])
 
 
 def test_without_the_flag_or_the_interpreter_the_torch_glue_runs(monkeypatch):

@@ -25,6 +25,7 @@ from hybridspec_hf.kernels.default_verifier import (  # noqa: E402
     allocate_state_buffer,
     commit_default_states,
     default_verify,
+    gdn_decode_step,
 )
 from hybridspec_hf.kernels.gdn_triton import (  # noqa: E402
     commit_gdn_states_auto,
@@ -35,6 +36,7 @@ from hybridspec_hf.kernels.gdn_triton import (  # noqa: E402
 )
 
 ONE_STEP_TOL = 2e-6  # out, Z, S_m after one verify + commit vs float64
+BF16_OUT_TOL = 4e-3  # bf16 outputs carry their own rounding (the interpreter truncates: up to 2^-8 relative)
 DRIFT_TOL = 1e-5  # state after hundreds of rounds vs the float64 sequential recurrence
 
 
@@ -113,6 +115,69 @@ def test_verify_matches_float64(seed, b, t, h, hv, dk, dv, gate, dtype):
     assert rel(res.g_cum, block64.g_cum) < ONE_STEP_TOL
     fp32 = ref.gdn_verify(*verify_args(x))  # the torch path agrees with the kernel at fp32 level too
     assert rel(res.z, fp32.z) < ONE_STEP_TOL
+
+
+@pytest.mark.parametrize("w", [1, 2, 4, 7, 16])
+@pytest.mark.parametrize("b", [1, 3])
+def test_tile_kernels_bf16_every_window(w, b):
+    """The shipped path at the model's dtypes: bf16 q/k/v (state products "bf16x3", the commit's whole-tile bf16x3
+    fold), grouped heads, dk = 64 in two pipelined slices, dv = 40 (three 16-column tiles, the last one masked).
+    Request 0 commits nothing, request 1 the whole window, request 2 a random prefix."""
+    x = make_inputs(300 + 10 * w + b, b, w, 1, 2, 64, 40, "mixed", torch.bfloat16)
+    res = gdn_verify_triton(*verify_args(x), block_k=32)
+    out64, states64 = oracle(x)
+    block64 = ref.gdn_verify(*(a.double() for a in verify_args(x)))
+    assert rel(res.out.float(), out64.float()) < BF16_OUT_TOL
+    assert rel(res.z, block64.z) < ONE_STEP_TOL and rel(res.g_cum, block64.g_cum) < ONE_STEP_TOL
+    m = torch.tensor([0, w, int(torch.randint(1, w + 1, (1,)))][:b] if b > 1 else [w], dtype=torch.int32)
+    conv_state, conv_input = conv_caches(w, b, w)
+    layer = ref.PendingGDNLayer(x["state"].clone(), conv_state.clone(), conv_input, x["k"], res)
+    commit_gdn_states_triton([layer], m)
+    for req, n in enumerate(m.tolist()):
+        if n == 0:
+            assert torch.equal(layer.state[req], x["state"][req])
+        else:
+            assert rel(layer.state[req], expected_state(x, states64, req, n)) < ONE_STEP_TOL, (req, n)
+
+
+@pytest.mark.parametrize("kernel, options", [("sliced", {}), ("tile", dict(solve="substitution")),
+                                             ("tile", dict(precision="tf32x3", small_precision="tf32x3")),
+                                             ("tile", dict(block_v=8, block_k=16, num_warps=1))])
+def test_other_verify_variants_match_float64(kernel, options):
+    """The variants the GPU benchmark compares: the first kernel ("sliced"), the row-by-row solve, other precisions
+    (the interpreter computes every dot in fp32, so this checks their wiring, not TF32 rounding)."""
+    x = make_inputs(40, 2, 11, 1, 2, 24, 40, "mixed")
+    res = gdn_verify_triton(*verify_args(x), kernel=kernel, **options)
+    out64, _ = oracle(x)
+    assert rel(res.out, out64) < ONE_STEP_TOL
+    assert rel(res.z, ref.gdn_verify(*(a.double() for a in verify_args(x))).z) < ONE_STEP_TOL
+
+
+def test_kernel_options_name_the_problem():
+    x = make_inputs(41, 1, 4, 1, 1, 16, 16)
+    for options, message in ((dict(kernel="fast"), "kernel"), (dict(precision="bf16x3"), "bf16"),
+                             (dict(solve="inverse"), "solve"), (dict(small_precision="tf32"), "precision")):
+        with pytest.raises(ValueError, match=message):
+            gdn_verify_triton(*verify_args(x), **options)
+    conv_state, conv_input = conv_caches(41, 1, 4)
+    k = x["k"].bfloat16()
+    layer = ref.PendingGDNLayer(x["state"], conv_state, conv_input, k, gdn_verify_triton(*verify_args(x)))
+    with pytest.raises(ValueError, match="whole-tile commit"):  # bf16 keys, whole tiles: the three-part split only
+        commit_gdn_states_triton([layer], torch.tensor([1]), precision="ieee")
+
+
+@pytest.mark.parametrize("b, dtype", [(1, torch.bfloat16), (3, torch.float32)])
+def test_decode_step_updates_the_state_in_place(b, dtype):
+    """w = 1 decoding: one recurrent step reads and writes the state once; output and new state against float64."""
+    x = make_inputs(50 + b, b, 1, 2, 4, 32, 40, "mixed", dtype)
+    out64, states64 = oracle(x)
+    state = x["state"].clone()
+    out = gdn_decode_step(x["q"], x["k"], x["v"], x["g"], x["beta"], state)
+    assert out.dtype == dtype and out.shape == (b, 1, 4, 40)
+    assert rel(out.float(), out64.float()) < (ONE_STEP_TOL if dtype == torch.float32 else BF16_OUT_TOL)
+    assert rel(state, states64[:, 0]) < ONE_STEP_TOL
+    with pytest.raises(ValueError, match="one token"):
+        gdn_decode_step(*verify_args(make_inputs(52, 1, 2, 1, 1, 16, 16)))
 
 
 def test_aligned_keys_need_a_stable_solve():

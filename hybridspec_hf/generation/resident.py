@@ -35,6 +35,7 @@ import time
 import torch
 
 from hybridspec_hf import patches
+from hybridspec_hf.kernels import gdn_triton
 from hybridspec_hf.generation.acceptance import greedy_accept, sample_tokens, speculative_sample
 from hybridspec_hf.generation.checks import ROW_WISE_PROCESSORS
 from hybridspec_hf.generation.router_hooks import RoutingReplay, VerifyWindow
@@ -270,11 +271,14 @@ class ResidentRounds:
     def _step(self):
         """A plain decoding step: verify the anchor and commit it (m = 1 is known, so one graph does both).
 
-        Our block verify (w = 1) + one-launch commit instead of transformers' decode path: on the H200 the stock
-        one-token forward cost 13.7 ms in a graph against ≈ 11.8 ms this way (benchmarks/results/gpu_rounds_runs.md).
+        Our GDN path instead of transformers' decode path (on the H200 the stock one-token forward cost 13.7 ms in a
+        graph against ≈ 11.8 ms with the block verify + one-launch commit, benchmarks/results/gpu_rounds_runs.md).
+        With the fused kernels each GDN layer takes one recurrent step that updates its state and conv window in
+        place (`decode_step`: S read and written once, no commit launch) once `gdn_triton.TILE_KERNELS` is on;
+        otherwise the block verify + commit.
         """
         context_len = self.target.length.clone()
-        session = self.target.session()
+        session = self.target.session(decode_step=gdn_triton.TILE_KERNELS)  # not yet timed on a GPU
         with self._routing_armed():
             logits, features = self.target.forward(self.last_token, verify=session)
         scores = self._scores(logits[0].float())  # [1, V]

@@ -169,10 +169,11 @@ class StaticTarget:
         for layer in _attention_layers(self.cache):
             layer.cumulative_length.copy_(self.length.view(()))
 
-    def session(self, valid: torch.Tensor | None = None) -> patches.VerifySession:
-        """A verification session over the static cache (valid: [1] long device tensor, or None: all tokens)."""
+    def session(self, valid: torch.Tensor | None = None, decode_step: bool = False) -> patches.VerifySession:
+        """A verification session over the static cache (valid: [1] long device tensor, or None: all tokens).
+        decode_step: one token that will be committed (m = 1), so GDN layers may update their state in place."""
         return patches.VerifySession(cache=self.cache, kernel_backend=self.kernel_backend, valid_len=valid,
-                                     verifier=self.verifier, state_buffer=self.state_buffer)
+                                     verifier=self.verifier, state_buffer=self.state_buffer, decode_step=decode_step)
 
     def commit(self, session: patches.VerifySession, count: torch.Tensor) -> None:
         """Keep `count` ([1] long, 0 ≤ count ≤ T) of a verification's tokens: S_m and conv windows of every GDN

@@ -1,7 +1,8 @@
 """GDN verify/commit kernels. A leaf package: torch (+ triton) only.
 
 `gdn_torch` is the CPU implementation and the reference for every Triton kernel beside it. `gdn_triton` and
-`default_verifier` import without triton (their `*_auto` / `kernel_backend="auto"` entry points then use torch).
+`default_verifier` import without triton (their `*_auto` / `kernel_backend="auto"` entry points then use torch);
+`default_verifier.gdn_decode_step` is the in-place recurrent step of a plain decoding step (Triton only).
 `moe_triton` is the routed-experts path (`fused_experts`, reference `fused_experts_reference` beside it).
 `norm_triton`, `router_triton` and `shared_expert_triton` hold the fused norms and MoE-block kernels of the resident
 forwards (used by patches/_norms.py and patches/_moe.py), each with its torch reference.
@@ -30,6 +31,7 @@ from .default_verifier import (
     allocate_state_buffer,
     commit_default_states,
     default_verify,
+    gdn_decode_step,
 )
 from .gdn_triton import (
     HAS_TRITON,
@@ -61,6 +63,7 @@ __all__ = [
     "fused_kernels_active",
     "fused_kernels_allowed",
     "gdn_gates",
+    "gdn_decode_step",
     "gdn_gates_reference",
     "gdn_verify_auto",
     "select_backend",

@@ -12,6 +12,9 @@ straw man: both reductions of a step read the same decayed state (o_i = e^{g_i} 
 step has one dependent reduction instead of two), and the next token's inputs are loaded while the current token
 is computed. Conv: sglang copies the window from a per-token window cache its conv kernel writes; here the commit
 rolls it from the verified conv inputs (same bytes, and the conv kernel is common to both verifiers).
+
+The same kernel is the plain decoding step of both verifiers (`gdn_decode_step`, w = 1): with the state itself as
+its one-token buffer it reads and writes S once, in place, and leaves nothing to commit.
 """
 from __future__ import annotations
 
@@ -121,7 +124,7 @@ def _recurrent_verify_kernel(
         b_o = b_sq + tl.sum(f_q * f_k, 0) * b_z  # S_tᵀ q
         valid = t < n  # ignored tokens of a max-shape graph: zero output, no state stored
         tl.store(p_out + t * HV * DV, tl.where(valid, b_o, 0.0).to(out.dtype.element_ty), mask=mv)
-        tl.store(p_states + t * stride_pt, b_s, mask=mask_kv & valid)
+        tl.store(p_states + t * stride_pt, b_s.to(states.dtype.element_ty), mask=mask_kv & valid)
         b_q, b_k, b_v, b_g, b_beta = n_q, n_k, n_v, n_g, n_beta
 
 
@@ -156,10 +159,39 @@ def default_verify_triton(
     Inputs as `gdn_triton.gdn_verify_triton`; `state` is not written. Rows of `states` for ignored tokens
     (>= valid_len) are left as they were.
     """
+    _check_verify_shapes(q, k, v, g, beta, state)
+    _check_states_buffer(states, state, q.shape[1])
+    out = _launch_recurrent(q, k, v, g, beta, state, states, scale, valid_len, block_v, num_warps)
+    return DefaultVerifyResult(out=out, states=states[:, : q.shape[1]])
+
+
+def gdn_decode_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    scale: float | None = None,
+    *,
+    block_v: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """One decoded token through the recurrence, `state` [B, HV, dk, dv] updated IN PLACE (Triton: CUDA, or the
+    interpreter): the kernel above with the state itself as its one-token buffer, so the step reads and writes S
+    once and leaves nothing to commit (a plain decoding step commits its token anyway). q, k [B, 1, H, dk];
+    v [B, 1, HV, dv]; g, beta [B, 1, HV]. Returns out [B, 1, HV, dv] in v's dtype."""
+    _check_verify_shapes(q, k, v, g, beta, state)
+    if q.shape[1] != 1 or state.stride(-1) != 1:
+        raise ValueError(f"gdn_decode_step takes one token (got T={q.shape[1]}) and a state contiguous in its last "
+                         f"dimension (strides {state.stride()}); verify longer inputs with gdn_verify_triton")
+    return _launch_recurrent(q, k, v, g, beta, state, state.unsqueeze(1), scale, None, block_v, num_warps)
+
+
+def _launch_recurrent(q, k, v, g, beta, state, states, scale, valid_len, block_v, num_warps) -> torch.Tensor:
+    """`_recurrent_verify_kernel` over [B, T] tokens, S_t written to states[:, t]; returns out [B, T, HV, dv]."""
     batch, t, num_k_heads, dk = q.shape
     num_v_heads, dv = v.shape[2], v.shape[3]
-    _check_verify_shapes(q, k, v, g, beta, state)
-    _check_states_buffer(states, state, t)
     q, k, v, state = (_last_dim_contiguous(x) for x in (q, k, v, state))
     scale = dk**-0.5 if scale is None else scale
     out = torch.empty(batch, t, num_v_heads, dv, dtype=v.dtype, device=v.device)
@@ -174,7 +206,7 @@ def default_verify_triton(
         T=t, HAS_VALID=valid_len is not None, BK=max(16, triton.next_power_of_2(dk)), BV=block_v,
         num_warps=num_warps or default_warps,
     )
-    return DefaultVerifyResult(out=out, states=states[:, :t])
+    return out
 
 
 def _check_states_buffer(states: torch.Tensor, state: torch.Tensor, t: int) -> None:

@@ -47,7 +47,7 @@ def _conv_silu_kernel(state, x, w, bias, out,
                       stride_wc, stride_wk,
                       C, T,
                       K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr):
+                      X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr, ROLL: tl.constexpr, BW: tl.constexpr):
     i_c = tl.program_id(0)
     i_b = tl.program_id(1).to(tl.int64)
     rc = i_c * BC + tl.arange(0, BC)
@@ -72,6 +72,16 @@ def _conv_silu_kernel(state, x, w, bias, out,
     silu = (conv / (1.0 + tl.exp(-conv))).to(W_DTYPE)  # silu in fp32, rounded to its input's dtype
     p_out = out + i_b * T * C + rt[:, None] * C + rc[None, :]
     tl.store(p_out, silu.to(X_DTYPE), mask=mt[:, None] & mc[None, :])
+    if ROLL:  # the new window: columns T .. T+K-1 of [conv_state ‖ x], written over the columns read above
+        rj = tl.arange(0, BW)
+        col = T + rj
+        mask = (rj < K)[:, None] & mc[None, :]
+        from_state = (col < K)[:, None]
+        w_old = tl.load(p_state + col[:, None] * stride_sk, mask=mask & from_state, other=0.0)
+        w_new = tl.load(p_x + (col - K)[:, None] * stride_xt, mask=mask & ~from_state, other=0.0)
+        window = tl.where(from_state, w_old, w_new.to(w_old.dtype))
+        tl.debug_barrier()  # every thread has read its columns before any is overwritten
+        tl.store(p_state + rj[:, None] * stride_sk, window, mask=mask)
 
 
 def _gates_kernel(a, b, A_log, dt_bias, g, beta, stride_a, stride_b, rows, HV, threshold,
@@ -102,9 +112,12 @@ if HAS_TRITON:
 
 
 def conv_silu(conv_state: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-              bias: torch.Tensor | None) -> torch.Tensor:
+              bias: torch.Tensor | None, roll_state: bool = False) -> torch.Tensor:
     """Triton `conv_silu_reference` (one launch): conv_state [B, C, K], x [B, T, C] (any strides, e.g. a slice of
-    the projection output), weight [C, K], bias [C] or None -> contiguous [B, T, C] in x's dtype."""
+    the projection output), weight [C, K], bias [C] or None -> contiguous [B, T, C] in x's dtype.
+
+    roll_state: also commit all T inputs, in place: conv_state becomes the last K columns of [conv_state ‖ x]
+    (`gdn_torch.commit_conv_state` with m = T; a decoding step's conv update, with no commit launch after it)."""
     batch, t, channels = x.shape
     k = conv_state.shape[-1]
     if conv_state.shape[:2] != (batch, channels) or weight.shape != (channels, k):
@@ -116,7 +129,8 @@ def conv_silu(conv_state: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
         conv_state, x, weight, bias if bias is not None else weight, out,
         *conv_state.stride(), *x.stride(), *weight.stride(), channels, t,
         K=k, BT=max(2, triton.next_power_of_2(t)), BC=CONV_BLOCK, HAS_BIAS=bias is not None,
-        X_DTYPE=tl_dtype(x.dtype), W_DTYPE=tl_dtype(weight.dtype), num_warps=4,
+        X_DTYPE=tl_dtype(x.dtype), W_DTYPE=tl_dtype(weight.dtype), ROLL=roll_state, BW=triton.next_power_of_2(k),
+        num_warps=4,
     )
     return out
 
