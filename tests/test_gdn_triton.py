@@ -20,6 +20,7 @@ import torch
 pytest.importorskip("triton")
 
 from hybridspec_hf.kernels import gdn_torch as ref  # noqa: E402
+from hybridspec_hf.kernels import gdn_triton  # noqa: E402
 from hybridspec_hf.kernels.default_verifier import (  # noqa: E402
     PendingDefaultLayer,
     allocate_state_buffer,
@@ -153,7 +154,8 @@ def test_other_verify_variants_match_float64(kernel, options):
     assert rel(res.z, ref.gdn_verify(*(a.double() for a in verify_args(x))).z) < ONE_STEP_TOL
 
 
-def test_kernel_options_name_the_problem():
+def test_kernel_options_name_the_problem(monkeypatch):
+    monkeypatch.setattr(gdn_triton, "TILE_KERNELS", True)  # the tile kernels' own options
     x = make_inputs(41, 1, 4, 1, 1, 16, 16)
     for options, message in ((dict(kernel="fast"), "kernel"), (dict(precision="bf16x3"), "bf16"),
                              (dict(solve="inverse"), "solve"), (dict(small_precision="tf32"), "precision")):

@@ -182,7 +182,8 @@ def _real_first(features: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tenso
 
 def batched_decode(model, input_ids, position_ids, attention_mask, cache, cache_key, drafter, strategy, settings,
                    logits_processor, stopping_criteria, generation_config, streamer, telemetry, home, model_kwargs):
-    """The batched round loop (see the module docstring). Returns what generate() returns, on device `home`."""
+    """The batched round loop (see the module docstring). Returns what generate() returns, on device `home` (the
+    model's: generate()'s wrapper moves outputs back to where the prompt was)."""
     batch = input_ids.shape[0]
     check_batched_call(settings, streamer, cache, batch)
     if attention_mask is None:

@@ -163,7 +163,7 @@ def hybridspec_decode(
     if input_ids.shape[0] > 1 or padded:
         return batched_decode(model, input_ids, position_ids, attention_mask, cache, cache_key, drafter, strategy,
                               settings, logits_processor, stopping_criteria, generation_config, streamer, telemetry,
-                              home, model_kwargs)
+                              input_ids.device, model_kwargs)
     emitter = Emitter(
         input_ids,
         stopping_criteria,

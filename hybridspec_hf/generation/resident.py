@@ -35,13 +35,13 @@ import time
 import torch
 
 from hybridspec_hf import patches
-from hybridspec_hf.kernels import gdn_triton
 from hybridspec_hf.generation.acceptance import greedy_accept, sample_tokens, speculative_sample
 from hybridspec_hf.generation.checks import ROW_WISE_PROCESSORS
 from hybridspec_hf.generation.router_hooks import RoutingReplay, VerifyWindow
 from hybridspec_hf.generation.telemetry import RoundRecord
 from hybridspec_hf.graphs.capture import Replay, host_syncs
 from hybridspec_hf.graphs.static_target import StaticTarget
+from hybridspec_hf.kernels import gdn_triton
 from hybridspec_hf.patches.experts import fused_experts_for
 
 _CAPACITY_STEP = 512
