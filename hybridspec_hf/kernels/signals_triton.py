@@ -1,10 +1,11 @@
-"""The drafter's per-position signals (top-1 probability, top-1 minus top-2 probability, entropy) in one launch.
+"""The drafter's per-position signals (top-1 probability, top-1 minus top-2 probability, entropy) in two launches.
 
 `selector.survival.draft_signals` is the truth: log_softmax over the vocabulary in fp32, topk(2), exp, entr and a
 sum — on CUDA about 30 kernels per round at a 248k vocabulary (radix top-k alone takes four), ≈ 0.15 ms of the
-draft graph on the H200 (benchmarks/results/breakdown_attributed.md). Here one program per draft position streams
+draft graph on the H200 (benchmarks/results/breakdown_attributed.md). Here each draft position's row streams
 its logits once with an online softmax: the running max m, s = Σ e^(x-m), t = Σ e^(x-m)·(x-m) and the two largest
-values (a repeated maximum counts twice, as topk's values do). Then
+values (a repeated maximum counts twice, as topk's values do), split over programs by vocabulary chunk (one program
+per 248k-logit row took 138 µs on the H200, run 21) and merged per row by a second launch. Then
 
     top1 = 1 / s,   top2 = e^(x2 - m) / s,   entropy = log s - t / s     (−Σ p log p with p = e^(x-m) / s)
 
@@ -16,22 +17,26 @@ from __future__ import annotations
 
 import torch
 
-from .gdn_triton import HAS_TRITON, _LazyJit, tl
+from .gdn_triton import HAS_TRITON, _LazyJit, tl, triton
 
 BLOCK_V = 2048  # logits per step of the stream
+CHUNK_V = 4 * BLOCK_V  # logits per program: a 248k vocabulary spreads over 31 programs per position
 
 
-def _signals_kernel(logits, out, stride_row, V: tl.constexpr, BLOCK: tl.constexpr):
+def _signals_partial_kernel(logits, part, stride_row, V, S: tl.constexpr, CHUNK: tl.constexpr,
+                            BLOCK: tl.constexpr):
+    """Program (row, split): m, the second largest value, s and t (module docstring) over its CHUNK of the row."""
     row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
-    base = logits + row * stride_row
+    base = logits + row * stride_row + split * CHUNK
     m = tl.full([], float("-inf"), tl.float32)  # running max (= x1, the largest value)
     x2 = tl.full([], float("-inf"), tl.float32)  # second largest value
     s = tl.zeros([], tl.float32)  # Σ e^(x - m)
     t = tl.zeros([], tl.float32)  # Σ e^(x - m) · (x - m)
-    for start in range(0, V, BLOCK):
+    for start in range(0, CHUNK, BLOCK):
         idx = start + cols
-        x = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+        x = tl.load(base + idx, mask=split * CHUNK + idx < V, other=float("-inf")).to(tl.float32)
         b1 = tl.max(x, axis=0)
         first = tl.min(tl.where(x == b1, cols, BLOCK), axis=0)  # one occurrence of the block max ...
         b2 = tl.max(tl.where(cols == first, float("-inf"), x), axis=0)  # ... out: a repeat stays a candidate
@@ -48,6 +53,31 @@ def _signals_kernel(logits, out, stride_row, V: tl.constexpr, BLOCK: tl.constexp
         s += tl.sum(e, axis=0)
         t += tl.sum(e * d, axis=0)
         m = new_m
+    out = part + (row * S + split) * 4
+    tl.store(out + 0, m)
+    tl.store(out + 1, x2)
+    tl.store(out + 2, s)
+    tl.store(out + 3, t)
+
+
+def _signals_combine_kernel(part, out, S: tl.constexpr, SP: tl.constexpr):
+    """One program per row: the S partials merged (each rescaled to the row's max), then top1, margin, entropy."""
+    row = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, SP)
+    ok = i < S
+    base = part + (row * S + i) * 4
+    m_i = tl.load(base + 0, mask=ok, other=float("-inf"))
+    x2_i = tl.load(base + 1, mask=ok, other=float("-inf"))
+    s_i = tl.load(base + 2, mask=ok, other=0.0)
+    t_i = tl.load(base + 3, mask=ok, other=0.0)
+    m = tl.max(m_i, axis=0)
+    first = tl.min(tl.where(m_i == m, i, SP), axis=0)  # the largest value once; a repeat elsewhere is the second
+    x2 = tl.maximum(tl.max(x2_i, axis=0), tl.max(tl.where(i == first, float("-inf"), m_i), axis=0))
+    live = m_i > float("-inf")
+    shift = tl.where(live, m_i - m, 0.0)
+    scale = tl.where(live, tl.exp(shift), 0.0)
+    s = tl.sum(scale * s_i, axis=0)
+    t = tl.sum(scale * (t_i + shift * s_i), axis=0)
     top1 = 1.0 / s
     top2 = tl.where(x2 > float("-inf"), tl.exp(x2 - m), 0.0) / s
     tl.store(out + row * 3 + 0, top1)
@@ -56,7 +86,8 @@ def _signals_kernel(logits, out, stride_row, V: tl.constexpr, BLOCK: tl.constexp
 
 
 if HAS_TRITON:
-    _signals_kernel = _LazyJit(_signals_kernel)
+    _signals_partial_kernel = _LazyJit(_signals_partial_kernel)
+    _signals_combine_kernel = _LazyJit(_signals_combine_kernel)
 
 
 def draft_signals_fused(draft_logits: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -65,8 +96,12 @@ def draft_signals_fused(draft_logits: torch.Tensor) -> dict[str, torch.Tensor]:
     logits = draft_logits.reshape(batch * positions, vocab)
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    out = torch.empty(batch * positions, 3, dtype=torch.float32, device=draft_logits.device)
-    if out.shape[0]:
-        _signals_kernel[(out.shape[0],)](logits, out, logits.stride(0), vocab, BLOCK=BLOCK_V, num_warps=8)
+    rows, splits = logits.shape[0], triton.cdiv(vocab, CHUNK_V)
+    out = torch.empty(rows, 3, dtype=torch.float32, device=draft_logits.device)
+    if rows:
+        part = torch.empty(rows, splits, 4, dtype=torch.float32, device=draft_logits.device)
+        _signals_partial_kernel[(rows, splits)](logits, part, logits.stride(0), vocab, S=splits, CHUNK=CHUNK_V,
+                                                BLOCK=BLOCK_V, num_warps=8)
+        _signals_combine_kernel[(rows,)](part, out, S=splits, SP=triton.next_power_of_2(splits), num_warps=1)
     out = out.view(batch, positions, 3)
     return {"top1": out[..., 0], "margin": out[..., 1], "entropy": out[..., 2]}
