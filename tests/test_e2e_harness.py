@@ -59,3 +59,26 @@ def test_length_choice_bound_is_the_oracle_over_whole_block_rounds(monkeypatch):
     assert abs(e2e.length_choice_bound(cost, 0.5, torch.tensor([3, 0])) - 32 / 4.5) < 1e-9
     # a flat C(w) with plain steps no cheaper: choosing the length cannot pay
     assert e2e.length_choice_bound(torch.ones(16), 1.0, torch.tensor([0, 5, 9, 15])) == 1.0
+
+
+def test_selector_simulation_replays_a_profile_and_prices_plain_steps(monkeypatch):
+    """benchmarks/selector_sim.py: every round takes the next profile row; a plain step costs C_ar and emits one
+    token; "never plain" never steps plain; DFlash always verifies the whole block."""
+    from pathlib import Path
+
+    import torch
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import selector_sim
+    from e2e import profile_halves
+
+    from hybridspec_hf.selector.latency import LatencyModel
+
+    latency = LatencyModel(cost=torch.linspace(5.8e-3, 7.8e-3, 16)[None], cost_ar=torch.tensor([4.4e-3]),
+                           context_lens=torch.tensor([64]))
+    _, replay, _, estimator = profile_halves("low")
+    dflash = selector_sim.simulate("dflash", {}, latency, replay, estimator, 40)
+    expected = sum(min(int(a), 15) + 1 for a in replay.accepted[:40]) / (40 * 7.8e-3)
+    assert abs(dflash["tokens_per_s"] - expected) < 1e-6 * expected and dflash["plain_steps"] == 0
+    never = selector_sim.simulate("nominal", {"allow_ar": False}, latency, replay, estimator, 40)
+    assert never["plain_steps"] == 0 and never["tokens_per_s"] > 0

@@ -93,7 +93,10 @@ class DinkelbachThroughput:
     (smooth, needs no timing, but inherits any calibration bias).
 
     Draft decision (made before drafting, so from history only): running means of speculative rounds' tokens and
-    latency, with a shorter memory (`draft_forgetting` = 0.9: they should reflect the current text), compared by
+    latency, with a shorter memory (`draft_forgetting` = 0.95, ≈ 20 rounds: they should reflect the current text,
+    but near break-even a 10-round memory (0.9) switched to plain steps on noise: on the low-acceptance profile with the
+    H200's C(w) it stepped plain in 35–87 of ≈ 270 rounds and fell 4–8 % behind the per-round-ratio selector, which a
+    20-round memory closes in simulation — benchmarks/results/selector_sim.md), compared by
     `should_draft`. While AR is chosen nothing new is learnt about speculation, so every `probe_every`-th consecutive
     AR round is speculative anyway (a probe); since the speculative averages are discounted every round, a probe after
     a long AR stretch dominates them and can switch drafting back on at once.
@@ -102,7 +105,7 @@ class DinkelbachThroughput:
     passed to every row). Updates are in place (capturable, no host sync).
     """
 
-    def __init__(self, forgetting: float = 0.98, draft_forgetting: float = 0.9, probe_every: int = 16,
+    def __init__(self, forgetting: float = 0.98, draft_forgetting: float = 0.95, probe_every: int = 16,
                  prior_rounds: float = 4.0):
         for name, value in (("forgetting", forgetting), ("draft_forgetting", draft_forgetting)):
             if not 0.0 < value <= 1.0:

@@ -153,7 +153,7 @@ class HybridSpec(_Calibrated):
     name = "hybridspec"
 
     def __init__(self, latency_model: LatencyModel, routing_correction: bool = True, rho_source: str = "measured",
-                 forgetting: float = 0.98, draft_forgetting: float = 0.9, probe_every: int = 16,
+                 forgetting: float = 0.98, draft_forgetting: float = 0.95, probe_every: int = 16,
                  prior_rounds: float = 4.0, allow_ar: bool = True):
         super().__init__(latency_model)
         if rho_source not in ("measured", "predicted"):

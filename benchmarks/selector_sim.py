@@ -1,0 +1,111 @@
+"""The length selectors on a declared profile with a given round cost C(w), simulated on the CPU (no model).
+
+    python benchmarks/selector_sim.py --latency benchmarks/results/e2e_qwen35_35b_a3b_run22.json
+
+Each round replays the next profile row, as e2e.py's timing mode does: the selector sees the row's draft signals (its
+acceptance estimator fitted on the profile's other half), chooses w, and min(a, w - 1) + 1 tokens are emitted, where
+a is the row's accepted length with the whole block verified; the round costs C(w) of the latency model (a plain step
+C_ar), and that cost is what the selector observes as the round's time. No routing correction (no experts here), so
+"hybridspec" runs as "nominal". Variants of the plain-decoding rule (`draft_forgetting`, `probe_every`, `allow_ar`)
+show how often it steps plain where drafting pays. Also the length-choice bound of e2e.py (an oracle that verifies
+exactly a + 1 tokens). Writes benchmarks/results/<name>.{json,md}. Simulated: no GPU, no model; the C(w) are measured
+ones (named in the output).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import environment, write_results  # noqa: E402
+from e2e import length_choice_bound, profile_halves  # noqa: E402
+
+from hybridspec_hf.selector.latency import LatencyModel  # noqa: E402
+from hybridspec_hf.selector.length_rules import make_selector  # noqa: E402
+
+VARIANTS = {  # name: (strategy, selector options)
+    "dflash": ("dflash", {}),
+    "ratio": ("ratio", {}),
+    "nominal (default: draft_forgetting 0.95, probe every 16)": ("nominal", {}),
+    "nominal, draft_forgetting 0.9 (the default before)": ("nominal", {"draft_forgetting": 0.9}),
+    "nominal, draft_forgetting 0.9, probe every 4": ("nominal", {"draft_forgetting": 0.9, "probe_every": 4}),
+    "nominal, probe every 4": ("nominal", {"probe_every": 4}),
+    "nominal, never plain": ("nominal", {"allow_ar": False}),
+}
+
+
+def simulate(strategy: str, options: dict, latency: LatencyModel, replay, estimator, rounds: int) -> dict:
+    block = latency.block_size
+    cost, cost_ar = latency.cost[0].double(), float(latency.cost_ar[0])
+    selector = None if strategy == "dflash" else make_selector(strategy, {"latency_model": latency, **options})
+    if selector is not None:
+        selector.reset()
+    context = int(latency.context_lens[0])
+    tokens = seconds = 0.0
+    plain = row = 0
+    draft = True
+    for _ in range(rounds):
+        if selector is not None and hasattr(selector, "should_draft"):
+            draft = bool(selector.should_draft(context).reshape(-1)[0])
+        if draft:
+            i = row % replay.accepted.shape[0]
+            row += 1
+            signals = {k: getattr(replay, k)[i : i + 1] for k in ("top1", "margin", "entropy")}
+            if selector is None:
+                w = block
+            else:
+                w = int(selector.choose(estimator.survival(signals), context, block).reshape(-1)[0])
+                w = max(1, min(w, block))
+            emitted = min(int(replay.accepted[i]), w - 1) + 1
+            spent = float(cost[w - 1])
+        else:
+            w, emitted, spent = 1, 1, cost_ar
+            plain += 1
+        if selector is not None and hasattr(selector, "observe"):
+            selector.observe(torch.tensor([w]), torch.tensor([emitted]), spent, draft)
+        tokens += emitted
+        seconds += spent
+        context += emitted
+    return {"tokens_per_s": tokens / seconds, "tau": tokens / rounds, "plain_steps": plain, "rounds": rounds}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--latency", required=True, help="an e2e results JSON (its calibrated latency tables)")
+    parser.add_argument("--profiles", default="dflash_like,low,tiny_pair_heldout")
+    parser.add_argument("--rounds", type=int, default=2000)
+    parser.add_argument("--name", default="selector_sim")
+    args = parser.parse_args()
+    tables = json.loads(Path(args.latency).read_text())["latency"]
+    report = {"latency_source": args.latency, "results": {}}
+    lines = []
+    for label, table in tables.items():
+        latency = LatencyModel(cost=torch.tensor(table["cost_ms"])[None] * 1e-3,
+                               cost_ar=torch.tensor([table["cost_ar_ms"]]) * 1e-3,
+                               context_lens=torch.tensor([table["context"]]))
+        for name in args.profiles.split(","):
+            _, replay, _, estimator = profile_halves(name)
+            key = f"{name} / {label}"
+            rows = {v: simulate(s, o, latency, replay, estimator, args.rounds) for v, (s, o) in VARIANTS.items()}
+            ar = 1.0 / (table["cost_ar_ms"] * 1e-3)
+            bound = length_choice_bound(latency.cost[0], float(latency.cost_ar[0]), replay.accepted)
+            report["results"][key] = {"rows": rows, "ar_tokens_per_s": ar, "length_choice_bound": bound}
+            lines += ["", f"### {key} (our AR {ar:.0f} tokens/s; length-choice bound {bound:.2f}× DFlash)", "",
+                      "| variant | tokens/s | × AR | × DFlash | × ratio | τ | plain steps |", "|---|---|---|---|---|---|---|"]
+            for variant, row in rows.items():
+                lines.append(f"| {variant} | {row['tokens_per_s']:.0f} | {row['tokens_per_s'] / ar:.2f} | "
+                             f"{row['tokens_per_s'] / rows['dflash']['tokens_per_s']:.2f} | "
+                             f"{row['tokens_per_s'] / rows['ratio']['tokens_per_s']:.2f} | {row['tau']:.2f} | "
+                             f"{row['plain_steps']} / {row['rounds']} |")
+    payload = {"title": "Length selectors on declared profiles, simulated with measured C(w)",
+               "environment": environment(), **report, "notes": __doc__.split("\n\n")[2]}
+    write_results(args.name, payload, "\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
