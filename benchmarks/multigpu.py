@@ -403,6 +403,11 @@ def main(argv: list[str] | None = None) -> int:
     save()
     failed = [c for c in report.get("correctness", []) if "error" in c] + list(report.get("errors", {}))
     log(f"done in {report['total_s']:.0f} s; results in {stem}.json/.md", f"({len(failed)} failed)" if failed else "")
+    # run 23 hung here after its results: graphs that captured NCCL collectives still held the communicators, so
+    # free them (and let every rank finish its work) before the barrier and the process group's teardown
+    hybridspec_hf.release_graphs(target)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     dist.barrier()
     dist.destroy_process_group()
     return 1 if failed else 0
