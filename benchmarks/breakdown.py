@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, write_results  # noqa: E402
-from e2e import HBM_TBPS, build  # noqa: E402
+from e2e import HBM_TBPS, build, roofline_bytes  # noqa: E402
 
 from hybridspec_hf import HybridSpecConfig  # noqa: E402
 from hybridspec_hf.selector.latency import LatencyModel  # noqa: E402
@@ -159,30 +159,15 @@ def summarize(kernels: list[dict], n: int) -> dict:
             "by_kind": per_replay(by_kind), "top_kernels": per_replay(by_name, 25)}
 
 
-def roofline_bytes(target, drafter, tokens: int, context: int, drafting: bool) -> dict:
-    """Fewest bytes a part moves: the target's weights for `tokens` tokens (uniform router), GDN state in and out,
-    the KV cache read; for drafting the drafter's own weights and the LM head it shares with the target."""
-    config = target.config.get_text_config()
-    size = lambda params: sum(p.numel() * p.element_size() for p in params)  # noqa: E731
-    if drafting:
-        own = size(p for n, p in drafter.named_parameters() if "lm_head" not in n and "embed" not in n)
-        head = target.get_output_embeddings().weight
-        return {"drafter weights": own, "LM head": head.numel() * head.element_size()}
-    experts = config.num_experts
-    k = config.num_experts_per_tok
-    expert_bytes = 3 * config.hidden_size * config.moe_intermediate_size * next(target.parameters()).element_size()
-    moe_layers = sum(1 for name, _ in target.named_modules() if name.endswith(".mlp.experts"))
-    routed = size(p for n, p in target.named_parameters() if ".mlp.experts." in n)
-    embed = target.get_input_embeddings().weight
-    dense = size(target.parameters()) - routed - embed.numel() * embed.element_size()
-    distinct = experts * (1 - (1 - k / experts) ** tokens)
-    gdn_layers = config.layer_types.count("linear_attention")
-    state = (config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4)
-    attn_layers = config.layer_types.count("full_attention")
-    kv = attn_layers * context * 2 * config.num_key_value_heads * config.head_dim * 2
-    return {"dense weights (LM head included)": dense, "experts": moe_layers * distinct * expert_bytes,
-            "GDN state (read + write)": 2 * gdn_layers * state, "KV cache": kv,
-            "embedding rows": tokens * embed.shape[1] * embed.element_size()}
+def part_bytes(target, drafter, tokens: int, context: int, drafting: bool) -> dict:
+    """Fewest bytes a part moves: a target forward (`e2e.roofline_bytes`, uniform router), or drafting (the
+    drafter's own weights and the LM head it shares with the target)."""
+    if not drafting:
+        return roofline_bytes(target, tokens, None, context)
+    own = sum(p.numel() * p.element_size() for n, p in drafter.named_parameters()
+              if "lm_head" not in n and "embed" not in n)
+    head = target.get_output_embeddings().weight
+    return {"drafter weights": own, "LM head": head.numel() * head.element_size()}
 
 
 def main() -> None:
@@ -242,7 +227,7 @@ def main() -> None:
                 for key, value in list(row["attributed"].items())[:40]:
                     print(f"    {value['kernels']:5d} {value['us']:8.1f} us  {key}", flush=True)
             length = int(rounds.target.length)
-            row["bytes"] = roofline_bytes(target, drafter, tokens, length, drafting)
+            row["bytes"] = part_bytes(target, drafter, tokens, length, drafting)
             row["roofline_ms"] = sum(row["bytes"].values()) / (HBM_TBPS * 1e12) * 1e3
             parts[label] = row
             print(f"{label}: {row['kernels']:.0f} kernels, busy {row['busy_us'] / 1e3:.3f} ms, wall "

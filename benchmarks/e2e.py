@@ -108,10 +108,11 @@ def build(name: str, layers: int | None, device: str):
     return target, drafter
 
 
-def roofline_seconds(target, tokens: int, routing=None) -> float | None:
-    """Fewest seconds a target forward over `tokens` tokens can take at the H200's copy bandwidth: dense weights (the
-    embedding table counted as the rows read) + the distinct experts the tokens touch per MoE layer (uniform:
-    E·(1-(1-k/E)^w); calibrated: measured on the routing profile's bank). None for a model without experts."""
+def roofline_bytes(target, tokens: int, routing=None, context: int = 0) -> dict | None:
+    """Fewest bytes a target forward over `tokens` tokens moves, by part: dense weights (LM head included; the
+    embedding table counted as the rows read), the distinct experts the tokens touch per MoE layer (uniform:
+    E·(1-(1-k/E)^w); calibrated: measured on the routing profile's bank), the GDN states read and written, and
+    `context` tokens of KV cache read. None for a model without experts."""
     config = target.config.get_text_config()
     experts = getattr(config, "num_experts", None)
     if experts is None:
@@ -126,7 +127,19 @@ def roofline_seconds(target, tokens: int, routing=None) -> float | None:
     if routing is not None:
         bank = routing.bank(1, experts, k, rounds=64)  # [rounds, 1, B, k]
         distinct = sum(len(set(bank[r, 0, :tokens].flatten().tolist())) for r in range(64)) / 64
-    return (dense + moe_layers * distinct * size + tokens * embed.shape[1] * embed.element_size()) / (HBM_TBPS * 1e12)
+    types = list(getattr(config, "layer_types", None) or [])
+    state = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4  # fp32
+    kv = context * 2 * config.num_key_value_heads * config.head_dim * embed.element_size()
+    return {"dense weights (LM head included)": dense, "experts": moe_layers * distinct * size,
+            "GDN state (read + write)": 2 * types.count("linear_attention") * state,
+            "KV cache": types.count("full_attention") * kv,
+            "embedding rows": tokens * embed.shape[1] * embed.element_size()}
+
+
+def roofline_seconds(target, tokens: int, routing=None, context: int = 0) -> float | None:
+    """`roofline_bytes` at the H200's copy bandwidth."""
+    parts = roofline_bytes(target, tokens, routing, context)
+    return None if parts is None else sum(parts.values()) / (HBM_TBPS * 1e12)
 
 
 def ceiling_tokens_per_s(target, tau: float, block: int, routing=None) -> float | None:

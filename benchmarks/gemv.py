@@ -249,7 +249,8 @@ def main(argv: list[str] | None = None) -> dict:
         shapes.append(dict(n=n, k=k, names=names, per_step=per_step, mb=n * k * dtype.itemsize / 1e6,
                            cells=run_shape(n, k, device, dtype, args.replays, smoke)))
     table = markdown(shapes)
-    notes = __doc__.split("\n\n")[2] + (f"\n\nSkipped past the time budget: {skipped}." if skipped else "")
+    notes = __doc__.split("\n\n")[2] + "\n\nWeights and inputs: random (normal, scaled by K^-1/2), bf16; no model and no " \
+        "acceptance involved (single projections)." + (f"\n\nSkipped past the time budget: {skipped}." if skipped else "")
     if smoke:
         notes += "\n\nSmoke run (Triton interpreter on the CPU): the times are meaningless."
     payload = {"title": "Skinny GEMMs: F.linear vs gemv_triton (bf16)", "environment": environment() | triton_version(),
