@@ -274,11 +274,11 @@ class ResidentRounds:
         Our GDN path instead of transformers' decode path (on the H200 the stock one-token forward cost 13.7 ms in a
         graph against ≈ 11.8 ms with the block verify + one-launch commit, benchmarks/results/gpu_rounds_runs.md).
         With the fused kernels each GDN layer takes one recurrent step that updates its state and conv window in
-        place (`decode_step`: S read and written once, no commit launch) once `gdn_triton.TILE_KERNELS` is on;
-        otherwise the block verify + commit.
+        place (`decode_step`: S read and written once, no commit launch; `gdn_triton.DECODE_STEP`, measured in run 24
+        of benchmarks/results/gpu_rounds_runs.md); otherwise the block verify + commit.
         """
         context_len = self.target.length.clone()
-        session = self.target.session(decode_step=gdn_triton.TILE_KERNELS)  # not yet timed on a GPU
+        session = self.target.session(decode_step=gdn_triton.DECODE_STEP)
         with self._routing_armed():
             logits, features = self.target.forward(self.last_token, verify=session)
         scores = self._scores(logits[0].float())  # [1, V]

@@ -441,11 +441,16 @@ _FP32_DOT_PRECISIONS = ("ieee", "tf32x3", "bf16x6")
 _INTERPRETER_PRECISIONS = ("ieee", "tf32x3")  # the interpreter's subset (it computes every dot in fp32 anyway)
 
 
-# The "tile" verify, whole-tile commit and in-place decode step (w = 1) pass the CPU tests under the interpreter and
-# compile for sm_90, but have not been timed on a GPU: until benchmarks/gdn_kernels.py --sweep has measured them
-# against the kernels below (gdn_kernels_gpu_runs.md, "Next call"), the defaults stay the measured ones. True
-# switches every default to the new kernels (tests and the benchmark select each explicitly).
+# The "tile" verify and whole-tile commit were timed on the H200 against the kernels below (run 24 of
+# benchmarks/results/gpu_rounds_runs.md, `benchmarks/gdn_kernels.py --sweep --check`): at batch 1 the best tile verify
+# + commit equals the "sliced" one (306 vs 304 µs at w = 2, 406 vs 406 at w = 16, 30 layers) and at batch 8 it is
+# 1.5x slower (1676 vs 1086 µs at w = 2), so the defaults stay the sliced kernels; True switches every default to
+# the tile kernels (tests and the benchmark select each explicitly).
 TILE_KERNELS = False
+# The plain decoding step (w = 1, m = 1): `default_verifier.gdn_decode_step` updates the state in place (read and
+# written once, no commit launch). Run 24: 111 µs per step over 30 layers at batch 1, against 291 µs for the sliced
+# verify(1) + commit and 157 µs for the per-token-state verifier + commit; 348 vs 622 / 1044 µs at batch 8.
+DECODE_STEP = True
 
 
 def _sliced_verify_config(batch: int, num_v_heads: int, dv: int) -> tuple[int, int, int]:
