@@ -54,6 +54,7 @@ SHAPES = {
     (8192, 2048): ("attention q_proj (+ output gate)", 10),
     (12288, 2048): ("Qwen3-Next in_proj_qkvz", 0),
     (64, 2048): ("Qwen3-Next in_proj_ba", 0),
+    (9216, 2048): ("attention q_proj (+ gate) | k_proj | v_proj (one copy)", 10),
 }
 SMOKE_SHAPES = {(48, 64): ("smoke", 1), (16, 96): ("smoke", 1)}
 
@@ -80,6 +81,13 @@ def candidates(n: int, k: int, rows: int, smoke: bool) -> list[GemvConfig]:
             GemvConfig(128, 64, auto_split(n, k, 128, 64, SMS), 4, 4),
             GemvConfig(4, 512, auto_split(n, k, 4, 512, 2 * SMS), 4, 2, dot=False),
             GemvConfig(8, 256, auto_split(n, k, 8, 256, 2 * SMS), 4, 3, dot=False),
+            # deeper pipelines with narrow row blocks and no or little split (the 2048 x 4096 shape ran at 51 % of
+            # the roofline with the configs above: the split-K reduction and too few bytes in flight per SM)
+            GemvConfig(16, 256, 1, 4, 4),
+            GemvConfig(16, 512, 1, 4, 3),
+            GemvConfig(32, 256, 2, 4, 4),
+            GemvConfig(32, 128, 4, 4, 6),
+            GemvConfig(16, 128, auto_split(n, k, 16, 128, 4 * SMS), 4, 6),
         ]
     configs = [c for c in configs if c.dot or rows <= 4]  # FMAs only for few rows
     return list(dict.fromkeys(fit_config(c, rows, n, k) for c in configs))  # as launched, without repeats
@@ -235,13 +243,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--budget-s", type=float, default=140.0, help="no new shape after this many seconds")
     parser.add_argument("--name", default="gemv", help="results stem (a path, or a name under benchmarks/results)")
+    parser.add_argument("--shapes", default=None, help="only these N x K shapes, e.g. 2048x4096,9216x2048")
     args = parser.parse_args(argv)
+    wanted = None if args.shapes is None else {tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")}
     device = "cuda" if torch.cuda.is_available() else "cpu"
     smoke = args.smoke or device == "cpu"
     dtype = torch.bfloat16
     start = time.perf_counter()
     shapes, skipped = [], []
     for (n, k), (names, per_step) in (SMOKE_SHAPES if smoke else SHAPES).items():
+        if wanted is not None and not smoke and (n, k) not in wanted:
+            continue
         if time.perf_counter() - start > args.budget_s:
             skipped.append((n, k))
             continue
