@@ -168,12 +168,12 @@ def _attention_kernel(
 
 
 def _combine_kernel(
-    length, out, part_o, part_stats,
-    stride_ob, stride_ot, stride_oh,
+    length, out, part_o, part_stats, gate,
+    stride_ob, stride_ot, stride_oh, stride_gb, stride_gt, stride_gh,
     stride_len, stride_stats, row_blocks,
     T, G, S, num_splits, window,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
-    SPLIT_BLOCKS: tl.constexpr, ROWS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    SPLIT_BLOCKS: tl.constexpr, ROWS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_GATE: tl.constexpr,
 ):
     i_r = tl.program_id(0)  # ROWS rows of a row block
     i_p = tl.program_id(1)
@@ -205,7 +205,13 @@ def _combine_kernel(
     t = row % T
     head = (i_p // row_blocks) * G + row // T
     p_out = out + i_b * stride_ob + t[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-    tl.store(p_out, total.to(out.dtype.element_ty), mask=(row < G * T)[:, None])
+    result = total.to(out.dtype.element_ty)
+    if HAS_GATE:  # Qwen's output gate, rounded as transformers does: (o · sigmoid(gate).to(dt)).to(dt)
+        p_gate = gate + i_b * stride_gb + t[:, None] * stride_gt + head[:, None] * stride_gh + d[None, :]
+        g = tl.load(p_gate, mask=(row < G * T)[:, None], other=0.0).to(tl.float32)
+        sig = (1.0 / (1.0 + tl.exp(-g))).to(out.dtype.element_ty).to(tl.float32)
+        result = (result.to(tl.float32) * sig).to(out.dtype.element_ty)
+    tl.store(p_out, result, mask=(row < G * T)[:, None])
 
 
 if HAS_TRITON:
@@ -285,11 +291,14 @@ def plan(q: torch.Tensor, k: torch.Tensor, window: int | None = None, num_splits
 
 
 def static_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: torch.Tensor, scaling: float,
-                     causal: bool = True, window: int | None = None, num_splits: int | None = None) -> torch.Tensor:
+                     causal: bool = True, window: int | None = None, num_splits: int | None = None,
+                     gate: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of q [B, Hq, T, D] over the live slots of k/v [B, Hk, S, D] -> [B, T, Hq, D] in q's dtype
     (contiguous: what transformers' attention functions return). `length` [1] or [B] long on q's device: live
     context slots (the T new keys at length .. length+T-1 are written already); visibility as in the module
-    docstring. `num_splits` replaces `plan`'s choice of splits (tests, tuning). Two launches, no host sync."""
+    docstring. `num_splits` replaces `plan`'s choice of splits (tests, tuning). `gate` [B, T, Hq, D] (any strides
+    but the last): Qwen's gated attention output, out · sigmoid(gate) with transformers' roundings, applied as the
+    rows are written. Two launches, no host sync."""
     if not supported(q, k, v):
         raise ValueError(
             f"static_attention takes q [B, Hq, T, D] and k/v [B, Hk, S, D] of one float dtype (fp32/bf16/fp16), "
@@ -301,6 +310,10 @@ def static_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: 
     if window is not None and window < 1:
         raise ValueError(f"window must be None or >= 1, got {window}.")
     batch, q_heads, tokens, dim = q.shape
+    if gate is not None and (gate.shape != (batch, tokens, q_heads, dim) or gate.stride(-1) != 1
+                             or gate.dtype != q.dtype or gate.device != q.device):
+        raise ValueError(f"gate must be [B, T, Hq, D] = {(batch, tokens, q_heads, dim)} in q's dtype and device with "
+                         f"unit stride along D; got {tuple(gate.shape)} {gate.dtype} strides {gate.stride()}.")
     kv_heads, slots = k.shape[1], k.shape[2]
     group = q_heads // kv_heads
     block_m, block_n, num_warps, row_blocks, splits, iters = plan(q, k, window, num_splits)
@@ -320,10 +333,12 @@ def static_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: 
         DOT_FP32=q.dtype == torch.float32 or interpret, num_warps=num_warps, num_stages=1)
     block_s = min(16, triton.next_power_of_2(splits))
     rows = block_m if interpret else 1  # one output row per program on the GPU; few programs for the interpreter
+    gate_strides = gate.stride()[:3] if gate is not None else (0, 0, 0)
     _combine_kernel[(block_m // rows, programs, batch)](
-        length, out, part_o, part_stats, out.stride(0), out.stride(1), out.stride(2), *common,
+        length, out, part_o, part_stats, gate if gate is not None else out, out.stride(0), out.stride(1),
+        out.stride(2), *gate_strides, *common,
         D=dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_S=block_s, SPLIT_BLOCKS=triton.cdiv(splits, block_s),
-        ROWS=rows, HAS_WINDOW=window is not None, num_warps=4 if dim >= 128 else 1)
+        ROWS=rows, HAS_WINDOW=window is not None, HAS_GATE=gate is not None, num_warps=4 if dim >= 128 else 1)
     return out
 
 
