@@ -29,7 +29,8 @@ StaticDraftContext: made when it is built (before capture), refreshed in place b
 when a source changed (data_ptr or in-place `_version`, patches/_weight_copies.py), freed with it. A draft never
 makes one (inside a capture it would be a graph node). The eager static path runs instead whenever the copies are
 stale or absent, a drafter module has hooks or a replaced forward (they would not run here), the drafter trains,
-grad is on, or the layout is not the one fused here (plain bias-free Linears, SiLU, equal q/k norm eps, a head_dim
+grad is on, `ENABLED` is off (also HYBRIDSPEC_FUSED_KERNELS=0, which turns `fused_kernels()` off), or the layout
+is not the one fused here (plain bias-free Linears, SiLU, equal q/k norm eps, a head_dim
 the attention kernel takes). Same maths as the eager path, with its rounding steps; only fp32 summation orders
 differ.
 """
@@ -51,6 +52,7 @@ from hybridspec_hf.kernels.shared_expert_triton import silu_mul
 from hybridspec_hf.patches._weight_copies import hooked, source_key
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+ENABLED = True  # the switch (A/B timing: benchmarks/draft_graph.py); read when a draft or append runs (capture)
 _ON_CPU = False  # tests only: take the fused path on CPU tensors too (with the Triton interpreter)
 
 
@@ -123,7 +125,7 @@ def refresh_weights(drafter, previous: FusedDraftWeights | None, device: torch.d
 def active(drafter, ctx) -> bool:
     """Whether `ctx`'s append and `drafter.draft_static` take the fused path now (see the module docstring)."""
     weights = ctx.fused
-    if (weights is None or not fused_kernels_active() or torch.is_grad_enabled() or drafter.training
+    if (not ENABLED or weights is None or not fused_kernels_active() or torch.is_grad_enabled() or drafter.training
             or not (ctx.length.is_cuda or _ON_CPU)):
         return False
     if weights.key != source_key(_sources(drafter)) or hooked(_modules(drafter)):
