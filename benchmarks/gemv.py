@@ -52,9 +52,14 @@ SHAPES = {
     (2048, 512): ("shared expert down", 40),
     (512, 2048): ("attention k_proj, v_proj; router (Qwen3-Next)", 20),
     (8192, 2048): ("attention q_proj (+ output gate)", 10),
-    (12288, 2048): ("Qwen3-Next in_proj_qkvz", 0),
+    (12288, 2048): ("Qwen3-Next in_proj_qkvz; DFlash drafter gate|up (copy, draft graph M = 16)", 0),
     (64, 2048): ("Qwen3-Next in_proj_ba", 0),
     (9216, 2048): ("attention q_proj (+ gate) | k_proj | v_proj (one copy)", 10),
+    # the 5-layer DFlash drafter of the 35B-A3B (drafter/fused.py): not in the AR step (count 0); its o_proj is
+    # (2048, 4096) above
+    (5120, 2048): ("drafter q|k|v per layer (copy, M = 16); drafter context k|v of all 5 layers (copy, M = 1..16)", 0),
+    (2048, 6144): ("drafter down_proj (draft graph, M = 16)", 0),
+    (2048, 10240): ("drafter fc over 5 target layers' features (context append, M = 1..16)", 0),
 }
 SMOKE_SHAPES = {(48, 64): ("smoke", 1), (16, 96): ("smoke", 1)}
 

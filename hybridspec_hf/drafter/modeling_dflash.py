@@ -30,10 +30,12 @@ from transformers.modeling_outputs import BaseModelOutput
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from hybridspec_hf.kernels.attention_triton import routed, static_attention
-from hybridspec_hf.kernels.norm_triton import fused_kernels_active, rms_norm
+from hybridspec_hf.kernels.dflash_triton import add_rms_norm
+from hybridspec_hf.kernels.norm_triton import fused_kernels_active
 from hybridspec_hf.kernels.rope_triton import rope
 from hybridspec_hf.kernels.rope_triton import supported as rope_supported
 
+from . import fused
 from .configuration_dflash import DFlashConfig, build_target_layer_ids
 
 
@@ -129,7 +131,8 @@ class DFlashContextCache:
 class StaticDraftContext:
     """Context K/V of one drafter for graph-captured rounds: fixed buffers, device-side lengths.
 
-    Buffers are [B, H_kv, capacity + block_size, D] per layer, allocated once; slot p holds position p. `length` is
+    Buffers are [B, H_kv, capacity + block_size, D] per layer (`keys[l]`, views of one [L, ...] `key_buffer`, which
+    the fused path writes for all layers in one launch), allocated once; slot p holds position p. `length` is
     a [B] long tensor on the device: positions 0..length[b]-1 of row b are valid, and rows may differ. `append`
     writes a static number n of rows at length..length+n-1 and counts only `count` of them; `draft_static` writes
     the block's K/V at length..length+block_size-1 (the block_size spare slots leave room for it at full capacity)
@@ -158,24 +161,32 @@ class StaticDraftContext:
         self.capacity = capacity
         self.batch_size = batch_size
         slots = capacity + config.block_size
-        shape = (batch_size, config.num_key_value_heads, slots, config.head_dim)
-        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_hidden_layers)]
-        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_hidden_layers)]
+        shape = (config.num_hidden_layers, batch_size, config.num_key_value_heads, slots, config.head_dim)
+        self.key_buffer = torch.zeros(shape, device=device, dtype=dtype)  # [L, B, H_kv, S, D]
+        self.value_buffer = torch.zeros(shape, device=device, dtype=dtype)
+        self.keys, self.values = list(self.key_buffer.unbind(0)), list(self.value_buffer.unbind(0))
         self.length = torch.zeros(batch_size, dtype=torch.long, device=device)  # [B]
         self.positions = torch.arange(slots, device=device)  # [S] the position each slot holds
+        # RoPE by position, computed by the eager code once: the fused path reads rows of it (drafter/fused.py)
+        self.cos, self.sin = (table[0] for table in drafter.rotary_emb(self.positions[None], dtype))  # [S, D]
+        self.fused = fused.refresh_weights(drafter, None, torch.device(device), dtype)  # weight copies, or None
         self.rows = torch.arange(batch_size)  # [B] the batch row each row started as (`keep_rows` drops rows)
         self._host_length: int | None = 0  # exact length while every count was a host int (free overflow check)
 
     def reset(self) -> None:
-        """Forget the whole context (new generation); the buffers stay where they are."""
+        """Forget the whole context (new generation); the buffers stay where they are. The fused path's weight copies
+        follow in-place changes of the drafter's weights (same addresses). Not inside a CUDA-graph capture."""
         self.length.zero_()
         self._host_length = 0
+        if self.fused is not None:
+            self.fused = fused.refresh_weights(self.drafter, self.fused, self.length.device, self.key_buffer.dtype)
 
     def keep_rows(self, index: torch.Tensor) -> None:
         """Keep only the rows `index` [n] long (a batch whose finished rows leave it); new buffers, not for graphs."""
         index = index.to(self.length.device)
-        self.keys = [keys.index_select(0, index) for keys in self.keys]
-        self.values = [values.index_select(0, index) for values in self.values]
+        self.key_buffer = self.key_buffer.index_select(1, index)
+        self.value_buffer = self.value_buffer.index_select(1, index)
+        self.keys, self.values = list(self.key_buffer.unbind(0)), list(self.value_buffer.unbind(0))
         self.length = self.length.index_select(0, index)
         self.rows = self.rows.index_select(0, index.cpu())
         self.batch_size = index.numel()
@@ -197,6 +208,11 @@ class StaticDraftContext:
             drafter = self.drafter
             real = self.positions[:num_rows] < (count.reshape(-1, 1) if isinstance(count, torch.Tensor) else count)
             features = torch.where(real[..., None], features.to(real.device), 0)  # [B, n, n_feat*H]
+            if fused.active(drafter, self):  # resident rounds: every layer's K/V in one GEMM and one store
+                fused.append(self, features)
+                self.length.add_(count)
+                self._count_on_host(count)
+                return
             context = drafter.project_context(features)  # [B, n, H]
             positions = self.length[:, None] + self.positions[:num_rows]  # [B, n]
             cos, sin = drafter.rotary_emb(positions, drafter.dtype)
@@ -206,6 +222,9 @@ class StaticDraftContext:
                 keys.scatter_(2, slots, key)
                 values.scatter_(2, slots, value)
         self.length.add_(count)
+        self._count_on_host(count)
+
+    def _count_on_host(self, count: int | torch.Tensor) -> None:
         if self._host_length is not None:  # a device count hides the length from the host from here on
             self._host_length = None if isinstance(count, torch.Tensor) else self._host_length + count
 
@@ -252,8 +271,8 @@ class DFlashRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and fused_kernels_active() and x.dtype == self.weight.dtype:
-            return rms_norm(x, self.weight, self.eps, offset=False)  # one launch inside resident rounds
+        if x.is_cuda and fused_kernels_active() and x.dtype == self.weight.dtype and x.dtype in fused._DTYPES:
+            return add_rms_norm(x, None, self.weight, self.eps)[1]  # one launch inside resident rounds, same roundings
         dtype = x.dtype
         x = x.to(torch.promote_types(dtype, torch.float32))
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -563,9 +582,11 @@ class DFlashDrafter(PreTrainedModel):
         weight = embedding.weight
         if _is_sharded(weight):  # tensor-parallel target: its module's hooks gather the sharded table
             with torch.no_grad():
-                rows = embedding(input_ids.to(weight.device)) * float(self.config.input_embedding_scale)
+                rows = embedding(input_ids.to(weight.device))
         else:  # frozen: training never reaches the target's table
-            rows = F.embedding(input_ids.to(weight.device), weight.detach()) * float(self.config.input_embedding_scale)
+            rows = F.embedding(input_ids.to(weight.device), weight.detach())
+        scale = float(self.config.input_embedding_scale)
+        rows = rows if scale == 1.0 else rows * scale  # x * 1.0 is x: no launch for it in the draft graph
         return rows.to(device=self.device, dtype=self.dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -578,7 +599,9 @@ class DFlashDrafter(PreTrainedModel):
             logits = F.linear(hidden.to(device=weight.device, dtype=weight.dtype), weight, bias)
         else:
             logits = head(hidden)
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) * float(self.config.output_multiplier)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        multiplier = float(self.config.output_multiplier)
+        logits = logits if multiplier == 1.0 else logits * multiplier  # x * 1.0 is x: no pass over [T, V] for it
         softcap = self.config.final_logit_softcapping
         if softcap is not None and float(softcap) > 0:
             logits = torch.tanh(logits / float(softcap)) * float(softcap)
@@ -640,6 +663,8 @@ class DFlashDrafter(PreTrainedModel):
             )
         size = self.config.block_size
         hidden = self._block_embeddings(anchor_ids)  # [B, bs, H]
+        if fused.active(self, ctx):  # resident rounds: ≈ 11 launches per layer instead of ≈ 23 (drafter/fused.py)
+            return self.compute_logits(fused.draft(self, hidden, ctx)[:, 1:])
         query = ctx.length[:, None] + ctx.positions[:size]  # [B, bs] block positions
         visible = ctx.positions < (ctx.length + size)[:, None]  # [B, S]: context, then the block
         keys = ctx.positions.expand(anchor_ids.shape[0], -1)  # [B, S]
@@ -666,6 +691,11 @@ class DFlashDrafter(PreTrainedModel):
     # ----------------------------------------------------------------------------------------------- forward
     def project_context(self, context_hidden: torch.Tensor) -> torch.Tensor:
         """Fuse raw target features [B, Tc, n_feat*H] -> [B, Tc, H] (fc + hidden_norm), cast to the drafter."""
+        self.check_feature_width(context_hidden)
+        return self.hidden_norm(self.fc(context_hidden.to(device=self.device, dtype=self.dtype)))
+
+    def check_feature_width(self, context_hidden: torch.Tensor) -> None:
+        """A ValueError that says what to concatenate when the features are not n_feat * H wide."""
         expected = self.fc.in_features
         if context_hidden.shape[-1] != expected:
             raise ValueError(
@@ -673,7 +703,6 @@ class DFlashDrafter(PreTrainedModel):
                 f"{len(self.config.target_layer_ids)} target layers {self.config.target_layer_ids} x hidden "
                 f"{self.config.hidden_size} (concatenate the outputs of exactly those layers, in that order)."
             )
-        return self.hidden_norm(self.fc(context_hidden.to(device=self.device, dtype=self.dtype)))
 
     def forward(
         self,

@@ -11,7 +11,8 @@ forwards (used by patches/_norms.py and patches/_moe.py), each with its torch re
 its TABLE names the shape, else F.linear; reference `linear_reference`; used by patches/_linear.py).
 `attention_triton` is the attention of a few queries over a static KV cache with a device-side length
 (`static_attention`, reference `attention_reference`), for the target's attention layers (patches/_attention.py) and
-the drafter's `draft_static`. `signals_triton` is the drafter's per-position signals in one launch. `fused_kernels()`
+the drafter's `draft_static`. `dflash_triton` is the drafter's fused resident layer pieces (`qk_norm_rope_store`,
+`add_rms_norm`, references beside them; used by drafter/fused.py). `signals_triton` is the drafter's per-position signals in one launch. `fused_kernels()`
 is the flag that routes patched modules to these kernels inside GPU-resident forwards.
 """
 from .gdn_torch import (
