@@ -23,7 +23,14 @@ from ._gdn import (
     route_cpu_to_torch,
 )
 from ._linear import prepare_linears, release_linears
-from ._moe import mask_invalid_routes, patch_moe_classes, prepare_fused_moe, release_fused_moe
+from ._moe import (
+    mask_invalid_routes,
+    moe_block_add,
+    patch_moe_classes,
+    prepare_fused_moe,
+    release_fused_moe,
+    routing_pre_hook,
+)
 from ._norms import fused_kernels, patch_norm_classes
 from ._rope import patch_rope
 from .experts import register_experts_implementation
@@ -108,6 +115,7 @@ __all__ = [
     "gdn_layers",
     "install",
     "is_linear_cache_layer",
+    "moe_block_add",
     "moe_blocks",
     "per_token_state_buffer",
     "prepare_fused_moe",
@@ -116,6 +124,7 @@ __all__ = [
     "register_experts_implementation",
     "mask_invalid_routes",
     "release_fused_moe",
+    "routing_pre_hook",
     "release_gdn_projections",
     "release_linears",
     "route_cpu_to_torch",

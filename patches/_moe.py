@@ -2,16 +2,28 @@
 
 At batch 1 a resident forward is launch-bound. Per MoE layer transformers launches, around the routed experts, ~7
 kernels in the router (GEMM, softmax, topk + sort, sum, div, cast) and 9 for the shared expert and the combine
-(gate, up, down and shared_expert_gate GEMMs, silu, mul, sigmoid, mul, add). The patched classes launch 6:
+(gate, up, down and shared_expert_gate GEMMs, silu, mul, sigmoid, mul, add). The patched classes launch, with the
+routed experts, 5 per layer ("one pass", T <= 16 tokens: decode and verification; `SHARED_EXPERT_SLOT`):
 
     router   GEMM, route_topk                                     (kernels/router_triton.py)
+    experts  gate_up, down, sum over the k routed experts + the shared expert as one more slot (its weights from
+             the concatenated copy; its gate logit computed in the gate_up launch); the sum adds
+             sigmoid(logit) · shared and, through `moe_block_add`, the decoder layer's residual
+                                                                  (kernels/moe_triton.py `moe_block_triton`)
+
+and otherwise (more tokens, the shared expert's I not the routed experts', experts not dispatching to "hybridspec",
+a hook on the experts module) 6 around the experts call:
+
+    router   GEMM, route_topk
     shared   GEMM over [gate_proj; up_proj; shared_expert_gate], silu_mul, down GEMM
     combine  gated_add: routed + sigmoid(gate logit) · shared     (kernels/shared_expert_triton.py)
 
 The GEMMs go through `gemv_triton.linear` (kernels/gemv_triton.py): cuBLAS unless its table names the shape.
 
-The router is still called as a module (`self.gate(x)`) and the experts too (`self.experts(...)`), so forward hooks
-on them (RouterRecorder, RoutingReplay, VerifyWindow, users') fire as before. The shared expert's modules are
+The router is still called as a module (`self.gate(x)`), so forward hooks on it (RouterRecorder, RoutingReplay,
+VerifyWindow's routing correction, users') fire as before. The experts module is called (its hooks fire) except on
+the one-pass route, which takes it only when its only hooks are forward pre-hooks marked `routing_pre_hook` (they
+rewrite the routing arguments: VerifyWindow's stage-1 mask) and runs those itself. The shared expert's modules are
 skipped, so any hook on them (or a replaced forward, LoRA layers, a non-SiLU activation) keeps transformers' forward.
 
 Both patches are inert unless `fused_kernels()` is active (HybridSpec's resident forwards), the input is on CUDA and
@@ -30,18 +42,22 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch.nn.modules import module as nn_module
 from transformers.activations import SiLUActivation
 
-from hybridspec_hf.kernels import fused_kernels_active, router_triton, shared_expert_triton
+from hybridspec_hf.kernels import fused_kernels_active, moe_triton, router_triton, shared_expert_triton
 from hybridspec_hf.kernels.gemv_triton import linear
 
+from . import experts as experts_glue
 from ._weight_copies import current_copy, hooked, refresh_copy
 
-__all__ = ["patch_moe_classes", "prepare_fused_moe", "release_fused_moe"]
+__all__ = ["moe_block_add", "patch_moe_classes", "prepare_fused_moe", "release_fused_moe", "routing_pre_hook"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _CACHE = "_hybridspec_shared_weights"  # a WeightCopy of [gate_proj; up_proj; shared_expert_gate; zero rows] [R, H]
 _ON_CPU = False  # tests only: take the fused route on CPU tensors too (with the Triton interpreter)
+SHARED_EXPERT_SLOT = True  # the one-pass route (shared expert as an experts slot); False: the 6-launch route
+_ROUTING_PRE_HOOK = "_hybridspec_routing_pre_hook"
 
 
 def _active(x: torch.Tensor) -> bool:
@@ -85,18 +101,64 @@ def patch_moe_classes(router_cls: type | None, block_cls: type | None, normalize
         block_cls.forward = block_forward
 
 
-def _fused_block_forward(block: torch.nn.Module, hidden_states: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """transformers' SparseMoeBlock.forward with the shared expert and the combine fused (same module calls to the
-    router and the experts)."""
+def _fused_block_forward(block: torch.nn.Module, hidden_states: torch.Tensor, weights: torch.Tensor,
+                         residual: torch.Tensor | None = None) -> torch.Tensor:
+    """transformers' SparseMoeBlock.forward (+ `residual` when given) with the shared expert and the combine fused:
+    in one pass with the routed experts where `_one_pass_hooks` allows, else around the experts module's call."""
     batch_size, sequence_length, hidden_dim = hidden_states.shape
     hidden = hidden_states.view(-1, hidden_dim)
     mlp = block.shared_expert
+    routing_hooks = _one_pass_hooks(block, hidden, weights)
+    if routing_hooks is not None:
+        _, routing_weights, selected_experts = block.gate(hidden)
+        args = (hidden, selected_experts, routing_weights)
+        for hook in routing_hooks:  # as torch's Module.__call__ runs forward pre-hooks
+            result = hook(block.experts, args)
+            if result is not None:
+                args = result if isinstance(result, tuple) else (result,)
+        hidden, selected_experts, routing_weights = args[:3]
+        out = moe_triton.moe_block_triton(
+            hidden, selected_experts, routing_weights, block.experts.gate_up_proj, block.experts.down_proj, weights,
+            mlp.down_proj.weight, None if residual is None else residual.reshape(-1, hidden_dim))
+        return out.reshape(batch_size, sequence_length, hidden_dim)
     shared, gate_logit = shared_expert_triton.shared_expert(hidden, weights, mlp.down_proj.weight,
                                                             mlp.gate_proj.out_features)
     _, routing_weights, selected_experts = block.gate(hidden)
     routed = block.experts(hidden, selected_experts, routing_weights)
-    out = shared_expert_triton.gated_add(routed, gate_logit, shared)
-    return out.reshape(batch_size, sequence_length, hidden_dim)
+    out = shared_expert_triton.gated_add(routed, gate_logit, shared).reshape(batch_size, sequence_length, hidden_dim)
+    return out if residual is None else residual + out
+
+
+def routing_pre_hook(hook: Callable) -> Callable:
+    """Mark a forward pre-hook of an experts module that only rewrites its (hidden, top_k_index, top_k_weights)
+    arguments (VerifyWindow's stage-1 mask): the one-pass block runs it itself and keeps its fused route. Any other
+    hook on the experts module sends the block to transformers' experts call."""
+    setattr(hook, _ROUTING_PRE_HOOK, True)
+    return hook
+
+
+def _one_pass_hooks(block: torch.nn.Module, hidden: torch.Tensor, weights: torch.Tensor) -> list[Callable] | None:
+    """The experts module's (marked) pre-hooks when the block can run in one pass with the shared expert as one more
+    experts slot, else None: the switch on, T within the direct rows, experts that would run our kernels anyway
+    ("hybridspec" dispatch, its layout) and nothing on them but routing pre-hooks, and a shared expert of the routed
+    experts' width and layout (Qwen3.5-35B-A3B and Qwen3-Next-80B-A3B: I = 512 both)."""
+    experts = block.experts
+    if not SHARED_EXPERT_SLOT or hidden.shape[0] > moe_triton.DIRECT_MAX_TOKENS or not hidden.shape[0]:
+        return None
+    dispatch = getattr(getattr(experts, "config", None), "_experts_implementation", None)
+    if not (_ON_CPU or dispatch == experts_glue.NAME) or not experts_glue.supports(experts):
+        return None
+    if (experts._forward_hooks or experts._forward_pre_hooks_with_kwargs or "forward" in experts.__dict__
+            or nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks):
+        return None
+    hooks = list(experts._forward_pre_hooks.values())
+    if not all(getattr(hook, _ROUTING_PRE_HOOK, False) for hook in hooks):
+        return None
+    gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor) or gate_up.dtype != hidden.dtype:
+        return None
+    fits = moe_triton.shared_slot_fits(gate_up, down, weights, block.shared_expert.down_proj.weight)
+    return hooks if fits else None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -150,3 +212,16 @@ def release_fused_moe(blocks: list[torch.nn.Module]) -> None:
     """Free the concatenated weights (the blocks run transformers' shared expert until the next prepare)."""
     for block in blocks:
         block.__dict__.pop(_CACHE, None)
+
+
+def moe_block_add(block: torch.nn.Module, hidden_states: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """`residual + block(hidden_states)` ([B, T, H], the decoder layer's post-MLP add): on the fused route the add is
+    folded into the experts' sum kernel (one launch fewer per layer); otherwise the plain expression (the block's
+    hooks fire, transformers' code outside resident forwards)."""
+    patched = "_hybridspec_original_forward" in type(block).__dict__
+    same = residual.shape == hidden_states.shape and residual.dtype == hidden_states.dtype
+    if patched and same and _active(hidden_states) and residual.device == hidden_states.device and not hooked([block]):
+        weights = _current_weights(block, hidden_states)
+        if weights is not None:
+            return _fused_block_forward(block, hidden_states, weights, residual)
+    return residual + block(hidden_states)

@@ -181,9 +181,10 @@ def test_resident_generate_with_the_kernel_on_every_projection_equals_ar(name, m
 
 
 def projection_weights(model) -> set[int]:
-    """Addresses of every weight a resident forward multiplies by: the decoder layers' Linears, except those read
-    through a concatenated copy (the Qwen3.5 GDN input projections, the shared expert's gate, up and gate logit),
-    the copies themselves and the routers."""
+    """Addresses of every weight a resident forward multiplies by through this kernel: the decoder layers' Linears,
+    except those read through a concatenated copy (the Qwen3.5 GDN input projections, the shared expert's gate, up
+    and gate logit), the copies themselves and the routers; with the one-pass MoE block (`_moe.SHARED_EXPERT_SLOT`,
+    every resident call here has <= 16 tokens) the experts kernels read the shared expert's copy and down weight."""
     from hybridspec_hf.patches import _gdn
 
     weights = {m.weight.data_ptr() for m in patches.decoder_linears(model)}
@@ -195,6 +196,8 @@ def projection_weights(model) -> set[int]:
         weights -= {m.weight.data_ptr() for m in (block.shared_expert.gate_proj, block.shared_expert.up_proj,
                                                   block.shared_expert_gate)}
         weights |= {block.__dict__[_moe._CACHE].weight.data_ptr(), block.gate.weight.data_ptr()}
+        if _moe.SHARED_EXPERT_SLOT:
+            weights -= {block.__dict__[_moe._CACHE].weight.data_ptr(), block.shared_expert.down_proj.weight.data_ptr()}
     return weights
 
 

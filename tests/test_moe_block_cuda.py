@@ -86,3 +86,35 @@ def test_a_captured_block_replays_and_follows_in_place_weight_updates():
         graph.replay()
         assert rel(out, plain(block, x)) < 1e-5
     patches.release_fused_moe([block])
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
+def test_the_one_pass_block_with_the_residual_matches_transformers_and_replays(family, monkeypatch):
+    """The shared expert as one more experts slot (compiled kernels, T <= 16) with the decoder layer's residual folded
+    into the sum: transformers' block + residual, eagerly and from a captured graph."""
+    from hybridspec_hf.kernels import moe_triton
+
+    calls = []
+    launch = moe_triton.moe_block_triton
+    monkeypatch.setattr(moe_triton, "moe_block_triton", lambda *args: calls.append(1) or launch(*args))
+    block = full_width_block(family, torch.float32)
+    patches.prepare_fused_moe([block])
+    with fused_experts_for([block]):
+        for tokens in (1, 5, 16):
+            x, residual = torch.randn(2, 1, tokens, 2048, device="cuda")
+            with torch.no_grad(), patches.fused_kernels():
+                out = patches.moe_block_add(block, x, residual)
+            assert rel(out, residual + plain(block, x)) < 1e-5
+        assert len(calls) == 3
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.no_grad(), patches.fused_kernels():
+            patches.moe_block_add(block, x, residual)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph), torch.no_grad(), patches.fused_kernels():
+            out = patches.moe_block_add(block, x, residual)
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        assert rel(out, residual + plain(block, x)) < 1e-5
+    patches.release_fused_moe([block])

@@ -1,6 +1,8 @@
 """Fused MoE block (patches/_moe.py): `route_topk` (kernels/router_triton.py), the shared expert and the combine
 (kernels/shared_expert_triton.py) against their torch references and transformers' modules, and the patched block
-forward against transformers' on tiny models (CPU, Triton interpreter, the fused route forced onto CPU tensors).
+forward against transformers' on tiny models (CPU, Triton interpreter, the fused route forced onto CPU tensors):
+in one pass (the shared expert as an experts slot, kernels/moe_triton.py `moe_block_triton`, T <= 16) and around
+the experts module's call (more tokens, hooks on the experts, another shared width, the switch off).
 
 Tolerances. Router scores, elementwise: fp32 1e-6 relative (only the fp32 sum order and Triton's exp differ), bf16
 one rounding (2^-7 relative). Ids equal torch.topk's except at exact ties, where ours take the lowest expert id and
@@ -26,8 +28,8 @@ from transformers.models.qwen3_next import modeling_qwen3_next  # noqa: E402
 
 import hybridspec_hf  # noqa: E402,F401  (installs the patches)
 from hybridspec_hf import patches  # noqa: E402
-from hybridspec_hf.generation.router_hooks import RoutingReplay  # noqa: E402
-from hybridspec_hf.kernels import router_triton, shared_expert_triton  # noqa: E402
+from hybridspec_hf.generation.router_hooks import RoutingReplay, VerifyWindow  # noqa: E402
+from hybridspec_hf.kernels import moe_triton, router_triton, shared_expert_triton  # noqa: E402
 from hybridspec_hf.kernels.router_triton import route_topk, route_topk_reference  # noqa: E402
 from hybridspec_hf.kernels.shared_expert_triton import (  # noqa: E402
     concat_shared_weights,
@@ -67,9 +69,9 @@ def plain_forward(module: torch.nn.Module, *args):
 @pytest.fixture
 def calls(monkeypatch):
     """The fused route allowed on CPU tensors (the internal switch), with launch counters of its kernels."""
-    counts = {"route_topk": 0, "gated_add": 0, "mask_invalid_routes": 0}
+    counts = {"route_topk": 0, "gated_add": 0, "mask_invalid_routes": 0, "moe_block_triton": 0}
     for module, name in ((router_triton, "route_topk"), (shared_expert_triton, "gated_add"),
-                         (router_triton, "mask_invalid_routes")):
+                         (router_triton, "mask_invalid_routes"), (moe_triton, "moe_block_triton")):
         def counted(*args, _fn=getattr(module, name), _name=name):
             counts[_name] += 1
             return _fn(*args)
@@ -188,11 +190,13 @@ def test_patched_block_equals_transformers(name, dtype, calls):
     blocks = patches.moe_blocks(model)
     patches.prepare_fused_moe(blocks)
     gen = torch.Generator().manual_seed(7)
-    for tokens in (1, 5, 17):
-        x = torch.randn(1, tokens, model.config.hidden_size, generator=gen).to(dtype)
+    inputs = [torch.randn(1, tokens, model.config.hidden_size, generator=gen).to(dtype) for tokens in (1, 5, 17)]
+    inputs.append(inputs[-1][:, :16])  # in one pass up to 16 tokens, around the experts call above
+    for x in inputs:
         for block in blocks:
             assert_near(fused_forward(block, x), plain_forward(block, x))
-    assert calls == {"route_topk": 3 * len(blocks), "gated_add": 3 * len(blocks), "mask_invalid_routes": 0}
+    assert calls == {"route_topk": 4 * len(blocks), "gated_add": len(blocks), "mask_invalid_routes": 0,
+                     "moe_block_triton": 3 * len(blocks)}
 
 
 def test_hooks_on_router_and_experts_fire_and_hooks_on_the_shared_expert_keep_transformers(calls):
@@ -210,7 +214,8 @@ def test_hooks_on_router_and_experts_fire_and_hooks_on_the_shared_expert_keep_tr
     out = fused_forward(block, x)
     assert [kind for kind, _ in seen] == ["gate", "experts"]
     assert torch.equal(seen[1][1], bank[0, 0])  # the experts got RoutingReplay's ids
-    assert calls == {"route_topk": 1, "gated_add": 1, "mask_invalid_routes": 0}
+    # a user's hook on the experts: their module call, not the one-pass block
+    assert calls == {"route_topk": 1, "gated_add": 1, "mask_invalid_routes": 0, "moe_block_triton": 0}
     assert_near(out, plain_forward(block, x))  # the replayed routing, in transformers' forward too
     replay.remove()
     handles.append(block.shared_expert.up_proj.register_forward_hook(lambda m, a, out: seen.append(("up", None))))
@@ -234,9 +239,10 @@ def test_inert_outside_the_flag_on_cpu_with_grad_and_without_prepare(calls, monk
         blocks[0](x)  # flag off
     with patches.fused_kernels():
         blocks[0](x)  # grad on
-    assert calls == {"route_topk": 0, "gated_add": 0, "mask_invalid_routes": 0}
+    assert calls == {"route_topk": 0, "gated_add": 0, "mask_invalid_routes": 0, "moe_block_triton": 0}
     assert_near(fused_forward(blocks[0], x), plain_forward(blocks[0], x))
-    assert calls == {"route_topk": 1, "gated_add": 0, "mask_invalid_routes": 0}  # not prepared: fused router, transformers' shared expert
+    # not prepared: fused router, transformers' shared expert
+    assert calls == {"route_topk": 1, "gated_add": 0, "mask_invalid_routes": 0, "moe_block_triton": 0}
 
 
 def test_wrapped_shared_experts_get_no_copy(calls):
@@ -250,7 +256,7 @@ def test_wrapped_shared_experts_get_no_copy(calls):
     assert _moe._CACHE not in blocks[0].__dict__ and _moe._CACHE in blocks[1].__dict__
     x = torch.randn(1, 3, model.config.hidden_size)
     assert_near(fused_forward(blocks[0], x), plain_forward(blocks[0], x))
-    assert calls["gated_add"] == 0
+    assert calls["gated_add"] == calls["moe_block_triton"] == 0
 
 
 def test_concatenated_weights_follow_in_place_updates_at_the_same_address_and_are_released(calls):
@@ -265,14 +271,14 @@ def test_concatenated_weights_follow_in_place_updates_at_the_same_address_and_ar
         block.shared_expert.up_proj.weight.mul_(-2.0)
         block.shared_expert_gate.weight.add_(1.0)
     assert_near(fused_forward(block, x), plain_forward(block, x))  # a stale copy is not used ...
-    assert calls["gated_add"] == 0  # ... transformers' shared expert runs
+    assert calls["gated_add"] == calls["moe_block_triton"] == 0  # ... transformers' shared expert runs
     patches.prepare_fused_moe(blocks)  # what every generate() call's start does
     assert block.__dict__[_moe._CACHE].weight.data_ptr() == address
     inter = block.shared_expert.gate_proj.out_features
     assert torch.equal(weight[inter : 2 * inter], block.shared_expert.up_proj.weight)
     assert torch.equal(weight[2 * inter], block.shared_expert_gate.weight[0])
     assert_near(fused_forward(block, x), plain_forward(block, x))
-    assert calls["gated_add"] == 1
+    assert calls["moe_block_triton"] == 1
     patches.release_fused_moe(blocks)
     assert all(_moe._CACHE not in b.__dict__ for b in blocks)
 
@@ -291,12 +297,94 @@ def test_resident_rounds_run_the_fused_blocks_and_release_them(calls, strategy):
     settings = hybridspec_hf.HybridSpecConfig(cuda_graphs="on")
     out = run(target, prompt, drafter, strategy, 6, hybridspec_config=settings)
     assert torch.equal(out, ar)
-    assert calls["gated_add"] > 0 and calls["route_topk"] > 0
+    assert calls["moe_block_triton"] > 0 and calls["route_topk"] > 0  # in one pass: every call has <= 16 tokens
     assert (calls["mask_invalid_routes"] > 0) == (strategy != "dflash")  # stage 1 of a chosen length
     blocks = patches.moe_blocks(target)
     assert all(_moe._CACHE in b.__dict__ for b in blocks)
     hybridspec_hf.release_graphs(target)
     assert all(_moe._CACHE not in b.__dict__ for b in blocks)
+
+
+def tiny_block(family: str, dtype: torch.dtype, shared_inter: int = 24) -> torch.nn.Module:
+    """One sparse MoE block of the family, H = 40 and routed I = 24 (not powers of two), 6 experts, top-3, random
+    weights, its concatenated copy made."""
+    widths = dict(hidden_size=40, moe_intermediate_size=24, shared_expert_intermediate_size=shared_inter,
+                  num_experts=6, num_experts_per_tok=3)
+    if family == "qwen3_5_moe":
+        block = modeling_qwen3_5_moe.Qwen3_5MoeSparseMoeBlock(Qwen3_5MoeTextConfig(**widths))
+    else:
+        block = modeling_qwen3_next.Qwen3NextSparseMoeBlock(Qwen3NextConfig(**widths, norm_topk_prob=True))
+    gen = torch.Generator().manual_seed(shared_inter)
+    with torch.no_grad():
+        for param in block.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * param.shape[-1] ** -0.5)
+    block = block.to(dtype)
+    patches.prepare_fused_moe([block])
+    return block
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
+def test_moe_block_add_folds_the_residual_into_the_one_pass_block(family, dtype, calls):
+    block = tiny_block(family, dtype)
+    gen = torch.Generator().manual_seed(11)
+    for tokens in (1, 7, 16):
+        x = torch.randn(1, tokens, 40, generator=gen).to(dtype)
+        residual = torch.randn(1, tokens, 40, generator=gen).mul(4).to(dtype)
+        with torch.no_grad(), patches.fused_kernels():
+            out = patches.moe_block_add(block, x, residual)
+        assert_near(out, residual + plain_forward(block, x))
+    assert calls["moe_block_triton"] == 3 and calls["gated_add"] == 0
+    seen = []
+    handle = block.register_forward_hook(lambda m, a, o: seen.append(o))
+    with torch.no_grad(), patches.fused_kernels():
+        out = patches.moe_block_add(block, x, residual)  # a hook on the block: the plain expression, it fires
+    handle.remove()
+    assert len(seen) == 1 and torch.equal(out, residual + seen[0])
+    assert calls["moe_block_triton"] == 4  # the block's own (fused) forward inside
+    with torch.no_grad():
+        assert torch.equal(patches.moe_block_add(block, x, residual), residual + block(x))  # outside: plain
+
+
+def test_the_verify_window_masks_routes_in_the_one_pass_block(calls):
+    """Stage 1 of a verification: VerifyWindow's pre-hook on the experts (tokens at or past `valid` get token 0's
+    experts with weight 0) runs inside the one-pass block, which stays fused; RoutingReplay's ids reach it."""
+    block = tiny_block("qwen3_5_moe", torch.float32)
+    x = torch.randn(1, 5, 40)
+    unmasked = fused_forward(block, x)
+    window = VerifyWindow([block])
+    window.arm(type("Choice", (), dict(valid=torch.tensor([2]), corrects=False))())
+    out = fused_forward(block, x)
+    assert calls["moe_block_triton"] == 2 and calls["mask_invalid_routes"] == 1 and calls["gated_add"] == 0
+    assert_near(out, plain_forward(block, x))  # transformers' forward, the hook on its experts call
+    assert torch.equal(out[:, :2], unmasked[:, :2]) and not torch.allclose(out[:, 2:], unmasked[:, 2:])
+    window.remove()
+    replay = RoutingReplay([block], torch.tensor([[[[5, 1, 0], [2, 4, 3], [0, 1, 2], [3, 3, 4], [5, 4, 3]]]]))
+    replay.armed = True
+    out = fused_forward(block, x)
+    assert calls["moe_block_triton"] == 3 and not torch.allclose(out, unmasked)
+    assert_near(out, plain_forward(block, x))
+    replay.remove()
+
+
+def test_the_one_pass_block_gives_way(calls, monkeypatch):
+    """A shared expert of another width, the switch off, a user's hook on the experts: the shared expert's own
+    kernels around the experts call, with the same result."""
+    block = tiny_block("qwen3_next", torch.float32, shared_inter=20)
+    x = torch.randn(1, 3, 40)
+    assert_near(fused_forward(block, x), plain_forward(block, x))
+    assert calls["moe_block_triton"] == 0 and calls["gated_add"] == 1
+    block = tiny_block("qwen3_next", torch.float32)
+    monkeypatch.setattr(_moe, "SHARED_EXPERT_SLOT", False)
+    assert_near(fused_forward(block, x), plain_forward(block, x))
+    assert calls["moe_block_triton"] == 0 and calls["gated_add"] == 2
+    monkeypatch.setattr(_moe, "SHARED_EXPERT_SLOT", True)
+    handle = block.experts.register_forward_hook(lambda m, a, out: out * 2)
+    assert_near(fused_forward(block, x), plain_forward(block, x))  # the hook doubled the routed part in both
+    assert calls["moe_block_triton"] == 0 and calls["gated_add"] == 3
+    handle.remove()
+    fused_forward(block, x)
+    assert calls["moe_block_triton"] == 1
 
 
 @pytest.mark.parametrize("valid", [0, 1, 3, 5, 9])

@@ -1,9 +1,13 @@
 """Triton routed experts (kernels/moe_triton.py) against the torch reference, transformers' eager experts and a tiny
 Qwen3.5-MoE model set to experts_implementation="hybridspec" (CPU, Triton interpreter).
 
+Also the one-pass MoE block (`moe_block_triton`: the shared expert as one more experts slot, the gated combine and
+the residual in the sum kernel) against `moe_block_reference` (transformers' torch steps).
+
 Tolerances (relative Frobenius error): fp32 <= 1e-5 (fp32 dots and sums; measured ~2e-7 against float64);
 bf16 <= 2e-2 (one bf16 rounding of the SiLU·up activations before the down dot and one of the output; the interpreter
-truncates those casts where the GPU rounds to nearest, measured ~7e-3 here).
+truncates those casts where the GPU rounds to nearest, measured ~7e-3 here; the one-pass block ~1e-2: the shared
+expert's gate and up stay fp32 up to SiLU·up where transformers rounds both to bf16).
 """
 from __future__ import annotations
 
@@ -21,7 +25,10 @@ from hybridspec_hf.kernels.moe_triton import (  # noqa: E402
     fused_experts,
     fused_experts_reference,
     fused_experts_triton,
+    moe_block_reference,
+    moe_block_triton,
 )
+from hybridspec_hf.kernels.shared_expert_triton import concat_shared_weights  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("triton_interpreter")
 
@@ -103,6 +110,66 @@ def test_matches_transformers_eager_experts(dtype):
         eager = experts(x["hidden"], x["top_k_index"], x["top_k_weights"])
     out = fused_experts(x["hidden"], x["top_k_index"], x["top_k_weights"], experts.gate_up_proj, experts.down_proj)
     assert rel(out, eager) < TOL[dtype]
+
+
+def make_block(seed: int, tokens: int, hidden: int, inter: int, experts: int, top_k: int, dtype=torch.float32):
+    """`make_layer` plus a shared expert of the same width (its concatenated [gate; up; gate row] copy, its down
+    weight) and a residual."""
+    x = make_layer(seed, tokens, hidden, inter, experts, top_k, dtype)
+    gen = torch.Generator().manual_seed(seed + 1000)
+    gate, up, gate_row = (torch.randn(rows, hidden, generator=gen) * hidden**-0.5 for rows in (inter, inter, 1))
+    x["shared_gate_up"] = concat_shared_weights(gate.to(dtype), up.to(dtype), (gate_row * 4).to(dtype))
+    x["shared_down"] = (torch.randn(hidden, inter, generator=gen) * inter**-0.5).to(dtype)
+    x["residual"] = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    return x
+
+
+@pytest.mark.parametrize(
+    "seed, tokens, hidden, inter, experts, top_k, dtype",
+    [
+        (21, 1, 40, 24, 4, 2, torch.float32),  # decode
+        (22, 5, 33, 20, 5, 3, torch.float32),  # H, I not powers of two (the logit GEMV's and the tiles' masks)
+        (23, 16, 48, 24, 6, 4, torch.float32),  # the direct rows' limit
+        (24, 1, 40, 24, 4, 2, torch.bfloat16),
+        (25, 16, 40, 24, 6, 3, torch.bfloat16),
+    ],
+)
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_moe_block_matches_reference(seed, tokens, hidden, inter, experts, top_k, dtype, with_residual):
+    x = make_block(seed, tokens, hidden, inter, experts, top_k, dtype)
+    if not with_residual:
+        x["residual"] = None
+    out = moe_block_triton(**x)
+    assert out.shape == (tokens, hidden) and out.dtype == dtype
+    assert rel(out, moe_block_reference(**x)) < TOL[dtype]
+    if dtype == torch.float32:
+        truth = moe_block_reference(**{k: v.double() if v is not None and v.is_floating_point() else v
+                                       for k, v in x.items()})
+        assert rel(out, truth) < TOL[dtype]
+
+
+def test_moe_block_shared_expert_and_residual_do_not_depend_on_the_routing():
+    """Zero routing weights, sentinels and an expert listed twice: the routed part is what the reference makes of
+    them (0 for the zero-weight token), the shared expert, its gate and the residual reach every token."""
+    x = make_block(26, 6, 40, 24, 4, 3)
+    x["top_k_index"][1] = torch.tensor([3, 3, 0])
+    x["top_k_index"][2, 2] = 4
+    x["top_k_index"][3, 0] = -1
+    x["top_k_weights"][4] = 0.0
+    out = moe_block_triton(**x)
+    truth = moe_block_reference(**{k: v.double() if v.is_floating_point() else v for k, v in x.items()})
+    assert rel(out, truth) < TOL[torch.float32]
+    only_shared = moe_block_reference(**dict(x, top_k_weights=torch.zeros_like(x["top_k_weights"])))
+    assert rel(out[4], only_shared[4]) < TOL[torch.float32] and rel(out[4], x["residual"][4]) > 1e-2
+
+
+def test_moe_block_errors_name_the_problem():
+    x = make_block(27, 3, 40, 24, 4, 2)
+    with pytest.raises(ValueError, match="routed experts' layout"):
+        moe_block_triton(**dict(x, shared_down=x["shared_down"][:, :16]))  # a shared expert of another I
+    big = make_block(27, DIRECT_MAX_TOKENS + 1, 40, 24, 4, 2)
+    with pytest.raises(ValueError, match="at most 16 tokens"):
+        moe_block_triton(**big)
 
 
 def test_align_pairs_blocks():

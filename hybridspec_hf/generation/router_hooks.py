@@ -38,6 +38,7 @@ class VerifyWindow:
         if self.choice is not None and self.choice.corrects:
             self.choice.correct(output[2])  # [T, k] expert ids of the first MoE layer
 
+    @patches.routing_pre_hook  # only rewrites the routing: the one-pass MoE block runs it and stays fused
     def _experts_hook(self, module, args):
         if self.choice is None:
             return None

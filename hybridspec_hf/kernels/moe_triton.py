@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from .gdn_triton import HAS_TRITON, _LazyJit, select_backend
+from .shared_expert_triton import gated_add_reference, shared_expert_reference
 
 if HAS_TRITON:
     import triton
@@ -107,6 +108,29 @@ def fused_experts_reference(
     return out.to(hidden.dtype)
 
 
+def moe_block_reference(
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    shared_gate_up: torch.Tensor,
+    shared_down: torch.Tensor,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The truth for `moe_block_triton`: transformers' SparseMoeBlock after its router, in its torch steps,
+    routed + sigmoid(shared_expert_gate x) · shared_expert(x), plus `residual` when given (the decoder layer's add).
+
+    Routing and experts as `fused_experts_reference`; shared_gate_up [R >= 2I + 1, H]: the shared expert's gate_proj
+    rows, up_proj rows and the shared_expert_gate row (`concat_shared_weights`); shared_down [H, I]. [T, H]."""
+    inter = shared_down.shape[-1]
+    routed = fused_experts_reference(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj)
+    gate, up, gate_row = shared_gate_up[:inter], shared_gate_up[inter : 2 * inter], shared_gate_up[2 * inter :][:1]
+    shared, logit = shared_expert_reference(hidden, gate, up, shared_down, gate_row)
+    out = gated_add_reference(routed, logit, shared)
+    return out if residual is None else residual + out
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # kernels
 
@@ -117,7 +141,7 @@ def _program_rows(ids, block_expert, block_pairs, slot, T, S, E,
     work), and per row the token–expert pair whose act row it reads or writes."""
     rm = tl.arange(0, BM)
     if DIRECT:
-        expert = tl.load(ids + slot).to(tl.int64)
+        expert = tl.load(ids + slot, mask=slot < S, other=-1).to(tl.int64)  # slot S: the shared expert's, if any
         rs = tl.arange(0, SP)
         earlier = tl.load(ids + rs, mask=rs < slot, other=-1)
         live = (tl.sum((earlier == expert).to(tl.int32), 0) == 0) & (expert >= 0) & (expert < E)
@@ -134,22 +158,39 @@ def _program_rows(ids, block_expert, block_pairs, slot, T, S, E,
     return expert, live, pair, row_ok
 
 
+def _shared_slot(slot, live, pair, row_ok, T, S, BM: tl.constexpr):
+    """(is_shared, live, pair, row_ok) with slot S (direct mode) turned into the shared expert's program: live, every
+    token a row, act/rows row S + t."""
+    rm = tl.arange(0, BM)
+    is_shared = slot == S
+    live = live | is_shared
+    pair = tl.where(is_shared, S + rm, pair)
+    row_ok = tl.where(is_shared, rm < T, row_ok)
+    return is_shared, live, pair, row_ok
+
+
 def _gate_up_kernel(
-    hidden, ids, block_expert, block_pairs, w1, act,
+    hidden, ids, block_expert, block_pairs, w1, act, shared_w1, logit,
     T, S, E,
     stride_ht, stride_hh, stride_we, stride_wn, stride_wk,
     H: tl.constexpr, INTER: tl.constexpr, DIRECT: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
     SP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr,
+    SHARED: tl.constexpr,
 ):
     i_n = tl.program_id(0)
-    expert, live, pair, row_ok = _program_rows(ids, block_expert, block_pairs, tl.program_id(1), T, S, E,
-                                               DIRECT, K, KP, SP, BM)
+    slot = tl.program_id(1)
+    expert, live, pair, row_ok = _program_rows(ids, block_expert, block_pairs, slot, T, S, E, DIRECT, K, KP, SP, BM)
+    token = (pair // K).to(tl.int64)  # direct mode: the row itself, for the shared slot too
+    w_base = w1 + expert * stride_we
+    if SHARED:
+        is_shared, live, pair, row_ok = _shared_slot(slot, live, pair, row_ok, T, S, BM)
+        if is_shared:
+            w_base = shared_w1  # [gate_proj; up_proj; shared_expert_gate; padding]: the experts' row layout
     if live:
-        token = (pair // K).to(tl.int64)
         rn = i_n * BN + tl.arange(0, BN)
         mn = rn < INTER
         p_x = hidden + token[:, None] * stride_ht
-        p_gate = w1 + expert * stride_we + rn[None, :] * stride_wn  # [BK, BN] tiles of the gate rows ...
+        p_gate = w_base + rn[None, :] * stride_wn  # [BK, BN] tiles of the gate rows ...
         p_up = p_gate + INTER * stride_wn  # ... and of the up rows I later
         acc_gate = tl.zeros([BM, BN], dtype=tl.float32)
         acc_up = tl.zeros([BM, BN], dtype=tl.float32)
@@ -166,23 +207,41 @@ def _gate_up_kernel(
             acc_up += tl.dot(b_x, b_w_up, input_precision="ieee" if DOT_FP32 else "tf32")
         b_act = acc_gate * tl.sigmoid(acc_gate) * acc_up  # SiLU(gate) · up, fp32
         tl.store(act + pair[:, None].to(tl.int64) * INTER + rn[None, :], b_act, mask=row_ok[:, None] & mn[None, :])
+        if SHARED:
+            if is_shared & (i_n == 0):  # one program also takes the gate logit, row 2I of the copy (a GEMV)
+                p_logit = shared_w1 + 2 * INTER * stride_wn
+                acc_logit = tl.zeros([BM], dtype=tl.float32)
+                for k0 in range(0, H, BK):
+                    rk = k0 + tl.arange(0, BK)
+                    mk = rk < H
+                    b_w = tl.load(p_logit + rk * stride_wk, mask=mk, other=0.0)
+                    b_x = tl.load(p_x + rk[None, :] * stride_hh, mask=row_ok[:, None] & mk[None, :], other=0.0)
+                    b_x = b_x.to(b_w.dtype).to(tl.float32)
+                    acc_logit += tl.sum(b_x * b_w.to(tl.float32)[None, :], 1)
+                tl.store(logit + tl.arange(0, BM), acc_logit, mask=row_ok)
 
 
 def _down_kernel(
-    act, ids, weights, block_expert, block_pairs, w2, rows,
+    act, ids, weights, block_expert, block_pairs, w2, rows, shared_w2,
     T, S, E,
     stride_we, stride_wn, stride_wk,
     H: tl.constexpr, INTER: tl.constexpr, DIRECT: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
     SP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr,
+    SHARED: tl.constexpr,
 ):
     i_n = tl.program_id(0)
-    expert, live, pair, row_ok = _program_rows(ids, block_expert, block_pairs, tl.program_id(1), T, S, E,
-                                               DIRECT, K, KP, SP, BM)
+    slot = tl.program_id(1)
+    expert, live, pair, row_ok = _program_rows(ids, block_expert, block_pairs, slot, T, S, E, DIRECT, K, KP, SP, BM)
+    w_base = w2 + expert * stride_we
+    if SHARED:
+        is_shared, live, pair, row_ok = _shared_slot(slot, live, pair, row_ok, T, S, BM)
+        if is_shared:
+            w_base = shared_w2  # the shared expert's down_proj [H, I]
     if live:
         rn = i_n * BN + tl.arange(0, BN)
         mn = rn < H
         p_act = act + pair[:, None].to(tl.int64) * INTER
-        p_w = w2 + expert * stride_we + rn[None, :] * stride_wn  # [BK, BN] tiles of down_e
+        p_w = w_base + rn[None, :] * stride_wn  # [BK, BN] tiles of down_e
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(0, INTER, BK):
             rk = k0 + tl.arange(0, BK)
@@ -195,31 +254,45 @@ def _down_kernel(
         if DIRECT:  # rows are tokens: write w[t, j] · y_t to every pair (t, j) that names this expert
             rm = tl.arange(0, BM)
             for j in tl.static_range(K):
-                hit = tl.load(ids + rm * K + j, mask=rm < T, other=-1) == expert
+                hit = (tl.load(ids + rm * K + j, mask=rm < T, other=-1) == expert) & (expert >= 0)  # shared: -1
                 b_wt = tl.load(weights + rm * K + j, mask=hit, other=0.0).to(tl.float32)
                 p_out = rows + (rm * K + j)[:, None].to(tl.int64) * H + rn[None, :]
                 tl.store(p_out, acc * b_wt[:, None], mask=hit[:, None] & mn[None, :])
+            if SHARED:  # the shared expert's y_t, unweighted, to row S + t
+                p_out = rows + pair[:, None].to(tl.int64) * H + rn[None, :]
+                tl.store(p_out, acc, mask=(row_ok & is_shared)[:, None] & mn[None, :])
         else:  # rows are pairs
             b_wt = tl.load(weights + pair, mask=row_ok, other=0.0).to(tl.float32)
             p_out = rows + pair[:, None].to(tl.int64) * H + rn[None, :]
             tl.store(p_out, acc * b_wt[:, None], mask=row_ok[:, None] & mn[None, :])
 
 
-def _sum_kernel(rows, ids, out, E, stride_ot, H: tl.constexpr, K: tl.constexpr, BN: tl.constexpr):
+def _sum_kernel(rows, ids, out, logit, residual, E, S, stride_ot, stride_rt, H: tl.constexpr, K: tl.constexpr,
+                BN: tl.constexpr, SHARED: tl.constexpr, RESIDUAL: tl.constexpr):
     i_n = tl.program_id(0)
     i_t = tl.program_id(1).to(tl.int64)
     rn = i_n * BN + tl.arange(0, BN)
     mn = rn < H
+    dtype = out.dtype.element_ty
     acc = tl.zeros([BN], dtype=tl.float32)
     for j in tl.static_range(K):  # j in order: the same sum whatever the routing
         expert = tl.load(ids + i_t * K + j)
         ok = (expert >= 0) & (expert < E)  # sentinel pairs were never written
         acc += tl.load(rows + (i_t * K + j) * H + rn, mask=mn & ok, other=0.0)
-    tl.store(out + i_t * stride_ot + rn, acc.to(out.dtype.element_ty), mask=mn)
+    value = acc.to(dtype).to(tl.float32)  # the experts' output, in the model dtype
+    if SHARED:  # + sigmoid(gate logit) · shared, each step rounded as transformers' torch ops round it
+        shared = tl.load(rows + (S + i_t) * H + rn, mask=mn, other=0.0).to(dtype).to(tl.float32)
+        gate_logit = tl.load(logit + i_t).to(dtype).to(tl.float32)
+        gate = (1.0 / (1.0 + tl.exp(-gate_logit))).to(dtype).to(tl.float32)
+        value = (value + (gate * shared).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    if RESIDUAL:  # the decoder layer's residual + block output
+        value = tl.load(residual + i_t * stride_rt + rn, mask=mn, other=0.0).to(tl.float32) + value
+    tl.store(out + i_t * stride_ot + rn, value.to(dtype), mask=mn)
 
 
 if HAS_TRITON:
     _program_rows = triton.jit(_program_rows)
+    _shared_slot = triton.jit(_shared_slot)
     _gate_up_kernel = _LazyJit(_gate_up_kernel)
     _down_kernel = _LazyJit(_down_kernel)
     _sum_kernel = _LazyJit(_sum_kernel)
@@ -273,14 +346,71 @@ def fused_experts_triton(
     """Triton `fused_experts_reference`: [T, H] in hidden's dtype, three launches (plus torch's align ops in
     "sorted" mode), no host sync. Shapes as the reference; mode "auto" = "direct" for T <= DIRECT_MAX_TOKENS.
     Call once before CUDA-graph capture (Triton compiles on the first launch of each shape)."""
-    num_tokens, hidden_size, num_experts, inter, top_k = _check_shapes(
-        hidden, top_k_index, top_k_weights, gate_up_proj, down_proj)
+    num_tokens = _check_shapes(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj)[0]
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if mode == "auto":
         mode = "direct" if num_tokens <= DIRECT_MAX_TOKENS else "sorted"
     if mode == "direct" and num_tokens > DIRECT_MAX_TOKENS:
         raise ValueError(f'mode="direct" takes at most {DIRECT_MAX_TOKENS} tokens, got T={num_tokens}; use "sorted"')
+    return _launch(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, mode, block_m, gate_up_tiles,
+                   down_tiles)
+
+
+def moe_block_triton(
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    shared_gate_up: torch.Tensor,
+    shared_down: torch.Tensor,
+    residual: torch.Tensor | None = None,
+    *,
+    gate_up_tiles: Tiles | None = None,
+    down_tiles: Tiles | None = None,
+) -> torch.Tensor:
+    """Triton `moe_block_reference` in three launches (T <= DIRECT_MAX_TOKENS, the "direct" rows): the shared expert
+    is one more expert slot of the gate_up and down kernels (its weights from the concatenated copy, whose program
+    also computes the gate logit) and the sum kernel adds sigmoid(logit) · shared and the residual. No host sync.
+
+    Shapes as `fused_experts_triton`, plus shared_gate_up [R >= 2I + 1, H] (`concat_shared_weights`: gate rows, up
+    rows, the shared_expert_gate row), shared_down [H, I] (the shared expert's I must be the routed experts' I; the
+    strides of both must be those of one routed expert), residual [T, H] or None; all weights of one dtype."""
+    num_tokens, hidden_size, _, inter, _ = _check_shapes(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj)
+    if num_tokens > DIRECT_MAX_TOKENS:
+        raise ValueError(f"moe_block_triton takes at most {DIRECT_MAX_TOKENS} tokens (the direct rows), got "
+                         f"T={num_tokens}; use fused_experts_triton and the shared expert's own kernels")
+    if not shared_slot_fits(gate_up_proj, down_proj, shared_gate_up, shared_down):
+        raise ValueError(
+            f"the shared expert must have the routed experts' layout: shared_gate_up [>= 2I + 1, H] with strides "
+            f"{gate_up_proj.stride()[1:]}, shared_down [H, I] with strides {down_proj.stride()[1:]}, dtype "
+            f"{gate_up_proj.dtype} (I = {inter}, H = {hidden_size}); got {tuple(shared_gate_up.shape)} "
+            f"{shared_gate_up.stride()} {shared_gate_up.dtype}, {tuple(shared_down.shape)} {shared_down.stride()} "
+            f"{shared_down.dtype}. Use fused_experts_triton and the shared expert's own kernels")
+    if residual is not None and (residual.shape != hidden.shape or residual.dtype != hidden.dtype):
+        raise ValueError(f"residual must be [T, H] {hidden.dtype} like hidden; got {tuple(residual.shape)} "
+                         f"{residual.dtype}")
+    return _launch(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, "direct", None, gate_up_tiles,
+                   down_tiles, shared=(shared_gate_up, shared_down), residual=residual)
+
+
+def shared_slot_fits(gate_up_proj: torch.Tensor, down_proj: torch.Tensor, shared_gate_up: torch.Tensor,
+                     shared_down: torch.Tensor) -> bool:
+    """Whether the shared expert can run as one more slot of the experts kernels: one dtype and device, the routed
+    experts' I, and the strides of one routed expert (the kernels read both through the same offsets)."""
+    num_experts, hidden_size, inter = down_proj.shape
+    return (shared_gate_up.dim() == 2 and shared_gate_up.shape[0] >= 2 * inter + 1
+            and shared_gate_up.shape[1] == hidden_size and shared_down.shape == (hidden_size, inter)
+            and shared_gate_up.stride() == gate_up_proj.stride()[1:] and shared_down.stride() == down_proj.stride()[1:]
+            and len({(t.dtype, t.device) for t in (gate_up_proj, down_proj, shared_gate_up, shared_down)}) == 1)
+
+
+def _launch(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, mode, block_m, gate_up_tiles, down_tiles,
+            shared=None, residual=None) -> torch.Tensor:
+    """The three launches; shared = (shared_gate_up, shared_down): one more slot (direct mode), residual: added."""
+    num_tokens, hidden_size, num_experts, inter, top_k = _check_shapes(
+        hidden, top_k_index, top_k_weights, gate_up_proj, down_proj)
     out = torch.empty_like(hidden, memory_format=torch.contiguous_format)
     if num_tokens == 0:
         return out
@@ -298,28 +428,38 @@ def fused_experts_triton(
     else:
         block_pairs, block_expert = align_pairs(top_k_index, num_experts, block_m)
         num_slots = block_expert.numel()
-    act = torch.empty(pairs, inter, dtype=torch.float32, device=hidden.device)  # SiLU(gate)·up per pair
-    rows = torch.empty(pairs, hidden_size, dtype=torch.float32, device=hidden.device)  # w · down(act) per pair
+    # act: SiLU(gate)·up per pair; rows: w · down(act) per pair; the shared expert's T rows after the S pairs'
+    extra = num_tokens if shared is not None else 0
+    act = torch.empty(pairs + extra, inter, dtype=torch.float32, device=hidden.device)
+    rows = torch.empty(pairs + extra, hidden_size, dtype=torch.float32, device=hidden.device)
+    logit = torch.empty(num_tokens if shared is not None else 1, dtype=torch.float32, device=hidden.device)
+    shared_gate_up, shared_down = shared if shared is not None else (gate_up_proj, down_proj)  # unused without
     hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
     common = dict(H=hidden_size, INTER=inter, DIRECT=mode == "direct", K=top_k, KP=triton.next_power_of_2(top_k),
                   SP=triton.next_power_of_2(DIRECT_MAX_TOKENS * top_k) if mode == "direct" else 1, BM=block_m,
-                  DOT_FP32=gate_up_proj.dtype == torch.float32 or bool(triton.knobs.runtime.interpret))
+                  DOT_FP32=gate_up_proj.dtype == torch.float32 or bool(triton.knobs.runtime.interpret),
+                  SHARED=shared is not None)
+    num_slots += 1 if shared is not None else 0
 
     tiles = _fit(gate_up_tiles, inter, hidden_size)
     _gate_up_kernel[(triton.cdiv(inter, tiles.block_n), num_slots)](
-        hidden, ids, block_expert, block_pairs, gate_up_proj, act,
+        hidden, ids, block_expert, block_pairs, gate_up_proj, act, shared_gate_up, logit,
         num_tokens, pairs, num_experts, *hidden.stride(), *gate_up_proj.stride(),
         **common, BN=tiles.block_n, BK=tiles.block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     tiles = _fit(down_tiles, hidden_size, inter)
     _down_kernel[(triton.cdiv(hidden_size, tiles.block_n), num_slots)](
-        act, ids, weights, block_expert, block_pairs, down_proj, rows,
+        act, ids, weights, block_expert, block_pairs, down_proj, rows, shared_down,
         num_tokens, pairs, num_experts, *down_proj.stride(),
         **common, BN=tiles.block_n, BK=tiles.block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
+    if residual is not None:
+        residual = residual if residual.stride(-1) == 1 else residual.contiguous()
     block_sum = min(1024, triton.next_power_of_2(hidden_size))
     _sum_kernel[(triton.cdiv(hidden_size, block_sum), num_tokens)](
-        rows, ids, out, num_experts, out.stride(0), H=hidden_size, K=top_k, BN=block_sum, num_warps=4,
+        rows, ids, out, logit, residual if residual is not None else out, num_experts, pairs, out.stride(0),
+        residual.stride(0) if residual is not None else 0, H=hidden_size, K=top_k, BN=block_sum,
+        SHARED=shared is not None, RESIDUAL=residual is not None, num_warps=4,
     )
     return out
 
