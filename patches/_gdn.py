@@ -39,6 +39,8 @@ from hybridspec_hf.kernels import (
     gdn_verify_auto,
     select_backend,
 )
+from hybridspec_hf.kernels import gdn_step_triton
+from hybridspec_hf.kernels.gdn_step_triton import gdn_step
 from hybridspec_hf.kernels.gemv_triton import linear
 
 from ._weight_copies import WeightCopy, current_copy, hooked, refresh_copy
@@ -190,6 +192,18 @@ def _fused_route(session: VerifySession, mixed_qkv: torch.Tensor, conv_state: to
             and select_backend(session.kernel_backend, mixed_qkv, conv_state) == "triton")
 
 
+def _one_launch_step(layer: torch.nn.Module, mixed_qkv: torch.Tensor, state: torch.Tensor) -> bool:
+    """The decoding step by `gdn_step` (kernels/gdn_step_triton.py): while its switch is on, with an fp32 state and
+    a gated norm that computes transformers' RMSNormGated (silu gate, weight in the model dtype) with nothing else
+    to run (no hooks, no replaced forward); otherwise the four launches."""
+    norm = layer.norm
+    weight = getattr(norm, "weight", None)
+    return (gdn_step_triton.FUSED_STEP and state.dtype == torch.float32 and type(norm).__name__.endswith("RMSNormGated")
+            and getattr(norm, "activation", "silu") == "silu" and hasattr(norm, "variance_epsilon")
+            and isinstance(weight, torch.Tensor) and weight.shape == (layer.head_v_dim,)
+            and weight.dtype == mixed_qkv.dtype and not hooked([norm]))
+
+
 def verify_forward(layer: torch.nn.Module, session: VerifySession, hidden_states: torch.Tensor, project: ProjectFn):
     """The GDN layer's output for w tokens from the committed state, without writing the cache (a decoding step
     on the fused route writes it: see `VerifySession.decode_step`)."""
@@ -206,6 +220,10 @@ def verify_forward(layer: torch.nn.Module, session: VerifySession, hidden_states
     weight = layer.conv1d.weight.squeeze(1)  # [C, K]
     fused = _fused_route(session, mixed_qkv, conv_state, weight)
     step = fused and session.decode_step and seq_len == 1  # commit in place, as the layer goes
+    if step and _one_launch_step(layer, mixed_qkv, state):  # conv, gates, recurrence and norm: one kernel
+        core = gdn_step(mixed_qkv, conv_state, weight, layer.conv1d.bias, a, b, layer.A_log, layer.dt_bias, state,
+                        z, layer.norm.weight, layer.norm.variance_epsilon, layer.num_k_heads)
+        return layer.out_proj(core.reshape(batch, seq_len, -1))
     if fused:
         mixed = conv_silu(conv_state, mixed_qkv, weight, layer.conv1d.bias, roll_state=step)  # [B, T, C] contiguous
         g, beta = gdn_gates(a, b, layer.A_log, layer.dt_bias)
