@@ -9,7 +9,10 @@ Inside GPU-resident forwards (`fused_kernels()`, CUDA-graph captured) the glue i
 forward is launch-bound: the conv and the gates take one Triton launch each (kernels/gdn_prologue_triton.py) instead
 of ~11 small kernels, and the Qwen3.5 layout's four input projections one GEMM over a concatenated weight
 (`prepare_gdn_projections`, made by the resident rounds before capture; by `gemv_triton.linear`: cuBLAS unless its
-table names the shape). Elsewhere the torch code runs unchanged.
+table names the shape). A plain decoding step (`VerifySession.decode_step`, one token) takes ONE launch between the
+projections and out_proj (`gdn_step_triton.gdn_step`: conv + window roll, gates, recurrence in place, gated norm)
+while `gdn_step_triton.FUSED_STEP` is on and the norm module has nothing else to run; otherwise four (conv, gates,
+`gdn_decode_step`, the norm). Elsewhere the torch code runs unchanged.
 """
 from __future__ import annotations
 
@@ -62,7 +65,8 @@ class VerifySession:
     verifier: str = "block"
     state_buffer: Any = None
     # a plain decoding step, its one token committed (m = 1): on the fused route each GDN layer runs one recurrent
-    # step that updates state and conv window in place (`gdn_decode_step`), and leaves nothing to commit
+    # step that updates state and conv window in place (`gdn_step`, or `gdn_decode_step` after conv_silu), and
+    # leaves nothing to commit
     decode_step: bool = False
 
 

@@ -87,8 +87,8 @@ def _conv_silu_one(p_state, p_x, w, bias, channels, mask, stride_sc, stride_sk, 
     return silu.to(X_DTYPE).to(tl.float32)
 
 
-def _roll_window(p_state, p_x, channels, mask, stride_sc, stride_sk, K: tl.constexpr, BW: tl.constexpr):
-    """conv_state[channels] <- columns 1 .. K of [conv_state ‖ x] (the commit of the one token), in place."""
+def _rolled_window(p_state, p_x, channels, mask, stride_sc, stride_sk, K: tl.constexpr, BW: tl.constexpr):
+    """Columns 1 .. K of [conv_state ‖ x] for `channels`: the window after committing the one token, [BW, BC]."""
     rj = tl.arange(0, BW)
     col = rj + 1  # the column of [conv_state ‖ x] that becomes column rj
     tile = (rj < K)[:, None] & mask[None, :]
@@ -96,9 +96,13 @@ def _roll_window(p_state, p_x, channels, mask, stride_sc, stride_sk, K: tl.const
     old = tl.load(p_state + channels[None, :] * stride_sc + col[:, None] * stride_sk, mask=tile & from_state,
                   other=0.0)
     new = tl.load(p_x + channels[None, :] + 0 * col[:, None], mask=tile & ~from_state, other=0.0)
-    window = tl.where(from_state, old, new.to(old.dtype))
-    tl.debug_barrier()  # every thread has read its columns before any is overwritten
-    tl.store(p_state + channels[None, :] * stride_sc + rj[:, None] * stride_sk, window, mask=tile)
+    return tl.where(from_state, old, new.to(old.dtype))
+
+
+def _store_window(p_state, window, channels, mask, stride_sc, stride_sk, K: tl.constexpr, BW: tl.constexpr):
+    rj = tl.arange(0, BW)
+    tl.store(p_state + channels[None, :] * stride_sc + rj[:, None] * stride_sk, window,
+             mask=(rj < K)[:, None] & mask[None, :])
 
 
 def _gdn_step_kernel(
@@ -134,18 +138,23 @@ def _gdn_step_kernel(
                          K, BK, HAS_BIAS, X_DTYPE, W_DTYPE)
     b_v = _conv_silu_one(p_c, p_x, conv_w, conv_bias, cv, mv, stride_cc, stride_ck, stride_wc, stride_wk,
                          K, BV, HAS_BIAS, X_DTYPE, W_DTYPE)
-    _roll_window(p_c, p_x, cv, mv, stride_cc, stride_ck, K, BW)  # this program's own value channels
-    if ARRIVALS > 1:  # q/k channels shared: the last program of their key head rolls them
-        tl.debug_barrier()  # every thread's reads of the window are done before the signal (release below)
+    # the windows after this token; written once every reader of the old one is done
+    w_q = _rolled_window(p_c, p_x, cq, mk, stride_cc, stride_ck, K, BW)
+    w_k = _rolled_window(p_c, p_x, ck, mk, stride_cc, stride_ck, K, BW)
+    w_v = _rolled_window(p_c, p_x, cv, mv, stride_cc, stride_ck, K, BW)
+    tl.debug_barrier()  # every thread of this program has read its columns before any is overwritten
+    _store_window(p_c, w_v, cv, mv, stride_cc, stride_ck, K, BW)  # this program's own value channels
+    if ARRIVALS > 1:  # q/k channels shared: the last program of their key head writes them (the barrier above
+        # orders this program's reads before the signal, the acq_rel atomic releases them)
         p_count = counters + i_b * (HV // GROUP) + i_hk
         arrived = tl.atomic_add(p_count, 1, sem="acq_rel")
         if arrived == ARRIVALS - 1:
-            _roll_window(p_c, p_x, cq, mk, stride_cc, stride_ck, K, BW)
-            _roll_window(p_c, p_x, ck, mk, stride_cc, stride_ck, K, BW)
+            _store_window(p_c, w_q, cq, mk, stride_cc, stride_ck, K, BW)
+            _store_window(p_c, w_k, ck, mk, stride_cc, stride_ck, K, BW)
             tl.store(p_count, 0)  # zero again for the next launch
     else:
-        _roll_window(p_c, p_x, cq, mk, stride_cc, stride_ck, K, BW)
-        _roll_window(p_c, p_x, ck, mk, stride_cc, stride_ck, K, BW)
+        _store_window(p_c, w_q, cq, mk, stride_cc, stride_ck, K, BW)
+        _store_window(p_c, w_k, ck, mk, stride_cc, stride_ck, K, BW)
 
     # gates of this (request, value head)
     b_a = tl.load(a + i_b * stride_ab + i_h).to(tl.float32) + tl.load(dt_bias + i_h).to(tl.float32)
@@ -179,7 +188,8 @@ def _gdn_step_kernel(
 
 if HAS_TRITON:
     _conv_silu_one = triton.jit(_conv_silu_one)
-    _roll_window = triton.jit(_roll_window)
+    _rolled_window = triton.jit(_rolled_window)
+    _store_window = triton.jit(_store_window)
     _gdn_step_kernel = _LazyJit(_gdn_step_kernel)
 
 
