@@ -8,9 +8,14 @@ each of several input sets in turn (sets together larger than the L2), divided b
 Methods side by side: "tile" (the shipped kernels: whole-tile verify with tensor-core products and the doubling
 solve, whole-tile commit), "sliced" (the first kernels, run 1 of gdn_kernels_gpu_runs.md: dk slices, fp32 dots,
 forward substitution) and "default" (per-token states + copy, default_verifier.py). The w = 1 table is a plain
-decoding step: `gdn_decode_step` (one recurrent step in place) against verify(w = 1) + commit.
+decoding step: `gdn_decode_step` (one recurrent step in place) against verify(w = 1) + commit, and the whole GDN
+step between the projections and out_proj: today's four launches (conv_silu with the window roll, gdn_gates,
+gdn_decode_step, gated_rms_norm) against `gdn_step_triton.gdn_step` (one launch with BV = dv and the norm inside;
+with a smaller BV the norm is a second launch), every STEP_FUSED_VARIANTS config of it.
 
-    python benchmarks/gdn_kernels.py --out DIR [--sweep] [--fla] [--check]
+    python benchmarks/gdn_kernels.py --out DIR [--sweep] [--fla] [--check] [--step-only]
+
+`--step-only`: only the w = 1 table (with --check: the fused step against the four launches on the GPU first).
 
 Writes DIR/gdn_kernels.json and DIR/gdn_kernels.md. `--sweep` times tile sizes / warps / precisions of every kernel
 at w = 4 and 16 (and the step at w = 1) first and runs the main table with the fastest. `--fla-worker` is the
@@ -47,12 +52,15 @@ from hybridspec_hf.kernels.default_verifier import (  # noqa: E402
     default_verify_triton,
     gdn_decode_step,
 )
+from hybridspec_hf.kernels.gdn_prologue_triton import conv_silu, gdn_gates  # noqa: E402
+from hybridspec_hf.kernels.gdn_step_triton import gdn_step  # noqa: E402
 from hybridspec_hf.kernels.gdn_triton import (  # noqa: E402
     GDNVerifyResult,
     PendingGDNLayer,
     commit_gdn_states_triton,
     gdn_verify_triton,
 )
+from hybridspec_hf.kernels.norm_triton import gated_rms_norm  # noqa: E402
 
 LAYERS, H, HV, DK, DV, CONV_K = 30, 16, 32, 128, 128, 4
 CONV_DIM = 2 * H * DK + HV * DV  # 8192
@@ -72,11 +80,15 @@ def make_layer(batch: int, w: int, gen: torch.Generator) -> dict:
     a_log = torch.rand(HV, generator=gen, device=DEV) * 2.77  # A ~ U(1, 16)
     g = -a_log.exp() * torch.nn.functional.softplus(randn(batch, w, HV, dtype=torch.float32) - 2.0)
     conv_input = randn(batch, w, CONV_DIM).transpose(1, 2)  # [B, C, T] view, as transformers hands it over
+    # the whole step's inputs: column slices of one projection output [B, w, C + HV·dv + 2·HV] (the GEMM's layout)
+    x, z, b, a = randn(batch, w, CONV_DIM + HV * DV + 2 * HV).split([CONV_DIM, HV * DV, HV, HV], dim=-1)
     return dict(
         q=randn(batch, w, H, DK), k=randn(batch, w, H, DK), v=randn(batch, w, HV, DV), g=g,
         beta=randn(batch, w, HV, dtype=torch.float32).sigmoid().to(torch.bfloat16),
         state=randn(batch, HV, DK, DV, dtype=torch.float32) * 0.05,
         conv_state=randn(batch, CONV_DIM, CONV_K), conv_input=conv_input,
+        x=x, z=z.reshape(batch, w, HV, DV), b=b, a=a, conv_weight=randn(CONV_DIM, CONV_K) * 0.5, A_log=a_log,
+        dt_bias=randn(HV), norm_weight=1.0 + 0.1 * randn(DV),
     )
 
 
@@ -133,6 +145,62 @@ def ours_step(s: InputSet, **cfg) -> None:
     """A plain decoding step (w = 1): one recurrent step per layer, each state updated in place."""
     for x in s.layers:
         gdn_decode_step(x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"], **cfg.get("step", {}))
+
+
+def four_launches_step(s: InputSet, **cfg) -> None:
+    """The GDN step between projections and out_proj as the fused route runs it today, per layer: conv_silu (window
+    rolled in place), gdn_gates, gdn_decode_step (state in place), gated_rms_norm."""
+    for x in s.layers:
+        four_launches(x, **cfg.get("step", {}))
+
+
+def four_launches(x: dict, **step_cfg) -> torch.Tensor:
+    batch = x["x"].shape[0]
+    mixed = conv_silu(x["conv_state"], x["x"], x["conv_weight"], None, roll_state=True)
+    g, beta = gdn_gates(x["a"], x["b"], x["A_log"], x["dt_bias"])
+    q, k, v = torch.split(mixed, [H * DK, H * DK, HV * DV], dim=-1)
+    out = gdn_decode_step(q.view(batch, 1, H, DK), k.view(batch, 1, H, DK), v.view(batch, 1, HV, DV), g, beta,
+                          x["state"], **step_cfg)
+    return gated_rms_norm(out, x["z"], x["norm_weight"], 1e-6)
+
+
+def fused_step(s: InputSet, **cfg) -> None:
+    """The same step by `gdn_step`: one launch per layer (two with block_v < dv)."""
+    for x in s.layers:
+        one_launch(x, **cfg.get("fused_step", {}))
+
+
+def one_launch(x: dict, **fused_cfg) -> torch.Tensor:
+    return gdn_step(x["x"], x["conv_state"], x["conv_weight"], None, x["a"], x["b"], x["A_log"], x["dt_bias"],
+                    x["state"], x["z"], x["norm_weight"], 1e-6, H, **fused_cfg)
+
+
+def check_fused_step(gen: torch.Generator) -> dict:
+    """`gdn_step` (every variant) against the four launches on the GPU: three steps in a row from the same caches;
+    the worst relative error of y (over its largest magnitude) and of the state, and whether the rolled conv
+    windows are identical."""
+    result = {}
+    for batch in (1, 3):
+        layer = make_layer(batch, 1, gen)
+        layer["state"] = layer["state"] * 20
+        tokens = [make_layer(batch, 1, gen) for _ in range(3)]
+
+        def run(fn, **kw):
+            x = dict(layer, state=layer["state"].clone(), conv_state=layer["conv_state"].clone())
+            outs = []
+            for t in tokens:
+                x.update(x=t["x"], z=t["z"], a=t["a"], b=t["b"])
+                outs.append(fn(x, **kw))
+            return outs, x["state"], x["conv_state"]
+
+        ref_outs, ref_state, ref_window = run(four_launches)
+        for name, kw in STEP_FUSED_VARIANTS.items():
+            outs, state, window = run(one_launch, **kw)
+            result[f"b{batch}/{name}"] = dict(
+                y=max(((o.double() - r.double()).abs().max() / r.double().abs().max()).item()
+                      for o, r in zip(outs, ref_outs)),
+                state=rel(state, ref_state), window_equal=bool(torch.equal(window, ref_window)))
+    return result
 
 
 def total_step(verify, commit):
@@ -360,12 +428,38 @@ def bench_decode_step(batch: int, cfgs: dict, gen: torch.Generator) -> dict:
         total_step(default_verify_all, default_commit)(s, **cfgs["default"])
     torch.cuda.synchronize()
     result = {"decode_step": time_step(sets, ours_step, 2, **cfgs["tile"])["median_us"]}
+    result["four_launches"] = time_step(sets, four_launches_step, 2, **cfgs["tile"])["median_us"]
+    result["fused_step"] = {}
+    for name, kw in STEP_FUSED_VARIANTS.items():
+        cfg = {"fused_step": kw}
+        for s in sets:
+            fused_step(s, **cfg)
+        result["fused_step"][name] = time_step(sets, fused_step, 2, **cfg)["median_us"]
     both = total_step(ours_verify, ours_commit)
     for name, cfg in cfgs.items():
         if name != "default":
             result[f"{name}_verify_commit"] = time_step(sets, both, 2, **cfg)["median_us"]
     result["default_verify_commit"] = time_step(sets, total_step(default_verify_all, default_commit), 2,
                                                 **cfgs["default"])["median_us"]
+    del sets
+    torch.cuda.empty_cache()
+    return result
+
+
+def step_only(batch: int, gen: torch.Generator) -> dict:
+    """The w = 1 table without the verifiers: gdn_decode_step alone, the four launches, every gdn_step variant."""
+    sets = [InputSet(batch, 1, gen, default_buffer=False) for _ in range(n_sets_for(batch, 1))]
+    for s in sets:
+        ours_step(s)
+        four_launches_step(s)
+    torch.cuda.synchronize()
+    result = {"decode_step": time_step(sets, ours_step, 2)["median_us"],
+              "four_launches": time_step(sets, four_launches_step, 2)["median_us"], "fused_step": {}}
+    for name, kw in STEP_FUSED_VARIANTS.items():
+        cfg = {"fused_step": kw}
+        for s in sets:
+            fused_step(s, **cfg)
+        result["fused_step"][name] = time_step(sets, fused_step, 2, **cfg)["median_us"]
     del sets
     torch.cuda.empty_cache()
     return result
@@ -403,6 +497,15 @@ STEP_VARIANTS = {  # gdn_decode_step keywords (w = 1 only)
     "bv16_w2": dict(block_v=16, num_warps=2),
     "bv16_w4": dict(block_v=16, num_warps=4),
     "bv32_w4": dict(block_v=32, num_warps=4),
+}
+STEP_FUSED_VARIANTS = {  # gdn_step keywords: bv128 = one launch (norm inside), smaller BV = + the norm's launch
+    "bv128_w4": dict(block_v=128, num_warps=4),
+    "bv128_w8": dict(block_v=128, num_warps=8),  # the default (step_config)
+    "bv128_w16": dict(block_v=128, num_warps=16),
+    "bv64_w4+norm": dict(block_v=64, num_warps=4),
+    "bv32_w4+norm": dict(block_v=32, num_warps=4),
+    "bv16_w2+norm": dict(block_v=16, num_warps=2),
+    "bv8_w1+norm": dict(block_v=8, num_warps=1),
 }
 KINDS = (("verify", VERIFY_VARIANTS, ours_verify), ("commit", COMMIT_VARIANTS, ours_commit),
          ("default", DEFAULT_VARIANTS, default_verify_all))
@@ -575,8 +678,21 @@ def markdown(report: dict) -> str:
             "|---|---|---|---|---|",
         ]
         for batch, d in report["decode_step"].items():
-            lines.append(f"| {batch} | {d['decode_step']:.1f} | {d['tile_verify_commit']:.1f} | "
-                         f"{d['sliced_verify_commit']:.1f} | {d['default_verify_commit']:.1f} |")
+            if "tile_verify_commit" in d:
+                lines.append(f"| {batch} | {d['decode_step']:.1f} | {d['tile_verify_commit']:.1f} | "
+                             f"{d['sliced_verify_commit']:.1f} | {d['default_verify_commit']:.1f} |")
+        lines += [
+            "",
+            "The whole GDN step between the projections and out_proj (w = 1), 30 layers, µs: today's four launches "
+            "per layer (conv_silu + window roll, gdn_gates, gdn_decode_step, gated_rms_norm) against "
+            "`gdn_step` (bv128: one launch, norm inside; +norm: a second launch for the norm).",
+            "",
+            "| B | four launches | " + " | ".join(f"gdn_step {n}" for n in STEP_FUSED_VARIANTS) + " |",
+            "|" + "---|" * (2 + len(STEP_FUSED_VARIANTS)),
+        ]
+        for batch, d in report["decode_step"].items():
+            lines.append(f"| {batch} | {d['four_launches']:.1f} | " +
+                         " | ".join(f"{d['fused_step'][n]:.1f}" for n in STEP_FUSED_VARIANTS) + " |")
     lines += [
         "",
         "Bytes = fewest bytes moved (each input read once, each output written once; the default verifier's per-token "
@@ -601,6 +717,9 @@ def markdown(report: dict) -> str:
         for shape, res in report["sweep"].items():
             ranked = sorted(res.items(), key=lambda kv: kv[1])
             lines.append(f"- {shape}: " + ", ".join(f"{k} {v:.0f}" for k, v in ranked))
+    if "fused_step_check" in report:
+        lines += ["", f"gdn_step vs the four launches on the GPU (3 steps; y rel. to max, state rel. norm, conv "
+                      f"window identical): `{json.dumps(report['fused_step_check'])}`."]
     if "correctness" in report:
         lines += ["", f"GPU correctness vs float64 (relative): `{json.dumps(report['correctness'])}`; "
                       f"drift: `{json.dumps(report.get('drift'))}`; variants: `{json.dumps(report.get('variants'))}`."]
@@ -616,8 +735,12 @@ def table(report: dict) -> str:
         out.append(f"{r['batch']:>2} {r['w']:>3} {r['accept']:>7} {t['tile']:>8.1f} {t['sliced']:>8.1f} "
                    f"{t['default']:>8.1f} {t['default'] / t['tile']:>8.2f}x {t['default'] / t['sliced']:>9.2f}x")
     for batch, d in report.get("decode_step", {}).items():
-        out.append(f"{batch} w=1 step: decode_step {d['decode_step']:.1f}, tile verify+commit "
-                   f"{d['tile_verify_commit']:.1f}, default verify+commit {d['default_verify_commit']:.1f} µs")
+        if "tile_verify_commit" in d:
+            out.append(f"{batch} w=1 step: decode_step {d['decode_step']:.1f}, tile verify+commit "
+                       f"{d['tile_verify_commit']:.1f}, default verify+commit {d['default_verify_commit']:.1f} µs")
+        best = min(d["fused_step"], key=d["fused_step"].get)
+        out.append(f"{batch} w=1 whole step: four launches {d['four_launches']:.1f}, gdn_step {best} "
+                   f"{d['fused_step'][best]:.1f} µs")
     return "\n".join(out)
 
 
@@ -633,6 +756,7 @@ def main() -> None:
     parser.add_argument("--fla-timeout", type=int, default=200)
     parser.add_argument("--fla-json", default=None, help="fla timings of an earlier run (fla_chunk.json) to report")
     parser.add_argument("--drift-rounds", type=int, default=200)
+    parser.add_argument("--step-only", action="store_true", help="only the w = 1 table (decode steps)")
     parser.add_argument("--fla-worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.fla_worker:
@@ -656,6 +780,17 @@ def main() -> None:
     t0 = time.time()
     report["copy_bandwidth"] = copy_bandwidth()
     print("copy", report["copy_bandwidth"], flush=True)
+    if args.check:
+        report["fused_step_check"] = check_fused_step(gen)
+        print("fused step vs four launches", json.dumps(report["fused_step_check"]), flush=True)
+    if args.step_only:
+        for batch in args.batches:
+            report["decode_step"][f"b{batch}"] = step_only(batch, gen)
+            print(f"b{batch} w1 step", report["decode_step"][f"b{batch}"], f"[{time.time() - t0:.0f} s]", flush=True)
+            save()
+        print(markdown(report))
+        print(table(report))
+        return
     if args.check:
         report["correctness"] = {name: check_correctness(cfg, gen) for name, cfg in METHODS.items()}
         report["correctness"]["default"] = check_default(gen)

@@ -9,7 +9,10 @@ Inside GPU-resident forwards (`fused_kernels()`, CUDA-graph captured) the glue i
 forward is launch-bound: the conv and the gates take one Triton launch each (kernels/gdn_prologue_triton.py) instead
 of ~11 small kernels, and the Qwen3.5 layout's four input projections one GEMM over a concatenated weight
 (`prepare_gdn_projections`, made by the resident rounds before capture; by `gemv_triton.linear`: cuBLAS unless its
-table names the shape). Elsewhere the torch code runs unchanged.
+table names the shape). A plain decoding step (`VerifySession.decode_step`, one token) takes ONE launch between the
+projections and out_proj (`gdn_step_triton.gdn_step`: conv + window roll, gates, recurrence in place, gated norm)
+while `gdn_step_triton.FUSED_STEP` is on and the norm module has nothing else to run; otherwise four (conv, gates,
+`gdn_decode_step`, the norm). Elsewhere the torch code runs unchanged.
 """
 from __future__ import annotations
 
@@ -39,6 +42,8 @@ from hybridspec_hf.kernels import (
     gdn_verify_auto,
     select_backend,
 )
+from hybridspec_hf.kernels import gdn_step_triton
+from hybridspec_hf.kernels.gdn_step_triton import gdn_step
 from hybridspec_hf.kernels.gemv_triton import linear
 
 from ._weight_copies import WeightCopy, current_copy, hooked, refresh_copy
@@ -60,7 +65,8 @@ class VerifySession:
     verifier: str = "block"
     state_buffer: Any = None
     # a plain decoding step, its one token committed (m = 1): on the fused route each GDN layer runs one recurrent
-    # step that updates state and conv window in place (`gdn_decode_step`), and leaves nothing to commit
+    # step that updates state and conv window in place (`gdn_step`, or `gdn_decode_step` after conv_silu), and
+    # leaves nothing to commit
     decode_step: bool = False
 
 
@@ -190,6 +196,18 @@ def _fused_route(session: VerifySession, mixed_qkv: torch.Tensor, conv_state: to
             and select_backend(session.kernel_backend, mixed_qkv, conv_state) == "triton")
 
 
+def _one_launch_step(layer: torch.nn.Module, mixed_qkv: torch.Tensor, state: torch.Tensor) -> bool:
+    """The decoding step by `gdn_step` (kernels/gdn_step_triton.py): while its switch is on, with an fp32 state and
+    a gated norm that computes transformers' RMSNormGated (silu gate, weight in the model dtype) with nothing else
+    to run (no hooks, no replaced forward); otherwise the four launches."""
+    norm = layer.norm
+    weight = getattr(norm, "weight", None)
+    return (gdn_step_triton.FUSED_STEP and state.dtype == torch.float32 and type(norm).__name__.endswith("RMSNormGated")
+            and getattr(norm, "activation", "silu") == "silu" and hasattr(norm, "variance_epsilon")
+            and isinstance(weight, torch.Tensor) and weight.shape == (layer.head_v_dim,)
+            and weight.dtype == mixed_qkv.dtype and not hooked([norm]))
+
+
 def verify_forward(layer: torch.nn.Module, session: VerifySession, hidden_states: torch.Tensor, project: ProjectFn):
     """The GDN layer's output for w tokens from the committed state, without writing the cache (a decoding step
     on the fused route writes it: see `VerifySession.decode_step`)."""
@@ -206,6 +224,10 @@ def verify_forward(layer: torch.nn.Module, session: VerifySession, hidden_states
     weight = layer.conv1d.weight.squeeze(1)  # [C, K]
     fused = _fused_route(session, mixed_qkv, conv_state, weight)
     step = fused and session.decode_step and seq_len == 1  # commit in place, as the layer goes
+    if step and _one_launch_step(layer, mixed_qkv, state):  # conv, gates, recurrence and norm: one kernel
+        core = gdn_step(mixed_qkv, conv_state, weight, layer.conv1d.bias, a, b, layer.A_log, layer.dt_bias, state,
+                        z, layer.norm.weight, layer.norm.variance_epsilon, layer.num_k_heads)
+        return layer.out_proj(core.reshape(batch, seq_len, -1))
     if fused:
         mixed = conv_silu(conv_state, mixed_qkv, weight, layer.conv1d.bias, roll_state=step)  # [B, T, C] contiguous
         g, beta = gdn_gates(a, b, layer.A_log, layer.dt_bias)

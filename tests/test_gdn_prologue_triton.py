@@ -25,6 +25,7 @@ from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as modeling  # 
 
 from hybridspec_hf import patches  # noqa: E402
 from hybridspec_hf.kernels import commit_conv_state, commit_gdn_states, conv_verify, fused_kernels  # noqa: E402
+from hybridspec_hf.kernels import gdn_step_triton  # noqa: E402
 from hybridspec_hf.kernels.gdn_prologue_triton import (  # noqa: E402
     conv_silu,
     conv_silu_reference,
@@ -177,12 +178,28 @@ def test_fused_verify_forward_equals_the_torch_glue(name, dtype, t, monkeypatch)
     assert unfused.abs().max() > 0
 
 
-@pytest.mark.parametrize("name,dtype", [("qwen3_5_moe_odd", torch.float32), ("qwen3_5_moe", torch.bfloat16)])
-def test_decode_step_commits_in_place_like_verify_and_commit(name, dtype):
-    """A plain decoding step on the fused route (one recurrent step, conv window rolled by the conv kernel, nothing
-    pending) leaves the output, state and conv window that the verify + commit of m = 1 leaves. Tolerances as
+def count_launches(monkeypatch) -> list[str]:
+    """The names of the GDN step's kernels verify_forward calls, in order."""
+    launches = []
+    for kernel in ("conv_silu", "gdn_gates", "gdn_decode_step", "gdn_step"):
+        original = getattr(_gdn, kernel)
+        monkeypatch.setattr(_gdn, kernel,
+                            lambda *args, _f=original, _n=kernel, **kw: launches.append(_n) or _f(*args, **kw))
+    return launches
+
+
+@pytest.mark.parametrize("name,dtype", [("qwen3_5_moe_odd", torch.float32), ("qwen3_5_moe", torch.bfloat16),
+                                        ("qwen3_next", torch.float32)])
+@pytest.mark.parametrize("one_launch", [True, False], ids=["gdn_step", "four_launches"])
+@pytest.mark.parametrize("hook_norm", [False, True], ids=["", "hooked_norm"])
+def test_decode_step_commits_in_place_like_verify_and_commit(name, dtype, one_launch, hook_norm, monkeypatch):
+    """A plain decoding step on the fused route (nothing pending: the state and the conv window are updated in
+    place) leaves the output, state and conv window that the verify + commit of m = 1 leaves: by `gdn_step` (conv,
+    gates, recurrence and gated norm in one launch) while its switch is on and the norm has nothing else to run,
+    else by conv_silu + gdn_gates + gdn_decode_step and the norm module. Tolerances as
     test_fused_verify_forward_equals_the_torch_glue (in bf16 the two paths' q/k/v differ by the interpreter's
     truncation, and the state carries that)."""
+    monkeypatch.setattr(gdn_step_triton, "FUSED_STEP", one_launch)
     target = make_target(name, seed=6, dtype=dtype)
     family = patches.family_of(target)
     layer = patches.gdn_layers(target)[0]
@@ -190,21 +207,28 @@ def test_decode_step_commits_in_place_like_verify_and_commit(name, dtype):
     hidden = torch.randn(1, 1, target.config.hidden_size, generator=gen).to(dtype)
     conv_state = torch.randn(1, layer.conv_dim, layer.conv_kernel_size, generator=gen).to(dtype)
     state = torch.randn(1, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, generator=gen) * 0.1
+    hooked_calls = []
+    if hook_norm:  # e.g. an adapter or offloading hook: it must run, so the norm is not fused
+        layer.norm.register_forward_hook(lambda *args: hooked_calls.append(1))
     results = {}
     for step in (False, True):
         cache = SimpleNamespace(layers={layer.layer_idx: SimpleNamespace(conv_states=[conv_state.clone()],
                                                                          recurrent_states=[state.clone()])})
         session = patches.VerifySession(cache=cache, kernel_backend="torch" if not step else "auto",
                                         decode_step=step)
+        launches = count_launches(monkeypatch) if step else []
         with torch.no_grad(), fused_kernels():
             out = _gdn.verify_forward(layer, session, hidden, family.project_gdn_inputs)
         assert bool(session.pending) != step  # the step leaves nothing to commit
         commit_gdn_states(session.pending, torch.ones(1, dtype=torch.int32))
         entry = cache.layers[layer.layer_idx]
         results[step] = out, entry.recurrent_states[0], entry.conv_states[0]
+    fused = one_launch and not hook_norm
+    assert launches == (["gdn_step"] if fused else ["conv_silu", "gdn_gates", "gdn_decode_step"])
+    assert len(hooked_calls) == (2 if hook_norm else 0)
     rel = 1e-5 if dtype == torch.float32 else 2**-5
-    for fused, torch_glue in zip(results[True][:2], results[False][:2]):
-        assert_close_to_scale(fused, torch_glue, rel)
+    for fused_out, torch_glue in zip(results[True][:2], results[False][:2]):
+        assert_close_to_scale(fused_out, torch_glue, rel)
     assert torch.equal(results[True][2], results[False][2])
 
 

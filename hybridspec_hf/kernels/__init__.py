@@ -7,7 +7,8 @@
 `norm_triton`, `router_triton` and `shared_expert_triton` hold the fused norms and MoE-block kernels of the resident
 forwards (used by patches/_norms.py and patches/_moe.py), each with its torch reference.
 `gdn_prologue_triton` is the GDN layer's conv + gates in verify mode (references `conv_silu_reference`,
-`gdn_gates_reference` beside it). `gemv_triton` is the projections' skinny GEMM at ≤ 16 rows (`linear`: ours where
+`gdn_gates_reference` beside it); `gdn_step_triton` is the whole plain decoding step of a GDN layer in one launch
+(conv, gates, recurrence in place, gated norm; reference `gdn_step_reference`). `gemv_triton` is the projections' skinny GEMM at ≤ 16 rows (`linear`: ours where
 its TABLE names the shape, else F.linear; reference `linear_reference`; used by patches/_linear.py).
 `attention_triton` is the attention of a few queries over a static KV cache with a device-side length
 (`static_attention`, reference `attention_reference`), for the target's attention layers (patches/_attention.py) and

@@ -84,6 +84,16 @@ def _conv_silu_kernel(state, x, w, bias, out,
         tl.store(p_state + rj[:, None] * stride_sk, window, mask=mask)
 
 
+def _softplus(x, threshold):
+    """F.softplus in fp32: log1p(e^x) below the threshold, x above it. log1p(u) = u · log(1 + u) / ((1 + u) - 1)
+    keeps its precision for small u (the rounding of 1 + u cancels) where log(1 + u) alone would lose it."""
+    u = tl.exp(tl.minimum(x, threshold))
+    one_plus = 1.0 + u
+    exact = one_plus == 1.0  # u below half an ulp of 1: log1p(u) = u to fp32 precision
+    log1p = tl.where(exact, u, tl.log(one_plus) * (u / tl.where(exact, 1.0, one_plus - 1.0)))
+    return tl.where(x > threshold, x, log1p)
+
+
 def _gates_kernel(a, b, A_log, dt_bias, g, beta, stride_a, stride_b, rows, HV, threshold,
                   BR: tl.constexpr, BH: tl.constexpr, BETA_DTYPE: tl.constexpr):
     rr = tl.program_id(0) * BR + tl.arange(0, BR)
@@ -92,13 +102,7 @@ def _gates_kernel(a, b, A_log, dt_bias, g, beta, stride_a, stride_b, rows, HV, t
     mask = (rr < rows)[:, None] & mh[None, :]
     x = tl.load(a + rr[:, None] * stride_a + rh[None, :], mask=mask, other=0.0).to(tl.float32)
     x = x + tl.load(dt_bias + rh, mask=mh, other=0.0).to(tl.float32)[None, :]
-    # softplus = log1p(e^x) below the threshold; log1p(u) = u · log(1 + u) / ((1 + u) - 1) keeps its precision
-    # for small u (the rounding of 1 + u cancels) where log(1 + u) alone would lose it
-    u = tl.exp(tl.minimum(x, threshold))
-    one_plus = 1.0 + u
-    exact = one_plus == 1.0  # u below half an ulp of 1: log1p(u) = u to fp32 precision
-    log1p = tl.where(exact, u, tl.log(one_plus) * (u / tl.where(exact, 1.0, one_plus - 1.0)))
-    softplus = tl.where(x > threshold, x, log1p)
+    softplus = _softplus(x, threshold)
     decay = tl.exp(tl.load(A_log + rh, mask=mh, other=0.0).to(tl.float32))
     offsets = rr[:, None] * HV + rh[None, :]
     tl.store(g + offsets, -decay[None, :] * softplus, mask=mask)
@@ -107,6 +111,7 @@ def _gates_kernel(a, b, A_log, dt_bias, g, beta, stride_a, stride_b, rows, HV, t
 
 
 if HAS_TRITON:
+    _softplus = triton.jit(_softplus)  # a device function (also called by gdn_step_triton's kernel)
     _conv_silu_kernel = _LazyJit(_conv_silu_kernel)
     _gates_kernel = _LazyJit(_gates_kernel)
 
