@@ -41,7 +41,7 @@ from hybridspec_hf.kernels import (
 )
 from hybridspec_hf.kernels.gemv_triton import linear
 
-from ._weight_copies import WeightCopy, current_copy, hooked, refresh_copy
+from ._weight_copies import WeightCopy, concatenate_rows, current_copy, hooked, refresh_copy
 
 # (layer, hidden_states [B, T, H]) -> mixed_qkv [B, T, C] (pre-conv), z [B, T, HV, dv], b [B, T, HV], a [B, T, HV]
 ProjectFn = Callable[[torch.nn.Module, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -136,15 +136,6 @@ def _fusable_projections(layer: torch.nn.Module) -> list[torch.nn.Module] | None
     return modules if one_kind and on_route else None
 
 
-def _concatenate(*weights: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    rows = sum(w.shape[0] for w in weights)
-    if out is None or out.shape != (rows, weights[0].shape[1]) or out.dtype != weights[0].dtype or \
-            out.device != weights[0].device:
-        out = torch.empty(rows, weights[0].shape[1], dtype=weights[0].dtype, device=weights[0].device)
-    with torch.no_grad():
-        return torch.cat(weights, out=out)
-
-
 def prepare_gdn_projections(layers: list[torch.nn.Module]) -> None:
     """Make (or refresh in place) each Qwen3.5-layout GDN layer's concatenated projection weight, one more copy of
     those weights: 12352 x 2048 bf16 ≈ 50 MB per layer at Qwen3.5-35B-A3B's shape (30 GDN layers: ≈ 1.5 GB).
@@ -161,7 +152,7 @@ def prepare_gdn_projections(layers: list[torch.nn.Module]) -> None:
             return
     for layer, modules in zip(layers, fusable):
         if modules is not None:
-            refresh_copy(layer, _COPY, [m.weight for m in modules], _concatenate)
+            refresh_copy(layer, _COPY, [m.weight for m in modules], concatenate_rows)
 
 
 def release_gdn_projections(layers: list[torch.nn.Module]) -> None:

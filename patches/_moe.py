@@ -150,3 +150,8 @@ def release_fused_moe(blocks: list[torch.nn.Module]) -> None:
     """Free the concatenated weights (the blocks run transformers' shared expert until the next prepare)."""
     for block in blocks:
         block.__dict__.pop(_CACHE, None)
+
+
+def moe_block_add(block: torch.nn.Module, hidden_states: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """The decoder layer's last lines for a sparse MoE block: residual + block(hidden_states)."""
+    return residual + block(hidden_states)

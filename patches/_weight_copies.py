@@ -39,6 +39,17 @@ def refresh_copy(module: torch.nn.Module, attr: str, sources: Sequence[torch.Ten
     module.__dict__[attr] = WeightCopy(weight, key)
 
 
+def concatenate_rows(*weights: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """cat(weights) along rows ([sum N_i, K]), into `out` when it has that shape, dtype and device (a refresh in
+    place: the address captured graphs read stays)."""
+    rows = sum(w.shape[0] for w in weights)
+    if out is None or out.shape != (rows, weights[0].shape[1]) or out.dtype != weights[0].dtype or \
+            out.device != weights[0].device:
+        out = torch.empty(rows, weights[0].shape[1], dtype=weights[0].dtype, device=weights[0].device)
+    with torch.no_grad():
+        return torch.cat(weights, out=out)
+
+
 def current_copy(module: torch.nn.Module, attr: str, sources: Sequence[torch.Tensor]) -> WeightCopy | None:
     """The module's copy if it was made from these sources as they are now."""
     cached = module.__dict__.get(attr)
