@@ -2,11 +2,11 @@
 q|k|v as one GEMM (patches/_attention.py) against transformers' own forwards on tiny models of every family (CPU,
 Triton interpreter, the fused route forced onto CPU tensors), in the installed transformers version.
 
-Tolerances, relative Frobenius error of logits and every hidden state: fp32 1e-6 (measured ~1.3e-7; the residual sums are the same
-IEEE sums; only the order of the norm's fp32 sum of squares and of the one GEMM's sums differ, ~1e-7 per layer),
-bf16 3e-2 (measured ~1.2e-2; the interpreter truncates fp32 -> bf16 casts where torch rounds to nearest: one bf16 ulp on the sum
-and on the norm, carried through the layers). float64 does not take the fused layer (its kernel computes in fp32):
-there the output is transformers' bit for bit.
+Tolerances, relative Frobenius error of logits and every hidden state: fp32 1e-6 (measured ~1.3e-7: the residual
+sums are the same IEEE sums; only the order of the norm's fp32 sum of squares and of the one GEMM's sums differ),
+bf16 3e-2 (measured ~1.2e-2: the interpreter truncates fp32 -> bf16 casts where torch rounds to nearest, one bf16
+ulp on the sum and on the norm, carried through the layers). float64 does not take the fused layer (its kernel
+computes in fp32): there the output is transformers' bit for bit.
 """
 from __future__ import annotations
 
