@@ -50,8 +50,9 @@ SHAPES = {
     (1032, 2048): ("shared expert gate|up|gate logit (copy, rows padded to 8)", 40),
     (256, 2048): ("router (35B-A3B)", 40),
     (2048, 512): ("shared expert down", 40),
-    (512, 2048): ("attention k_proj, v_proj; router (Qwen3-Next)", 20),
-    (8192, 2048): ("attention q_proj (+ output gate)", 10),
+    (9216, 2048): ("attention q|k|v (one copy: q_proj (+ output gate), k_proj, v_proj)", 10),
+    (512, 2048): ("router (Qwen3-Next); attention k_proj, v_proj without the q|k|v copy", 0),
+    (8192, 2048): ("attention q_proj without the q|k|v copy", 0),
     (12288, 2048): ("Qwen3-Next in_proj_qkvz", 0),
     (64, 2048): ("Qwen3-Next in_proj_ba", 0),
 }

@@ -30,11 +30,19 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from hybridspec_hf.kernels import fused_kernels_active, fused_kernels_allowed, select_backend
+from hybridspec_hf.kernels import fused_kernels_active
 from hybridspec_hf.kernels.attention_triton import routed, static_attention
 from hybridspec_hf.kernels.gemv_triton import linear
 
-from ._weight_copies import WeightCopy, concatenate_rows, current_copy, hooked, refresh_copy
+from ._weight_copies import (
+    WeightCopy,
+    concatenate_rows,
+    current_copy,
+    fusable_linears,
+    hooked,
+    plain_linears,
+    refresh_copy,
+)
 
 _length: torch.Tensor | None = None  # the static target's [1] long length, while its resident forward runs
 
@@ -94,26 +102,6 @@ def patch_attention(modeling: ModuleType, attention_class: type) -> None:
 
 QKV_PROJECTIONS = ("q_proj", "k_proj", "v_proj")  # in the order of the concatenation
 _QKV = "_hybridspec_qkv"  # a WeightCopy of [q_proj; k_proj; v_proj] [Q + 2·KV, H] in the attention's __dict__
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _qkv_projections(attention: torch.nn.Module) -> list[torch.nn.Module] | None:
-    """The three projections if they are plain bias-free nn.Linear modules (not quantized, no adapters), else None."""
-    modules = [getattr(attention, name, None) for name in QKV_PROJECTIONS]
-    return modules if all(type(m) is torch.nn.Linear and m.bias is None for m in modules) else None
-
-
-def _fusable_qkv(attention: torch.nn.Module) -> list[torch.nn.Module] | None:
-    """The three projections when one GEMM over a copy of their weights computes what they do: plain Linears with
-    nothing else to run, one float dtype and device, where the fused kernels run (CUDA, or the Triton interpreter
-    in tests) and are not switched off."""
-    modules = _qkv_projections(attention)
-    if modules is None or hooked(modules):
-        return None
-    weights = [m.weight for m in modules]
-    one_kind = len({(w.dtype, w.device, w.shape[1]) for w in weights}) == 1 and weights[0].dtype in _DTYPES
-    on_route = fused_kernels_allowed() and select_backend("auto", weights[0]) == "triton"
-    return modules if one_kind and on_route else None
 
 
 def prepare_attention_projections(layers: list[torch.nn.Module]) -> None:
@@ -122,7 +110,7 @@ def prepare_attention_projections(layers: list[torch.nn.Module]) -> None:
     capture: the resident rounds call it before capturing and at the start of every generate() call. An existing
     copy is only refreshed, never dropped here, since captured graphs read it."""
     for layer in layers:
-        modules = _qkv_projections(layer) if _QKV in layer.__dict__ else _fusable_qkv(layer)
+        modules = (plain_linears if _QKV in layer.__dict__ else fusable_linears)(layer, QKV_PROJECTIONS)
         if modules is not None:
             refresh_copy(layer, _QKV, [m.weight for m in modules], concatenate_rows)
 
@@ -138,7 +126,7 @@ def _current_qkv(attention: torch.nn.Module, hidden_states: torch.Tensor) -> Wei
     else to run."""
     if not fused_kernels_active() or torch.is_grad_enabled() or _QKV not in attention.__dict__:
         return None
-    modules = _qkv_projections(attention)
+    modules = plain_linears(attention, QKV_PROJECTIONS)
     if modules is None or hooked(modules):
         return None
     copy = current_copy(attention, _QKV, [m.weight for m in modules])
