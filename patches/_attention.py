@@ -18,7 +18,7 @@ copy of their weights (`prepare_attention_projections`, made by the resident rou
 place: patches/_weight_copies.py), by `gemv_triton.linear`: two launches fewer per attention layer. The attention
 forward itself stays transformers' (each version's own): for that one call the three modules return their column
 slices of the GEMM's output when called on its input (`_projections_given`). A hook on one of them, a replaced
-forward, biases, or a stale copy keep the three calls.
+forward, biases, a stale copy, or HYBRIDSPEC_FUSED_DECODER=0 (patches/_decoder.py) keep the three calls.
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ from hybridspec_hf.kernels import fused_kernels_active
 from hybridspec_hf.kernels.attention_triton import routed, static_attention
 from hybridspec_hf.kernels.gemv_triton import linear
 
+from ._decoder import decoder_fusion_allowed
 from ._weight_copies import (
     WeightCopy,
     concatenate_rows,
@@ -108,9 +109,13 @@ def prepare_attention_projections(layers: list[torch.nn.Module]) -> None:
     """Make (or refresh in place) each attention layer's concatenated q|k|v weight, one more copy of those weights:
     (8192 + 2·512) x 2048 bf16 ≈ 38 MB per layer at Qwen3.5-35B-A3B's shape (10 layers: ≈ 377 MB). Outside graph
     capture: the resident rounds call it before capturing and at the start of every generate() call. An existing
-    copy is only refreshed, never dropped here, since captured graphs read it."""
+    copy is only refreshed, never dropped here, since captured graphs read it. None is made while
+    HYBRIDSPEC_FUSED_DECODER=0."""
     for layer in layers:
-        modules = (plain_linears if _QKV in layer.__dict__ else fusable_linears)(layer, QKV_PROJECTIONS)
+        if _QKV in layer.__dict__:
+            modules = plain_linears(layer, QKV_PROJECTIONS)
+        else:
+            modules = fusable_linears(layer, QKV_PROJECTIONS) if decoder_fusion_allowed() else None
         if modules is not None:
             refresh_copy(layer, _QKV, [m.weight for m in modules], concatenate_rows)
 
@@ -124,7 +129,8 @@ def release_attention_projections(layers: list[torch.nn.Module]) -> None:
 def _current_qkv(attention: torch.nn.Module, hidden_states: torch.Tensor) -> WeightCopy | None:
     """The attention's q|k|v copy inside a resident forward, if it is current and the three modules have nothing
     else to run."""
-    if not fused_kernels_active() or torch.is_grad_enabled() or _QKV not in attention.__dict__:
+    if (not fused_kernels_active() or torch.is_grad_enabled() or _QKV not in attention.__dict__
+            or not decoder_fusion_allowed()):
         return None
     modules = plain_linears(attention, QKV_PROJECTIONS)
     if modules is None or hooked(modules):

@@ -19,11 +19,16 @@ a float dtype the kernel takes, so plain generate(), training and every CPU path
 It keeps each transformers version's signature: it is installed only on layers whose forward takes exactly the
 arguments of a layout it knows (`LAYOUTS`: 5.17's `past_key_values`, 5.23+'s `cache`), and any call it does not
 recognise (a deprecated argument name, missing or duplicated arguments) runs the original forward.
+
+HYBRIDSPEC_FUSED_DECODER=0 in the environment switches this fusion and the attention's one q|k|v GEMM off (read
+when a layer runs, so graphs captured afterwards follow it; for A/B timings), leaving the other fused kernels on;
+HYBRIDSPEC_FUSED_KERNELS=0 switches them all off.
 """
 from __future__ import annotations
 
 import functools
 import inspect
+import os
 
 import torch
 
@@ -33,7 +38,7 @@ from hybridspec_hf.kernels.norm_triton import add_rms_norm
 from ._moe import moe_block_add
 from ._weight_copies import hooked
 
-__all__ = ["LAYOUTS", "patch_decoder_layer"]
+__all__ = ["LAYOUTS", "decoder_fusion_allowed", "patch_decoder_layer"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _ON_CPU = False  # tests only: take the fused route on CPU tensors too (with the Triton interpreter)
@@ -73,11 +78,16 @@ def patch_decoder_layer(layer_cls: type, norm_cls: type, moe_block_cls: type | N
     layer_cls.forward = forward
 
 
+def decoder_fusion_allowed() -> bool:
+    """Whether HYBRIDSPEC_FUSED_DECODER leaves the decoder-layer fusion and the one q|k|v GEMM on (default)."""
+    return os.environ.get("HYBRIDSPEC_FUSED_DECODER", "1") != "0"
+
+
 def _fusable(layer: torch.nn.Module, hidden_states: torch.Tensor, norm_cls: type) -> bool:
     """Inside resident forwards, on a float CUDA tensor (or `_ON_CPU`), grad off, a known token mixer, and a
     post_attention_layernorm of the family's class with nothing else to run, on the input's device."""
     if not ((hidden_states.is_cuda or _ON_CPU) and fused_kernels_active() and hidden_states.dtype in _DTYPES
-            and not torch.is_grad_enabled()):
+            and not torch.is_grad_enabled() and decoder_fusion_allowed()):
         return False
     norm = layer.post_attention_layernorm
     return (getattr(layer, "block_type", None) in _MIXERS and type(norm) is norm_cls and not hooked([norm])

@@ -219,3 +219,13 @@ def test_resident_rounds_run_the_fused_layers_and_release_the_copies(name, calls
     assert all(_attention._QKV in a.__dict__ for a in layers)
     hybridspec_hf.release_graphs(target)
     assert all(_attention._QKV not in a.__dict__ for a in layers)
+
+
+def test_the_environment_switch_keeps_transformers_layers_and_makes_no_copy(calls, monkeypatch):
+    monkeypatch.setenv("HYBRIDSPEC_FUSED_DECODER", "0")
+    model = prepared("qwen3_5_moe", torch.float32)
+    assert all(_attention._QKV not in a.__dict__ for a in patches.attention_layers(model))
+    ids = torch.randint(0, VOCAB, (1, 3))
+    for fused, plain in zip(forward(model, ids, True), forward(model, ids, False)):
+        assert torch.equal(fused, plain)
+    assert calls == {"add_rms_norm": 0, "qkv": 0}
