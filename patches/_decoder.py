@@ -65,17 +65,33 @@ def patch_decoder_layer(layer_cls: type, norm_cls: type, moe_block_cls: type | N
     if len(parameters) < 3 or parameters[-1].kind is not inspect.Parameter.VAR_KEYWORD or names not in LAYOUTS:
         return
     mixer_cache = LAYOUTS[names]
+    # transformers ≥ 5.2x wraps a checkpointing layer class's forward when the class is made and checkpoints only
+    # where that wrapper is the class's forward: ours goes inside it, and the same hook wraps ours again
+    rewrap = _checkpointing_wrapper(layer_cls)
+    inner = original.__wrapped__ if rewrap is not None else original
 
-    @functools.wraps(original)
+    @functools.wraps(inner)
     def forward(self, hidden_states, *args, **kwargs):
         bound = _bind(names, args, kwargs) if _fusable(self, hidden_states, norm_cls) else None
         if bound is None:
-            return original(self, hidden_states, *args, **kwargs)
+            return inner(self, hidden_states, *args, **kwargs)
         arguments, rest = bound
         return _fused_forward(self, hidden_states, arguments, rest, mixer_cache, moe_block_cls)
 
     layer_cls._hybridspec_original_forward = original
     layer_cls.forward = forward
+    if rewrap is not None:
+        rewrap(layer_cls)
+
+
+def _checkpointing_wrapper(layer_cls: type):
+    """transformers' GradientCheckpointingLayer.__init_subclass__ (as a function of the class) when it wrapped this
+    class's forward (transformers ≥ 5.2x), else None (5.17 checkpoints in `__call__`)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    hook = GradientCheckpointingLayer.__dict__.get("__init_subclass__")
+    wrapped = issubclass(layer_cls, GradientCheckpointingLayer) and hasattr(layer_cls.forward, "__wrapped__")
+    return hook.__func__ if hook is not None and wrapped else None
 
 
 def decoder_fusion_allowed() -> bool:

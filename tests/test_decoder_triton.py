@@ -229,3 +229,18 @@ def test_the_environment_switch_keeps_transformers_layers_and_makes_no_copy(call
     for fused, plain in zip(forward(model, ids, True), forward(model, ids, False)):
         assert torch.equal(fused, plain)
     assert calls == {"add_rms_norm": 0, "qkv": 0}
+
+
+@pytest.mark.filterwarnings("ignore:.*gradient_checkpointing_enable.*:FutureWarning")  # renamed in 5.2x
+def test_gradient_checkpointing_still_checkpoints_the_patched_layers():
+    """transformers ≥ 5.2x wraps each checkpointing layer class's forward at class creation and checkpoints only
+    through that wrapper: the patched class must keep it outermost, so training still checkpoints every layer."""
+    model = make_target("qwen3_5_moe", seed=2, dtype=torch.float32).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    layers = layers_of(model)
+    used = []
+    for layer in layers:
+        checkpoint = layer._gradient_checkpointing_func
+        layer._gradient_checkpointing_func = lambda *a, f=checkpoint, **k: used.append(1) or f(*a, **k)
+    model(torch.randint(0, VOCAB, (1, 4)), use_cache=False).logits.sum().backward()
+    assert len(used) == len(layers)
