@@ -65,8 +65,8 @@ def patch_decoder_layer(layer_cls: type, norm_cls: type, moe_block_cls: type | N
     if len(parameters) < 3 or parameters[-1].kind is not inspect.Parameter.VAR_KEYWORD or names not in LAYOUTS:
         return
     mixer_cache = LAYOUTS[names]
-    # transformers ≥ 5.2x wraps a checkpointing layer class's forward when the class is made and checkpoints only
-    # where that wrapper is the class's forward: ours goes inside it, and the same hook wraps ours again
+    # transformers 5.24 (not 5.17) wraps a checkpointing layer class's forward when the class is made, and
+    # checkpoints only where that wrapper is the class's forward: ours goes inside it, and the same hook wraps ours
     rewrap = _checkpointing_wrapper(layer_cls)
     inner = original.__wrapped__ if rewrap is not None else original
 
@@ -86,7 +86,7 @@ def patch_decoder_layer(layer_cls: type, norm_cls: type, moe_block_cls: type | N
 
 def _checkpointing_wrapper(layer_cls: type):
     """transformers' GradientCheckpointingLayer.__init_subclass__ (as a function of the class) when it wrapped this
-    class's forward (transformers ≥ 5.2x), else None (5.17 checkpoints in `__call__`)."""
+    class's forward (transformers 5.24), else None (5.17 checkpoints in `__call__`)."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     hook = GradientCheckpointingLayer.__dict__.get("__init_subclass__")

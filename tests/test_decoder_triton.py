@@ -231,9 +231,9 @@ def test_the_environment_switch_keeps_transformers_layers_and_makes_no_copy(call
     assert calls == {"add_rms_norm": 0, "qkv": 0}
 
 
-@pytest.mark.filterwarnings("ignore:.*gradient_checkpointing_enable.*:FutureWarning")  # renamed in 5.2x
+@pytest.mark.filterwarnings("ignore:.*gradient_checkpointing_enable.*:FutureWarning")  # renamed in 5.24
 def test_gradient_checkpointing_still_checkpoints_the_patched_layers():
-    """transformers ≥ 5.2x wraps each checkpointing layer class's forward at class creation and checkpoints only
+    """transformers 5.24 wraps each checkpointing layer class's forward at class creation and checkpoints only
     through that wrapper: the patched class must keep it outermost, so training still checkpoints every layer."""
     model = make_target("qwen3_5_moe", seed=2, dtype=torch.float32).train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
