@@ -50,11 +50,11 @@ SHAPES = {
     (1032, 2048): ("shared expert gate|up|gate logit (copy, rows padded to 8)", 40),
     (256, 2048): ("router (35B-A3B)", 40),
     (2048, 512): ("shared expert down", 40),
-    (512, 2048): ("attention k_proj, v_proj; router (Qwen3-Next)", 20),
-    (8192, 2048): ("attention q_proj (+ output gate)", 10),
+    (9216, 2048): ("attention q|k|v (one copy: q_proj (+ output gate), k_proj, v_proj)", 10),
+    (512, 2048): ("router (Qwen3-Next); attention k_proj, v_proj without the q|k|v copy", 0),
+    (8192, 2048): ("attention q_proj without the q|k|v copy", 0),
     (12288, 2048): ("Qwen3-Next in_proj_qkvz; DFlash drafter gate|up (copy, draft graph M = 16)", 0),
     (64, 2048): ("Qwen3-Next in_proj_ba", 0),
-    (9216, 2048): ("attention q_proj (+ gate) | k_proj | v_proj (one copy)", 10),
     # the 5-layer DFlash drafter of the 35B-A3B (drafter/fused.py): not in the AR step (count 0); its o_proj is
     # (2048, 4096) above
     (5120, 2048): ("drafter q|k|v per layer (copy, M = 16); drafter context k|v of all 5 layers (copy, M = 1..16)", 0),

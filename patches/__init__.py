@@ -1,7 +1,7 @@
 """Model-family patches (shipped as `hybridspec_hf.patches`): one file per family, nothing else imports internals.
 
-Each family module exposes NAME, GDN_CLASS, ATTENTION_CLASS, MODEL_CLASSES, MOE_BLOCK_CLASS, ROUTER_CLASS,
-`router_normalizes` (None for dense families) and `project_gdn_inputs`.
+Each family module exposes NAME, GDN_CLASS, ATTENTION_CLASS, DECODER_LAYER_CLASS, MODEL_CLASSES, MOE_BLOCK_CLASS,
+ROUTER_CLASS, `router_normalizes` (None for dense families) and `project_gdn_inputs`.
 """
 from __future__ import annotations
 
@@ -9,8 +9,15 @@ from types import ModuleType
 
 import torch
 
-from ._attention import patch_attention, static_cache_length
+from ._attention import (
+    patch_attention,
+    patch_attention_projections,
+    prepare_attention_projections,
+    release_attention_projections,
+    static_cache_length,
+)
 from ._cache import is_linear_cache_layer
+from ._decoder import patch_decoder_layer
 from ._gdn import (
     GDN_KERNEL_FUNCTIONS,
     VerifySession,
@@ -59,16 +66,19 @@ def family_of(model: torch.nn.Module) -> ModuleType:
 
 
 def install() -> None:
-    """Patch every family's GDN layer with verify mode, its RMSNorms, RoPE, attention function and MoE blocks
-    (router, shared expert) with the fused paths (all inert outside HybridSpec's resident forwards), route CPU
-    tensors of transformers' GDN kernel functions to their torch references (fla crashes on CPU tensors), and
-    register experts_implementation="hybridspec" (idempotent)."""
+    """Patch every family's GDN layer with verify mode, its RMSNorms, RoPE, attention function and q|k|v
+    projections, decoder layers (residual add + RMSNorm) and MoE blocks (router, shared expert) with the fused paths
+    (all inert outside HybridSpec's resident forwards), route CPU tensors of transformers' GDN kernel functions to
+    their torch references (fla crashes on CPU tensors), and register experts_implementation="hybridspec"
+    (idempotent)."""
     for family in _families():
         patch_gdn_class(family.GDN_CLASS, family.project_gdn_inputs)
         route_cpu_to_torch(family.modeling)
         patch_norm_classes(family.RMS_NORM_CLASS, family.GATED_NORM_CLASS)
         patch_rope(family.modeling)
         patch_attention(family.modeling, family.ATTENTION_CLASS)
+        patch_attention_projections(family.ATTENTION_CLASS)
+        patch_decoder_layer(family.DECODER_LAYER_CLASS, family.RMS_NORM_CLASS, family.MOE_BLOCK_CLASS)
         if family.MOE_BLOCK_CLASS is not None:
             patch_moe_classes(family.ROUTER_CLASS, family.MOE_BLOCK_CLASS, family.router_normalizes)
     register_experts_implementation()
@@ -98,6 +108,12 @@ def gdn_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in text_model(model).modules() if isinstance(m, family.GDN_CLASS)]
 
 
+def attention_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The text model's full-attention layers in layer order (what `prepare_attention_projections` takes)."""
+    family = family_of(model)
+    return [m for m in text_model(model).modules() if isinstance(m, family.ATTENTION_CLASS)]
+
+
 def decoder_linears(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The plain nn.Linear modules of the decoder layers (projections of attention, GDN, shared expert and dense
     MLPs; not the LM head or the embedding): what `prepare_linears` routes to our skinny GEMM."""
@@ -106,6 +122,7 @@ def decoder_linears(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 __all__ = [
     "GDN_KERNEL_FUNCTIONS",
+    "attention_layers",
     "VerifySession",
     "check_verified",
     "commit_session",
@@ -118,11 +135,13 @@ __all__ = [
     "moe_block_add",
     "moe_blocks",
     "per_token_state_buffer",
+    "prepare_attention_projections",
     "prepare_fused_moe",
     "prepare_gdn_projections",
     "prepare_linears",
     "register_experts_implementation",
     "mask_invalid_routes",
+    "release_attention_projections",
     "release_fused_moe",
     "routing_pre_hook",
     "release_gdn_projections",

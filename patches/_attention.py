@@ -12,6 +12,13 @@ Anything else runs transformers' own function unchanged: plain generate(), prefi
 CPU tensors. The dense mask is ignored on the kernel path: the kernel derives the visibility `StaticTarget.mask`
 encodes (key j visible to new token i iff j <= length + i) from the same `length` tensor, so the read stops at the
 live keys instead of the whole static capacity.
+
+Inside the same forwards the attention's q_proj, k_proj and v_proj (one input) run as ONE GEMM over a concatenated
+copy of their weights (`prepare_attention_projections`, made by the resident rounds before capture and refreshed in
+place: patches/_weight_copies.py), by `gemv_triton.linear`: two launches fewer per attention layer. The attention
+forward itself stays transformers' (each version's own): for that one call the three modules return their column
+slices of the GEMM's output when called on its input (`_projections_given`). A hook on one of them, a replaced
+forward, biases, a stale copy, or HYBRIDSPEC_FUSED_DECODER=0 (patches/_decoder.py) keep the three calls.
 """
 from __future__ import annotations
 
@@ -20,9 +27,23 @@ import functools
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from hybridspec_hf.kernels import fused_kernels_active
 from hybridspec_hf.kernels.attention_triton import routed, static_attention
+from hybridspec_hf.kernels.gemv_triton import linear
+
+from ._decoder import decoder_fusion_allowed
+from ._weight_copies import (
+    WeightCopy,
+    concatenate_rows,
+    current_copy,
+    fusable_linears,
+    hooked,
+    plain_linears,
+    refresh_copy,
+)
 
 _length: torch.Tensor | None = None  # the static target's [1] long length, while its resident forward runs
 
@@ -75,3 +96,90 @@ def patch_attention(modeling: ModuleType, attention_class: type) -> None:
     if shared is None or isinstance(shared, _StaticCacheAttention):
         return
     modeling.ALL_ATTENTION_FUNCTIONS = _StaticCacheAttention(shared, attention_class)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# q_proj, k_proj and v_proj as one GEMM (GPU-resident forwards; patches/_weight_copies.py)
+
+QKV_PROJECTIONS = ("q_proj", "k_proj", "v_proj")  # in the order of the concatenation
+_QKV = "_hybridspec_qkv"  # a WeightCopy of [q_proj; k_proj; v_proj] [Q + 2·KV, H] in the attention's __dict__
+
+
+def prepare_attention_projections(layers: list[torch.nn.Module]) -> None:
+    """Make (or refresh in place) each attention layer's concatenated q|k|v weight, one more copy of those weights:
+    (8192 + 2·512) x 2048 bf16 ≈ 38 MB per layer at Qwen3.5-35B-A3B's shape (10 layers: ≈ 377 MB). Outside graph
+    capture: the resident rounds call it before capturing and at the start of every generate() call. An existing
+    copy is only refreshed, never dropped here, since captured graphs read it. None is made while
+    HYBRIDSPEC_FUSED_DECODER=0."""
+    for layer in layers:
+        if _QKV in layer.__dict__:
+            modules = plain_linears(layer, QKV_PROJECTIONS)
+        else:
+            modules = fusable_linears(layer, QKV_PROJECTIONS) if decoder_fusion_allowed() else None
+        if modules is not None:
+            refresh_copy(layer, _QKV, [m.weight for m in modules], concatenate_rows)
+
+
+def release_attention_projections(layers: list[torch.nn.Module]) -> None:
+    """Free the copies (the layers run their three projections until the next prepare)."""
+    for layer in layers:
+        layer.__dict__.pop(_QKV, None)
+
+
+def _current_qkv(attention: torch.nn.Module, hidden_states: torch.Tensor) -> WeightCopy | None:
+    """The attention's q|k|v copy inside a resident forward, if it is current and the three modules have nothing
+    else to run."""
+    if (not fused_kernels_active() or torch.is_grad_enabled() or _QKV not in attention.__dict__
+            or not decoder_fusion_allowed()):
+        return None
+    modules = plain_linears(attention, QKV_PROJECTIONS)
+    if modules is None or hooked(modules):
+        return None
+    copy = current_copy(attention, _QKV, [m.weight for m in modules])
+    if copy is None or copy.weight.dtype != hidden_states.dtype or copy.weight.device != hidden_states.device:
+        return None
+    return copy
+
+
+def _given_output(module: torch.nn.Module, given_input: torch.Tensor, output: torch.Tensor,
+                  input: torch.Tensor) -> torch.Tensor:
+    return output if input is given_input else F.linear(input, module.weight, module.bias)
+
+
+@contextlib.contextmanager
+def _projections_given(attention: torch.nn.Module, hidden_states: torch.Tensor, weight: torch.Tensor):
+    """For one forward, q_proj, k_proj and v_proj called on `hidden_states` return their column slices of one GEMM
+    over the concatenated weight (views: [B, T, N_i] with the token stride of the whole output); their own
+    forwards (ours of patches/_linear.py, or the class's) are back afterwards."""
+    modules = [getattr(attention, name) for name in QKV_PROJECTIONS]
+    outputs = linear(hidden_states, weight).split([m.out_features for m in modules], dim=-1)
+    previous = [m.__dict__.get("forward") for m in modules]
+    for module, output in zip(modules, outputs):
+        module.forward = functools.partial(_given_output, module, hidden_states, output)
+    try:
+        yield
+    finally:
+        for module, forward in zip(modules, previous):
+            if forward is None:
+                del module.__dict__["forward"]
+            else:
+                module.forward = forward
+
+
+def patch_attention_projections(attention_class: type) -> None:
+    """Install the one-GEMM q|k|v path on a family's attention class (idempotent). Without a current copy, or
+    outside resident forwards, transformers' forward runs unchanged."""
+    if "_hybridspec_original_forward" in attention_class.__dict__:
+        return
+    original = attention_class.forward
+
+    @functools.wraps(original)
+    def forward(self, hidden_states, *args, **kwargs):
+        copy = _current_qkv(self, hidden_states)
+        if copy is None:
+            return original(self, hidden_states, *args, **kwargs)
+        with _projections_given(self, hidden_states, copy.weight):
+            return original(self, hidden_states, *args, **kwargs)
+
+    attention_class._hybridspec_original_forward = original
+    attention_class.forward = forward

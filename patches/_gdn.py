@@ -35,7 +35,6 @@ from hybridspec_hf.kernels import (
     conv_verify,
     default_verify,
     fused_kernels_active,
-    fused_kernels_allowed,
     gdn_decode_step,
     gdn_gates,
     gdn_gates_reference,
@@ -46,7 +45,15 @@ from hybridspec_hf.kernels import gdn_step_triton
 from hybridspec_hf.kernels.gdn_step_triton import gdn_step
 from hybridspec_hf.kernels.gemv_triton import linear
 
-from ._weight_copies import WeightCopy, current_copy, hooked, refresh_copy
+from ._weight_copies import (
+    WeightCopy,
+    concatenate_rows,
+    current_copy,
+    fusable_linears,
+    hooked,
+    plain_linears,
+    refresh_copy,
+)
 
 # (layer, hidden_states [B, T, H]) -> mixed_qkv [B, T, C] (pre-conv), z [B, T, HV, dv], b [B, T, HV], a [B, T, HV]
 ProjectFn = Callable[[torch.nn.Module, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -124,31 +131,7 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _projections(layer: torch.nn.Module) -> list[torch.nn.Module] | None:
-    """The four projections if they are plain bias-free nn.Linear modules (not quantized, no adapters), else None."""
-    modules = [getattr(layer, name, None) for name in SEPARATE_PROJECTIONS]
-    return modules if all(type(m) is torch.nn.Linear and m.bias is None for m in modules) else None
-
-
-def _fusable_projections(layer: torch.nn.Module) -> list[torch.nn.Module] | None:
-    """The four projections when one GEMM over a copy of their weights computes what they do: plain Linears with
-    nothing else to run (hooks, a replaced forward), one float dtype and device, where the fused GDN route runs
-    (CUDA, or the Triton interpreter in tests) and the fused kernels are not switched off."""
-    modules = _projections(layer)
-    if modules is None or hooked(modules):
-        return None
-    weights = [m.weight for m in modules]
-    one_kind = len({(w.dtype, w.device, w.shape[1]) for w in weights}) == 1 and weights[0].dtype in _DTYPES
-    on_route = fused_kernels_allowed() and select_backend("auto", weights[0]) == "triton"
-    return modules if one_kind and on_route else None
-
-
-def _concatenate(*weights: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    rows = sum(w.shape[0] for w in weights)
-    if out is None or out.shape != (rows, weights[0].shape[1]) or out.dtype != weights[0].dtype or \
-            out.device != weights[0].device:
-        out = torch.empty(rows, weights[0].shape[1], dtype=weights[0].dtype, device=weights[0].device)
-    with torch.no_grad():
-        return torch.cat(weights, out=out)
+    return plain_linears(layer, SEPARATE_PROJECTIONS)
 
 
 def prepare_gdn_projections(layers: list[torch.nn.Module]) -> None:
@@ -162,12 +145,12 @@ def prepare_gdn_projections(layers: list[torch.nn.Module]) -> None:
     if any(_COPY in layer.__dict__ for layer in layers):
         fusable = [_projections(layer) for layer in layers]
     else:
-        fusable = [_fusable_projections(layer) for layer in layers]
+        fusable = [fusable_linears(layer, SEPARATE_PROJECTIONS) for layer in layers]
         if not layers or any(modules is None for modules in fusable):
             return
     for layer, modules in zip(layers, fusable):
         if modules is not None:
-            refresh_copy(layer, _COPY, [m.weight for m in modules], _concatenate)
+            refresh_copy(layer, _COPY, [m.weight for m in modules], concatenate_rows)
 
 
 def release_gdn_projections(layers: list[torch.nn.Module]) -> None:

@@ -13,7 +13,11 @@ from dataclasses import dataclass
 import torch
 from torch.nn.modules import module as nn_module
 
+from hybridspec_hf.kernels import fused_kernels_allowed, select_backend
+
 from ._linear import is_routed
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass
@@ -39,6 +43,17 @@ def refresh_copy(module: torch.nn.Module, attr: str, sources: Sequence[torch.Ten
     module.__dict__[attr] = WeightCopy(weight, key)
 
 
+def concatenate_rows(*weights: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """cat(weights) along rows ([sum N_i, K]), into `out` when it has that shape, dtype and device (a refresh in
+    place: the address captured graphs read stays)."""
+    rows = sum(w.shape[0] for w in weights)
+    if out is None or out.shape != (rows, weights[0].shape[1]) or out.dtype != weights[0].dtype or \
+            out.device != weights[0].device:
+        out = torch.empty(rows, weights[0].shape[1], dtype=weights[0].dtype, device=weights[0].device)
+    with torch.no_grad():
+        return torch.cat(weights, out=out)
+
+
 def current_copy(module: torch.nn.Module, attr: str, sources: Sequence[torch.Tensor]) -> WeightCopy | None:
     """The module's copy if it was made from these sources as they are now."""
     cached = module.__dict__.get(attr)
@@ -52,3 +67,23 @@ def hooked(modules: Sequence[torch.nn.Module]) -> bool:
         return True
     return any(m._forward_hooks or m._forward_pre_hooks or ("forward" in m.__dict__ and not is_routed(m))
                for m in modules)
+
+
+def plain_linears(owner: torch.nn.Module, names: Sequence[str]) -> list[torch.nn.Module] | None:
+    """The owner's projections of these names if they are plain bias-free nn.Linear modules (not quantized, no
+    adapters), else None."""
+    modules = [getattr(owner, name, None) for name in names]
+    return modules if all(type(m) is torch.nn.Linear and m.bias is None for m in modules) else None
+
+
+def fusable_linears(owner: torch.nn.Module, names: Sequence[str]) -> list[torch.nn.Module] | None:
+    """The `plain_linears` when one GEMM over a copy of their weights computes what they do: nothing else to run
+    (hooks, a replaced forward), one float dtype, device and input width, where the fused kernels run (CUDA, or the
+    Triton interpreter in tests) and are not switched off."""
+    modules = plain_linears(owner, names)
+    if modules is None or hooked(modules):
+        return None
+    weights = [m.weight for m in modules]
+    one_kind = len({(w.dtype, w.device, w.shape[1]) for w in weights}) == 1 and weights[0].dtype in _DTYPES
+    on_route = fused_kernels_allowed() and select_backend("auto", weights[0]) == "triton"
+    return modules if one_kind and on_route else None

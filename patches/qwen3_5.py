@@ -8,6 +8,7 @@ RMS_NORM_CLASS = modeling.Qwen3_5RMSNorm
 GATED_NORM_CLASS = modeling.Qwen3_5RMSNormGated
 GDN_CLASS = modeling.Qwen3_5GatedDeltaNet
 ATTENTION_CLASS = modeling.Qwen3_5Attention  # the text model's (gated) full attention
+DECODER_LAYER_CLASS = modeling.Qwen3_5DecoderLayer  # norm, mixer, add, norm, MLP, add
 MODEL_CLASSES = (modeling.Qwen3_5ForCausalLM, modeling.Qwen3_5ForConditionalGeneration)
 MOE_BLOCK_CLASS = None  # dense MLPs: no router, no routing correction
 ROUTER_CLASS = None

@@ -7,6 +7,7 @@ RMS_NORM_CLASS = modeling.Qwen3NextRMSNorm
 GATED_NORM_CLASS = modeling.Qwen3NextRMSNormGated
 GDN_CLASS = modeling.Qwen3NextGatedDeltaNet
 ATTENTION_CLASS = modeling.Qwen3NextAttention  # the text model's (gated) full attention
+DECODER_LAYER_CLASS = modeling.Qwen3NextDecoderLayer  # norm, mixer, add, norm, MLP, add
 MODEL_CLASSES = (modeling.Qwen3NextForCausalLM,)
 MOE_BLOCK_CLASS = modeling.Qwen3NextSparseMoeBlock  # .gate (router -> logits, scores, top-k ids) and .experts
 ROUTER_CLASS = getattr(modeling, "Qwen3NextTopKRouter", None)

@@ -182,12 +182,17 @@ def test_resident_generate_with_the_kernel_on_every_projection_equals_ar(name, m
 
 def projection_weights(model) -> set[int]:
     """Addresses of every weight a resident forward multiplies by through this kernel: the decoder layers' Linears,
-    except those read through a concatenated copy (the Qwen3.5 GDN input projections, the shared expert's gate, up
-    and gate logit), the copies themselves and the routers; with the one-pass MoE block (`_moe.SHARED_EXPERT_SLOT`,
-    every resident call here has <= 16 tokens) the experts kernels read the shared expert's copy and down weight."""
-    from hybridspec_hf.patches import _gdn
+    except those read through a concatenated copy (the Qwen3.5 GDN input projections, the attention's q, k and v, the
+    shared expert's gate, up and gate logit), the copies themselves and the routers; with the one-pass MoE block
+    (`_moe.SHARED_EXPERT_SLOT`, every resident call here has <= 16 tokens) the experts kernels read the shared
+    expert's copy and down weight."""
+    from hybridspec_hf.patches import _attention, _gdn
 
     weights = {m.weight.data_ptr() for m in patches.decoder_linears(model)}
+    for layer in patches.attention_layers(model):
+        if _attention._QKV in layer.__dict__:
+            weights -= {getattr(layer, name).weight.data_ptr() for name in _attention.QKV_PROJECTIONS}
+            weights.add(layer.__dict__[_attention._QKV].weight.data_ptr())
     for layer in patches.gdn_layers(model):
         if _gdn._COPY in layer.__dict__:
             weights -= {getattr(layer, name).weight.data_ptr() for name in _gdn.SEPARATE_PROJECTIONS}

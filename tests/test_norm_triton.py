@@ -11,7 +11,12 @@ pytest.importorskip("triton")
 
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as modeling  # noqa: E402
 
-from hybridspec_hf.kernels.norm_triton import gated_rms_norm, rms_norm  # noqa: E402
+from hybridspec_hf.kernels.norm_triton import (  # noqa: E402
+    add_rms_norm,
+    add_rms_norm_reference,
+    gated_rms_norm,
+    rms_norm,
+)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -84,3 +89,57 @@ def test_gated_rms_norm_reads_a_gate_sliced_from_a_wider_projection(dtype):
     expected = forward(module, x.reshape(-1, dv), z.reshape(-1, dv)).view(x.shape)
     tol = TOL[dtype] if dtype == torch.float32 else dict(rtol=2**-5, atol=2**-5)
     torch.testing.assert_close(gated_rms_norm(x, z, module.weight, module.variance_epsilon), expected, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_reads_heads_sliced_from_a_wider_projection(dtype):
+    """The attention's k as a column slice of the one q|k|v GEMM, split into heads: [B, T, heads, D] with a token
+    stride wider than heads·D, read in place (no copy) and normalised as the contiguous tensor is."""
+    gen = torch.Generator().manual_seed(11)
+    batch, t, heads, dim = 2, 5, 3, 12
+    module = modeling.Qwen3_5MoeRMSNorm(dim, eps=1e-6)
+    with torch.no_grad():
+        module.weight.copy_(torch.randn(dim, generator=gen) * 0.3)
+    module = module.to(dtype)
+    wide = (torch.randn(batch, t, heads * dim + 20, generator=gen) * 2).to(dtype)
+    k = wide[..., 8 : 8 + heads * dim].view(batch, t, heads, dim)
+    assert k.reshape(-1, heads, dim).data_ptr() == k.data_ptr()  # the kernel's rows: a view, not a copy
+    forward = getattr(type(module), "_hybridspec_original_forward", type(module).forward)
+    expected = forward(module, k.contiguous())
+    torch.testing.assert_close(rms_norm(k, module.weight, module.eps), expected, **TOL[dtype])
+
+
+def bf16_truncated(values: torch.Tensor) -> torch.Tensor:
+    """fp32 -> bf16 by dropping the low 16 bits: what the Triton interpreter's cast does (the GPU rounds to
+    nearest, as torch does)."""
+    return (values.float().view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 1, 48), (2, 5, 96), (1, 16, 20), (1, 3, 2047)])
+def test_add_rms_norm_equals_the_residual_add_and_the_module(shape, dtype):
+    """h = residual + x as transformers' decoder layer rounds it (fp32: bit for bit; bf16: the one fp32 sum, cast
+    once: bit for bit with the interpreter's truncating cast, within one rounding of torch's), and the module's
+    norm of that h (fp32 1e-6; bf16 one ulp, as `rms_norm`). The residual is a strided view (rows of a wider
+    tensor), as a layer's input can be."""
+    gen = torch.Generator().manual_seed(sum(shape) + 2)
+    hidden = shape[-1]
+    module = modeling.Qwen3_5MoeRMSNorm(hidden, eps=1e-6)
+    with torch.no_grad():
+        module.weight.copy_(torch.randn(hidden, generator=gen) * 0.3)
+    module = module.to(dtype)
+    x = (torch.randn(shape, generator=gen) * 3).to(dtype)
+    residual = (torch.randn(*shape[:-1], hidden + 5, generator=gen) * 5).to(dtype)[..., 3 : 3 + hidden]
+    h, y = add_rms_norm(x, residual, module.weight, module.eps)
+    forward = getattr(type(module), "_hybridspec_original_forward", type(module).forward)
+    expected_h = residual + x
+    assert h.shape == y.shape == x.shape and h.dtype == y.dtype == dtype
+    if dtype == torch.float32:
+        assert torch.equal(h, expected_h)
+    else:
+        assert torch.equal(h, bf16_truncated(residual.float() + x.float()))
+        torch.testing.assert_close(h, expected_h, rtol=2**-7, atol=0.0)
+    torch.testing.assert_close(y, forward(module, h), **TOL[dtype])  # the norm of the h it wrote
+    torch.testing.assert_close(y, forward(module, expected_h), rtol=2**-6, atol=2**-6)
+    ref_h, ref_y = add_rms_norm_reference(x, residual, module.weight, module.eps)
+    assert torch.equal(ref_h, expected_h) and torch.equal(ref_y, forward(module, expected_h))

@@ -154,6 +154,7 @@ class ResidentRounds:
             self.context = StaticDraftContext(drafter, capacity, self.device, drafter.dtype)
         self.moe = moe = patches.moe_blocks(model)
         self.linears = patches.decoder_linears(model)
+        self.attention = patches.attention_layers(model)
         self.routing = self.window = None  # hooks on the model: made last, right before capture
         self.block_size = drafter.config.block_size if self.context is not None else 1
         self.verify_tokens = strategy.fixed_length if strategy.mode == "fixed" else self.block_size
@@ -222,6 +223,7 @@ class ResidentRounds:
                 hooks.remove()
         patches.release_fused_moe(self.moe)
         patches.release_gdn_projections(self.target.gdn_layers)
+        patches.release_attention_projections(self.attention)
         patches.release_linears(self.linears)
         self.target.close()
         self.step = self.spec = self.draft = None
@@ -230,6 +232,7 @@ class ResidentRounds:
     def _prepare_weight_copies(self) -> None:
         patches.prepare_fused_moe(self.moe)
         patches.prepare_gdn_projections(self.target.gdn_layers)
+        patches.prepare_attention_projections(self.attention)
         patches.prepare_linears(self.linears)  # the projections' skinny GEMM (inert until its table names a shape)
 
     def reset_selector(self) -> None:
