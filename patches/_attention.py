@@ -35,6 +35,7 @@ from hybridspec_hf.kernels.attention_triton import routed, static_attention
 from hybridspec_hf.kernels.gemv_triton import linear
 
 from ._decoder import decoder_fusion_allowed
+from ._attention_layer import fused_attention_forward
 from ._weight_copies import (
     WeightCopy,
     concatenate_rows,
@@ -167,8 +168,9 @@ def _projections_given(attention: torch.nn.Module, hidden_states: torch.Tensor, 
 
 
 def patch_attention_projections(attention_class: type) -> None:
-    """Install the one-GEMM q|k|v path on a family's attention class (idempotent). Without a current copy, or
-    outside resident forwards, transformers' forward runs unchanged."""
+    """Install the resident forwards' paths on a family's attention class (idempotent): the fused layer
+    (patches/_attention_layer.py) when it takes the call, else transformers' forward with the one-GEMM q|k|v. Without
+    a current copy, or outside resident forwards, transformers' forward runs unchanged."""
     if "_hybridspec_original_forward" in attention_class.__dict__:
         return
     original = attention_class.forward
@@ -176,6 +178,11 @@ def patch_attention_projections(attention_class: type) -> None:
     @functools.wraps(original)
     def forward(self, hidden_states, *args, **kwargs):
         copy = _current_qkv(self, hidden_states)
+        if _length is not None:  # a resident forward: the whole layer in four launches when it can
+            fused = fused_attention_forward(self, original, None if copy is None else copy.weight, _length,
+                                            hidden_states, args, kwargs)
+            if fused is not None:
+                return fused
         if copy is None:
             return original(self, hidden_states, *args, **kwargs)
         with _projections_given(self, hidden_states, copy.weight):

@@ -30,8 +30,9 @@ from hybridspec_hf.kernels.attention_prologue_triton import qk_prologue
 from hybridspec_hf.kernels.attention_triton import routed, static_attention
 from hybridspec_hf.kernels.gemv_triton import linear
 
-from . import _attention
 from ._weight_copies import hooked
+
+ENABLED = True  # False: resident forwards run transformers' attention forward (with our attention function)
 
 _CACHE_ARGUMENTS = ("cache", "past_key_values")  # transformers 5.23+, 5.17
 
@@ -61,12 +62,12 @@ def _static_layer(cache, layer_idx: int):
 
 
 def fused_attention_forward(attention: torch.nn.Module, original, qkv_weight: torch.Tensor | None,
-                            hidden_states: torch.Tensor, args: tuple, kwargs: dict):
+                            length: torch.Tensor | None, hidden_states: torch.Tensor, args: tuple, kwargs: dict):
     """(attn_output, None) of `attention`'s forward called as original(attention, hidden_states, *args, **kwargs),
     computed by the fused kernels, or None when this call must run transformers' forward (module docstring).
-    qkv_weight: the layer's [q_proj; k_proj; v_proj] weight copy when current (else the three modules run)."""
-    length = _attention._length
-    if length is None or attention.training or kwargs.get("output_attentions"):
+    qkv_weight: the layer's [q_proj; k_proj; v_proj] weight copy when current (else the three modules run);
+    length: the static cache's committed length announced by the resident forward (None: not inside one)."""
+    if not ENABLED or length is None or attention.training or kwargs.get("output_attentions"):
         return None
     if not getattr(attention, "is_causal", True) or getattr(attention, "sliding_window", None) is not None:
         return None

@@ -84,7 +84,7 @@ def test_fused_layer_equals_transformers(name, tokens, with_copy, monkeypatch):
     monkeypatch.setattr(attention_triton, "_ON_CPU", True)
     weight = torch.cat([layer.q_proj.weight, layer.k_proj.weight, layer.v_proj.weight]) if with_copy else None
     with torch.no_grad(), patches.fused_kernels(), patches.static_cache_length(torch.tensor([prompt])):
-        got = fused_attention_forward(layer, original, weight, hidden, tuple(args), kwargs)
+        got = fused_attention_forward(layer, original, weight, torch.tensor([prompt]), hidden, tuple(args), kwargs)
     if layer.head_dim & (layer.head_dim - 1):  # head_dim 12: the attention kernel takes powers of two only
         assert got is None
         return
@@ -101,21 +101,23 @@ def test_fused_layer_equals_transformers(name, tokens, with_copy, monkeypatch):
 
 
 def test_fused_layer_steps_aside(monkeypatch):
-    """None (transformers' forward runs) outside a resident forward, with a hook on q_norm, with attention weights
-    requested, in training mode, and on CPU tensors without the tests' switch."""
+    """None (transformers' forward runs) outside a resident forward, switched off, with a hook on q_norm, with
+    attention weights requested, in training mode, and on CPU tensors without the tests' switch."""
     model = make_target("qwen3_5_moe", seed=5, dtype=torch.float32)
     layer, seen = _captured_call(model, 4, 2, seed=5)
     hidden, args, kwargs = _split(seen)
     original = type(layer).__dict__.get("_hybridspec_original_forward", type(layer).forward)
 
-    def call(**extra):
-        with torch.no_grad(), patches.fused_kernels(), patches.static_cache_length(torch.tensor([4])):
-            return fused_attention_forward(layer, original, None, hidden, tuple(args), {**kwargs, **extra})
+    def call(length=torch.tensor([4]), **extra):
+        with torch.no_grad(), patches.fused_kernels():
+            return fused_attention_forward(layer, original, None, length, hidden, tuple(args), {**kwargs, **extra})
 
     assert call() is None  # CPU tensors, no switch
     monkeypatch.setattr(attention_triton, "_ON_CPU", True)
-    with torch.no_grad(), patches.fused_kernels():  # no static length announced: not a resident forward
-        assert fused_attention_forward(layer, original, None, hidden, tuple(args), kwargs) is None
+    assert call(length=None) is None  # no static length announced: not a resident forward
+    monkeypatch.setattr(_attention_layer, "ENABLED", False)
+    assert call() is None
+    monkeypatch.setattr(_attention_layer, "ENABLED", True)
     assert call(output_attentions=True) is None
     handle = layer.q_norm.register_forward_hook(lambda *a: None)
     assert call() is None

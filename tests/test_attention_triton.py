@@ -27,7 +27,7 @@ from hybridspec_hf.kernels.attention_triton import (  # noqa: E402
     supported,
     visible_keys,
 )
-from hybridspec_hf.patches import _attention  # noqa: E402
+from hybridspec_hf.patches import _attention, _attention_layer  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("triton_interpreter")
 
@@ -161,6 +161,7 @@ def kernel_calls(monkeypatch):
 
     monkeypatch.setattr(attention_triton, "_ON_CPU", True)
     monkeypatch.setattr(_attention, "static_attention", counting("target"))
+    monkeypatch.setattr(_attention_layer, "static_attention", counting("target"))  # the fused attention layer
     monkeypatch.setattr(modeling_dflash, "static_attention", counting("drafter"))
     return calls
 
