@@ -644,7 +644,7 @@ def markdown(report: dict) -> str:
         f"({fla.get('status', '')}); {report['inputs']} inputs; command `{report['command']}`.",
         f"Copy bandwidth measured in this run: {bw:.2f} TB/s (read + write); rooflines are given at it and at "
         f"{NOMINAL_COPY_TBPS} TB/s.",
-        f"Configs (per batch): `{json.dumps(report['config'])}`.",
+        f"Configs (per batch): `{json.dumps(report.get('config', {}))}`.",
         "",
         "All 30 GDN layers per figure, µs: median of CUDA-graph replays over rotating input sets. 'tile' = the shipped "
         "block verify (one launch per layer) + one-launch commit; 'sliced' = the first version of both (run 1); "

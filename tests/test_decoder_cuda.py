@@ -52,8 +52,8 @@ def test_fused_layers_match_and_the_attention_layer_replays_in_a_graph():
     assert all("_hybridspec_qkv" in a.__dict__ for a in attention)
     x = torch.randn(1, 8, 2048, device="cuda", dtype=torch.bfloat16)
     position_ids = torch.arange(8, device="cuda")[None]
-    with torch.no_grad():
-        embeddings = patches.text_model(model).rotary_emb(x, position_ids)
+    with torch.no_grad():  # the text rotary takes mRoPE ids [3, B, T] (5.17 indexes them so; 5.23+ expands [B, T])
+        embeddings = patches.text_model(model).rotary_emb(x, position_ids[None].expand(3, -1, -1))
 
     def run(chosen, hidden, fused: bool):
         with torch.no_grad(), (patches.fused_kernels() if fused else contextlib.nullcontext()):

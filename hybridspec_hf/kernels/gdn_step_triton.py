@@ -17,10 +17,11 @@ sequence in torch (transformers' own functions where they exist). Only the order
 reductions of the step read the same decayed state (o = e^g Sᵀ q + (q · k) z, as default_verifier.py).
 
 Grid: one program per (dv tile of BV columns, value head, request); it owns its [dk, BV] state tile (read and
-written once, in place) and its BV value channels of the conv window. With BV = dv (`block_v=None`, the default)
-a program holds a whole head's output, so the gated RMSNorm runs in its registers: ONE launch, 32 programs at the
-35B-A3B shape (HV = 32). With BV < dv the kernel stores o and `norm_triton.gated_rms_norm` follows: two launches,
-more programs (BV = 16: 256). Which is faster is the GPU's to say (benchmarks/gdn_kernels.py, decode-step table).
+written once, in place) and its BV value channels of the conv window. With BV = dv a program holds a whole head's
+output, so the gated RMSNorm runs in its registers: ONE launch, 32 programs at the 35B-A3B shape (HV = 32). With
+BV < dv the kernel stores o and `norm_triton.gated_rms_norm` follows: two launches, more programs (BV = 16: 256).
+On the H200 the narrow tiles won at batch 1 (237 µs against 277 for BV = dv, 30 layers: `step_config`, the
+default).
 
 The q and k channels of a key head are read by every program of its GROUP value heads and dv tiles, so none of
 them may roll that window while another may still read it: each program bumps its (request, key head) counter
@@ -211,10 +212,14 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
     return counters
 
 
-def step_config(dv: int, block_v: int | None = None, num_warps: int | None = None) -> tuple[int, int]:
-    """(BV, num_warps). BV = dv (a whole head per program, the norm in the kernel) unless block_v says otherwise;
-    warps by the size of the [dk, BV] tile. Not yet timed on a GPU: benchmarks/gdn_kernels.py sweeps both."""
-    block_v = block_v or triton.next_power_of_2(dv)
+def step_config(dv: int, rows: int, block_v: int | None = None, num_warps: int | None = None) -> tuple[int, int]:
+    """(BV, num_warps) for `rows` = batch x value heads. Measured on the H200 (run 25 of
+    benchmarks/results/gpu_rounds_runs.md, batch 1, 32 value heads, dk = dv = 128, 30 layers): BV = 16 with 2 warps
+    + the norm launch 237 µs, BV = 32 / 64 + norm 252 / 263, BV = dv in one launch (norm in the kernel) 277 with 4
+    warps and 653 / 1033 with 8 / 16, against 343 for the four launches. So narrow tiles while there are few heads,
+    as for the recurrent kernel (`default_verifier._recurrent_config`); block_v / num_warps override."""
+    if block_v is None:
+        block_v = min(16 if rows < 128 else 32, triton.next_power_of_2(dv))
     return block_v, num_warps or (8 if block_v >= 128 else 4 if block_v >= 32 else 2)
 
 
@@ -237,7 +242,7 @@ def gdn_step(
     num_warps: int | None = None,
 ) -> torch.Tensor:
     """Triton `gdn_step_reference` (fp32): one launch with BV = dv, two with a smaller block_v (the gated norm
-    after it). x [B, 1, C] (the conv input [q ‖ k ‖ v], any strides with the last dim contiguous, e.g. a slice of
+    after it; the default, `step_config`). x [B, 1, C] (the conv input [q ‖ k ‖ v], any strides with the last dim contiguous, e.g. a slice of
     the projection output); conv_state [B, C, K] and state [B, HV, dk, dv] fp32 updated IN PLACE; conv_weight
     [C, K], conv_bias [C] or None; a, b [B, 1, HV] (rows may be strided); A_log, dt_bias [HV]; z [B, 1, HV, dv]
     (the gate, strided rows allowed); norm_weight [dv] in x's dtype. Returns y [B, 1, HV, dv] in x's dtype."""
@@ -257,7 +262,7 @@ def gdn_step(
             f"{state.dtype}, a {tuple(a.shape)}, b {tuple(b.shape)}, z {tuple(z.shape)}, norm weight "
             f"{tuple(norm_weight.shape)} {norm_weight.dtype}")
     x, a, b, z = (_last_dim_contiguous(v) for v in (x, a, b, z))
-    block_v, warps = step_config(dv, block_v, num_warps)
+    block_v, warps = step_config(dv, batch * num_v_heads, block_v, num_warps)
     norm = block_v >= dv
     tiles = triton.cdiv(dv, block_v)
     group = num_v_heads // num_k_heads

@@ -58,13 +58,23 @@ class GemvConfig:
 # (N, K, M bucket) -> config for our kernel; a shape not listed runs F.linear (cuBLAS). M buckets: `m_bucket`.
 # Paste the dict that `benchmarks/gemv.py` prints after an H200 run here.
 # measured on the H200 by benchmarks/gemv.py (run 20 of benchmarks/results/gpu_rounds_runs.md, 2026-11-30): our
-# config where it beat F.linear by >= 3 %, the rest stays F.linear. GemvConfig(block_n, block_k, split_k, num_warps,
+# config where it beat F.linear by >= 3 %, the rest stays F.linear; the 2048 x 4096 rows for M > 1 and the drafter's
+# 2048 x 6144 / 2048 x 10240 from run 25 (2026-12-01; there the attention q|k|v copy 9216 x 2048 and the drafter's
+# 5120 x 2048 stayed within 3 % of cuBLAS, so they run F.linear). GemvConfig(block_n, block_k, split_k, num_warps,
 # num_stages, dot)
 TABLE: dict[tuple[int, int, int], GemvConfig] = {
     (2048, 4096, 1): GemvConfig(32, 128, 8, 4, 4, True),  # 7.7 µs (F.linear 8.6)
-    (2048, 4096, 4): GemvConfig(32, 128, 8, 4, 4, True),  # 8.3 µs (F.linear 8.6)
-    (2048, 4096, 8): GemvConfig(32, 128, 8, 4, 4, True),  # 8.3 µs (F.linear 8.6)
-    (2048, 4096, 16): GemvConfig(32, 128, 8, 4, 4, True),  # 8.5 µs (F.linear 8.8)
+    (2048, 4096, 4): GemvConfig(32, 128, 4, 4, 6, True),  # 8.0 µs (F.linear 8.7)
+    (2048, 4096, 8): GemvConfig(32, 128, 4, 4, 6, True),  # 8.0 µs (F.linear 8.6)
+    (2048, 4096, 16): GemvConfig(32, 128, 4, 4, 6, True),  # 8.1 µs (F.linear 8.8)
+    (2048, 6144, 1): GemvConfig(32, 128, 4, 4, 6, True),  # 9.8 µs (F.linear 11.0)
+    (2048, 6144, 4): GemvConfig(32, 128, 4, 4, 6, True),  # 9.9 µs (F.linear 10.7)
+    (2048, 6144, 8): GemvConfig(32, 128, 4, 4, 6, True),  # 10.0 µs (F.linear 10.8)
+    (2048, 6144, 16): GemvConfig(32, 128, 4, 4, 6, True),  # 10.1 µs (F.linear 11.1)
+    (2048, 10240, 1): GemvConfig(32, 128, 4, 4, 6, True),  # 13.6 µs (F.linear 14.9)
+    (2048, 10240, 4): GemvConfig(32, 128, 4, 4, 6, True),  # 13.7 µs (F.linear 15.4)
+    (2048, 10240, 8): GemvConfig(32, 128, 4, 4, 6, True),  # 13.9 µs (F.linear 14.9)
+    (2048, 10240, 16): GemvConfig(32, 128, 4, 4, 6, True),  # 14.3 µs (F.linear 15.3)
     (12352, 2048, 1): GemvConfig(64, 128, 1, 4, 4, True),  # 14.3 µs (F.linear 15.9)
     (12352, 2048, 4): GemvConfig(64, 128, 1, 4, 4, True),  # 14.4 µs (F.linear 16.0)
     (12352, 2048, 8): GemvConfig(64, 128, 1, 4, 4, True),  # 14.5 µs (F.linear 16.1)
