@@ -75,6 +75,7 @@ class VerifySession:
     # step that updates state and conv window in place (`gdn_step`, or `gdn_decode_step` after conv_silu), and
     # leaves nothing to commit
     decode_step: bool = False
+    stepped: int = 0  # GDN layers that took that in-place step (counted by `check_verified` beside `pending`)
 
 
 def per_token_state_buffer(gdn_layers: list[torch.nn.Module], cache, max_tokens: int) -> torch.Tensor:
@@ -99,9 +100,10 @@ def check_verified(session: VerifySession, gdn_layers: list[torch.nn.Module]) ->
     """Every GDN layer ran in verify mode during the session's forward (host-side count, no sync). A layer whose
     forward was replaced or hooked before `import hybridspec_hf` patched its class ran transformers' forward
     instead, which advanced its state by every verified token: the output would no longer be exact."""
-    if len(session.pending) != len(gdn_layers):
+    ran = len(session.pending) + session.stepped
+    if ran != len(gdn_layers):
         raise RuntimeError(
-            f"Only {len(session.pending)} of {len(gdn_layers)} Gated-DeltaNet layers ran HybridSpec's verify mode: "
+            f"Only {ran} of {len(gdn_layers)} Gated-DeltaNet layers ran HybridSpec's verify mode: "
             "the others' forward was replaced or wrapped before hybridspec_hf patched their class (e.g. accelerate "
             "hooks on the GDN modules themselves). Import hybridspec_hf before loading the model, and keep "
             "device_map entries at decoder-layer granularity."
@@ -208,6 +210,7 @@ def verify_forward(layer: torch.nn.Module, session: VerifySession, hidden_states
     fused = _fused_route(session, mixed_qkv, conv_state, weight)
     step = fused and session.decode_step and seq_len == 1  # commit in place, as the layer goes
     if step and _one_launch_step(layer, mixed_qkv, state):  # conv, gates, recurrence and norm: one kernel
+        session.stepped += 1
         core = gdn_step(mixed_qkv, conv_state, weight, layer.conv1d.bias, a, b, layer.A_log, layer.dt_bias, state,
                         z, layer.norm.weight, layer.norm.variance_epsilon, layer.num_k_heads)
         return layer.out_proj(core.reshape(batch, seq_len, -1))
@@ -226,6 +229,7 @@ def verify_forward(layer: torch.nn.Module, session: VerifySession, hidden_states
     if valid is not None and valid.device != state.device:  # a device_map put this layer on another device
         valid = valid.to(state.device)
     if step:
+        session.stepped += 1
         out = gdn_decode_step(query, key, value, g, beta, state)
     elif session.verifier == "per_token_state":
         states = session.state_buffer[len(session.pending)]  # this layer's slot: [B, >= T, HV, dk, dv]

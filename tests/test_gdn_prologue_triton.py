@@ -220,6 +220,8 @@ def test_decode_step_commits_in_place_like_verify_and_commit(name, dtype, one_la
         with torch.no_grad(), fused_kernels():
             out = _gdn.verify_forward(layer, session, hidden, family.project_gdn_inputs)
         assert bool(session.pending) != step  # the step leaves nothing to commit
+        assert session.stepped == int(step)
+        patches.check_verified(session, [layer])  # ... and counts as having run verify mode
         commit_gdn_states(session.pending, torch.ones(1, dtype=torch.int32))
         entry = cache.layers[layer.layer_idx]
         results[step] = out, entry.recurrent_states[0], entry.conv_states[0]

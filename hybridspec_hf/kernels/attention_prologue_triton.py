@@ -90,8 +90,8 @@ def _qk_prologue_kernel(q, k, v, q_w, k_w, cos, sin, q_out, keys, values, length
     else:
         r = row - q_rows - k_rows
         h, t = r // tokens, r % tokens
-        x = tl.load(v + b * v_sb + h * v_sh + t * v_st + cols, mask=in_dim, other=0.0)
-        tl.store(values + b * kv_sb + h * kv_sh + (slot0 + t) * kv_ss + cols, x, mask=in_dim)
+        value = tl.load(v + b * v_sb + h * v_sh + t * v_st + cols, mask=in_dim, other=0.0)  # (own name: the
+        tl.store(values + b * kv_sb + h * kv_sh + (slot0 + t) * kv_ss + cols, value, mask=in_dim)  # branches' types differ)
 
 
 if HAS_TRITON:
