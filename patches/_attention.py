@@ -34,8 +34,8 @@ from hybridspec_hf.kernels import fused_kernels_active
 from hybridspec_hf.kernels.attention_triton import routed, static_attention
 from hybridspec_hf.kernels.gemv_triton import linear
 
-from ._decoder import decoder_fusion_allowed
 from ._attention_layer import fused_attention_forward
+from ._decoder import decoder_fusion_allowed
 from ._weight_copies import (
     WeightCopy,
     concatenate_rows,

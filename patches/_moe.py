@@ -56,7 +56,12 @@ __all__ = ["moe_block_add", "patch_moe_classes", "prepare_fused_moe", "release_f
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _CACHE = "_hybridspec_shared_weights"  # a WeightCopy of [gate_proj; up_proj; shared_expert_gate; zero rows] [R, H]
 _ON_CPU = False  # tests only: take the fused route on CPU tensors too (with the Triton interpreter)
-SHARED_EXPERT_SLOT = True  # the one-pass route (shared expert as an experts slot); False: the 6-launch route
+# the one-pass route (shared expert as an experts slot); False: the 6-launch route. On the H200 (runs 25-27 of
+# benchmarks/results/gpu_rounds_runs.md) the one pass equalled the earlier route at one token and saved 4-7 µs per
+# layer at 4-16 tokens on its own, but in run 26's full forward its experts kernels took ≈ 60 µs (AR step) to
+# ≈ 170 µs (w = 16) more than run 21's separate launches did: to be A/B'ed in one breakdown before this default is
+# final (the end-to-end figures of run 27 were measured with it on)
+SHARED_EXPERT_SLOT = True
 _ROUTING_PRE_HOOK = "_hybridspec_routing_pre_hook"
 
 
