@@ -179,7 +179,13 @@ def main() -> None:
     parser.add_argument("--name", default="breakdown_qwen35_35b_a3b")
     parser.add_argument("--attribute", action="store_true",
                         help="also run each part eagerly under the profiler: kernels by (module, aten op)")
+    parser.add_argument("--moe-one-pass", choices=["on", "off"], default=None,
+                        help="set patches._moe.SHARED_EXPERT_SLOT (the one-pass MoE block) before capture (A/B)")
     args = parser.parse_args()
+    if args.moe_one_pass is not None:
+        from hybridspec_hf.patches import _moe
+
+        _moe.SHARED_EXPERT_SLOT = args.moe_one_pass == "on"
     device = "cuda" if torch.cuda.is_available() else "cpu"
     target, drafter = build(args.model, args.layers, device)
     vocab = target.config.get_text_config().vocab_size
