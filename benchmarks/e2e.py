@@ -191,6 +191,8 @@ def run_method(target, drafter, prompt, method: str, profile, tokens: int, routi
         sync()
         return time.perf_counter() - start, out.shape[1] - prompt.shape[1]
 
+    # one method's rounds at a time (a target keeps up to 3 captured sets): the GPU memory column is this method's
+    hybridspec_hf.release_graphs(target)
     target.generate(prompt, do_sample=False, max_new_tokens=warmup_tokens, **kwargs)  # warm-up: captures, compiles
     capture_s = 0.0 if method.startswith("hf_") else hybridspec_hf.get_telemetry(target).capture_s
     prefill = min(timed_call(1)[0] for _ in range(3))

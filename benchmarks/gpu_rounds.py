@@ -78,9 +78,9 @@ def tiny(args) -> tuple[dict, str]:
                 "decode_tokens": [], "host_ms": []} for m in methods}
     references = [target.generate(prompt, do_sample=False, max_new_tokens=args.tokens, output_logits=True,
                                   return_dict_in_generate=True) for prompt in prompts]
-    # methods outside, prompts inside: a target keeps one set of captured rounds (the last settings it ran), so a
-    # method's calls reuse its graphs as a user's repeated calls with one configuration do (interleaving methods
-    # per prompt would re-capture on every call and time the capture)
+    # methods outside, prompts inside: a method's calls reuse its graphs as a user's repeated calls with one
+    # configuration do (a target keeps only a few captured sets: interleaving all methods per prompt would
+    # re-capture on most calls and time the capture)
     longest = max(prompts, key=lambda p: p.shape[1])  # its static cache fits every prompt's call
     for method in methods:
         run_generate(target, longest, method, drafter, args.tokens)  # (re)captures this method's rounds, untimed
@@ -126,7 +126,7 @@ def tiny(args) -> tuple[dict, str]:
     lines = ["tokens/s: whole generate() calls (prefill and set-up included); decode tokens/s: the decode loop's own "
              "time (every round and the host's work between rounds), as benchmarks/e2e.py reports; host ms: per round, "
              "wall minus the wait for the hand-off. Each method runs all prompts in a row after one untimed call that "
-             "captures its rounds (the target keeps the graphs of the last settings it ran).", "",
+             "captures its rounds (a target keeps the graphs of its 3 most recent settings).", "",
              "| method | path | tokens/s | decode tokens/s | decode × our AR | host ms/round | × our AR | × HF eager | τ | "
              "mean w | identical to AR (bf16) | top-2 gaps at divergences |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]

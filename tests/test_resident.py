@@ -266,3 +266,64 @@ def test_auto_verify_shape_is_max_shape_on_cuda_and_exact_elsewhere():
     assert resolved_verify_shape(HybridSpecConfig(), torch.device("cuda")) == "max"
     assert resolved_verify_shape(HybridSpecConfig(), torch.device("cpu")) == "exact"
     assert resolved_verify_shape(HybridSpecConfig(verify_shape="exact"), torch.device("cuda")) == "exact"
+
+
+def _hooks(model) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def test_alternating_settings_reuse_their_rounds_and_the_oldest_make_way(monkeypatch, fp64_gdn):
+    """A caller alternating strategies gets each one's kept rounds back (no new capture, same output as AR); beyond
+    MAX_ROUNDS_PER_TARGET the least recently used set is released (its hooks go, the shared weight copies stay for
+    the others); release_graphs frees every set."""
+    from hybridspec_hf.generation import resident
+
+    monkeypatch.setattr(resident, "MAX_ROUNDS_PER_TARGET", 2)
+    target = make_target("qwen3_5_moe")
+    prompt = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(3))
+    ar = reference(target, prompt, 20)
+    drafter = make_drafter(target, 8, ar.sequences, error_rate=0.25, seed=3)
+    hooks = _hooks(target)
+
+    def call(strategy):
+        assert_same_as_ar(run(target, prompt, drafter, strategy, 20, hybridspec_config=ON), ar)
+        return target.__dict__["_hybridspec_resident"], hybridspec_hf.get_telemetry(target).capture_s
+
+    first, _ = call("hybridspec")
+    second, _ = call("dflash")
+    assert second is not first
+    again, captured = call("hybridspec")
+    assert again is first and captured == 0.0  # kept, reused: nothing captured by this call
+    assert target.__dict__[resident._KEPT] == [second, first]
+    third, _ = call("ar")  # a third setting: the least recently used (dflash) makes way
+    assert target.__dict__[resident._KEPT] == [first, third]
+    assert second.step is None and second.spec is None  # released
+    again, captured = call("hybridspec")  # still exact after the release: the copies it reads stayed
+    assert again is first and captured == 0.0
+    hybridspec_hf.release_graphs(target)
+    assert resident._KEPT not in target.__dict__ and "_hybridspec_resident" not in target.__dict__
+    assert _hooks(target) == hooks
+    assert torch.equal(target.generate(prompt, do_sample=False, max_new_tokens=20), ar.sequences)
+
+
+def test_running_out_of_memory_while_capturing_frees_the_kept_sets_and_retries(monkeypatch, fp64_gdn):
+    from hybridspec_hf.generation import resident
+
+    target = make_target("qwen3_5_moe")
+    prompt = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(4))
+    ar = reference(target, prompt, 16)
+    drafter = make_drafter(target, 8, ar.sequences, error_rate=0.2, seed=4)
+    kept = run(target, prompt, drafter, "dflash", 16, hybridspec_config=ON)
+    assert_same_as_ar(kept, ar)
+    built = []
+    original = resident.ResidentRounds
+
+    def first_build_runs_out(*args, **kwargs):
+        built.append(1)
+        if len(built) == 1:
+            raise torch.cuda.OutOfMemoryError("simulated OOM")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(resident, "ResidentRounds", first_build_runs_out)
+    assert_same_as_ar(run(target, prompt, drafter, "hybridspec", 16, hybridspec_config=ON), ar)
+    assert len(built) == 2 and len(target.__dict__[resident._KEPT]) == 1  # the dflash set made way, then retried

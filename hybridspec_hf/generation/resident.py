@@ -23,7 +23,13 @@ commit it (m = 1), the token, and its hand-off. On the CPU the same functions ru
 tests cover this path.
 
 One `ResidentRounds` is built per (target, drafter, strategy settings, sampling, capacity) and reused by later
-generate() calls; `resident_rounds` keeps one per target.
+generate() calls. `resident_rounds` keeps up to MAX_ROUNDS_PER_TARGET of them per target, most recently used last,
+so that a caller who alternates strategies or drafters does not re-capture on every call (run 24 of
+benchmarks/results/gpu_rounds_runs.md: 46 captures in 11 calls that alternated). On CUDA a further set is kept only
+while the free memory holds two more of the largest kept one; otherwise the least recently used sets are released
+first (and all of them, before one retry, if a capture runs out of memory). Each set's hooks on the model are inert
+unless that set arms them, and the weight copies they read are the model's, shared and refreshed in place, so the
+sets do not interfere; the copies go with the last set.
 """
 from __future__ import annotations
 
@@ -45,6 +51,9 @@ from hybridspec_hf.kernels import gdn_triton
 from hybridspec_hf.patches.experts import fused_experts_for
 
 _CAPACITY_STEP = 512
+MAX_ROUNDS_PER_TARGET = 3  # captured settings kept per target (graphs, static caches): see the module docstring
+_ACTIVE = "_hybridspec_resident"  # the target's most recently used rounds
+_KEPT = "_hybridspec_resident_kept"  # every rounds the target keeps, least recently used first
 
 
 def unsupported_reason(model, drafter, strategy, generation_config, logits_processor, cache) -> str | None:
@@ -93,45 +102,90 @@ class _Key:
 MAX_EOS_IDS = 8  # EOS ids a round can test on the device
 
 
+def _same_settings(have: _Key, want: _Key) -> bool:
+    return dataclasses.replace(have, capacity=want.capacity) == want
+
+
 def _reusable(have: _Key, want: _Key) -> bool:
     """Cached rounds serve a call with the same settings whose length fits their static cache (up to 4× larger than
     needed: attention reads the whole capacity, masked, so a much larger one would cost every round)."""
-    same = dataclasses.replace(have, capacity=want.capacity) == want
-    return same and want.capacity <= have.capacity <= 4 * want.capacity
+    return _same_settings(have, want) and want.capacity <= have.capacity <= 4 * want.capacity
 
 
 def resident_rounds(model, drafter, strategy, logits_processor, do_sample: bool, max_length: int,
                     position_rows: int, device_commit: bool, capture: bool = True) -> "ResidentRounds":
-    """The target's `ResidentRounds` for these settings: the cached one when it fits, else a new one (the old one
-    is released first, so one set of graphs and static caches per target is alive at a time). capture=False: the
-    same rounds launched eagerly on CUDA too (HybridSpecConfig(cuda_graphs="uncaptured"))."""
+    """The target's `ResidentRounds` for these settings: a kept one when it fits, else a new one (kept sets of the
+    same settings are released first, as are the least recently used ones beyond what the module docstring allows).
+    capture=False: the same rounds launched eagerly on CUDA too (HybridSpecConfig(cuda_graphs="uncaptured"))."""
     block = drafter.config.block_size if drafter is not None else 1
     capacity = -(-(max_length + block) // _CAPACITY_STEP) * _CAPACITY_STEP
     key = _Key(id(drafter), strategy.identity(), do_sample, tuple(repr(p.__dict__) for p in logits_processor),
                capacity, position_rows, device_commit, capture)
-    current = model.__dict__.get("_hybridspec_resident")
-    if current is not None and _reusable(current.key, key):
-        return current
-    if current is not None:
-        release_resident_rounds(model)
+    kept = model.__dict__.setdefault(_KEPT, [])
+    found = next((rounds for rounds in reversed(kept) if _reusable(rounds.key, key)), None)
+    if found is not None:
+        kept.remove(found)
+        kept.append(found)
+        model.__dict__[_ACTIVE] = found
+        return found
+    for rounds in [r for r in kept if _same_settings(r.key, key)]:  # outgrown (or too large) for these settings
+        _release(model, rounds)
     devices = [next(model.parameters()).device] if next(model.parameters()).device.type == "cuda" else []
+    while kept and (len(kept) >= MAX_ROUNDS_PER_TARGET or not _room_for_another(kept, devices)):
+        _release(model, kept[0])
+    try:
+        rounds = _build(model, drafter, strategy, logits_processor, do_sample, capacity, position_rows,
+                        device_commit, key, devices)
+    except torch.cuda.OutOfMemoryError:
+        if not kept:
+            raise
+        release_resident_rounds(model)  # the other settings' graphs and caches made way for none: free them, retry
+        rounds = _build(model, drafter, strategy, logits_processor, do_sample, capacity, position_rows,
+                        device_commit, key, devices)
+    kept = model.__dict__.setdefault(_KEPT, [])
+    kept.append(rounds)
+    model.__dict__[_ACTIVE] = rounds
+    return rounds
+
+
+def _build(model, drafter, strategy, logits_processor, do_sample, capacity, position_rows, device_commit, key,
+           devices) -> "ResidentRounds":
     before = torch.cuda.memory_allocated(devices[0]) if devices else 0
     with torch.random.fork_rng(devices=devices):  # warm-up and capture draw random numbers: the seed stays the user's
         rounds = ResidentRounds(model, drafter, strategy, logits_processor, do_sample, capacity, position_rows,
                                 device_commit, key)
     # static cache, buffers and graph pools (CUDA): what keeping the rounds for later calls costs
     rounds.memory_bytes = torch.cuda.memory_allocated(devices[0]) - before if devices else 0
-    model.__dict__["_hybridspec_resident"] = rounds
     return rounds
 
 
+def _room_for_another(kept: list, devices: list) -> bool:
+    """CUDA: whether the free memory holds two more sets as large as the largest kept one (elsewhere: always)."""
+    if not devices:
+        return True
+    free, _ = torch.cuda.mem_get_info(devices[0])
+    return free >= 2 * max(rounds.memory_bytes for rounds in kept)
+
+
+def _release(model, rounds: "ResidentRounds") -> None:
+    """Free one kept set (its graphs, static cache and hooks; the shared weight copies with the last set)."""
+    kept = model.__dict__.get(_KEPT, [])
+    if rounds in kept:
+        kept.remove(rounds)
+    if model.__dict__.get(_ACTIVE) is rounds:
+        model.__dict__.pop(_ACTIVE)
+    rounds.close(release_copies=not kept)
+    if not kept:
+        model.__dict__.pop(_KEPT, None)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def release_resident_rounds(model) -> None:
-    """Free the target's captured rounds (graphs, static caches)."""
-    current = model.__dict__.pop("_hybridspec_resident", None)
-    if current is not None:
-        current.close()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+    """Free every captured set of rounds the target keeps (graphs, static caches, weight copies)."""
+    for rounds in list(model.__dict__.get(_KEPT, [])):
+        _release(model, rounds)
+    model.__dict__.pop(_ACTIVE, None)
 
 
 class ResidentRounds:
@@ -212,22 +266,24 @@ class ResidentRounds:
                     if not device_commit:
                         self.commits[self.verify_tokens] = replay(self._commit, pool=self.spec.pool())
         except BaseException:  # a failed capture (or CUDA OOM) leaves no hooks and no half-built rounds behind
-            self.close()
+            self.close(release_copies=not model.__dict__.get(_KEPT))  # the copies stay while kept sets read them
             raise
         self.capture_s = time.perf_counter() - start
 
-    def close(self) -> None:
-        """Remove every hook and weight copy this object put on the model (graphs and buffers go with the object)."""
+    def close(self, release_copies: bool = True) -> None:
+        """Remove every hook this object put on the model and, with release_copies (no other kept set reads them),
+        the model's weight copies (graphs and buffers go with the object)."""
         for hooks in (self.window, self.routing):
             if hooks is not None:
                 hooks.remove()
-        patches.release_fused_moe(self.moe)
-        patches.release_gdn_projections(self.target.gdn_layers)
-        patches.release_attention_projections(self.attention)
-        patches.release_linears(self.linears)
-        self.target.close()
         self.step = self.spec = self.draft = None
         self.verifies, self.commits = {}, {}
+        if release_copies:
+            patches.release_fused_moe(self.moe)
+            patches.release_gdn_projections(self.target.gdn_layers)
+            patches.release_attention_projections(self.attention)
+            patches.release_linears(self.linears)
+        self.target.close()
 
     def _prepare_weight_copies(self) -> None:
         patches.prepare_fused_moe(self.moe)
