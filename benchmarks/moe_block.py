@@ -12,9 +12,13 @@ replay exactly these). Bytes floor: (distinct experts + 1 shared) × 6 MiB at 4.
 against transformers' block + residual (no fused kernels, experts "hybridspec") on layer 0; a host-sync check runs
 each route under `torch.cuda.set_sync_debug_mode("error")`.
 
-    PYTHONPATH=$PWD python benchmarks/moe_block.py [--layers 8] [--replays 100]
+    PYTHONPATH=$PWD python benchmarks/moe_block.py [--layers 8] [--replays 100] [--sweep] [--name NAME]
 
-Writes benchmarks/results/moe_block.{json,md}.
+--sweep also times the one-pass kernels alone (gate_up, down, sum: `moe_triton.moe_block_triton` on each block's
+own routing) with every gate_up tile of benchmarks/moe_experts.py's sweep at the default down tile, then every down
+tile at the best gate_up tile, per T, and reports the best pair against `moe_triton.default_tiles` (what
+`default_tiles` should return, if it wins by more than the noise). Writes benchmarks/results/<name>.{json,md}
+(default moe_block).
 """
 from __future__ import annotations
 
@@ -87,10 +91,51 @@ def sync_free(block, x, residual) -> str:
         torch.cuda.set_sync_debug_mode(0)
 
 
+def sweep_tiles(blocks, tokens: int, gen: torch.Generator, replays: int) -> dict:
+    """µs per layer of the one-pass kernels alone at T = tokens for each tile choice (module docstring)."""
+    from moe_experts import DOWN_SWEEP, GATE_UP_SWEEP
+
+    from hybridspec_hf.kernels import moe_triton
+
+    x = torch.randn(tokens, H, device="cuda", generator=gen, dtype=torch.bfloat16)
+    residual = torch.randn(tokens, H, device="cuda", generator=gen, dtype=torch.bfloat16)
+    calls = []
+    with torch.no_grad():
+        for block in blocks:
+            _, weights, ids = block.gate(x)
+            shared = block.__dict__[_moe._CACHE].weight
+            calls.append((block, ids, weights, shared))
+
+    def timed(gate_up, down) -> float:
+        def run():
+            for block, ids, weights, shared in calls:
+                moe_triton.moe_block_triton(x, ids, weights, block.experts.gate_up_proj, block.experts.down_proj,
+                                            shared, block.shared_expert.down_proj.weight, residual,
+                                            gate_up_tiles=gate_up, down_tiles=down)
+        with torch.no_grad():
+            graph = capture(run)
+            us = time_graph(graph, len(calls), replays)["median_us"]
+        del graph
+        return us
+
+    _, default_gate_up, default_down = moe_triton.default_tiles(tokens, "direct")
+    results = {"default": (repr(default_gate_up), repr(default_down), timed(default_gate_up, default_down))}
+    gate_up_times = {tiles: timed(tiles, default_down) for tiles in GATE_UP_SWEEP}
+    best_gate_up = min(gate_up_times, key=gate_up_times.get)
+    down_times = {tiles: timed(best_gate_up, tiles) for tiles in DOWN_SWEEP}
+    best_down = min(down_times, key=down_times.get)
+    results["best"] = (repr(best_gate_up), repr(best_down), down_times[best_down])
+    results["gate_up (default down)"] = {repr(t): us for t, us in gate_up_times.items()}
+    results["down (best gate_up)"] = {repr(t): us for t, us in down_times.items()}
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--replays", type=int, default=100)
+    parser.add_argument("--sweep", action="store_true", help="also sweep the one-pass kernels' tiles")
+    parser.add_argument("--name", default="moe_block", help="results stem (a path, or a name under benchmarks/results)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/moe_block.py needs a CUDA GPU")
@@ -119,6 +164,9 @@ def main() -> None:
                 print(tokens, route, r, flush=True)
                 del graph
                 torch.cuda.empty_cache()
+            if args.sweep:
+                row["sweep"] = sweep_tiles(blocks, tokens, gen, args.replays)
+                print(tokens, "sweep", row["sweep"]["default"], row["sweep"]["best"], flush=True)
             rows.append(row)
     _moe.SHARED_EXPERT_SLOT = True
     header = ("| T | distinct experts | floor µs | " + " | ".join(f"{r} µs (launches)" for r in ROUTES)
@@ -130,12 +178,18 @@ def main() -> None:
         syncs = ", ".join(sorted({row["routes"][r]["sync"] for r in ROUTES}))
         lines.append(f"| {row['T']} | {row['distinct']} | {row['floor_us']:.1f} | " + " | ".join(cells)
                      + f" | {saved:.1f} | {row['routes']['one pass']['rel_err']:.1e} | {syncs} |")
+    if args.sweep:
+        lines += ["", "Tile sweep of the one-pass kernels alone (µs per layer): default tiles against the best pair.",
+                  "", "| T | default gate_up / down | µs | best gate_up / down | µs |", "|---|---|---|---|---|"]
+        for row in rows:
+            (dg, dd, dus), (bg, bd, bus) = row["sweep"]["default"], row["sweep"]["best"]
+            lines.append(f"| {row['T']} | {dg} / {dd} | {dus:.1f} | {bg} / {bd} | {bus:.1f} |")
     notes = (f"E = {E}, top-{TOP_K}, H = {H}, I = {INTER} (shared too), random N(0, 0.02) bf16 weights, the block's "
              f"own router; {args.layers} distinct blocks per graph, median of {args.replays} replays / layers. "
              "Each route includes the decoder layer's residual add. Random weights, no acceptance involved.")
     payload = dict(title="MoE block + residual, Qwen3.5-35B-A3B shape: today's fused route vs one pass",
                    environment=environment(), notes=notes, layers=args.layers, replays=args.replays, rows=rows)
-    write_results("moe_block", payload, "\n".join(lines))
+    write_results(args.name, payload, "\n".join(lines))
     print("\n".join(lines))
 
 
