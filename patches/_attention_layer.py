@@ -81,6 +81,11 @@ def fused_attention_forward(attention: torch.nn.Module, original, qkv_weight: to
     eps_q, eps_k = _norm_eps(attention.q_norm), _norm_eps(attention.k_norm)
     if layer is None or position_embeddings is None or eps_q is None or eps_q != eps_k:
         return None
+    keys, values = layer.keys, layer.values
+    # the attention kernel must take this cache (flags, device, dtype, head_dim) before any projection runs: a
+    # fallback after them would compute them twice, and inside a capture replay the discarded GEMM every round
+    if not routed(keys, keys, values) or hidden_states.dtype != keys.dtype:
+        return None
     batch, tokens, _ = hidden_states.shape
     dim = attention.head_dim
     if qkv_weight is not None:
@@ -95,7 +100,6 @@ def fused_attention_forward(attention: torch.nn.Module, original, qkv_weight: to
     key = k.view(batch, tokens, -1, dim).transpose(1, 2)
     value = v.view(batch, tokens, -1, dim).transpose(1, 2)
     cos, sin = position_embeddings
-    keys, values = layer.keys, layer.values
     if (not attention_prologue_triton.supported(query, key, value, cos, keys, values) or cos.shape != sin.shape
             or cos.stride() != sin.stride() or not routed(query, keys, values)):
         return None

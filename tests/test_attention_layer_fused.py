@@ -83,11 +83,15 @@ def test_fused_layer_equals_transformers(name, tokens, with_copy, monkeypatch):
     _restore(seen)
     monkeypatch.setattr(attention_triton, "_ON_CPU", True)
     weight = torch.cat([layer.q_proj.weight, layer.k_proj.weight, layer.v_proj.weight]) if with_copy else None
+    projected = []
+    handle = layer.q_proj.register_forward_hook(lambda *a: projected.append(1))
     with torch.no_grad(), patches.fused_kernels(), patches.static_cache_length(torch.tensor([prompt])):
         got = fused_attention_forward(layer, original, weight, torch.tensor([prompt]), hidden, tuple(args), kwargs)
+    handle.remove()
     if layer.head_dim & (layer.head_dim - 1):  # head_dim 12: the attention kernel takes powers of two only
-        assert got is None
+        assert got is None and not projected  # refused before projecting (transformers' forward projects once)
         return
+    assert len(projected) == (0 if with_copy else 1)
     assert got is not None, "the fused route should take this call"
     torch.testing.assert_close(got[0], want, rtol=1e-4, atol=1e-4)
     assert got[1] is None
