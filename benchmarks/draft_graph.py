@@ -8,7 +8,8 @@ The target is built with 4 layers only (the drafter reads its embedding and LM h
 layer count); the drafter has the 35B-A3B benchmark's shape (5 layers, hidden 2048, 16 heads, 2 KV heads, head_dim
 256, intermediate 6144, block 16, fc over 5 feature layers). The context holds `--context` tokens. Per graph and
 setting: kernels per replay (torch profiler), median µs per replay (CUDA events), and the largest logit difference
-between the two settings (random bf16 weights, so only a sanity check). Writes benchmarks/results/<name>.{json,md}.
+between the two settings (random bf16 weights, so only a sanity check). No acceptance is involved: every replay
+drafts one block. Writes benchmarks/results/<name>.{json,md}.
 """
 from __future__ import annotations
 
