@@ -65,5 +65,6 @@ def time_graph(graph: torch.cuda.CUDAGraph, per_replay: int, replays: int = 40) 
         end.record()
     torch.cuda.synchronize()
     times = sorted(start.elapsed_time(end) * 1e3 / per_replay for start, end in events)
-    return dict(median_us=statistics.median(times), p10_us=times[len(times) // 10], p90_us=times[-len(times) // 10 - 1],
+    last = len(times) - 1  # nearest-rank percentiles, valid for any number of replays (smoke runs time one)
+    return dict(median_us=statistics.median(times), p10_us=times[round(0.1 * last)], p90_us=times[round(0.9 * last)],
                 replays=replays)

@@ -5,6 +5,8 @@ HybridSpec (timing mode), and greedy outputs of every strategy against stock gen
     NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc_per_node 2 benchmarks/multigpu.py --modes correctness --out DIR
     CUDA_VISIBLE_DEVICES= torchrun --standalone --nproc_per_node 2 benchmarks/multigpu.py --model tiny --device cpu \
         --out DIR                                                                      # CPU ranks over gloo (CI)
+    torchrun --standalone --nproc_per_node 1 benchmarks/multigpu.py --model qwen35_35b_a3b --modes correctness \
+        --out DIR                      # one H200, no tensor parallelism: the 35B-A3B shape's correctness mode
 
 The target: the Qwen3.5-122B-A10B shape (`--model qwen35_122b_a10b`, 48 layers, 244 GB in bf16; `--layers` fewer)
 with random weights, loaded by from_pretrained(tp_plan="auto") from a checkpoint that holds only its config and one
@@ -42,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, environment, write_results  # noqa: E402
 from e2e import (  # noqa: E402 - one definition of shapes, profiles, latency models, a timed method, the table
     QWEN35_MOE_SHAPES,
+    build as e2e_build,
     ceiling_tokens_per_s,
     latency_for,
     markdown,
@@ -67,7 +70,10 @@ def log(*parts) -> None:
 
 # ------------------------------------------------------------------------------------------------------ the model
 def build(model: str, layers: int | None, device: torch.device, scratch: Path):
-    """The sharded random-weight target and a replicated random drafter (see the module docstring)."""
+    """The sharded random-weight target and a replicated random drafter (see the module docstring). One rank: the
+    target whole on its device, built as benchmarks/e2e.py builds it (no tensor parallelism)."""
+    if dist.get_world_size() == 1:
+        return e2e_build(model, layers, device.type)
     import transformers
     from safetensors.torch import save_file
     from transformers import Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
@@ -234,6 +240,7 @@ def correctness(args, target, drafter, device, report: dict, save, budget: Budge
     references = [target.generate(prompt, do_sample=False, max_new_tokens=args.correctness_tokens)
                   for prompt in prompts]  # stock generate(), eager
     noise_floor(target, prompts, references, args.correctness_tokens, report, save, budget)
+    ours_ar = {}  # our captured AR's text per prompt: a speculative strategy should match it (same kernels)
     for strategy in args.strategies.split(","):  # strategy-major: the later prompts replay the captured rounds
         for seed, (prompt, reference) in enumerate(zip(prompts, references)):
             length = prompt.shape[1]
@@ -251,6 +258,13 @@ def correctness(args, target, drafter, device, report: dict, save, budget: Budge
                 case.update(output_device=str(out.device), equal=torch.equal(out, reference), path=telemetry.path,
                             path_reason=telemetry.path_reason, rounds=len(telemetry.rounds), tau=telemetry.mean_emitted,
                             **divergence(target, reference, out, length))
+                if strategy == "ar":
+                    ours_ar[seed] = out
+                elif seed in ours_ar:
+                    n = min(out.shape[1], ours_ar[seed].shape[1])
+                    differ = (out[0, :n] != ours_ar[seed][0, :n]).nonzero()
+                    case.update(equal_to_our_ar=len(differ) == 0,
+                                first_divergence_from_our_ar=None if len(differ) == 0 else int(differ[0]) - length)
             except Exception as error:  # noqa: BLE001 - written down; the next cases say whether it was sticky
                 case.update(equal=False, error=f"{type(error).__name__}: {error}",
                             traceback=traceback.format_exc()[-2000:])
@@ -308,22 +322,28 @@ def correctness_markdown(report: dict) -> str:
     lines = ["", "", f"### Correctness: greedy outputs vs stock generate() on the sharded model (prompts on the CPU, "
                  f"{report['correctness_tokens']} new tokens)", "",
              "| prompt | strategy | equal | first divergence | AR top-2 gap there | AR's logit of ours there, below its top "
-             "| path | rounds | τ |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| path | rounds | τ | equal to our AR (first divergence) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for c in cases:
         if "error" in c:
             lines.append(f"| {c['prompt']} ({c['prompt_tokens']} tok) | {c['strategy']} | failed: {c['error'][:150]} |"
-                         + " |" * 6)
+                         + " |" * 7)
             continue
         gap = "–" if c.get("ar_top2_gap") is None else f"{c['ar_top2_gap']:.4f} (top {c['ar_top_logit']:.3f})"
         first = "–" if c["first_divergence"] is None else c["first_divergence"]
         below = "–" if c.get("ours_logit_gap") is None else f"{c['ours_logit_gap']:.4f}"
+        ours = "–" if "equal_to_our_ar" not in c else (
+            "True" if c["equal_to_our_ar"] else f"False ({c['first_divergence_from_our_ar']})")
         lines.append(f"| {c['prompt']} ({c['prompt_tokens']} tok) | {c['strategy']} | {c['equal']} | {first} | {gap} | "
-                     f"{below} | {c['path']} | {c['rounds']} | {c['tau']:.2f} |")
+                     f"{below} | {c['path']} | {c['rounds']} | {c['tau']:.2f} | {ours} |")
     ours = [c for c in cases if not c["strategy"].startswith("stock")]
     equal = sum(c["equal"] for c in ours)
     lines += ["", f"{equal}/{len(ours)} outputs of our strategies equal to stock generate() (the \"stock, eager "
                   "attention\" rows are the bf16 noise floor: stock's own text through other attention kernels)."]
+    speculative = [c for c in ours if "equal_to_our_ar" in c]
+    if speculative:
+        lines.append(f"{sum(c['equal_to_our_ar'] for c in speculative)}/{len(speculative)} outputs of the speculative "
+                     "strategies equal to our captured AR's (the same kernels, one token per step).")
     return "\n".join(lines)
 
 
@@ -372,9 +392,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda":
         world = int(os.environ.get("WORLD_SIZE", "1"))
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if gpus < max(world, 2):
-            print(f"multigpu.py: needs a GPU per rank and at least 2 (found {gpus}, {world} ranks); skipped. "
-                  "Run under torchrun --nproc_per_node 2 on a 2-GPU machine, or --device cpu.", flush=True)
+        if gpus < world or gpus == 0:
+            print(f"multigpu.py: needs a GPU per rank (found {gpus}, {world} ranks); skipped. Run under torchrun "
+                  "--nproc_per_node 2 on a 2-GPU machine, --nproc_per_node 1 for one GPU without tensor "
+                  "parallelism, or --device cpu.", flush=True)
             return 0
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast (lent machines)
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -405,7 +426,8 @@ def main(argv: list[str] | None = None) -> int:
     report: dict = {
         "model": args.model, "layers": target.config.get_text_config().num_hidden_layers,
         "parameters_b": parameters_b(target), "drafter_parameters_b": parameters_b(drafter),
-        "device": f"{world} × {device.type} (tensor parallelism, tp_plan='auto')", "world_size": world,
+        "device": (f"{world} × {device.type} (tensor parallelism, tp_plan='auto')" if world > 1
+                   else f"one {device.type} device (no tensor parallelism)"), "world_size": world,
         "weights": "random (config-only checkpoint; missing weights initialised by transformers on each rank)",
         "acceptance": "timing mode: replayed from benchmarks/profiles/ (" + args.profiles + "); correctness mode: "
                       "real acceptance of a random drafter",

@@ -41,6 +41,30 @@ def _seed():
     torch.manual_seed(0)
 
 
+def _triton_language_namespaces() -> list:
+    language = sys.modules.get("triton.language")
+    if language is None:
+        return []
+    core = language.core
+    return [language, core, language.math, core.tensor, core.tensor_descriptor_base]
+
+
+@pytest.fixture(autouse=True)
+def _triton_language_restored():
+    """Put back triton.language as it was before the test. The Triton interpreter patches the language's builtins
+    while it runs a kernel, and a jit'd device function called from an interpreted kernel (tl.sum, ours) patches
+    the modules its own globals name — triton.language.core for Triton's helpers — without ever restoring them
+    (triton 3.6, InterpretedFunction.__call__). On a machine with a GPU, a later real compile in the same process
+    then fails inside the interpreter ("'ir.value' object has no attribute 'dtype'"), so every CUDA test that ran
+    after an interpreter test failed in the full suite on the GPU image (gpu_rounds_runs.md, run 31)."""
+    saved = [(namespace, dict(vars(namespace))) for namespace in _triton_language_namespaces()]
+    yield
+    for namespace, attributes in saved:
+        for name, value in attributes.items():
+            if vars(namespace).get(name) is not value:
+                setattr(namespace, name, value)
+
+
 def pytest_terminal_summary(terminalreporter):
     if NEAR_TIES:
         terminalreporter.write_line(f"HybridSpec exactness: {len(NEAR_TIES)} divergence(s) at AR near-ties (gap < 1e-6)")

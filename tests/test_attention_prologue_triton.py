@@ -103,8 +103,12 @@ def test_gated_output_equals_transformers_gate(dtype, tokens):
     gated = static_attention(q, keys, values, length, 0.2, gate=x["gate"])
     want = (plain * torch.sigmoid(x["gate"])).to(dtype)  # the same attention kernel, transformers' gate ops
     _close(gated, want, dtype)
-    if dtype == torch.float32:  # and against the fp32 reference attention (test_attention_triton's 1e-4)
-        reference = attention_reference(q, keys, values, length, 0.2)
-        torch.testing.assert_close(gated, reference * torch.sigmoid(x["gate"]), rtol=1e-4, atol=1e-4)
+    if dtype == torch.float32:  # and against the reference attention in float64. Scores reach ~10³ here (keys
+        # ×100): fp32 rounds each by ~10³·2⁻²⁴ and exp amplifies it, so an fp32 kernel is ~2e-4 from the truth
+        # (measured 2.3e-4 at one element); an fp32 reference agreed with it or not by the CPU BLAS's summation
+        # order (the GPU image's did not), so the reference is float64 and the tolerance 1e-3
+        reference = attention_reference(q.double(), keys.double(), values.double(), length, 0.2)
+        want = (reference * torch.sigmoid(x["gate"].double())).float()
+        torch.testing.assert_close(gated, want, rtol=1e-3, atol=1e-3)
     with pytest.raises(ValueError, match="gate must be"):
         static_attention(q, keys, values, length, 0.2, gate=x["gate"][..., :16])

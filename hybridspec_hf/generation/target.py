@@ -29,17 +29,20 @@ class TargetRunner:
         decoder_layers = patches.text_model(model).layers
         self.capture = FeatureCapture(decoder_layers, feature_layer_ids)
         self.positions: torch.Tensor | None = None
-        self.mask_length: int | None = None  # None: the model runs without an attention mask
+        self.mask_length: int | None = None  # the prefill's cached length when it gets a mask (_extend_mask)
 
     def close(self) -> None:
         self.capture.remove()
 
     def _extend_mask(self, input_ids: torch.Tensor) -> torch.Tensor | None:
-        """The attention mask of a forward over `input_ids` after the cached tokens (None: no mask)."""
+        """The attention mask of a forward over `input_ids` after the cached tokens (None: no mask). A batch-1 row
+        has no padding, so its mask is all ones: the prefill gets one when generate() gave one (as AR's prefill
+        does) and the rounds' forwards get None, which transformers treats alike — with an all-ones mask
+        transformers 5.17's recurrent-mask check (`torch.all(mask == 1)`) synced the host inside every round."""
         if self.mask_length is None:
             return None
-        self.mask_length += input_ids.shape[1]
-        return torch.ones(input_ids.shape[0], self.mask_length, dtype=torch.long, device=input_ids.device)
+        length, self.mask_length = self.mask_length + input_ids.shape[1], None
+        return torch.ones(input_ids.shape[0], length, dtype=torch.long, device=input_ids.device)
 
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_to_keep: int, **extra):
         outputs = self.model(
@@ -95,8 +98,6 @@ class TargetRunner:
             )
             patches.commit_session(session, num_committed)
         drop_last_tokens(self.cache, verified - committed)
-        if self.mask_length is not None:
-            self.mask_length -= verified - committed
         self.positions = self.positions + committed
 
     def _states(self):

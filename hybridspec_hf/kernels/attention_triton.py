@@ -67,12 +67,13 @@ def visible_keys(length: torch.Tensor, tokens: int, slots: int, causal: bool = T
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: torch.Tensor, scaling: float,
                         causal: bool = True, window: int | None = None) -> torch.Tensor:
-    """`static_attention` in fp32 torch with an explicit mask: q [B, Hq, T, D], k/v [B, Hk, S, D] -> [B, T, Hq, D]
-    in q's dtype."""
+    """`static_attention` in fp32 torch (float64 for float64 q) with an explicit mask: q [B, Hq, T, D], k/v
+    [B, Hk, S, D] -> [B, T, Hq, D] in q's dtype."""
     group = q.shape[1] // k.shape[1]
-    keys = k.float().repeat_interleave(group, dim=1)  # [B, Hq, S, D]
-    values = v.float().repeat_interleave(group, dim=1)
-    scores = (q.float() @ keys.transpose(-1, -2)) * scaling  # [B, Hq, T, S]
+    work = torch.promote_types(q.dtype, torch.float32)
+    keys = k.to(work).repeat_interleave(group, dim=1)  # [B, Hq, S, D]
+    values = v.to(work).repeat_interleave(group, dim=1)
+    scores = (q.to(work) @ keys.transpose(-1, -2)) * scaling  # [B, Hq, T, S]
     mask = visible_keys(length, q.shape[2], k.shape[2], causal, window)
     probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
     return (probs @ values).transpose(1, 2).to(q.dtype)
