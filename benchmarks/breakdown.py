@@ -4,8 +4,13 @@
     python benchmarks/breakdown.py --model tiny          # the harness on a CPU (no kernels to trace: timings only)
 
 After warm-up calls of generate() (which capture the graphs), the graphs are replayed on their own under the torch
-profiler: the plain AR step, and HybridSpec's exact-length parts — the draft graph (drafting + choosing w0) and the
-verify graphs at w = 1, 4, 8, 16 (each verifies, accepts and commits). Every kernel traced while a graph replays is
+profiler: the plain AR step, HybridSpec's exact-length parts — the draft graph (drafting + choosing w0) and the
+verify graphs at w = 1, 4, 8, 16 (each verifies, accepts and commits) — and the round as the default CUDA path runs
+it: one max-shape graph (draft, choose, verify the whole block with a device-side valid length, accept, commit,
+hand off), beside the same target forward captured alone in a graph of its own (`ResidentRounds._verify_forward`
+with the round's valid length and routing window; no drafting, acceptance or commit) at T = B and T = 1. The round's
+wall minus the forward's is the time outside the target's forward (issue 15; goal <= 1.0 ms at B = 16), of which
+the draft graph's share is printed. Every kernel traced while a graph replays is
 that graph's, so per replay we report the kernel count, the GPU busy time (sum of kernel durations) and the wall time
 of a replay (CUDA events, no profiler), with kernels grouped by kind (GEMMs, our Triton kernels by name, elementwise,
 reductions, copies, ...). The bytes roofline of each part is printed beside it: weights the part must read (routed
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import re
 import sys
@@ -31,6 +37,8 @@ from common import environment, write_results  # noqa: E402
 from e2e import HBM_TBPS, build, roofline_bytes  # noqa: E402
 
 from hybridspec_hf import HybridSpecConfig  # noqa: E402
+from hybridspec_hf.graphs.capture import Replay  # noqa: E402
+from hybridspec_hf.patches.experts import fused_experts_for  # noqa: E402
 from hybridspec_hf.selector.latency import LatencyModel  # noqa: E402
 
 KERNELS = Path(__file__).resolve().parent.parent / "hybridspec_hf" / "kernels"
@@ -160,17 +168,87 @@ def summarize(kernels: list[dict], n: int) -> dict:
 
 
 def part_bytes(target, drafter, tokens: int, context: int, drafting: bool) -> dict:
-    """Fewest bytes a part moves: a target forward (`e2e.roofline_bytes`, uniform router), or drafting (the
-    drafter's own weights and the LM head it shares with the target)."""
-    if not drafting:
-        return roofline_bytes(target, tokens, None, context)
-    own = sum(p.numel() * p.element_size() for n, p in drafter.named_parameters()
-              if "lm_head" not in n and "embed" not in n)
-    head = target.get_output_embeddings().weight
-    return {"drafter weights": own, "LM head": head.numel() * head.element_size()}
+    """Fewest bytes a part moves: its target forward over `tokens` tokens (`e2e.roofline_bytes`, uniform router; none
+    for 0) and, when it drafts, the drafter's own weights and the LM head it shares with the target."""
+    moved = dict(roofline_bytes(target, tokens, None, context)) if tokens else {}
+    if drafting:
+        moved["drafter weights"] = sum(p.numel() * p.element_size() for n, p in drafter.named_parameters()
+                                       if "lm_head" not in n and "embed" not in n)
+        head = target.get_output_embeddings().weight
+        moved["LM head"] = head.numel() * head.element_size()
+    return moved
 
 
-def main() -> None:
+# A graph to trace: `tokens` the target's forward in it takes (0: none), whether it drafts, and what to run before
+# its replays (a verify graph replays the last draft, all its tokens valid; the forward alone, a fresh round's block)
+Part = collections.namedtuple("Part", "replay tokens drafting before")
+AR_STEP, DRAFT, ROUND = "AR step (w = 1)", "draft (drafting + choosing w0)", "round, max shape (one graph)"
+OUTSIDE_GOAL_MS = 1.0  # issue 15, at B = 16
+
+
+def forward_label(tokens: int) -> str:
+    return f"target forward alone, T = {tokens}"
+
+
+def target_forward(rounds, tokens: int) -> Replay:
+    """The max-shape round's target forward captured alone: the first `tokens` of the last drafted block through
+    `ResidentRounds._verify_forward`. At the whole block it takes the round's own valid length and routing window
+    (the buffers the round graph's last replay wrote); at fewer tokens, all of them valid and no window."""
+    all_valid = torch.full((1,), tokens, dtype=torch.long, device=rounds.device)
+
+    def forward():  # reads the round's buffers when called (captured: the round graph's; eager: the last round's)
+        if tokens == rounds.verify_tokens:
+            return rounds._verify_forward(rounds.block, rounds.round_valid, rounds.choice)
+        return rounds._verify_forward(rounds.block[:, :tokens], all_valid, None)
+
+    experts = fused_experts_for(rounds.moe) if rounds.device.type == "cuda" else contextlib.nullcontext()
+    with torch.no_grad(), experts:  # captured as the rounds' graphs are (our experts kernel on CUDA)
+        return Replay(forward, device=rounds.device)
+
+
+def parts_of(rounds, strategy: str, verify_shape: str, lengths: list[int]) -> dict[str, Part]:
+    """The graphs of one set of resident rounds to trace, by label."""
+    if strategy == "ar":
+        return {AR_STEP: Part(rounds.step, 1, False, lambda: None)}
+    if verify_shape == "exact":
+        def last_draft_all_valid(n):
+            rounds.draft()
+            rounds.round_valid.fill_(n)
+        parts = {DRAFT: Part(rounds.draft, 0, True, lambda: None)}
+        for n in lengths:
+            parts[f"verify w = {n} (+ accept, commit)"] = Part(rounds.verifies[n], n, False,
+                                                              lambda n=n: last_draft_all_valid(n))
+        return parts
+    block = rounds.verify_tokens
+    parts = {ROUND: Part(rounds.spec, block, True, lambda: None)}
+    for n in (block, 1):
+        parts[forward_label(n)] = Part(target_forward(rounds, n), n, False, rounds.spec)
+    return parts
+
+
+def outside_the_forward(parts: dict, block: int) -> dict:
+    """Issue 15: the wall time of a max-shape round outside the target's forward (drafting, choosing, acceptance,
+    commit, hand-off) = round - the same forward alone, and the draft graph's share of it."""
+    round_ms, forward_ms = parts[ROUND]["wall_ms"], parts[forward_label(block)]["wall_ms"]
+    outside = round_ms - forward_ms
+    draft_ms = parts[DRAFT]["wall_ms"]
+    return {"block": block, "round_ms": round_ms, "forward_ms": forward_ms, "outside_ms": outside,
+            "goal_ms": OUTSIDE_GOAL_MS, "draft_ms": draft_ms, "draft_share": draft_ms / outside if outside > 0 else None,
+            "forward_1_ms": parts[forward_label(1)]["wall_ms"], "ar_step_ms": parts[AR_STEP]["wall_ms"]}
+
+
+def outside_lines(o: dict) -> list[str]:
+    share = "n/a (no time outside the forward)" if o["draft_share"] is None else f"{o['draft_share']:.0%} of it"
+    met = "met" if o["outside_ms"] <= o["goal_ms"] else "missed"
+    return [f"Outside the target's forward (issue 15), B = {o['block']}, wall ms per replay:", "",
+            f"- {ROUND}: {o['round_ms']:.3f}",
+            f"- {forward_label(o['block'])}: {o['forward_ms']:.3f}",
+            f"- outside the forward (round - forward): {o['outside_ms']:.3f} (goal <= {o['goal_ms']}: {met})",
+            f"- {DRAFT}, its own graph: {o['draft_ms']:.3f}, {share}",
+            f"- {forward_label(1)}: {o['forward_1_ms']:.3f} (AR step: {o['ar_step_ms']:.3f})"]
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen35_35b_a3b")
     parser.add_argument("--layers", type=int, default=None)
@@ -181,7 +259,7 @@ def main() -> None:
                         help="also run each part eagerly under the profiler: kernels by (module, aten op)")
     parser.add_argument("--moe-one-pass", choices=["on", "off"], default=None,
                         help="set patches._moe.SHARED_EXPERT_SLOT (the one-pass MoE block) before capture (A/B)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.moe_one_pass is not None:
         from hybridspec_hf.patches import _moe
 
@@ -192,40 +270,31 @@ def main() -> None:
     context = 256
     prompt = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(0)).to(device)
     capacity_tokens = 80 * args.replays + 64  # room for the replays below (the random drafter's rounds grow the cache ≈ 1)
+    lengths = [int(n) for n in args.lengths.split(",")]
     parts = {}
-    for strategy in ("ar", "hybridspec"):
+    # the plain step; the exact-length draft and verify graphs; the max-shape round (the default on CUDA)
+    for strategy, verify_shape in (("ar", "exact"), ("hybridspec", "exact"), ("hybridspec", "max")):
         # a stand-in latency model (what is traced does not depend on it): no calibration needed
         latency = LatencyModel(cost=torch.linspace(7e-3, 10e-3, 16)[None], cost_ar=torch.tensor([5e-3]),
                                context_lens=torch.tensor([context]))
-        settings = HybridSpecConfig(cuda_graphs="on", verify_shape="exact",
-                                    latency_model=latency)
+        settings = HybridSpecConfig(cuda_graphs="on", verify_shape=verify_shape, latency_model=latency)
         kwargs = dict(generation_strategy=strategy, hybridspec_config=settings,
                       assistant_model=drafter if strategy != "ar" else None, do_sample=False)
         target.generate(prompt, max_new_tokens=capacity_tokens, **kwargs)  # captures for this capacity
         target.generate(prompt, max_new_tokens=8, **kwargs)  # reuses the rounds, leaves the cache near the prompt
         rounds = target.__dict__.get("_hybridspec_resident")
-        rounds.max_length.fill_(10**9)  # every verify graph sees all its tokens valid
-        if strategy == "ar":
-            graphs = {"AR step (w = 1)": (rounds.step, 1, False)}
-        else:
-            graphs = {"draft (drafting + choosing w0)": (rounds.draft, 16, True)}
-            for n in map(int, args.lengths.split(",")):
-                graphs[f"verify w = {n} (+ accept, commit)"] = (rounds.verifies[n], n, False)
-        for label, (graph, tokens, drafting) in graphs.items():
-            if strategy != "ar" and not drafting:  # a verify graph alone, on the last draft, all its tokens valid
-                rounds.draft()
-                rounds.round_valid.fill_(tokens)
-            row = summarize(traced_kernels(graph, args.replays), args.replays)
-            row["wall_ms"] = wall_ms(graph, args.replays)
+        rounds.max_length.fill_(10**9)  # every round may verify the whole block
+        for label, part in parts_of(rounds, strategy, verify_shape, lengths).items():
+            part.before()
+            start_length = int(rounds.target.length)
+            row = summarize(traced_kernels(part.replay, args.replays), args.replays)
+            row["wall_ms"] = wall_ms(part.replay, args.replays)
+            row["committed_per_replay"] = (int(rounds.target.length) - start_length) / (2 * args.replays)
             if args.attribute and device == "cuda":
-                from hybridspec_hf.patches.experts import fused_experts_for
-
-                fn = {"AR step (w = 1)": rounds._step}.get(label) or (
-                    rounds._draft if drafting else (lambda n=tokens: rounds._verify(n)))
                 saved = dict(rounds.__dict__)  # the eager call rebinds round buffers; the graphs keep reading these
                 try:  # a diagnostic: a failure here must not cost the run its timings
                     with torch.no_grad(), fused_experts_for(rounds.moe):
-                        row["attributed"] = attributed_kernels(target, drafter, fn)
+                        row["attributed"] = attributed_kernels(target, drafter, part.replay.fn)
                 except Exception as error:
                     row["attributed"] = {f"failed: {type(error).__name__}: {error}": {"kernels": 0, "us": 0.0}}
                 finally:
@@ -233,34 +302,38 @@ def main() -> None:
                 for key, value in list(row["attributed"].items())[:40]:
                     print(f"    {value['kernels']:5d} {value['us']:8.1f} us  {key}", flush=True)
             length = int(rounds.target.length)
-            row["bytes"] = part_bytes(target, drafter, tokens, length, drafting)
+            row["bytes"] = part_bytes(target, drafter, part.tokens, length, part.drafting)
             row["roofline_ms"] = sum(row["bytes"].values()) / (HBM_TBPS * 1e12) * 1e3
             parts[label] = row
             print(f"{label}: {row['kernels']:.0f} kernels, busy {row['busy_us'] / 1e3:.3f} ms, wall "
                   f"{row['wall_ms']:.3f} ms, roofline {row['roofline_ms']:.3f} ms", flush=True)
             for kind, value in row["by_kind"].items():
                 print(f"    {kind:40s} {value['kernels']:7.1f} kernels {value['us']:9.1f} us", flush=True)
-    write(args, target, parts)
+    write(args, target, parts, outside_the_forward(parts, drafter.config.block_size))
 
 
-def write(args, target, parts: dict) -> None:
+def write(args, target, parts: dict, outside: dict) -> None:
     config = target.config.get_text_config()
     lines = [f"{args.model}, {config.num_hidden_layers} layers, random bf16 weights, random drafter; graphs replayed "
              f"on their own ({args.replays} replays each). Busy = sum of kernel durations; wall = CUDA-event time of a "
-             f"replay; roofline = fewest bytes / {HBM_TBPS} TB/s (uniform router).", "",
-             "| part | kernels | busy ms | wall ms | roofline ms | wall / roofline | idle share |",
-             "|---|---|---|---|---|---|---|"]
+             f"replay; roofline = fewest bytes / {HBM_TBPS} TB/s (uniform router); committed = tokens a replay "
+             "commits.", "",
+             "| part | kernels | busy ms | wall ms | roofline ms | wall / roofline | idle share | committed |",
+             "|---|---|---|---|---|---|---|---|"]
     for label, row in parts.items():
         lines.append(f"| {label} | {row['kernels']:.0f} | {row['busy_us'] / 1e3:.3f} | {row['wall_ms']:.3f} | "
                      f"{row['roofline_ms']:.3f} | {row['wall_ms'] / row['roofline_ms']:.1f}× | "
-                     f"{max(0.0, 1 - row['busy_us'] / 1e3 / row['wall_ms']):.0%} |")
+                     f"{max(0.0, 1 - row['busy_us'] / 1e3 / row['wall_ms']):.0%} | "
+                     f"{row['committed_per_replay']:.2f} |")
+    lines += ["", *outside_lines(outside)]
     for label, row in parts.items():
         lines += ["", f"### {label}", "", "| kind | kernels / replay | µs / replay |", "|---|---|---|"]
         lines += [f"| {k} | {v['kernels']:.1f} | {v['us']:.1f} |" for k, v in row["by_kind"].items()]
         lines += ["", "Top kernels: " + "; ".join(f"`{k}` ×{v['kernels']:.0f} {v['us']:.0f} µs"
                                                   for k, v in list(row["top_kernels"].items())[:12])]
     payload = {"title": f"Kernel breakdown of the resident graphs ({args.model})", "environment": environment(),
-               "weights": "random", "parts": parts, "notes": __doc__.split("\n\n")[2]}
+               "weights": "random", "parts": parts, "outside_the_forward": outside,
+               "notes": __doc__.split("\n\n")[2]}
     write_results(args.name, payload, "\n".join(lines))
     print("\n".join(lines))
 

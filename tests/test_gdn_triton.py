@@ -20,7 +20,6 @@ import torch
 pytest.importorskip("triton")
 
 from hybridspec_hf.kernels import gdn_torch as ref  # noqa: E402
-from hybridspec_hf.kernels import gdn_triton  # noqa: E402
 from hybridspec_hf.kernels.default_verifier import (  # noqa: E402
     PendingDefaultLayer,
     allocate_state_buffer,
@@ -120,10 +119,10 @@ def test_verify_matches_float64(seed, b, t, h, hv, dk, dv, gate, dtype):
 
 @pytest.mark.parametrize("w", [1, 2, 4, 7, 16])
 @pytest.mark.parametrize("b", [1, 3])
-def test_tile_kernels_bf16_every_window(w, b):
-    """The shipped path at the model's dtypes: bf16 q/k/v (state products "bf16x3", the commit's whole-tile bf16x3
-    fold), grouped heads, dk = 64 in two pipelined slices, dv = 40 (three 16-column tiles, the last one masked).
-    Request 0 commits nothing, request 1 the whole window, request 2 a random prefix."""
+def test_bf16_every_window(w, b):
+    """The shipped path at the model's dtypes: bf16 q/k/v, grouped heads, dk = 64 in two 32-row slices, dv = 40 (the
+    verify's two 32-column tiles and the commit's one 64-column tile, masked). Request 0 commits nothing, request 1
+    the whole window, request 2 a random prefix."""
     x = make_inputs(300 + 10 * w + b, b, w, 1, 2, 64, 40, "mixed", torch.bfloat16)
     res = gdn_verify_triton(*verify_args(x), block_k=32)
     out64, states64 = oracle(x)
@@ -141,31 +140,27 @@ def test_tile_kernels_bf16_every_window(w, b):
             assert rel(layer.state[req], expected_state(x, states64, req, n)) < ONE_STEP_TOL, (req, n)
 
 
-@pytest.mark.parametrize("kernel, options", [("sliced", {}), ("tile", dict(solve="substitution")),
-                                             ("tile", dict(precision="tf32x3", small_precision="tf32x3")),
-                                             ("tile", dict(block_v=8, block_k=16, num_warps=1))])
-def test_other_verify_variants_match_float64(kernel, options):
-    """The variants the GPU benchmark compares: the first kernel ("sliced"), the row-by-row solve, other precisions
-    (the interpreter computes every dot in fp32, so this checks their wiring, not TF32 rounding)."""
+@pytest.mark.parametrize("options", [dict(precision="tf32x3"), dict(block_v=8, block_k=16, num_warps=1)])
+def test_verify_options_match_float64(options):
+    """Another precision and other tiles (the interpreter computes every dot in fp32, so this checks their wiring,
+    not TF32 rounding)."""
     x = make_inputs(40, 2, 11, 1, 2, 24, 40, "mixed")
-    res = gdn_verify_triton(*verify_args(x), kernel=kernel, **options)
+    res = gdn_verify_triton(*verify_args(x), **options)
     out64, _ = oracle(x)
     assert rel(res.out, out64) < ONE_STEP_TOL
     assert rel(res.z, ref.gdn_verify(*(a.double() for a in verify_args(x))).z) < ONE_STEP_TOL
 
 
-def test_kernel_options_name_the_problem(monkeypatch):
-    monkeypatch.setattr(gdn_triton, "TILE_KERNELS", True)  # the tile kernels' own options
+def test_precision_options_name_the_problem():
+    """Only fp32-grade dot precisions are offered (plain TF32 drifts 2e-5 .. 3e-4); the error lists them."""
     x = make_inputs(41, 1, 4, 1, 1, 16, 16)
-    for options, message in ((dict(kernel="fast"), "kernel"), (dict(precision="bf16x3"), "bf16"),
-                             (dict(solve="inverse"), "solve"), (dict(small_precision="tf32"), "precision")):
-        with pytest.raises(ValueError, match=message):
-            gdn_verify_triton(*verify_args(x), **options)
+    for precision in ("tf32", "bf16x3"):
+        with pytest.raises(ValueError, match=f"precision must be one of .*got '{precision}'"):
+            gdn_verify_triton(*verify_args(x), precision=precision)
     conv_state, conv_input = conv_caches(41, 1, 4)
-    k = x["k"].bfloat16()
-    layer = ref.PendingGDNLayer(x["state"], conv_state, conv_input, k, gdn_verify_triton(*verify_args(x)))
-    with pytest.raises(ValueError, match="whole-tile commit"):  # bf16 keys, whole tiles: the three-part split only
-        commit_gdn_states_triton([layer], torch.tensor([1]), precision="ieee")
+    layer = ref.PendingGDNLayer(x["state"], conv_state, conv_input, x["k"], gdn_verify_triton(*verify_args(x)))
+    with pytest.raises(ValueError, match="precision must be one of"):
+        commit_gdn_states_triton([layer], torch.tensor([1]), precision="tf32")
 
 
 @pytest.mark.parametrize("b, dtype", [(1, torch.bfloat16), (3, torch.float32)])

@@ -393,14 +393,7 @@ class ResidentRounds:
         commit when m is known on the device, hand off."""
         t, choice, valid = self.verify_tokens, self.choice, self.round_valid
         tokens = self.block[:, :n]
-        if choice is not None:
-            self.window.arm(choice)
-        session = self.target.session(valid)
-        try:
-            with self._routing_armed():
-                logits, features = self.target.forward(tokens, verify=session)
-        finally:
-            self.window.disarm()
+        session, logits, features = self._verify_forward(tokens, valid, choice)
         scores = self._scores(logits[0].float())  # [n, V]
         if self.do_sample:
             accepted, sampled = speculative_sample(tokens[:, 1:], scores.softmax(-1)[None], valid)
@@ -427,6 +420,20 @@ class ResidentRounds:
             self._commit()
         self._write_handoff(torch.cat([target_tokens.view(-1), accepted.view(1), valid.view(1), keep.view(1),
                                        n_new.view(1), draft_next, self.count]))
+
+    def _verify_forward(self, tokens: torch.Tensor, valid: torch.Tensor, choice):
+        """The round's target forward: tokens [1, n] verified after the committed ones (GDN states not written),
+        `valid` [1] long of them counting, the routing window armed with the round's `Choice` (or None).
+        Returns the verify session (what a commit reads), logits [1, n, V] and features [1, n, F]."""
+        if choice is not None:
+            self.window.arm(choice)
+        session = self.target.session(valid)
+        try:
+            with self._routing_armed():
+                logits, features = self.target.forward(tokens, verify=session)
+        finally:
+            self.window.disarm()
+        return session, logits, features
 
     def _commit(self):
         """Keep m = self.count tokens of the last verification."""

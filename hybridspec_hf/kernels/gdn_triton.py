@@ -5,51 +5,36 @@ Verify (one launch per layer, one program per (request, value head, dv tile)): f
     A = strictly_lower(diag(β) (K Kᵀ ∘ Γ)),  X = (I + A)⁻¹
     Z = X · diag(β) (V - diag(γ) K S_0),     O = diag(γ) Q S_0 + ((Q Kᵀ) ∘ Γ) Z
 The window (w <= 16 tokens) is padded to 16 rows, the smallest inner dimension `tl.dot` takes, so the w x w products
-are dots too. No state is written.
-
-Two verify kernels (`gdn_verify_triton(kernel=...)`):
-- "tile" (default). At batch 1 the verify is latency-bound (0.5 µs of state bytes per layer), so the kernel is
-  built to have one memory round trip and a short dependent chain per program: 16-column dv tiles (256 programs
-  for 32 heads at batch 1); the products over dk in a software-pipelined loop whose every slice of K, Q and S_0 is
-  requested (asynchronous copies into shared memory) before the first is multiplied; W = [K; Q] stacked so each
-  product with the state is one dot; raw bf16 q/k times S_0 split into three bf16 parts (hi + mid + lo, 24+
-  significant bits) on tensor cores: exact products with fp32 accumulation ("bf16x3"); X by block doubling (2x2
-  blocks closed, then X_s = X - X A_s X for blocks of 4, 8, 16: 2 small dots per level, ceil(log2 w) - 1 levels,
-  instead of w - 2 dependent row steps). The first kernel loaded dk slices one round trip after another and did
-  the solve row by row: ~8-11 µs per layer (gdn_kernels_gpu_runs.md, run 1).
-- "sliced": that first kernel (dk slices in a loop, fp32 FMA dots, forward substitution), kept for A/B timings.
+are dots too. No state is written. Each program takes the products with the state over dk in slices (fp32 dots),
+applies the l2 normalisation afterwards as row and column scales, and solves for X by forward substitution.
 
 Commit (ONE launch for every layer): per request m from a device tensor,
     S_m = γ_m S_0 + K_{1:m}ᵀ diag(e^{G_m - G_j}) Z_{1:m}   (in place; m = 0 leaves S_0)
 and the conv-state roll, in the same launch (extra programs), so a round's whole commit is one graph node. It is
-bandwidth-bound (S read and written): by default each program loads its whole [dk, 32] tile at once (the first
-version's dk slices kept ~16 KB in flight per SM, ~2 TB/s), and multiplies the exact raw bf16 keys with
-W = e^{G_m - G_j} z_j / |k_j| split into three bf16 parts.
+bandwidth-bound (S read and written): each program updates its [dk, 64] state tile in [32, 64] slices.
 
 A plain decoding step (w = 1, its token committed) does not need either: `default_verifier.gdn_decode_step` updates
 the state in place in one recurrent step (S read and written once, no commit launch).
 
 Precision: q/k are l2-normalised in fp32 (eps 1e-6 inside the rsqrt, like `gdn_torch.l2norm`; applied as row and
-column scales of the raw products), gates, Z and the state are fp32, and every product is fp32-grade: "bf16x3" as
-above (products of bf16 values are exact in fp32; the split leaves <= 2^-24 of S_0 or W), "ieee" (fp32 FMA, the
-default for fp32/fp16 q/k) and "tf32x3"/"bf16x6" can be chosen per call. Plain TF32 is not offered: a CPU prototype
-measured TF32 drift of 2e-5 (K S_0) to 3e-4 (the commit's Kᵀ(d⊙Z)). The first kernels measured on an H200 against
-float64 (benchmarks/results/gdn_kernels.json): ieee Z 6e-8, every S_m 4e-7 and 2e-7 after 200 rounds.
+column scales of the raw products), gates, Z and the state are fp32, and every product is an fp32-grade `tl.dot`:
+"ieee" (fp32 FMA, the default), "tf32x3" or "bf16x6", chosen per call. Plain TF32 is not offered: a CPU prototype
+measured TF32 drift of 2e-5 (K S_0) to 3e-4 (the commit's Kᵀ(d⊙Z)). Measured on an H200 against float64
+(benchmarks/results/gdn_kernels.json): ieee Z 6e-8, every S_m 4e-7 and 2e-7 after 200 rounds.
 The solve never forms powers of A (the product form (I-A)(I+A²)(I+A⁴)(I+A⁸) does: with aligned keys and β ≈ 1
 they grow like binomial coefficients (|A⁸| reached 2.7e3) and cancel in fp32, 7e-5 relative error in X against 9e-8
-for substitution): block doubling only forms entries of X, X_21 = -X_22 A_21 X_11, like substitution. Test:
-test_aligned_keys_need_a_stable_solve.
+for substitution). Test: test_aligned_keys_need_a_stable_solve.
 
-Status: exact to fp32 and no per-token state (7.6 MiB of Z + G against 960 MiB at w = 16). The first kernels were
-0.6-1.35x the default verifier at batch 1 (latency-bound verify, commit at ~2 TB/s); the "tile" kernels and the
-whole-tile commit are not measured on a GPU yet: `benchmarks/gdn_kernels.py --sweep --check` compares all of them
-(benchmarks/results/gdn_kernels_gpu_runs.md, next call).
+Status: exact to fp32 and no per-token state (7.6 MiB of Z + G against 960 MiB at w = 16); 0.6-1.35x the default
+verifier at batch 1 (latency-bound verify, commit at ~2 TB/s; benchmarks/results/gdn_kernels.md). A "tile" variant
+(the whole [dk, BV] state tile per program in one memory round trip, tensor-core products with a three-part bf16
+split of the state, a block-doubling solve, a whole-tile commit) equalled these kernels at batch 1 and was 1.5x
+slower at batch 8 on the H200 (run 24, benchmarks/results/gpu_rounds_runs.md); it was removed after git 57c02b5.
 
 Kernels are bound to `triton.jit` at launch (`_LazyJit`), so `TRITON_INTERPRET=1` set after import (tests) takes
 effect. Launches need no host sync; the commit's per-layer pointer tables are cached by address, so call once
-before CUDA-graph capture (the warm-up that Triton's JIT needs anyway). Under the interpreter every dot takes fp32
-operands (it would multiply bf16 bit patterns as integers; the values are the same) and fp32 -> bf16 casts
-truncate where the GPU rounds to nearest (the bf16x3 split then leaves up to 2^-21 of S_0 instead of 2^-24).
+before CUDA-graph capture (the warm-up that Triton's JIT needs anyway). Under the interpreter fp32 -> bf16 casts
+truncate where the GPU rounds to nearest (bf16 outputs differ in their last bit).
 """
 from __future__ import annotations
 
@@ -206,7 +191,7 @@ def _mask_invalid(x: torch.Tensor, valid_len: torch.Tensor) -> torch.Tensor:
 # verify
 
 
-def _sliced_verify_kernel(
+def _verify_kernel(
     q, k, v, g, beta, state, out, z, g_cum, valid_len,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
@@ -292,187 +277,26 @@ def _sliced_verify_kernel(
 
 
 if HAS_TRITON:
-    _sliced_verify_kernel = _LazyJit(_sliced_verify_kernel)
+    _verify_kernel = _LazyJit(_verify_kernel)
 
 
-def _tile_verify_kernel(
-    q, k, v, g, beta, state, out, z, g_cum, valid_len,
-    stride_qb, stride_qt, stride_qh,
-    stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vt, stride_vh,
-    stride_gb, stride_gt, stride_gh,
-    stride_bb, stride_bt, stride_bh,
-    stride_sb, stride_sh, stride_sk,
-    HV, GROUP, DK, DV, scale,
-    T: tl.constexpr, HAS_VALID: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, NS: tl.constexpr,
-    BV: tl.constexpr, STATE_PRODUCTS: tl.constexpr, SMALL_PRECISION: tl.constexpr, SOLVE: tl.constexpr,
-    LEVELS: tl.constexpr, INTERPRET: tl.constexpr,
-):
-    i_v = tl.program_id(0)
-    i_h = tl.program_id(1)
-    i_b = tl.program_id(2).to(tl.int64)
-    i_hk = i_h // GROUP  # grouped value heads read key head h // (HV / H)
-    n = T
-    if HAS_VALID:
-        n = tl.load(valid_len + i_b).to(tl.int32)
-    rt = tl.arange(0, BT)
-    rv = i_v * BV + tl.arange(0, BV)
-    mt = rt < n  # rows >= n load as zero and so give zero Z and O rows
-    mv = rv < DV
-    # W = [K; Q]: one [2 BT, dk] operand, so each product with the state is one dot
-    rw = tl.arange(0, 2 * BT)
-    is_k = rw < BT
-    tw = tl.where(is_k, rw, rw - BT)  # the token of row rw
-    p_w = tl.where(is_k[:, None], k + i_b * stride_kb + tw[:, None] * stride_kt + i_hk * stride_kh,
-                   q + i_b * stride_qb + tw[:, None] * stride_qt + i_hk * stride_qh)
-    p_kt = k + i_b * stride_kb + rt[:, None] * stride_kt + i_hk * stride_kh  # K again, for Kᵀ (a cache hit)
-    p_s = state + i_b * stride_sb + i_h * stride_sh + rv[None, :]
-    b_v = tl.load(v + i_b * stride_vb + rt[:, None] * stride_vt + i_h * stride_vh + rv[None, :],
-                  mask=mt[:, None] & mv[None, :], other=0.0).to(tl.float32)  # [BT, BV]
-    b_g = tl.load(g + i_b * stride_gb + rt * stride_gt + i_h * stride_gh, mask=mt, other=0.0).to(tl.float32)
-    b_beta = tl.load(beta + i_b * stride_bb + rt * stride_bt + i_h * stride_bh, mask=mt, other=0.0).to(tl.float32)
-
-    # Raw products over dk in BKC-wide slices. The loop is software-pipelined NS - 1 slices deep (asynchronous
-    # copies into shared memory), so with NS > BK / BKC every slice of W, K and S_0 is requested before the first
-    # is multiplied: one memory round trip per program, not one per slice (loads outside such a loop would each
-    # wait for the previous one's layout change for the dot). The l2 normalisation (x / sqrt(|x|² + eps), eps
-    # inside) is applied afterwards as row/column scales: (D_q Q)(D_k K)ᵀ = D_q (Q Kᵀ) D_k and
-    # (D_k K) S_0 = D_k (K S_0).
-    b_wk = tl.zeros([2 * BT, BT], dtype=tl.float32)  # [K Kᵀ; Q Kᵀ]
-    b_ws = tl.zeros([2 * BT, BV], dtype=tl.float32)  # [K S_0; Q S_0]
-    b_w2 = tl.zeros([2 * BT], dtype=tl.float32)  # |k_i|², |q_i|²
-    b_k2 = tl.zeros([BT], dtype=tl.float32)
-    for c in tl.range(0, BK, BKC, num_stages=NS):
-        rc = c + tl.arange(0, BKC)
-        mc = rc < DK
-        b_s = tl.load(p_s + rc[:, None] * stride_sk, mask=mc[:, None] & mv[None, :], other=0.0).to(tl.float32)
-        b_w = tl.load(p_w + rc[None, :], mask=(tw < n)[:, None] & mc[None, :], other=0.0)  # [2 BT, BKC]
-        b_kt = tl.load(p_kt + rc[None, :], mask=mt[:, None] & mc[None, :], other=0.0)  # [BT, BKC]
-        f_w = b_w.to(tl.float32)
-        f_kt = b_kt.to(tl.float32)
-        b_w2 += tl.sum(f_w * f_w, 1)
-        b_k2 += tl.sum(f_kt * f_kt, 1)
-        if STATE_PRODUCTS == "bf16x3":
-            # q, k are bf16, so their products are exact in fp32 and tensor-core dots of the raw values lose
-            # nothing; S_0 = hi + mid + lo in bf16 (8 significant bits each: the rest is below 2^-24 |S_0|)
-            s_hi = b_s.to(tl.bfloat16)
-            b_rest = b_s - s_hi.to(tl.float32)
-            s_mid = b_rest.to(tl.bfloat16)
-            s_lo = (b_rest - s_mid.to(tl.float32)).to(tl.bfloat16)
-            if INTERPRET:  # the interpreter would multiply bf16 bit patterns as integers: same values in fp32
-                b_w, b_kt = f_w, f_kt
-                s_hi, s_mid, s_lo = s_hi.to(tl.float32), s_mid.to(tl.float32), s_lo.to(tl.float32)
-            b_wk = tl.dot(b_w, tl.trans(b_kt), b_wk, input_precision="ieee")
-            b_ws = tl.dot(b_w, s_lo, b_ws, input_precision="ieee")
-            b_ws = tl.dot(b_w, s_mid, b_ws, input_precision="ieee")
-            b_ws = tl.dot(b_w, s_hi, b_ws, input_precision="ieee")
-        else:
-            b_wk = tl.dot(f_w, tl.trans(f_kt), b_wk, input_precision=STATE_PRODUCTS)
-            b_ws = tl.dot(f_w, b_s, b_ws, input_precision=STATE_PRODUCTS)
-    b_rw = tl.rsqrt(b_w2 + 1e-6) * tl.where(is_k, 1.0, scale)  # [2 BT] row scales
-    b_rk = tl.rsqrt(b_k2 + 1e-6)  # [BT] the column scale of K Kᵀ and Q Kᵀ
-    b_wk = b_wk * b_rw[:, None]
-    b_ws = b_ws * b_rw[:, None]
-    b_kk, b_qk = _halves(b_wk * b_rk[None, :])
-    b_ks, b_qs = _halves(b_ws)
-    b_G = tl.cumsum(b_g, 0)  # [BT] fp32
-    ri = rt[:, None]
-    rj = rt[None, :]
-    b_decay = tl.exp(tl.where(ri >= rj, b_G[:, None] - b_G[None, :], float("-inf")))  # Γ, masked before exp
-    b_a = tl.where(ri > rj, b_beta[:, None] * b_kk * b_decay, 0.0)  # strictly lower: rows >= n are zero
-    b_x = _unit_lower_inverse(b_a, rt, T, BT, SOLVE, LEVELS, SMALL_PRECISION)  # X = (I + A)^-1
-
-    b_gamma = tl.exp(b_G)
-    b_r = b_beta[:, None] * (b_v - b_gamma[:, None] * b_ks)  # [BT, BV]
-    b_z = tl.dot(b_x, b_r, input_precision=SMALL_PRECISION)  # [BT, BV] Z
-    b_o = b_gamma[:, None] * b_qs + tl.dot(b_qk * b_decay, b_z, input_precision=SMALL_PRECISION)
-
-    rows = rt < T
-    mask_tv = rows[:, None] & mv[None, :]
-    tl.store(out + ((i_b * T + rt[:, None]) * HV + i_h) * DV + rv[None, :], b_o.to(out.dtype.element_ty), mask=mask_tv)
-    tl.store(z + ((i_b * HV + i_h) * T + rt[:, None]) * DV + rv[None, :], b_z, mask=mask_tv)
-    tl.store(g_cum + (i_b * HV + i_h) * T + rt, b_G, mask=rows & (i_v == 0))
-
-
-def _halves(x):
-    """[2R, C] -> its rows 0..R-1 and R..2R-1 as two [R, C] tensors."""
-    rows: tl.constexpr = x.shape[0] // 2
-    return tl.split(tl.permute(tl.reshape(x, [2, rows, x.shape[1]]), [1, 2, 0]))
-
-
-def _unit_lower_inverse(b_a, rt, T: tl.constexpr, BT: tl.constexpr, SOLVE: tl.constexpr, LEVELS: tl.constexpr,
-                        PRECISION: tl.constexpr):
-    """(I + A)^-1 of a strictly lower [BT, BT] A whose rows >= T are zero.
-
-    "doubling": inverses of the 2x2 diagonal blocks in closed form, then of the 4, 8, 16 blocks from their halves'
-    inverses, X_s = X - X A_s X (A_s: A's entries joining the two halves of each s-block; X is block diagonal, so
-    X A_s X is exactly -X_22 A_21 X_11 of the block formula). Two small dots per level, ceil(log2 T) - 1 levels.
-    "substitution": row by row, T - 2 dependent steps (fla's in-register scheme). Both only form entries of the
-    inverse (no powers of A, which cancel catastrophically for aligned keys)."""
-    ri = rt[:, None]
-    rj = rt[None, :]
-    if SOLVE == "doubling":
-        b_x = tl.where(ri == rj, 1.0, 0.0) - tl.where((ri // 2) == (rj // 2), b_a, 0.0)
-        for level in tl.static_range(2, LEVELS + 1):
-            block = 1 << level
-            half = block // 2
-            b_join = tl.where(((ri // block) == (rj // block)) & ((ri // half) != (rj // half)), b_a, 0.0)
-            b_x = b_x - tl.dot(tl.dot(b_x, b_join, input_precision=PRECISION), b_x, input_precision=PRECISION)
-    else:
-        b_x = -b_a
-        for i in range(2, T):
-            row_i = ri == i
-            b_row = tl.sum(tl.where(row_i, b_x, 0.0), 0)
-            b_row = b_row + tl.sum(b_row[:, None] * b_x, 0)
-            b_x = tl.where(row_i, b_row[None, :], b_x)
-        b_x = b_x + tl.where(ri == rj, 1.0, 0.0)
-    return b_x
-
-
-if HAS_TRITON:
-    _halves = triton.jit(_halves)
-    _unit_lower_inverse = triton.jit(_unit_lower_inverse)
-    _tile_verify_kernel = _LazyJit(_tile_verify_kernel)
-
-
-VERIFY_KERNELS = ("tile", "sliced")
 # fp32-grade `tl.dot` precisions for fp32 operands (not "tf32", nor Triton's two-part "bf16x3": ~1e-5 and worse)
 _FP32_DOT_PRECISIONS = ("ieee", "tf32x3", "bf16x6")
 _INTERPRETER_PRECISIONS = ("ieee", "tf32x3")  # the interpreter's subset (it computes every dot in fp32 anyway)
 
 
-# The "tile" verify and whole-tile commit were timed on the H200 against the kernels below (run 24 of
-# benchmarks/results/gpu_rounds_runs.md, `benchmarks/gdn_kernels.py --sweep --check`): at batch 1 the best tile verify
-# + commit equals the "sliced" one (306 vs 304 µs at w = 2, 406 vs 406 at w = 16, 30 layers) and at batch 8 it is
-# 1.5x slower (1676 vs 1086 µs at w = 2), so the defaults stay the sliced kernels; True switches every default to
-# the tile kernels (tests and the benchmark select each explicitly).
-TILE_KERNELS = False
 # The plain decoding step (w = 1, m = 1): `default_verifier.gdn_decode_step` updates the state in place (read and
-# written once, no commit launch). Run 24: 111 µs per step over 30 layers at batch 1, against 291 µs for the sliced
+# written once, no commit launch). Run 24: 111 µs per step over 30 layers at batch 1, against 291 µs for the
 # verify(1) + commit and 157 µs for the per-token-state verifier + commit; 348 vs 622 / 1044 µs at batch 8.
 DECODE_STEP = True
 
 
-def _sliced_verify_config(batch: int, num_v_heads: int, dv: int) -> tuple[int, int, int]:
-    """(BV, BKC, num_warps) of the "sliced" kernel, the fastest measured on an H200 (benchmarks/results/
+def _verify_config(batch: int, num_v_heads: int, dv: int) -> tuple[int, int, int]:
+    """(BV, BKC, num_warps) of the verify kernel, the fastest measured on an H200 (benchmarks/results/
     gdn_kernels.json, sweep): 32-column dv tiles while there are few heads, 64 from 128 heads."""
     if batch * num_v_heads < 128:
         return min(32, triton.next_power_of_2(dv)), 32, 4
     return min(64, triton.next_power_of_2(dv)), 16, 4
-
-
-def _tile_verify_config(batch: int, num_v_heads: int, dv: int) -> tuple[int, int, int]:
-    """(BV, BKC, num_warps) of the "tile" kernel (not measured yet: benchmarks/gdn_kernels.py --sweep compares):
-    16-column tiles while there are few heads (8 programs per head: 256 at batch 1 for 32 heads, ~2 per SM), 32 from
-    128 heads; 32-wide dk slices (all four in flight at once)."""
-    if batch * num_v_heads < 128:
-        return min(16, triton.next_power_of_2(dv)), 32, 4
-    return min(32, triton.next_power_of_2(dv)), 32, 4
-
-
-def _solve_levels(t: int) -> int:
-    """ceil(log2 t): the doubling solve's last level has blocks of 2^levels >= t rows."""
-    return max(1, (t - 1).bit_length())
 
 
 def _dot_precision(precision: str) -> str:
@@ -493,13 +317,10 @@ def gdn_verify_triton(
     scale: float | None = None,
     valid_len: torch.Tensor | None = None,
     *,
-    kernel: str | None = None,
     block_v: int | None = None,
     block_k: int | None = None,
     num_warps: int | None = None,
     precision: str | None = None,
-    small_precision: str = "ieee",
-    solve: str = "doubling",
     outputs: GDNVerifyResult | None = None,
 ) -> GDNVerifyResult:
     """Triton `gdn_torch.gdn_verify`: outputs of T <= 16 tokens and the Z to commit any prefix; `state` is not written.
@@ -509,20 +330,12 @@ def gdn_verify_triton(
     are zero), so one max-shape CUDA graph serves every length. Returns out [B, T, HV, dv] in v's dtype,
     z [B, HV, T, dv] fp32, g_cum [B, HV, T] fp32 — written into `outputs` when given (static buffers for graphs).
 
-    kernel: "tile" (the whole [dk, BV] state tile per program, tensor-core products, doubling solve) or "sliced"
-    (the first kernel: dk slices in a loop, fp32 dots, forward substitution); None: "tile" if `TILE_KERNELS`.
-    block_v / block_k / num_warps: dv tile, dk slice and warps per program, defaults per kernel and batch.
-    precision: the products with the state (and of q, k). "tile": "bf16x3" (default for bf16 q/k: raw q/k are exact
-    in bf16, the state is split into three bf16 parts) or a `tl.dot` fp32 precision ("ieee", default otherwise;
-    "tf32x3", "bf16x6"); "sliced": every dot's `tl.dot` precision, default "ieee".
-    small_precision / solve ("tile" only): `tl.dot` precision of the w x w products; "doubling" or "substitution".
+    block_v / block_k / num_warps: dv tile, dk slice and warps per program (defaults per batch: `_verify_config`).
+    precision: every dot's `tl.dot` precision, "ieee" (default), "tf32x3" or "bf16x6".
     """
     batch, t, num_k_heads, dk = q.shape
     num_v_heads, dv = v.shape[2], v.shape[3]
     _check_verify_shapes(q, k, v, g, beta, state)
-    kernel = kernel or ("tile" if TILE_KERNELS else "sliced")
-    if kernel not in VERIFY_KERNELS:
-        raise ValueError(f"kernel must be one of {VERIFY_KERNELS}, got {kernel!r}")
     q, k, v, state = (_last_dim_contiguous(x) for x in (q, k, v, state))
     scale = dk**-0.5 if scale is None else scale
     expected = _empty_verify_result(batch, t, num_v_heads, dv, v.dtype, "meta")
@@ -536,36 +349,16 @@ def gdn_verify_triton(
             f"{tuple(outputs.g_cum.shape)}"
         )
     out, z, g_cum = outputs.out, outputs.z, outputs.g_cum
-    common = (q, k, v, g, beta, state, out, z, g_cum, valid_len if valid_len is not None else g,
-              *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride(), *beta.stride(), *state.stride()[:3],
-              num_v_heads, num_v_heads // num_k_heads, dk, dv, scale)
-    if kernel == "sliced":
-        default_bv, default_bk, default_warps = _sliced_verify_config(batch, num_v_heads, dv)
-        block_v = block_v or default_bv
-        grid = (triton.cdiv(dv, block_v), num_v_heads, batch)
-        _sliced_verify_kernel[grid](
-            *common, T=t, HAS_VALID=valid_len is not None, BT=MAX_WINDOW, BK=_padded(dk),
-            BKC=min(block_k or default_bk, _padded(dk)), BV=block_v, PRECISION=_dot_precision(precision or "ieee"),
-            num_warps=num_warps or default_warps,
-        )
-        return outputs
-    bf16_qk = q.dtype == k.dtype == torch.bfloat16
-    precision = precision or ("bf16x3" if bf16_qk else "ieee")
-    if precision == "bf16x3" and not bf16_qk:
-        raise ValueError(f'precision="bf16x3" splits the state for exact products with bf16 q and k; got q {q.dtype}, '
-                         f'k {k.dtype}: use "ieee" (or "tf32x3", "bf16x6")')
-    if solve not in ("doubling", "substitution"):
-        raise ValueError(f'solve must be "doubling" or "substitution", got {solve!r}')
-    default_bv, default_bk, default_warps = _tile_verify_config(batch, num_v_heads, dv)
+    default_bv, default_bk, default_warps = _verify_config(batch, num_v_heads, dv)
     block_v = block_v or default_bv
-    block_k = min(block_k or default_bk, _padded(dk))
     grid = (triton.cdiv(dv, block_v), num_v_heads, batch)
-    _tile_verify_kernel[grid](
-        *common, T=t, HAS_VALID=valid_len is not None, BT=MAX_WINDOW, BK=_padded(dk), BKC=block_k,
-        NS=_padded(dk) // block_k + 1, BV=block_v,
-        STATE_PRODUCTS=precision if precision == "bf16x3" else _dot_precision(precision),
-        SMALL_PRECISION=_dot_precision(small_precision), SOLVE=solve, LEVELS=_solve_levels(t),
-        INTERPRET=bool(triton.knobs.runtime.interpret), num_warps=num_warps or default_warps,
+    _verify_kernel[grid](
+        q, k, v, g, beta, state, out, z, g_cum, valid_len if valid_len is not None else g,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride(), *beta.stride(), *state.stride()[:3],
+        num_v_heads, num_v_heads // num_k_heads, dk, dv, scale,
+        T=t, HAS_VALID=valid_len is not None, BT=MAX_WINDOW, BK=_padded(dk),
+        BKC=min(block_k or default_bk, _padded(dk)), BV=block_v, PRECISION=_dot_precision(precision or "ieee"),
+        num_warps=num_warps or default_warps,
     )
     return outputs
 
@@ -611,8 +404,7 @@ def _commit_kernel(
     n_state_programs,
     FOLD: tl.constexpr, STATE_DTYPE: tl.constexpr, SRC_DTYPE: tl.constexpr, CONV_DTYPE: tl.constexpr,
     CONV_IN_DTYPE: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr,
-    NV: tl.constexpr, BC: tl.constexpr, BW: tl.constexpr, PRECISION: tl.constexpr, WHOLE: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    NV: tl.constexpr, BC: tl.constexpr, BW: tl.constexpr, PRECISION: tl.constexpr,
 ):
     # table rows: 0 state [B,HV,dk,dv]; 1 FOLD: raw k [B,T,H,dk], else per-token states [B,T,HV,dk,dv];
     #             2 z [B,HV,T,dv] fp32; 3 g_cum [B,HV,T] fp32; 4 conv_state [B,C,KC]; 5 conv_input [B,C,T]
@@ -639,54 +431,27 @@ def _commit_kernel(
                 p_g = p_g + i_b * stride_gb + i_h * stride_gh
                 p_k = p_src + i_b * stride_ab + rt[:, None] * stride_at + (i_h // GROUP) * stride_ah
                 p_z = p_z + i_b * stride_zb + i_h * stride_zh + rt[:, None] * stride_zt + rv[None, :]
-                if WHOLE:
-                    # bf16 keys: the whole [dk, BV] tile, every load first (the state leading), one round trip
-                    rk = tl.arange(0, BK)
-                    mask = (rk < DK)[:, None] & mv[None, :]
+                b_G = tl.load(p_g + rt * stride_gt, mask=mt, other=0.0)
+                b_gm = tl.load(p_g + (m - 1) * stride_gt)
+                b_d = tl.exp(tl.where(mt, b_gm - b_G, float("-inf")))  # e^{G_m - G_j}, j < m only
+                b_dz = b_d[:, None] * tl.load(p_z, mask=mt[:, None] & mv[None, :], other=0.0)  # [BT, BV]
+                b_k2 = tl.zeros([BT], dtype=tl.float32)
+                for c in range(0, BK, BKC):
+                    rk = c + tl.arange(0, BKC)
+                    b_k = tl.load(p_k + rk[None, :], mask=mt[:, None] & (rk < DK)[None, :], other=0.0)
+                    b_k = b_k.to(tl.float32)
+                    b_k2 += tl.sum(b_k * b_k, 1)
+                b_rk = tl.rsqrt(b_k2 + 1e-6)  # the verify's fp32 l2norm of k, recomputed from raw k
+                b_gamma = tl.exp(b_gm)
+                for c in range(0, BK, BKC):  # S_m rows c .. c+BKC
+                    rk = c + tl.arange(0, BKC)
+                    mk = rk < DK
+                    b_k = tl.load(p_k + rk[None, :], mask=mt[:, None] & mk[None, :], other=0.0).to(tl.float32)
+                    b_k = b_k * b_rk[:, None]
+                    mask = mk[:, None] & mv[None, :]
                     b_s = tl.load(p_state + rk[:, None] * stride_sk, mask=mask, other=0.0).to(tl.float32)
-                    b_z = tl.load(p_z, mask=mt[:, None] & mv[None, :], other=0.0)  # [BT, BV]
-                    b_G = tl.load(p_g + rt * stride_gt, mask=mt, other=0.0)
-                    b_gm = tl.load(p_g + (m - 1) * stride_gt)
-                    b_k = tl.load(p_k + rk[None, :], mask=mt[:, None] & (rk < DK)[None, :], other=0.0)  # raw
-                    f_k = b_k.to(tl.float32)
-                    # e^{G_m - G_j} (j < m only) and the verify's fp32 l2norm 1/|k_j|: the raw keys enter the dot
-                    b_d = tl.exp(tl.where(mt, b_gm - b_G, float("-inf"))) * tl.rsqrt(tl.sum(f_k * f_k, 1) + 1e-6)
-                    b_w = b_d[:, None] * b_z  # [BT, BV] fp32
-                    # raw bf16 keys are exact; W = hi + mid + lo in bf16 (the rest below 2^-24 |W|)
-                    w_hi = b_w.to(tl.bfloat16)
-                    b_rest = b_w - w_hi.to(tl.float32)
-                    w_mid = b_rest.to(tl.bfloat16)
-                    w_lo = (b_rest - w_mid.to(tl.float32)).to(tl.bfloat16)
-                    if INTERPRET:  # the interpreter would multiply bf16 bit patterns as integers
-                        b_k = f_k
-                        w_hi, w_mid, w_lo = w_hi.to(tl.float32), w_mid.to(tl.float32), w_lo.to(tl.float32)
-                    b_u = tl.dot(tl.trans(b_k), w_lo, input_precision="ieee")  # [BK, BV] Kᵀ W
-                    b_u = tl.dot(tl.trans(b_k), w_mid, b_u, input_precision="ieee")
-                    b_u = tl.dot(tl.trans(b_k), w_hi, b_u, input_precision="ieee")
-                    b_s = tl.exp(b_gm) * b_s + b_u
+                    b_s = b_gamma * b_s + tl.dot(tl.trans(b_k), b_dz, input_precision=PRECISION)
                     tl.store(p_state + rk[:, None] * stride_sk, b_s.to(STATE_DTYPE), mask=mask)
-                else:
-                    b_G = tl.load(p_g + rt * stride_gt, mask=mt, other=0.0)
-                    b_gm = tl.load(p_g + (m - 1) * stride_gt)
-                    b_d = tl.exp(tl.where(mt, b_gm - b_G, float("-inf")))  # e^{G_m - G_j}, j < m only
-                    b_dz = b_d[:, None] * tl.load(p_z, mask=mt[:, None] & mv[None, :], other=0.0)  # [BT, BV]
-                    b_k2 = tl.zeros([BT], dtype=tl.float32)
-                    for c in range(0, BK, BKC):
-                        rk = c + tl.arange(0, BKC)
-                        b_k = tl.load(p_k + rk[None, :], mask=mt[:, None] & (rk < DK)[None, :], other=0.0)
-                        b_k = b_k.to(tl.float32)
-                        b_k2 += tl.sum(b_k * b_k, 1)
-                    b_rk = tl.rsqrt(b_k2 + 1e-6)  # the verify's fp32 l2norm of k, recomputed from raw k
-                    b_gamma = tl.exp(b_gm)
-                    for c in range(0, BK, BKC):  # S_m rows c .. c+BKC
-                        rk = c + tl.arange(0, BKC)
-                        mk = rk < DK
-                        b_k = tl.load(p_k + rk[None, :], mask=mt[:, None] & mk[None, :], other=0.0).to(tl.float32)
-                        b_k = b_k * b_rk[:, None]
-                        mask = mk[:, None] & mv[None, :]
-                        b_s = tl.load(p_state + rk[:, None] * stride_sk, mask=mask, other=0.0).to(tl.float32)
-                        b_s = b_gamma * b_s + tl.dot(tl.trans(b_k), b_dz, input_precision=PRECISION)
-                        tl.store(p_state + rk[:, None] * stride_sk, b_s.to(STATE_DTYPE), mask=mask)
             else:
                 p_src = p_src + i_b * stride_ab + (m - 1) * stride_at + i_h * stride_ah + rv[None, :]
                 for c in range(0, BK, BKC):
@@ -734,18 +499,16 @@ def launch_commit(
     g_cum: list[torch.Tensor] | None = None,
     *,
     block_v: int | None = None,
-    block_k: int | None = None,
+    block_k: int = 32,
     block_c: int = 256,
     num_warps: int = 4,
-    precision: str | None = None,
+    precision: str = "ieee",
 ) -> None:
     """One launch over all layers: S_m into `states` (fold of k/z/g_cum when z is given, else copy of
     sources[l][b, m-1]) and the conv roll. Layers must share layouts (checked).
 
-    Fold: bf16 keys take the whole [dk, 32] state tile per program (all of it in flight at once) and multiply the
-    exact raw keys with W = e^{G_m - G_j} z_j / |k_j| split into three bf16 parts; other keys (or block_k < dk)
-    take the first kernel's [32, 64] slices in a loop with fp32 dots (`precision`, default "ieee"). Copy: [32, 64]
-    slices."""
+    Each program updates a [dk, block_v] state tile (default 64 columns) in [block_k, block_v] slices; the fold's
+    dots take `tl.dot` precision `precision` ("ieee", "tf32x3" or "bf16x6")."""
     fold = z is not None
     for tensors, name in ((states, "state"), (sources, "k" if fold else "per-token states"),
                           (conv_states, "conv_state"), (conv_inputs, "conv_input")):
@@ -761,16 +524,8 @@ def launch_commit(
     n_layers = len(states)
     table = pointer_table([states, sources, z or sources, g_cum or sources, conv_states, conv_inputs])
     src = sources[0]
-    if block_k is None and not TILE_KERNELS:
-        block_k = 32  # the measured sliced commit (see TILE_KERNELS)
-    whole = fold and src.dtype == torch.bfloat16 and (block_k or dk) >= dk
-    if whole and precision not in (None, "bf16x3"):
-        raise ValueError(f"the whole-tile commit (bf16 keys, block_k >= dk = {dk}) multiplies the exact keys by a "
-                         f"three-part bf16 split; precision {precision!r} needs block_k < dk (slices, fp32 dots)")
-    if fold and not whole:
-        precision = _dot_precision(precision or "ieee")
-    block_k = _padded(dk) if whole else min(block_k or 32, _padded(dk))
-    block_v = block_v or min(32 if whole else 64, triton.next_power_of_2(dv))
+    block_k = min(block_k, _padded(dk))
+    block_v = block_v or min(64, triton.next_power_of_2(dv))
     nv = triton.cdiv(dv, block_v)
     n_state_programs = n_layers * batch * num_v_heads * nv
     n_conv_programs = n_layers * batch * triton.cdiv(channels, block_c)
@@ -786,9 +541,7 @@ def launch_commit(
         FOLD=fold, STATE_DTYPE=tl_dtype(states[0].dtype), SRC_DTYPE=tl_dtype(src.dtype),
         CONV_DTYPE=tl_dtype(conv_states[0].dtype), CONV_IN_DTYPE=tl_dtype(conv_inputs[0].dtype),
         BT=MAX_WINDOW, BK=_padded(dk), BKC=block_k, BV=block_v, NV=nv, BC=block_c,
-        BW=triton.next_power_of_2(kc), PRECISION=precision if fold and not whole else "ieee", WHOLE=whole,
-        INTERPRET=bool(triton.knobs.runtime.interpret),
-        num_warps=num_warps,
+        BW=triton.next_power_of_2(kc), PRECISION=_dot_precision(precision), num_warps=num_warps,
     )
 
 
@@ -797,14 +550,14 @@ def commit_gdn_states_triton(
     num_committed: torch.Tensor,
     *,
     block_v: int | None = None,
-    block_k: int | None = None,
+    block_k: int = 32,
     num_warps: int = 4,
-    precision: str | None = None,
+    precision: str = "ieee",
 ) -> None:
     """Triton `gdn_torch.commit_gdn_states`: S_m and the conv roll of every layer in ONE launch, no host sync.
 
     num_committed: [B] int device tensor m (0 leaves state and conv state untouched; m is clamped to T).
-    block_v / block_k / num_warps / precision: see `launch_commit` (default for bf16 keys: whole state tiles).
+    block_v / block_k / num_warps / precision: see `launch_commit`.
     The conv roll runs in the same launch as extra programs (a second launch would cost a graph node and ~2 µs
     of launch gap for 64 KiB of conv state per layer and request); each program stages its channels' window in
     registers and syncs its threads before overwriting the columns it read.

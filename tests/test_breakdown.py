@@ -1,0 +1,31 @@
+"""benchmarks/breakdown.py runs through on a tiny model on the CPU (no kernels to trace: timings only), issue 15's
+figure included: the max-shape round against its target forward replayed alone."""
+import json
+from pathlib import Path
+
+import pytest
+
+
+def test_breakdown_times_the_round_and_its_forward_alone(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import breakdown
+
+    stem = tmp_path / "breakdown_tiny"
+    breakdown.main(["--model", "tiny", "--replays", "2", "--lengths", "1,16", "--name", str(stem)])
+    report = json.loads(stem.with_suffix(".json").read_text())
+    parts = report["parts"]
+    forward_16, forward_1 = breakdown.forward_label(16), breakdown.forward_label(1)
+    assert list(parts) == [breakdown.AR_STEP, breakdown.DRAFT, "verify w = 1 (+ accept, commit)",
+                           "verify w = 16 (+ accept, commit)", breakdown.ROUND, forward_16, forward_1]
+    assert all(row["kernels"] == 0 and row["wall_ms"] > 0 for row in parts.values())  # CPU: timings only
+    # the forward alone neither drafts nor commits; a round commits at least its anchor, a plain step exactly it
+    committed = {label: row["committed_per_replay"] for label, row in parts.items()}
+    assert committed[forward_16] == committed[forward_1] == committed[breakdown.DRAFT] == 0
+    assert committed[breakdown.ROUND] >= 1 and committed[breakdown.AR_STEP] == 1
+    assert "drafter weights" in parts[breakdown.ROUND]["bytes"] and "drafter weights" not in parts[forward_16]["bytes"]
+    outside = report["outside_the_forward"]
+    assert outside["block"] == 16
+    assert outside["outside_ms"] == pytest.approx(parts[breakdown.ROUND]["wall_ms"] - parts[forward_16]["wall_ms"])
+    assert outside["draft_ms"] == parts[breakdown.DRAFT]["wall_ms"]
+    assert outside["forward_1_ms"] == parts[forward_1]["wall_ms"]
+    assert "outside the forward (round - forward)" in stem.with_suffix(".md").read_text()
