@@ -260,11 +260,11 @@ def correctness(args, target, drafter, device, report: dict, save, budget: Budge
                             **divergence(target, reference, out, length))
                 if strategy == "ar":
                     ours_ar[seed] = out
-                elif seed in ours_ar:
-                    n = min(out.shape[1], ours_ar[seed].shape[1])
-                    differ = (out[0, :n] != ours_ar[seed][0, :n]).nonzero()
-                    case.update(equal_to_our_ar=len(differ) == 0,
-                                first_divergence_from_our_ar=None if len(differ) == 0 else int(differ[0]) - length)
+                elif seed in ours_ar:  # where it parts from our AR, and stock's top-2 gap at that prefix
+                    apart = divergence(target, ours_ar[seed], out, length)
+                    case.update(equal_to_our_ar=apart["first_divergence"] is None,
+                                first_divergence_from_our_ar=apart["first_divergence"],
+                                top2_gap_there=apart.get("ar_top2_gap"))
             except Exception as error:  # noqa: BLE001 - written down; the next cases say whether it was sticky
                 case.update(equal=False, error=f"{type(error).__name__}: {error}",
                             traceback=traceback.format_exc()[-2000:])
@@ -322,7 +322,7 @@ def correctness_markdown(report: dict) -> str:
     lines = ["", "", f"### Correctness: greedy outputs vs stock generate() on the sharded model (prompts on the CPU, "
                  f"{report['correctness_tokens']} new tokens)", "",
              "| prompt | strategy | equal | first divergence | AR top-2 gap there | AR's logit of ours there, below its top "
-             "| path | rounds | τ | equal to our AR (first divergence) |",
+             "| path | rounds | τ | equal to our AR (first divergence; top-2 gap there) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for c in cases:
         if "error" in c:
@@ -332,8 +332,9 @@ def correctness_markdown(report: dict) -> str:
         gap = "–" if c.get("ar_top2_gap") is None else f"{c['ar_top2_gap']:.4f} (top {c['ar_top_logit']:.3f})"
         first = "–" if c["first_divergence"] is None else c["first_divergence"]
         below = "–" if c.get("ours_logit_gap") is None else f"{c['ours_logit_gap']:.4f}"
-        ours = "–" if "equal_to_our_ar" not in c else (
-            "True" if c["equal_to_our_ar"] else f"False ({c['first_divergence_from_our_ar']})")
+        ours = "–" if "equal_to_our_ar" not in c else "True" if c["equal_to_our_ar"] else (
+            f"False ({c['first_divergence_from_our_ar']}" + ("" if c.get("top2_gap_there") is None
+                                                              else f"; gap {c['top2_gap_there']:.4f}") + ")")
         lines.append(f"| {c['prompt']} ({c['prompt_tokens']} tok) | {c['strategy']} | {c['equal']} | {first} | {gap} | "
                      f"{below} | {c['path']} | {c['rounds']} | {c['tau']:.2f} | {ours} |")
     ours = [c for c in cases if not c["strategy"].startswith("stock")]
@@ -408,6 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     world = dist.get_world_size()
     name = args.name or f"{args.model}_tp{world}" + ("" if modes == ["timing"] else "_" + "_".join(modes))
     stem = Path(args.out) / f"multigpu_{name}"
+    title = (f"Tensor parallelism over {world} ranks ({args.model})" if world > 1
+             else f"One {args.device} device, no tensor parallelism ({args.model})")
     if dist.get_rank() == 0:
         Path(args.out).mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
@@ -417,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         target, drafter = build(args.model, args.layers, device, Path(args.scratch))
     except Exception as error:  # e.g. out of memory: say so in the results folder too (then --layers fewer)
         if dist.get_rank() == 0:
-            write_results(str(stem), {"title": f"Tensor parallelism over {world} ranks ({args.model})",
+            write_results(str(stem), {"title": title,
                                       "environment": environment(), "build_error": f"{type(error).__name__}: {error}",
                                       "memory_per_gpu": memory_per_gpu_local()},
                           f"Building the model failed: {type(error).__name__}: {error}")
@@ -443,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
         env.update(world_size=world, nccl=".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda"
                    else None, NCCL_NVLS_ENABLE=os.environ.get("NCCL_NVLS_ENABLE"),
                    gpus=[torch.cuda.get_device_name(i) for i in range(world)] if device.type == "cuda" else None)
-        payload = {"title": f"Tensor parallelism over {world} ranks ({args.model})", "environment": env, **report,
+        payload = {"title": title, "environment": env, **report,
                    "notes": "\n\n".join(__doc__.split("\n\n")[2:])}
         table = markdown(report) + memory_markdown(report) + correctness_markdown(report) if report["profiles"] \
             else correctness_markdown(report)
