@@ -136,7 +136,9 @@ def load_tiny_pair(dtype: torch.dtype = torch.float32, device: str | torch.devic
                    path: str | Path | None = None):
     """`(target, drafter, tokenizer)`: the shipped bf16 weights upcast to `dtype` on `device`, in eval mode.
 
-    Works offline; the drafter is bound to the target (it borrows the target's embedding and LM head). On CPU the
+    Works offline; the drafter is bound to the target (it borrows the target's embedding and LM head) and carries the
+    acceptance estimator fitted on the pair's traces (`drafter.acceptance_estimator`, used by the calibrated
+    strategies when HybridSpecConfig names none). On CPU the
     target's experts run transformers' "eager" implementation: its default, grouped_mm, decodes one token ~25× slower
     there (590 vs 24 ms per token on 2 cores, torch 2.13).
     """
@@ -150,4 +152,9 @@ def load_tiny_pair(dtype: torch.dtype = torch.float32, device: str | torch.devic
     target = target.to(device).eval()
     drafter = DFlashDrafter.from_pretrained(root / "drafter", dtype=dtype, local_files_only=True).to(device).eval()
     drafter.bind_target(target)
+    fitted = root / "acceptance_estimator.json"  # fitted on the pair's training-split traces
+    if drafter.acceptance_estimator is None and fitted.is_file():
+        from hybridspec_hf.selector import AcceptanceEstimator
+
+        drafter.acceptance_estimator = AcceptanceEstimator.load(fitted)
     return target, drafter, load_tiny_tokenizer(root / "tokenizer")

@@ -160,6 +160,42 @@ _ROPE_LAYOUTS = {
 }
 
 
+def test_a_drafter_carries_its_acceptance_estimator(target, tmp_path):
+    """save_pretrained writes the fitted estimator beside the weights, from_pretrained reads it back, and the
+    calibrated strategies use it when HybridSpecConfig names none (an estimator passed in the config wins; one
+    fitted for another block size is refused)."""
+    from hybridspec_hf import HybridSpecConfig
+    from hybridspec_hf.generation.strategy import RoundStrategy
+    from hybridspec_hf.selector import AcceptanceEstimator
+
+    drafter = _drafter(target)
+    assert drafter.acceptance_estimator is None
+    weight = torch.randn(5, 4, generator=torch.Generator().manual_seed(3))  # block 6: 5 draft positions
+    drafter.acceptance_estimator = AcceptanceEstimator(weight)
+    drafter.save_pretrained(tmp_path)
+    assert (tmp_path / "acceptance_estimator.json").is_file()
+    loaded = DFlashDrafter.from_pretrained(tmp_path, dtype=torch.float64).bind_target(target).eval()
+    torch.testing.assert_close(loaded.acceptance_estimator.weight, weight)
+    settings = HybridSpecConfig(latency_model=_flat_latency(6))
+    carried = RoundStrategy.build("nominal", settings, target, loaded, has_router=True)
+    torch.testing.assert_close(carried.estimator.weight, weight)
+    plain = RoundStrategy.build("nominal", settings, target, _drafter(target), has_router=True)
+    assert not torch.equal(plain.estimator.weight, weight) and carried.identity() != plain.identity()
+    given = AcceptanceEstimator.default(6)
+    chosen = RoundStrategy.build("nominal", HybridSpecConfig(latency_model=_flat_latency(6), acceptance_estimator=given),
+                                 target, loaded, has_router=True)
+    assert chosen.estimator is given
+    loaded.acceptance_estimator = AcceptanceEstimator.default(8)
+    with pytest.raises(ValueError, match="fitted for block_size=8"):
+        RoundStrategy.build("nominal", settings, target, loaded, has_router=True)
+
+
+def _flat_latency(block_size):
+    from test_properties import latency_model
+
+    return latency_model(block_size, 0.0)
+
+
 @pytest.mark.parametrize("rope", sorted(_ROPE_LAYOUTS))
 def test_zlab_checkpoint_loads_without_missing_or_unexpected_keys(target, tmp_path, rope):
     _, shapes = _write_zlab_checkpoint(tmp_path, **_ROPE_LAYOUTS[rope])

@@ -86,6 +86,9 @@ def test_pair_loads_offline_in_float32_and_the_drafter_is_bound(pair):
     drafter.validate_target(target)  # raises if not bound to this target
     assert drafter.config.mask_token_id == tokenizer.mask_token_id
     assert tokenizer.eos_token_id == target.config.eos_token_id
+    fitted = json.loads((ASSETS_DIR / "acceptance_estimator.json").read_text())["weight"]  # carried by the drafter
+    assert drafter.acceptance_estimator.weight.tolist() == fitted
+    assert drafter.acceptance_estimator.block_size == drafter.config.block_size
 
 
 # A held-out file's opening, fixed here so the test does not depend on this interpreter's stdlib.

@@ -19,6 +19,7 @@ The target's input embedding and LM head are shared and frozen: they are held by
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -454,6 +455,7 @@ class DFlashDrafter(PreTrainedModel):
     """
 
     config_class = DFlashConfig
+    ESTIMATOR_FILE = "acceptance_estimator.json"  # beside the weights: the drafter's fitted acceptance estimator
     base_model_prefix = "model"  # as z-lab's (Qwen3PreTrainedModel); checkpoint keys carry no prefix
     main_input_name = "noise_embeds"
     supports_gradient_checkpointing = True
@@ -474,7 +476,26 @@ class DFlashDrafter(PreTrainedModel):
         self.fc = nn.Linear(len(config.target_layer_ids) * hidden, hidden, bias=False)
         self.hidden_norm = DFlashRMSNorm(hidden, config.rms_norm_eps)
         self._target_modules: tuple[nn.Module, nn.Module] | None = None  # plain tuple: outside the module tree
+        # The calibrated strategies' acceptance estimator when HybridSpecConfig names none (a
+        # selector.AcceptanceEstimator fitted on this drafter's traces; None: the uncalibrated prefix product).
+        # save_pretrained writes it beside the weights and from_pretrained reads it back from a local folder.
+        self.acceptance_estimator = None
         self.post_init()
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs) -> "DFlashDrafter":
+        model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        fitted = Path(str(pretrained_model_name_or_path)) / cls.ESTIMATOR_FILE
+        if fitted.is_file():
+            from hybridspec_hf.selector import AcceptanceEstimator
+
+            model.acceptance_estimator = AcceptanceEstimator.load(fitted)
+        return model
+
+    def save_pretrained(self, save_directory, *args, **kwargs) -> None:
+        super().save_pretrained(save_directory, *args, **kwargs)
+        if self.acceptance_estimator is not None:
+            self.acceptance_estimator.save(Path(str(save_directory)) / self.ESTIMATOR_FILE)
 
     # ----------------------------------------------------------------------------------------------- target
     @classmethod

@@ -119,7 +119,14 @@ class RoundStrategy:
             selector = make_selector(name, {"latency_model": latency})
             identity = (*identity, latency.digest())
         selector.reset()
-        estimator = _estimator(settings.acceptance_estimator, block_size)
+        carried = settings.acceptance_estimator is None and getattr(drafter, "acceptance_estimator", None) is not None
+        estimator = _estimator(drafter.acceptance_estimator if carried else settings.acceptance_estimator, block_size)
+        if estimator.block_size != block_size:
+            raise ValueError(f"the acceptance estimator was fitted for block_size={estimator.block_size}, the drafter "
+                             f"drafts blocks of {block_size}: fit one on this drafter's traces "
+                             "(selector.AcceptanceEstimator.fit) or pass acceptance_estimator=None.")
+        if carried:  # the drafter's own estimator: part of what the decisions depend on
+            identity = (*identity, json.dumps(estimator.to_dict()))
         shape = resolved_verify_shape(settings, next(target.parameters()).device)
         return cls(name, None, selector, estimator, bool(selector.routing_correction and has_router), shape,
                    settings.kernel_backend, identity)
