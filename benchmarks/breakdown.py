@@ -204,7 +204,8 @@ def main() -> None:
         target.generate(prompt, max_new_tokens=capacity_tokens, **kwargs)  # captures for this capacity
         target.generate(prompt, max_new_tokens=8, **kwargs)  # reuses the rounds, leaves the cache near the prompt
         rounds = target.__dict__.get("_hybridspec_resident")
-        rounds.max_length.fill_(10**9)  # every verify graph sees all its tokens valid
+        rounds.limit.fill_(10**9)  # every verify graph sees all its tokens valid
+        rounds.live.fill_(1)  # and commits them (the call that ended left its row finished)
         if strategy == "ar":
             graphs = {"AR step (w = 1)": (rounds.step, 1, False)}
         else:
