@@ -1,11 +1,12 @@
 """Batched GPU-resident rounds (generation/resident.py with N rows) on the CPU twin: the static-buffer code CUDA
 graphs replay, run eagerly with cuda_graphs="on". A batch runs in the smallest bucket of BATCH_BUCKETS that holds it
 (the rest inert rows), each row's prompt without its left padding, one shared w per round, per-row m and EOS/length
-decided on the device. Each row's greedy output equals its own generate() in float64."""
+decided on the device. Each row's greedy output equals its own generate() in float64 (every strategy and family:
+tests/test_batched.py, test_every_strategy_gives_each_row_its_own_generate with cuda_graphs="on")."""
 import pytest
 import torch
-from _tiny import TARGETS, VOCAB, cache_tensors, make_drafter, make_target, output_cache
-from test_batched import PAD, assert_rows_equal_own, left_pad, own_generate, random_prompts
+from _tiny import VOCAB, cache_tensors, make_drafter, make_target, output_cache
+from test_batched import PAD, assert_rows_equal_own, left_pad, own_generate, random_prompts, spec_batch
 from test_properties import latency_model
 
 import hybridspec_hf
@@ -13,34 +14,6 @@ from hybridspec_hf import HybridSpecConfig
 from hybridspec_hf.generation import resident
 
 BLOCK = 8
-STRATEGIES = ["ar", "dflash", "static", "ratio", "nominal", "hybridspec"]
-
-
-def resident_batch(target, prompts, drafter, strategy, max_new_tokens, verify_shape="auto", **kwargs):
-    ids, mask = left_pad(prompts)
-    config = HybridSpecConfig(latency_model=latency_model(BLOCK, 0.2), static_length=5, cuda_graphs="on",
-                              verify_shape=verify_shape)
-    return target.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                           assistant_model=drafter if strategy != "ar" else None, generation_strategy=strategy,
-                           hybridspec_config=config, pad_token_id=PAD, **kwargs)
-
-
-@pytest.mark.parametrize("name", list(TARGETS))
-def test_every_strategy_gives_each_row_its_own_generate(name, fp64_gdn):
-    """Mixed prompt lengths (1 to 13 tokens), 3 prompts in the bucket of 4 (one inert row), every family."""
-    target = make_target(name)
-    prompts = random_prompts((1, 13, 6), seed=len(name))
-    own = own_generate(target, prompts, 18)
-    drafter = make_drafter(target, BLOCK, [o.sequences[0] for o in own], error_rate=0.25)
-    for strategy in STRATEGIES:
-        out = resident_batch(target, prompts, drafter, strategy, 18)
-        assert_rows_equal_own(out, prompts, own)
-        telemetry = hybridspec_hf.get_telemetry(target)
-        assert telemetry.path == "static_eager", (strategy, telemetry.path_reason)
-        assert target.__dict__["_hybridspec_resident"].rows == 4
-        assert all(1 <= r.w <= BLOCK and r.rows <= 3 for r in telemetry.rounds)
-        if strategy != "ar":
-            assert max(r.accepted for r in telemetry.rounds) > 0, strategy
 
 
 @pytest.mark.parametrize("verify_shape", ["exact", "max"])
@@ -59,8 +32,8 @@ def test_eos_at_different_positions_like_batched_generate(name, verify_shape, fp
     stock = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=30, eos_token_id=eos,
                             pad_token_id=PAD)
     for strategy in ("dflash", "hybridspec", "ar"):
-        out = resident_batch(target, prompts, drafter, strategy, 30, verify_shape, eos_token_id=eos,
-                             return_dict_in_generate=True)
+        out = spec_batch(target, prompts, drafter if strategy != "ar" else None, strategy, 30, "on", verify_shape,
+                         eos_token_id=eos, return_dict_in_generate=True)
         assert_rows_equal_own(out.sequences, prompts, own)
         assert torch.equal(out.sequences, stock)
         telemetry = hybridspec_hf.get_telemetry(target)
@@ -84,11 +57,10 @@ def test_max_new_tokens_across_calls_reuse_the_bucket(fp64_gdn):
     prompts = random_prompts((3, 8, 5, 1), seed=4)
     full = own_generate(target, prompts, 24)
     drafter = make_drafter(target, BLOCK, [o.sequences[0] for o in full], error_rate=0.1)
-    kept = None
     for max_new in (1, 2, 7, 9, 17):
         own = own_generate(target, prompts, max_new)
         for strategy, batch in (("static", 4), ("nominal", 3)):
-            out = resident_batch(target, prompts[:batch], drafter, strategy, max_new)
+            out = spec_batch(target, prompts[:batch], drafter, strategy, max_new, "on")
             assert out.shape[1] == max(p.numel() for p in prompts[:batch]) + max_new
             assert_rows_equal_own(out, prompts[:batch], own[:batch])
             rounds = target.__dict__["_hybridspec_resident"]
@@ -144,14 +116,14 @@ def test_what_resident_batches_cannot_run_is_named(fp64_gdn):
     drafter = make_drafter(target, BLOCK)
     prompts = random_prompts([3] * 17, seed=9)
     with pytest.raises(ValueError, match="batch size 17.*up to 16"):
-        resident_batch(target, prompts, drafter, "dflash", 4)
+        spec_batch(target, prompts, drafter, "dflash", 4, "on")
 
     class Never(StoppingCriteria):
         def __call__(self, input_ids, scores, **kwargs):
             return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
     with pytest.raises(ValueError, match="Never.*host"):
-        resident_batch(target, prompts[:2], drafter, "dflash", 4, stopping_criteria=StoppingCriteriaList([Never()]))
+        spec_batch(target, prompts[:2], drafter, "dflash", 4, "on", stopping_criteria=StoppingCriteriaList([Never()]))
     with pytest.raises(ValueError, match="rows=3"):
         resident.resident_rounds(target, drafter, None, [], False, 16, 1, True, capture=False, rows=3)
     # "auto" falls back to the eager loop (on the CPU it always runs it); the output is the same
