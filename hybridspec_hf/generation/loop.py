@@ -158,7 +158,8 @@ def hybridspec_decode(
 
     block_size = drafter.config.block_size if drafter is not None else 1
     moe_blocks = patches.moe_blocks(model)
-    strategy = RoundStrategy.build(hybridspec_strategy, settings, model, drafter, has_router=bool(moe_blocks))
+    strategy = RoundStrategy.build(hybridspec_strategy, settings, model, drafter, has_router=bool(moe_blocks),
+                                   batch=input_ids.shape[0])
     telemetry = GenerationTelemetry(strategy=hybridspec_strategy, block_size=block_size, prompt_tokens=input_ids.shape[1])
     model.hybridspec_telemetry = telemetry
     if input_ids.shape[0] > 1 or padded:

@@ -78,8 +78,11 @@ class RoundStrategy:
         self.routing = None  # timing mode: a selector.profiles.RoutingProfile replacing the routers' choices
 
     @classmethod
-    def build(cls, name: str, settings: HybridSpecConfig, target, drafter, has_router: bool) -> "RoundStrategy":
-        strategy = cls._build(name, settings, target, drafter, has_router)
+    def build(cls, name: str, settings: HybridSpecConfig, target, drafter, has_router: bool,
+              batch: int = 1) -> "RoundStrategy":
+        """The strategy of one generate() call over `batch` prompts (a calibrated strategy reads the latency
+        model's tables for that batch size: LatencyModel.for_batch)."""
+        strategy = cls._build(name, settings, target, drafter, has_router, batch)
         profile = settings.acceptance_profile
         if profile is not None and not isinstance(profile, AcceptanceProfile):
             profile = load_profile(profile)
@@ -95,7 +98,8 @@ class RoundStrategy:
         return strategy
 
     @classmethod
-    def _build(cls, name: str, settings: HybridSpecConfig, target, drafter, has_router: bool) -> "RoundStrategy":
+    def _build(cls, name: str, settings: HybridSpecConfig, target, drafter, has_router: bool,
+               batch: int) -> "RoundStrategy":
         identity = (name, repr(settings.to_dict()), id(settings.selector))
         plain = dict(kernel_backend=settings.kernel_backend, identity=identity)
         if name == "ar":  # plain decoding through the same machinery: the baseline
@@ -116,7 +120,7 @@ class RoundStrategy:
             selector = make_selector(name, {"threshold": settings.confidence_threshold})
         else:
             assert name in CALIBRATED_STRATEGIES
-            latency = resolve_latency_model(settings, target, drafter)
+            latency = resolve_latency_model(settings, target, drafter).for_batch(batch)
             selector = make_selector(name, {"latency_model": latency})
             identity = (*identity, latency.digest())
         selector.reset()
