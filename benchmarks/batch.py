@@ -51,14 +51,15 @@ def expert_union(target, tokens: float) -> float | None:
     return experts * (1 - (1 - config.num_experts_per_tok / experts) ** tokens)
 
 
-def run_method(target, drafter, prompt: torch.Tensor, method: str, replay, estimator, latency, tokens: int) -> dict:
+def run_method(target, drafter, prompt: torch.Tensor, method: str, replay, estimator, latency, tokens: int,
+               verify_shape: str = "auto") -> dict:
     """One (batch, profile, method): a warm-up call (captures the batch bucket's rounds), then a timed call."""
     strategy = method
     timed = method != "ar"  # AR is plain decoding: no acceptance to replay
     # on a CPU (the tiny harness) every method runs the resident rounds' CPU twin, as the profiles' methods must
     settings = HybridSpecConfig(acceptance_profile=replay if timed else None, latency_model=latency,
                                 acceptance_estimator=estimator if method == "hybridspec" else None,
-                                cuda_graphs="auto" if prompt.is_cuda else "on")
+                                cuda_graphs="auto" if prompt.is_cuda else "on", verify_shape=verify_shape)
     kwargs = dict(attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=tokens,
                   eos_token_id=None, pad_token_id=0, generation_strategy=strategy, hybridspec_config=settings,
                   assistant_model=drafter if method != "ar" else None)
@@ -99,6 +100,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--methods", default=",".join(METHODS), help=f"subset of {','.join(METHODS)}")
     parser.add_argument("--tokens", type=int, default=None, help="new tokens per row (default 128; tiny: 12)")
     parser.add_argument("--context", type=int, default=None, help="prompt tokens (default 128; tiny: 16)")
+    parser.add_argument("--verify-shape", default="auto", choices=["auto", "max", "exact"],
+                        help="HybridSpecConfig.verify_shape of the speculative methods (auto: max on CUDA)")
     parser.add_argument("--name", default=None, help="results stem (default batch_<model>; tiny on a CPU: "
                                                      "batch_tiny_cpu)")
     args = parser.parse_args(argv)
@@ -115,10 +118,12 @@ def main(argv: list[str] | None = None) -> dict:
     report: dict = {"model": args.model, "layers": target.config.get_text_config().num_hidden_layers,
                     "parameters_b": sum(p.numel() for p in target.parameters()) / 1e9, "device": device,
                     "weights": "random", "routing": "uniform (random router)", "tokens_per_row": tokens,
-                    "context": context, "build_s": time.perf_counter() - start, "batches": {}}
+                    "context": context, "verify_shape": args.verify_shape, "build_s": time.perf_counter() - start,
+                    "batches": {}}
     calibration_start = time.perf_counter()
     latency = calibrate_latency(target, drafter, context_lens=(context,), repeats=1, progress=False,
-                                batch_sizes=tuple(batches), cuda_graphs="auto" if device == "cuda" else "on")
+                                batch_sizes=tuple(batches), cuda_graphs="auto" if device == "cuda" else "on",
+                                verify_shape=None if args.verify_shape == "auto" else args.verify_shape)
     report["calibration_s"] = time.perf_counter() - calibration_start
     report["latency_ms"] = {str(n): {"cost_ar": float(latency.batch_cost_ar[i, 0]) * 1e3,
                                      "cost": [round(float(c) * 1e3, 3) for c in latency.batch_cost[i, 0]]}
@@ -132,7 +137,8 @@ def main(argv: list[str] | None = None) -> dict:
             entry = table.setdefault(label, {"profile": PROFILES[label],
                                              "mean_accepted_length": replay.mean_accepted_length, "methods": {}})
             for method in args.methods.split(","):
-                result = run_method(target, drafter, rows, method, replay, estimator, latency, tokens)
+                result = run_method(target, drafter, rows, method, replay, estimator, latency, tokens,
+                                    args.verify_shape)
                 entry["methods"][method] = result
                 print(f"batch {batch}, {label}, {method}:", {k: v for k, v in result.items() if k != "path_reason"},
                       flush=True)
@@ -153,7 +159,8 @@ def save(name: str, report: dict) -> None:
 def markdown(report: dict) -> str:
     lines = [f"{report['model']}, {report['layers']} layers, {report['parameters_b']:.2f} B parameters, random "
              f"weights, {report['routing']} routing, on {report['device']}; {report['tokens_per_row']} new tokens per "
-             f"row after a {report['context']}-token prompt. tokens/s: every row's tokens over the decode loop's "
+             f"row after a {report['context']}-token prompt, verify shape {report.get('verify_shape', 'auto')} (auto: "
+             "max on CUDA, exact on a CPU). tokens/s: every row's tokens over the decode loop's "
              "wall time (prefill excluded). × AR: over AR at the same batch size."]
     if report["device"] == "cpu":
         lines += ["", "**A CPU run of the harness**: the tiny float32 model, the resident rounds' CPU twin (no CUDA "
