@@ -283,7 +283,8 @@ def main(argv: list[str] | None = None) -> None:
         target.generate(prompt, max_new_tokens=capacity_tokens, **kwargs)  # captures for this capacity
         target.generate(prompt, max_new_tokens=8, **kwargs)  # reuses the rounds, leaves the cache near the prompt
         rounds = target.__dict__.get("_hybridspec_resident")
-        rounds.max_length.fill_(10**9)  # every round may verify the whole block
+        rounds.limit.fill_(10**9)  # every round may verify the whole block
+        rounds.live.fill_(1)  # and commits (the call that ended left its row finished)
         for label, part in parts_of(rounds, strategy, verify_shape, lengths).items():
             part.before()
             start_length = int(rounds.target.length)

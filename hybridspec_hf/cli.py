@@ -136,8 +136,10 @@ def median_of_passes(models: list):
     def median(name):
         return torch.stack([getattr(m, name) for m in models]).median(dim=0).values
 
+    batches = {} if models[0].batch_sizes is None else \
+        dict(batch_cost=median("batch_cost"), batch_cost_ar=median("batch_cost_ar"))
     return dataclasses.replace(models[0], cost=median("cost"), cost_ar=median("cost_ar"), sunk=median("sunk"),
-                               eta=statistics.median(m.eta for m in models))
+                               eta=statistics.median(m.eta for m in models), **batches)
 
 
 def relative_spread(models: list, reference) -> float:
@@ -172,6 +174,10 @@ def _describe(model) -> str:
         ms = " ".join(f"{float(c) * 1e3:.1f}" for c in model.cost[row])
         lines.append(f"  context {context}: C(w) for w = 1..{model.block_size} [ms]: {ms}; "
                      f"plain step C_ar {float(model.cost_ar[row]) * 1e3:.1f} ms")
+    for index, batch in enumerate([] if model.batch_sizes is None else model.batch_sizes.tolist()[1:], start=1):
+        ms = " ".join(f"{float(c) * 1e3:.1f}" for c in model.batch_cost[index, 0])
+        lines.append(f"  batch {batch}, context {model.context_lens[0]}: C(w) [ms]: {ms}; plain step "
+                     f"{float(model.batch_cost_ar[index, 0]) * 1e3:.1f} ms")
     lines.append(f"  η = {model.eta * 1e6:.1f} µs per extra distinct expert")
     return "\n".join(lines)
 
@@ -210,7 +216,8 @@ def calibrate(args) -> int:
     for index in range(args.passes):
         print(f"pass {index + 1}/{args.passes}")
         passes.append(calibrate_latency(target, drafter, context_lens=tuple(args.context), repeats=args.repeats,
-                                        kernel_backend=args.kernel_backend, prompt_ids=text))
+                                        kernel_backend=args.kernel_backend, prompt_ids=text,
+                                        batch_sizes=tuple(args.batch_sizes)))
     model = median_of_passes(passes)
     model.key = key
     spread = relative_spread(passes, model)
@@ -314,6 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "for the tiny pair, random tokens otherwise")
     timing = p.add_argument_group("timing")
     timing.add_argument("--context", type=int, nargs="+", default=[64, 512], help="context-length buckets (tokens)")
+    timing.add_argument("--batch-sizes", type=int, nargs="+", default=[1],
+                        help="batch sizes timed (1 always): a batch of N prompts chooses its shared w from C_N(w)")
     timing.add_argument("--repeats", type=int, default=2, help="timed repeats of every shape per pass")
     timing.add_argument("--passes", type=int, default=3, help="independent passes; their median is saved")
     timing.add_argument("--tolerance", type=float, default=0.25,

@@ -176,6 +176,7 @@ class OracleDrafter(DFlashDrafter):
             positions = (anchor_position + steps).view(1, -1)
         if reference.shape[0] > 1:  # one reference per batch row (a CPU batch: `rows` says which)
             which = rows.to(device) if rows is not None else torch.arange(logits.shape[0], device=device)
+            which = which.clamp(max=reference.shape[0] - 1)  # the inert rows filling a resident batch's bucket
         else:
             which = torch.zeros(positions.shape[0], dtype=torch.long, device=device)
         inside = positions < lengths[which].view(-1, 1)

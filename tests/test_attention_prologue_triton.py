@@ -82,6 +82,33 @@ def test_prologue_equals_transformers_ops(shape, dtype, offset):
     assert not torch.allclose(keys[:, :, new].float(), x["k"].float(), atol=1e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prologue_writes_each_row_at_its_own_length(dtype):
+    """Batched resident rounds: length [B], row b's T keys and values at its own slots length[b] .. length[b]+T-1,
+    every other slot of that row untouched."""
+    shape = dict(batch=3, q_heads=4, kv_heads=2, tokens=4, dim=64, rotary=16)
+    x = _inputs(**shape, slots=40, length=0, dtype=dtype, seed=8)
+    lengths = torch.tensor([0, 17, 33])
+    want_keys, want_values = x["keys"].clone(), x["values"].clone()
+    want_q = qk_prologue_reference(x["q"], x["k"], x["v"], x["q_weight"], x["k_weight"], 1e-6, x["cos"], x["sin"],
+                                   want_keys, want_values, lengths)
+    keys, values = x["keys"].clone(), x["values"].clone()
+    q = qk_prologue(x["q"], x["k"], x["v"], x["q_weight"], x["k_weight"], 1e-6, x["cos"], x["sin"], keys, values,
+                    lengths)
+    _close(q, want_q, dtype)
+    for row, start in enumerate(lengths.tolist()):
+        new = slice(start, start + 4)
+        _close(keys[row, :, new], want_keys[row, :, new], dtype)
+        assert torch.equal(values[row, :, new], x["v"][row])
+        untouched = torch.ones(40, dtype=torch.bool)
+        untouched[new] = False
+        assert torch.equal(keys[row][:, untouched], x["keys"][row][:, untouched])
+        assert torch.equal(values[row][:, untouched], x["values"][row][:, untouched])
+    with pytest.raises(ValueError, match="1 or B=3"):
+        qk_prologue(x["q"], x["k"], x["v"], x["q_weight"], x["k_weight"], 1e-6, x["cos"], x["sin"], keys, values,
+                    torch.tensor([1, 2]))
+
+
 def test_prologue_rejects_what_it_cannot_take():
     x = _inputs(1, 4, 2, 2, 32, 16, 20, 3, torch.float32, seed=0)
     with pytest.raises(ValueError, match="qk_prologue wants"):

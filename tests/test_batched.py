@@ -40,9 +40,13 @@ def own_generate(target, prompts, max_new_tokens, **kwargs):
                             output_logits=True, **kwargs) for p in prompts]
 
 
-def spec_batch(target, prompts, drafter, strategy, max_new_tokens, **kwargs):
+def spec_batch(target, prompts, drafter, strategy, max_new_tokens, cuda_graphs="auto", verify_shape="auto",
+               **kwargs):
+    """The prompts left-padded into one batch through generate() (cuda_graphs="on": resident rounds, the CPU
+    twin; tests/test_resident_batched.py)."""
     ids, mask = left_pad(prompts)
-    config = HybridSpecConfig(latency_model=latency_model(BLOCK, 0.2), static_length=5)
+    config = HybridSpecConfig(latency_model=latency_model(BLOCK, 0.2), static_length=5, cuda_graphs=cuda_graphs,
+                              verify_shape=verify_shape)
     kwargs.setdefault("do_sample", False)
     return target.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, assistant_model=drafter,
                            generation_strategy=strategy, hybridspec_config=config, pad_token_id=PAD, **kwargs)
@@ -58,17 +62,23 @@ def assert_rows_equal_own(out: torch.Tensor, prompts, own, width: int | None = N
         assert (out[row, width + new:] == PAD).all(), f"row {row} is not padded after its end"
 
 
+@pytest.mark.parametrize("cuda_graphs", ["auto", "on"])
 @pytest.mark.parametrize("name", list(TARGETS))
-def test_every_strategy_gives_each_row_its_own_generate(name, fp64_gdn):
-    """Mixed prompt lengths (1 to 13 tokens: up to 12 pads), every drafting strategy and "ar", every family."""
+def test_every_strategy_gives_each_row_its_own_generate(name, cuda_graphs, fp64_gdn):
+    """Mixed prompt lengths (1 to 13 tokens: up to 12 pads), every drafting strategy and "ar", every family; the
+    eager batched loop ("auto" on the CPU) and resident rounds ("on": 3 prompts in the bucket of 4, one inert row)."""
     target = make_target(name)
     prompts = random_prompts((1, 13, 6), seed=len(name))
     own = own_generate(target, prompts, 18)
     drafter = make_drafter(target, BLOCK, [o.sequences[0] for o in own], error_rate=0.25)
     for strategy in [*DRAFTING, "ar"]:
-        out = spec_batch(target, prompts, drafter if strategy != "ar" else None, strategy, 18)
+        out = spec_batch(target, prompts, drafter if strategy != "ar" else None, strategy, 18, cuda_graphs)
         assert_rows_equal_own(out, prompts, own)
-        rounds = hybridspec_hf.get_telemetry(target).rounds
+        telemetry = hybridspec_hf.get_telemetry(target)
+        assert telemetry.path == ("static_eager" if cuda_graphs == "on" else "eager"), telemetry.path_reason
+        if cuda_graphs == "on":
+            assert target.__dict__["_hybridspec_resident"].rows == 4
+        rounds = telemetry.rounds
         assert all(1 <= r.w <= BLOCK and r.rows <= 3 for r in rounds)
         if strategy != "ar":
             assert max(r.accepted for r in rounds) > 0, strategy
@@ -234,5 +244,6 @@ def test_batched_errors_name_the_problem():
         target.generate(ids, streamer=Recorder(), **kwargs)
     with pytest.raises(ValueError, match="StaticCache"):
         target.generate(ids, past_key_values=StaticCache(config=target.config, max_cache_len=32), **kwargs)
-    with pytest.raises(ValueError, match="cuda_graphs='on'"):
-        target.generate(ids, hybridspec_config=HybridSpecConfig(cuda_graphs="on"), **kwargs)
+    with pytest.raises(ValueError, match="cuda_graphs='on'.*output_scores"):  # resident rounds keep no scores
+        target.generate(ids, hybridspec_config=HybridSpecConfig(cuda_graphs="on"), return_dict_in_generate=True,
+                        output_scores=True, **kwargs)

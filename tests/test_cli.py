@@ -53,7 +53,9 @@ def test_calibrate_keeps_a_cached_calibration_that_the_new_one_contradicts(tmp_p
     assert calibrate(tmp_path) == cli.EXIT_REFUSED
     assert path.read_text() == before and (tmp_path / "latency.rejected.json").exists()
     assert "--force" in capsys.readouterr().err
-    assert calibrate(tmp_path, "--force") == 0 and path.read_text() != before
+    assert calibrate(tmp_path, "--force", "--batch-sizes", "1", "2") == 0 and path.read_text() != before
+    assert json.loads(path.read_text())["batch_sizes"]["data"] == [1, 2]  # C_2(w) timed too
+    assert "batch 2, context 32" in capsys.readouterr().out
 
 
 def test_calibrate_needs_both_target_and_drafter():

@@ -398,3 +398,19 @@ def test_mask_invalid_routes_matches_reference(valid):
     ref_ids, ref_weights = router_triton.mask_invalid_routes_reference(ids, weights, limit)
     assert torch.equal(got_ids, ref_ids) and torch.equal(got_weights, ref_weights)
     assert (got_weights[valid:] == 0).all() and torch.equal(got_ids[valid:], ids[:1].expand(max(5 - valid, 0), 8))
+
+
+def test_mask_invalid_routes_per_batch_row():
+    """Batched rounds: ids [R·T, k] row-major, valid [R]: row r's tokens at or past valid[r] take token 0's experts
+    with weight 0; the others keep theirs."""
+    torch.manual_seed(2)
+    ids = torch.randint(0, 256, (3 * 4, 8))
+    weights = torch.rand(3 * 4, 8, dtype=torch.bfloat16) + 0.1
+    valid = torch.tensor([4, 1, 2])
+    got_ids, got_weights = router_triton.mask_invalid_routes(ids, weights, valid)
+    ref_ids, ref_weights = router_triton.mask_invalid_routes_reference(ids, weights, valid)
+    assert torch.equal(got_ids, ref_ids) and torch.equal(got_weights, ref_weights)
+    invalid = torch.tensor([0, 0, 0, 0, 0, 1, 1, 1, 0, 0, 1, 1], dtype=torch.bool)
+    assert (got_weights[invalid] == 0).all() and (got_weights[~invalid] > 0).all()
+    assert torch.equal(got_ids[invalid], ids[:1].expand(int(invalid.sum()), 8))
+    assert torch.equal(got_ids[~invalid], ids[~invalid])

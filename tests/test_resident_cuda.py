@@ -87,3 +87,41 @@ def test_both_verify_shapes_run_captured_and_equal_ar(verify_shape, sync_errors)
     torch.cuda.set_sync_debug_mode(0)
     assert torch.equal(out, ar)
     assert target.__dict__["_hybridspec_resident"].exact == (verify_shape == "exact")
+
+
+@pytest.mark.parametrize("strategy", ["ar", "dflash", "hybridspec"])
+def test_batched_calls_run_captured_without_syncs_and_equal_each_rows_ar(strategy, monkeypatch):
+    """A left-padded batch of 3 in the bucket of 4, captured: no device→host sync inside its rounds (only the
+    per-round hand-off), every row's fp32 greedy output equal to its own AR, the bucket's graphs reused by a second
+    call."""
+    from hybridspec_hf.generation import resident
+
+    rounds_only = resident.resident_decode_rows
+
+    def sync_free_rounds(*args, **kwargs):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return rounds_only(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+    monkeypatch.setattr(resident, "resident_decode_rows", sync_free_rounds)
+    target, _ = _pair()
+    generator = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(1, VOCAB, (n,), generator=generator) for n in (9, 3, 14)]
+    own = [target.generate(p[None].cuda(), do_sample=False, max_new_tokens=30).cpu() for p in prompts]
+    target, drafter = _pair(reference=[o[0] for o in own])
+    ids = torch.zeros(3, 14, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, 14 - prompt.numel():], mask[row, 14 - prompt.numel():] = prompt, 1
+    kwargs = dict(attention_mask=mask.cuda(), do_sample=False, max_new_tokens=30, pad_token_id=0,
+                  assistant_model=drafter if strategy != "ar" else None, generation_strategy=strategy,
+                  hybridspec_config=HybridSpecConfig(cuda_graphs="on"))
+    target.generate(ids.cuda(), **kwargs)  # first call: captures the bucket of 4
+    out = target.generate(ids.cuda(), **kwargs).cpu()
+    telemetry = hybridspec_hf.get_telemetry(target)
+    assert telemetry.path == "cuda_graphs" and telemetry.capture_s == 0.0
+    assert target.__dict__["_hybridspec_resident"].rows == 4
+    for row, (prompt, ar) in enumerate(zip(prompts, own)):
+        assert torch.equal(out[row, 14:], ar[0, prompt.numel():]), (strategy, row)

@@ -29,11 +29,15 @@ The returned cache is rebuilt so that, as after stock generate(), column j of ev
 keys of sequences[:, j] (zeros for columns a row never processed: its tokens after it finished; a row that kept
 generating past the returned length has its GDN states from further on).
 Every round verifies exactly the chosen w tokens (verify_shape is a batch-1 setting).
-Not here: the routing correction ("hybridspec" runs as "nominal" at batch > 1), GPU-resident rounds (batch 1 only;
-"auto" runs this eager loop), streamers at batch > 1 (transformers' refuse batches too) and StaticCache.
+GPU-resident rounds (cuda_graphs "auto" on CUDA, "on", timing mode) take over after the same prefill when the batch
+fits a bucket (up to 16 rows) and EOS and max_length are its only stopping rules (`_resident_rows`,
+generation/resident.py); otherwise this eager loop runs, with the reason in telemetry.path_reason.
+Not here: the routing correction ("hybridspec" runs as "nominal" at batch > 1, eager or resident), streamers at
+batch > 1 (transformers' refuse batches too) and StaticCache.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 
@@ -45,19 +49,17 @@ from hybridspec_hf.drafter.modeling_dflash import StaticDraftContext
 from hybridspec_hf.generation.acceptance import greedy_accept, sample_tokens, score_positions, speculative_sample
 from hybridspec_hf.generation.checks import finish_output
 from hybridspec_hf.generation.telemetry import RoundRecord
+from hybridspec_hf.graphs.capture import host_syncs
 from hybridspec_hf.generation.target import BatchTargetRunner
 from hybridspec_hf.patches._cache import set_rows
 
 
-def check_batched_call(settings, streamer, cache, batch: int) -> None:
+def check_batched_call(streamer, cache, batch: int) -> None:
     """What a batched call cannot do, as one clear error."""
     problems = []
     if streamer is not None and batch > 1:
         problems.append("a streamer: transformers' streamers take one sequence (TextStreamer raises for batches); "
                         "generate without streamer=, or one prompt per call")
-    if settings.cuda_graphs == "on" or settings.acceptance_profile is not None:
-        problems.append("GPU-resident rounds (cuda_graphs='on', acceptance_profile=): they run batch size 1; "
-                        "use cuda_graphs='auto' (the eager batched loop)")
     if any(type(layer).__name__ == "StaticLayer" for layer in cache.layers):
         problems.append("a StaticCache: rejected drafts stay in a batch's cache as masked slots, so it grows past "
                         "max_length; use the default DynamicCache (cache_implementation=None)")
@@ -181,16 +183,14 @@ def _real_first(features: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tenso
 
 
 def batched_decode(model, input_ids, position_ids, attention_mask, cache, cache_key, drafter, strategy, settings,
-                   logits_processor, stopping_criteria, generation_config, streamer, telemetry, home, model_kwargs):
+                   logits_processor, stopping_criteria, generation_config, streamer, telemetry, home, model_kwargs,
+                   resident: bool = False):
     """The batched round loop (see the module docstring). Returns what generate() returns, on device `home` (the
-    model's: generate()'s wrapper moves outputs back to where the prompt was)."""
+    model's: generate()'s wrapper moves outputs back to where the prompt was). resident: the rounds after the
+    prefill run on GPU-resident rounds of the batch's bucket (`_resident_rows`)."""
     batch = input_ids.shape[0]
-    check_batched_call(settings, streamer, cache, batch)
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    telemetry.path = "eager"
-    if settings.cuda_graphs == "auto" and next(model.parameters()).device.type == "cuda":
-        telemetry.path_reason = f"batch size {batch} (GPU-resident rounds run batch size 1)"
     do_sample = generation_config.do_sample
     keep = generation_config.return_dict_in_generate
     emitter = RowEmitter(input_ids, stopping_criteria, generation_config, keep and generation_config.output_scores,
@@ -207,14 +207,20 @@ def batched_decode(model, input_ids, position_ids, attention_mask, cache, cache_
     snapshots: list = [None] * batch  # each finished row's cache (BatchTargetRunner.snapshot)
     try:
         # Prefill: exactly stock generate()'s first forward, left padding masked.
-        logits, features = runner.prefill(input_ids, position_ids, attention_mask, **model_kwargs)
-        raw = logits.float()
-        scores = logits_processor(input_ids, raw)
-        first = sample_tokens(scores.softmax(-1)) if do_sample else scores.argmax(-1)
-        for row in active:
-            emitter.emit(row, first[row], scores[row], raw[row])
+        with host_syncs() if resident else contextlib.nullcontext():
+            logits, features = runner.prefill(input_ids, position_ids, attention_mask, **model_kwargs)
+            raw = logits.float()
+            scores = logits_processor(input_ids, raw)
+            first = sample_tokens(scores.softmax(-1)) if do_sample else scores.argmax(-1)
+            for row in active:
+                emitter.emit(row, first[row], scores[row], raw[row])
         telemetry.prefill_tokens = batch
         telemetry.prefill_s = time.perf_counter() - start
+        if resident:
+            output = _resident_rows(model, drafter, strategy, logits_processor, generation_config, input_ids,
+                                    attention_mask, cache, runner, features, first, telemetry)
+            telemetry.total_s = time.perf_counter() - start
+            return finish_output(generation_config, output, cache, cache_key)
         context = None
         if drafter is not None:  # each row's context holds its real tokens only, at positions 0, 1, ...
             context = StaticDraftContext(drafter, generation_config.max_length, drafter.device, drafter.dtype, batch)
@@ -307,3 +313,38 @@ def _retire(emitter: RowEmitter, runner: BatchTargetRunner, context, active: lis
         if context is not None:
             context.keep_rows(torch.tensor(staying, dtype=torch.long))
     return [active[i] for i in staying]
+
+
+class _Sequences:
+    """What `finish_output` reads of a call that ran resident rounds (no scores: those calls keep none)."""
+
+    def __init__(self, input_ids: torch.Tensor):
+        self.input_ids, self.scores, self.logits = input_ids, None, None
+
+
+def _resident_rows(model, drafter, strategy, logits_processor, generation_config, input_ids, attention_mask, cache,
+                   runner, features, first, telemetry) -> _Sequences:
+    """The rounds after the prefill on GPU-resident rounds of the batch's bucket (generation/resident.py): EOS and
+    max_length decided per row on the device, one hand-off per round. The caller's cache is rebuilt as this eager
+    loop leaves it."""
+    from hybridspec_hf.generation.resident import (RowsHost, batch_bucket, eos_ids, resident_decode_rows,
+                                                   resident_rounds)
+
+    positions = runner.positions  # [B, 1] or [R, B, 1]: position id of each row's last cached token
+    with host_syncs():  # set-up of the call: capture (first call only), loading the prefilled cache
+        eos = eos_ids(generation_config)
+        host = RowsHost(input_ids, first.tolist(), generation_config, eos)
+        rounds = resident_rounds(model, drafter, strategy, logits_processor, generation_config.do_sample,
+                                 generation_config.max_length, positions.shape[0] if positions.dim() == 3 else 1,
+                                 True, capture=telemetry.path == "cuda_graphs", rows=batch_bucket(input_ids.shape[0]))
+        telemetry.capture_s, rounds.capture_s = rounds.capture_s, 0.0  # reported by the call that captured
+        telemetry.resident_memory_bytes = rounds.memory_bytes
+        rounds.start(cache, positions, features, first, generation_config.max_length, eos, real=attention_mask,
+                     live=host.live)
+    resident_decode_rows(rounds, host, telemetry, strategy.predicted_latency)  # syncs only at each hand-off
+    with host_syncs():
+        sequences = host.sequences()
+        pads = (attention_mask == 0).sum(1).tolist()
+        lengths = [host.length(row) - 1 - pads[row] for row in range(input_ids.shape[0])]
+        rounds.finish_rows(cache, lengths, attention_mask, sequences.shape[1])
+    return _Sequences(sequences)

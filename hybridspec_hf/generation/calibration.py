@@ -140,8 +140,9 @@ def _mean_over_ranks(model: LatencyModel) -> LatencyModel:
     device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     tensors = {"cost": model.cost.to(device, copy=True), "cost_ar": model.cost_ar.to(device, copy=True),
                "eta": torch.tensor([float(model.eta)], device=device)}
-    if model.sunk is not None:
-        tensors["sunk"] = model.sunk.to(device, copy=True)
+    for name in ("sunk", "batch_cost", "batch_cost_ar"):
+        if getattr(model, name) is not None:
+            tensors[name] = getattr(model, name).to(device, copy=True)
     for value in tensors.values():
         torch.distributed.all_reduce(value)
         value /= torch.distributed.get_world_size()
@@ -162,6 +163,7 @@ def calibrate_latency(
     routing_profile=None,
     verify_shape: str | None = None,
     cuda_graphs: str = "auto",
+    batch_sizes: tuple[int, ...] = (1,),
 ) -> LatencyModel:
     """Measure C(w) for w = 1..B and C_ar at each context length, fit the expert model and η.
 
@@ -173,6 +175,8 @@ def calibrate_latency(
     on the same replayed ids, so a benchmark under calibrated routing is calibrated under it too.
     cuda_graphs: how the timed rounds run ("auto": GPU-resident rounds in CUDA graphs on CUDA; "uncaptured": the
     same rounds without capture, as the calls it calibrates for run them).
+    batch_sizes: batch sizes N > 1 to time too (`calibrate_batches`): C_N(w) and C_ar,N of rounds over N prompts,
+    the tables a batch's shared w is chosen with (LatencyModel.for_batch).
     Under tensor parallelism every rank calls it and gets the same model: the mean over the ranks' timings.
     """
     from transformers import StoppingCriteria, StoppingCriteriaList
@@ -265,9 +269,45 @@ def calibrate_latency(
         distinct = [float(_distinct_total(obs)) for obs in observations]
         eta = fit_eta([s for _, s, _ in samples[: len(distinct)]], distinct, [w for w, _, _ in samples[: len(distinct)]])
         model = dataclasses.replace(model, experts=experts, eta=eta)
+    if any(n > 1 for n in batch_sizes):
+        model = calibrate_batches(model, target, drafter, sorted({n for n in batch_sizes if n > 1}), prompt,
+                                  context_lens, repeats, rounds_per_call, kernel_backend, verify_shape, cuda_graphs,
+                                  progress)
     if distributed():  # tensor parallelism: every rank must choose the same w, so all use the mean calibration
         model = _mean_over_ranks(model)
     return model
+
+
+def calibrate_batches(model: LatencyModel, target, drafter, batch_sizes: list[int], prompt, context_lens,
+                      repeats: int, rounds_per_call: int, kernel_backend: str, verify_shape: str | None,
+                      cuda_graphs: str, progress: bool) -> LatencyModel:
+    """`model` (the batch-1 calibration) with C_N(w) and C_ar,N for each N in batch_sizes: rounds over N prompts of
+    the context's length (no padding), every row verifying the forced w, through generate() as a batched call runs
+    them (GPU-resident rounds of N's bucket on CUDA, the eager batched loop elsewhere). Each call stops on
+    max_new_tokens (a host-side criterion would send a batch to the eager loop), so a call runs at most
+    rounds_per_call + 1 rounds; the routers' statistics and η stay batch 1's (the routing correction is off in
+    batches)."""
+    forced = ForcedLength(0)
+    block_size = drafter.config.block_size
+    tables = {1: model}
+    for batch in batch_sizes:
+        def measure_round(w: int, context: int, batch=batch) -> float:
+            forced.set(w)
+            ids = torch.cat([prompt(context) for _ in range(batch)])
+            target.generate(
+                ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=rounds_per_call + 2,
+                eos_token_id=None, pad_token_id=0, assistant_model=drafter, generation_strategy="hybridspec",
+                hybridspec_config=HybridSpecConfig(selector=forced, kernel_backend=kernel_backend,
+                                                   verify_shape=verify_shape or "auto", cuda_graphs=cuda_graphs))
+            rounds = target.hybridspec_telemetry.rounds
+            # whole-batch rounds only (no row finished yet); w = 0: the plain steps after the first, drafted, round
+            times = sorted(r.wall_s for r in rounds if r.drafted == (w > 0) and r.rows == batch) or \
+                sorted(r.wall_s for r in rounds)
+            return times[len(times) // 2]
+
+        tables[batch] = calibrate(measure_round, measured_lengths(block_size), context_lens, repeats=repeats,
+                                  progress=progress)
+    return LatencyModel.with_batches(tables)
 
 
 def measured_lengths(block_size: int) -> list[int]:

@@ -18,7 +18,7 @@ import torch
 from hybridspec_hf import patches
 from hybridspec_hf.config import HybridSpecConfig
 from hybridspec_hf.generation.acceptance import greedy_accept, sample_tokens, score_positions, speculative_sample
-from hybridspec_hf.generation.batched import batched_decode
+from hybridspec_hf.generation.batched import batched_decode, check_batched_call
 from hybridspec_hf.generation.checks import check_generation_config, check_logits_processors, finish_output
 from hybridspec_hf.generation.router_hooks import VerifyWindow
 from hybridspec_hf.generation.strategy import RoundStrategy
@@ -70,9 +70,10 @@ class Emitter:
 
 
 def _use_resident_rounds(settings, model, drafter, strategy, generation_config, logits_processor, cache,
-                         telemetry) -> bool:
+                         telemetry, batch_reason: str | None = None) -> bool:
     """GPU-resident rounds for this call? ("auto": on CUDA when possible; "on": required; "off": never;
-    "uncaptured": required, never captured). Sets telemetry.path, and telemetry.path_reason when "auto" fell back."""
+    "uncaptured": required, never captured). Sets telemetry.path, and telemetry.path_reason when "auto" fell back.
+    batch_reason: why this batch cannot run them (resident.batch_unsupported_reason), or None."""
     from hybridspec_hf.generation.resident import unsupported_reason
 
     telemetry.path = "eager"
@@ -81,7 +82,7 @@ def _use_resident_rounds(settings, model, drafter, strategy, generation_config, 
         raise ValueError("acceptance_profile= (timing mode) runs on GPU-resident rounds only; use cuda_graphs='auto'.")
     if settings.cuda_graphs == "off":
         return False
-    reason = unsupported_reason(model, drafter, strategy, generation_config, logits_processor, cache)
+    reason = unsupported_reason(model, drafter, strategy, generation_config, logits_processor, cache) or batch_reason
     if reason is not None:
         if settings.cuda_graphs in ("on", "uncaptured") or profile:
             asked = ("acceptance_profile= (timing mode)" if profile
@@ -157,13 +158,20 @@ def hybridspec_decode(
 
     block_size = drafter.config.block_size if drafter is not None else 1
     moe_blocks = patches.moe_blocks(model)
-    strategy = RoundStrategy.build(hybridspec_strategy, settings, model, drafter, has_router=bool(moe_blocks))
+    strategy = RoundStrategy.build(hybridspec_strategy, settings, model, drafter, has_router=bool(moe_blocks),
+                                   batch=input_ids.shape[0])
     telemetry = GenerationTelemetry(strategy=hybridspec_strategy, block_size=block_size, prompt_tokens=input_ids.shape[1])
     model.hybridspec_telemetry = telemetry
     if input_ids.shape[0] > 1 or padded:
+        from hybridspec_hf.generation.resident import batch_unsupported_reason
+
+        check_batched_call(streamer, cache, input_ids.shape[0])
+        reason = batch_unsupported_reason(input_ids.shape[0], generation_config, stopping_criteria, streamer)
+        resident = _use_resident_rounds(settings, model, drafter, strategy, generation_config, logits_processor,
+                                        cache, telemetry, reason)
         return batched_decode(model, input_ids, position_ids, attention_mask, cache, cache_key, drafter, strategy,
                               settings, logits_processor, stopping_criteria, generation_config, streamer, telemetry,
-                              input_ids.device, model_kwargs)
+                              input_ids.device, model_kwargs, resident)
     emitter = Emitter(
         input_ids,
         stopping_criteria,

@@ -22,7 +22,20 @@ A plain decoding step (the "ar" strategy, or HybridSpec's plain-decoding option)
 commit it (m = 1), the token, and its hand-off. On the CPU the same functions run eagerly (no capture), so the CPU
 tests cover this path.
 
-One `ResidentRounds` is built per (target, drafter, strategy settings, sampling, capacity) and reused by later
+A batch (generation/batched.py hands over after its eager prefill) runs in rounds built for N rows, N the smallest
+bucket of BATCH_BUCKETS (1, 2, 4, 8, 16) that holds it: one set of graphs per bucket rather than per batch size, the
+rows past the batch inert. Each row's cache holds its real tokens from slot 0 (`StaticTarget.load` drops the left
+padding), with its own device-side length and positions: the attention kernels and masks read each row's length,
+and the prompt's padding is never in the static cache. A round drafts every row, chooses one w from the live rows'
+mean survival (`RoundStrategy.choose_rows`; no routing correction, as in the eager batched loop), verifies w tokens
+of every row (finished and inert rows only their anchor, whose experts are masked), accepts per row, and commits
+per row m_b = min(a_b + 1, up to its first EOS, its room) (0 for rows that ended: their state stays as it was). A row
+ends on the device when it commits an EOS or reaches max_length (`live`); it keeps its place, and its share of the
+dense GEMMs and attention, in the replay until the call ends, but emits nothing more. The hand-off carries every
+row's tokens, a, m and live. Host-only stopping criteria and streamers are not taken at batch > 1 (the eager
+batched loop runs them).
+
+One `ResidentRounds` is built per (target, drafter, strategy settings, sampling, capacity, rows) and reused by later
 generate() calls. `resident_rounds` keeps up to MAX_ROUNDS_PER_TARGET of them per target, most recently used last,
 so that a caller who alternates strategies or drafters does not re-capture on every call (run 24 of
 benchmarks/results/gpu_rounds_runs.md: 46 captures in 11 calls that alternated). On CUDA a further set is kept only
@@ -44,10 +57,12 @@ from hybridspec_hf import patches
 from hybridspec_hf.generation.acceptance import greedy_accept, sample_tokens, speculative_sample
 from hybridspec_hf.generation.checks import ROW_WISE_PROCESSORS
 from hybridspec_hf.generation.router_hooks import RoutingReplay, VerifyWindow
+from hybridspec_hf.generation.strategy import Choice
 from hybridspec_hf.generation.telemetry import RoundRecord
 from hybridspec_hf.graphs.capture import Replay, host_syncs
 from hybridspec_hf.graphs.static_target import StaticTarget
 from hybridspec_hf.kernels import gdn_triton
+from hybridspec_hf.patches._cache import set_rows
 from hybridspec_hf.patches.experts import fused_experts_for
 
 _CAPACITY_STEP = 512
@@ -87,6 +102,27 @@ def unsupported_reason(model, drafter, strategy, generation_config, logits_proce
     return None
 
 
+def batch_unsupported_reason(batch: int, generation_config, stopping_criteria, streamer) -> str | None:
+    """Why a batch (or a left-padded prompt) cannot run resident rounds (None: it can)."""
+    if streamer is not None:
+        return "a streamer with a left-padded prompt"
+    if batch_bucket(batch) is None:
+        return f"batch size {batch} (resident rounds run batches of up to {BATCH_BUCKETS[-1]} rows)"
+    host_only = sorted({type(c).__name__ for c in stopping_criteria} - set(HostEmitter.DEVICE_SIDE))
+    if host_only:
+        return f"stopping criteria {host_only} decide on the host (a batch's rounds end rows on the device)"
+    if len(eos_ids(generation_config)) > MAX_EOS_IDS:
+        return f"more than {MAX_EOS_IDS} EOS ids"
+    return None
+
+
+def eos_ids(generation_config) -> set[int]:
+    """generate()'s EOS token ids."""
+    eos = getattr(generation_config, "_eos_token_tensor", None)
+    eos = generation_config.eos_token_id if eos is None else eos.reshape(-1).tolist()
+    return set([eos] if isinstance(eos, int) else (eos or []))
+
+
 @dataclasses.dataclass(frozen=True)
 class _Key:
     drafter: int
@@ -97,9 +133,16 @@ class _Key:
     position_rows: int
     device_commit: bool
     capture: bool
+    rows: int = 1  # batch rows of the static buffers (a bucket of BATCH_BUCKETS)
 
 
 MAX_EOS_IDS = 8  # EOS ids a round can test on the device
+BATCH_BUCKETS = (1, 2, 4, 8, 16)  # batch rows resident rounds are built for; a batch runs in the smallest that fits
+
+
+def batch_bucket(batch: int) -> int | None:
+    """The rows of the resident rounds a batch of `batch` prompts runs in (None: larger than the largest bucket)."""
+    return next((rows for rows in BATCH_BUCKETS if rows >= batch), None)
 
 
 def _same_settings(have: _Key, want: _Key) -> bool:
@@ -113,14 +156,18 @@ def _reusable(have: _Key, want: _Key) -> bool:
 
 
 def resident_rounds(model, drafter, strategy, logits_processor, do_sample: bool, max_length: int,
-                    position_rows: int, device_commit: bool, capture: bool = True) -> "ResidentRounds":
+                    position_rows: int, device_commit: bool, capture: bool = True, rows: int = 1) -> "ResidentRounds":
     """The target's `ResidentRounds` for these settings: a kept one when it fits, else a new one (kept sets of the
     same settings are released first, as are the least recently used ones beyond what the module docstring allows).
-    capture=False: the same rounds launched eagerly on CUDA too (HybridSpecConfig(cuda_graphs="uncaptured"))."""
+    capture=False: the same rounds launched eagerly on CUDA too (HybridSpecConfig(cuda_graphs="uncaptured")).
+    rows: batch rows (a bucket of BATCH_BUCKETS; a batch of fewer prompts fills the rest with inert rows)."""
+    if rows not in BATCH_BUCKETS or (rows > 1 and not device_commit):
+        raise ValueError(f"resident rounds run batch buckets {BATCH_BUCKETS} (got rows={rows}); a batch needs EOS "
+                         "and max_length as its only stopping rules (device_commit).")
     block = drafter.config.block_size if drafter is not None else 1
     capacity = -(-(max_length + block) // _CAPACITY_STEP) * _CAPACITY_STEP
     key = _Key(id(drafter), strategy.identity(), do_sample, tuple(repr(p.__dict__) for p in logits_processor),
-               capacity, position_rows, device_commit, capture)
+               capacity, position_rows, device_commit, capture, rows)
     kept = model.__dict__.setdefault(_KEPT, [])
     found = next((rounds for rounds in reversed(kept) if _reusable(rounds.key, key)), None)
     if found is not None:
@@ -197,15 +244,16 @@ class ResidentRounds:
         self.model, self.drafter, self.strategy = model, drafter, strategy
         self.logits_processor, self.do_sample = logits_processor, do_sample
         self.device = next(model.parameters()).device
+        self.rows = rows = key.rows  # batch rows N (1: one sequence)
         feature_ids = list(drafter.config.target_layer_ids) if drafter is not None and strategy.name != "ar" else []
         block = drafter.config.block_size if drafter is not None else 1
         self.target = StaticTarget(model, capacity, feature_ids, position_rows, strategy.kernel_backend,
-                                   strategy.gdn_verifier, max_tokens=block)
+                                   strategy.gdn_verifier, max_tokens=block, rows=rows)
         self.context = None
         if drafter is not None and strategy.name != "ar":
             from hybridspec_hf.drafter import StaticDraftContext
 
-            self.context = StaticDraftContext(drafter, capacity, self.device, drafter.dtype)
+            self.context = StaticDraftContext(drafter, capacity, self.device, drafter.dtype, rows)
         self.moe = moe = patches.moe_blocks(model)
         self.linears = patches.decoder_linears(model)
         self.attention = patches.attention_layers(model)
@@ -213,19 +261,24 @@ class ResidentRounds:
         self.block_size = drafter.config.block_size if self.context is not None else 1
         self.verify_tokens = strategy.fixed_length if strategy.mode == "fixed" else self.block_size
         long = dict(dtype=torch.long, device=self.device)
-        self.last_token = torch.zeros(1, 1, **long)  # the anchor: last emitted token, not yet in the cache
-        self.max_length = torch.zeros(1, **long)  # generate()'s max_length (prompt + new tokens)
-        self.count = torch.zeros(1, **long)  # m: tokens of the last verification to commit
+        self.last_token = torch.zeros(rows, 1, **long)  # the anchor: last emitted token, not yet in the cache
+        # generate()'s max_length (prompt + new tokens) less the row's left padding: its tokens may reach this
+        self.limit = torch.zeros(rows, **long)
+        self.count = torch.zeros(rows, **long)  # m: tokens of the last verification to commit, per row
+        # rows still generating: 0 once a row emitted EOS or reached its limit, and for the inert rows that fill a
+        # batch up to its bucket (they keep costing their share of each replay, and commit nothing)
+        self.live = torch.ones(rows, **long)
         # device_commit: EOS and max_length are the only stopping rules, so m is known on the device and the spec
         # graph commits it too (one graph per round); otherwise the host fills `count` and replays the commit graph
         self.device_commit = device_commit
         self.eos_ids = torch.full((MAX_EOS_IDS,), -1, **long)
         self.profile = _profile_on(strategy.profile, self.device, self.block_size)  # timing mode (or None)
-        self.profile_row = torch.zeros(1, **long)
+        self.profile_row = torch.zeros(rows, **long)  # each row replays its own run of the profile's rows
         self.one = torch.ones(1, **long)
         pinned = self.device.type == "cuda"
-        # hand-off: [target tokens (T), a, w, kept, n_new, draft_next, m (device_commit)]
-        self.handoff = torch.zeros(self.verify_tokens + 6, dtype=torch.long, pin_memory=pinned)
+        # hand-off: [target tokens (N·T), a (N), m (N, device_commit), live after the round (N), w, kept, n_new,
+        # draft_next]: `unpack` reads it
+        self.handoff = torch.zeros(rows * (self.verify_tokens + 3) + 4, dtype=torch.long, pin_memory=pinned)
         self.handoff_ready = torch.cuda.Event() if pinned else None
         self.pending: patches.VerifySession | None = None
         self.waited_s = 0.0  # host time spent waiting for hand-offs (telemetry: host time = wall - wait)
@@ -249,7 +302,8 @@ class ResidentRounds:
             # (a copy made inside would be a graph node replayed every round), refreshed in place by `start`, freed
             # by `close`
             self._prepare_weight_copies()
-            self.routing = _routing_replay(strategy.routing, moe, model, self.device)  # before the window: it sets ids
+            # before the window: it sets ids
+            self.routing = _routing_replay(strategy.routing, moe, model, self.device, rows)
             self.window = VerifyWindow(moe)
             replay = functools.partial(Replay, device=self.device, capture=key.capture)
             with torch.no_grad(), experts as self.fused_experts:
@@ -296,15 +350,23 @@ class ResidentRounds:
         selector = self.strategy.selector
         if selector is not None:
             restart = getattr(selector, "restart", None)
-            restart(self.target.length) if restart is not None else selector.reset()
+            restart(self._context_len()) if restart is not None else selector.reset()
 
     # ------------------------------------------------------------------------------------------ captured functions
+    def _context_len(self) -> torch.Tensor:
+        """[1] long: the context the selector's latency model is read at, the longest live row's (one stream: w is
+        shared by the rows)."""
+        if self.rows == 1:
+            return self.target.length.clone()
+        return (self.target.length * self.live).max().view(1)
+
     def _scores(self, raw: torch.Tensor) -> torch.Tensor:
-        """Row-wise logits processors on raw [T, V] fp32 logits (every row as AR would process it)."""
+        """Row-wise logits processors on raw [N, T, V] fp32 logits (every row as AR would process it)."""
         if len(self.logits_processor) == 0:
             return raw
-        prefix = self.last_token.expand(raw.shape[0], 1)  # row-wise processors ignore it
-        return self.logits_processor(prefix, raw)
+        flat = raw.reshape(-1, raw.shape[-1])
+        prefix = self.last_token[:1].expand(flat.shape[0], 1)  # row-wise processors ignore it
+        return self.logits_processor(prefix, flat).view(raw.shape)
 
     @contextlib.contextmanager
     def _routing_armed(self):
@@ -324,37 +386,64 @@ class ResidentRounds:
             return value.reshape(-1)[:1].long().to(self.device)
         return torch.full((1,), int(bool(value)), dtype=torch.long, device=self.device)
 
-    def _write_handoff(self, values: torch.Tensor) -> None:
+    def _write_handoff(self, target_tokens: torch.Tensor, accepted: torch.Tensor, live: torch.Tensor,
+                       w: torch.Tensor, keep: torch.Tensor, n_new: torch.Tensor, draft_next: torch.Tensor) -> None:
+        """The round's one device→host copy (non-blocking into pinned memory): target_tokens [N, T], accepted and
+        live [N], the rest [1]; m is `count`."""
+        values = torch.cat([target_tokens.reshape(-1), accepted.reshape(-1), self.count, live.reshape(-1),
+                            w.reshape(1), keep.reshape(1), n_new.reshape(1), draft_next.reshape(1)])
         self.handoff.copy_(values, non_blocking=True)
 
+    def unpack(self, handoff: list[int]) -> tuple:
+        """(tokens [N][T], a [N], m [N], live [N], w, kept, n_new, draft_next) of a hand-off read on the host."""
+        n, t = self.rows, self.verify_tokens
+        tokens = [handoff[row * t: (row + 1) * t] for row in range(n)]
+        a, m, live = (handoff[n * t + i * n: n * t + (i + 1) * n] for i in range(3))
+        w, kept, n_new, draft_next = handoff[n * (t + 3):]
+        return tokens, a, m, live, w, kept, n_new, draft_next
+
+    def _end_rows(self, emitted: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """live after this round's commit: a row ends once it committed an EOS (emitted [N, T] bool, the committed
+        positions of tokens [N, T]) or reached its limit. Only with device_commit (else the host decides)."""
+        if not self.device_commit:
+            return self.live
+        eos = ((tokens[..., None] == self.eos_ids.view(1, 1, -1)).any(-1) & emitted).any(-1)  # [N]
+        ended = eos | (self.target.length + 1 >= self.limit)
+        self.live.mul_((~ended).long())
+        return self.live
+
     def _step(self):
-        """A plain decoding step: verify the anchor and commit it (m = 1 is known, so one graph does both).
+        """A plain decoding step: verify the anchor and commit it (m = 1 per live row is known, so one graph does
+        both).
 
         Our GDN path instead of transformers' decode path (on the H200 the stock one-token forward cost 13.7 ms in a
         graph against ≈ 11.8 ms with the block verify + one-launch commit, benchmarks/results/gpu_rounds_runs.md).
-        With the fused kernels each GDN layer takes one recurrent step that updates its state and conv window in
-        place (`decode_step`: S read and written once, no commit launch; `gdn_triton.DECODE_STEP`, measured in run 24
-        of benchmarks/results/gpu_rounds_runs.md); otherwise the block verify + commit.
+        With the fused kernels and one row each GDN layer takes one recurrent step that updates its state and conv
+        window in place (`decode_step`: S read and written once, no commit launch; `gdn_triton.DECODE_STEP`,
+        measured in run 24 of benchmarks/results/gpu_rounds_runs.md); otherwise (and for a batch, whose finished
+        rows must keep their state) the block verify + commit.
         """
-        context_len = self.target.length.clone()
-        session = self.target.session(decode_step=gdn_triton.DECODE_STEP)
+        context_len = self._context_len()
+        session = self.target.session(decode_step=gdn_triton.DECODE_STEP and self.rows == 1)
         with self._routing_armed():
             logits, features = self.target.forward(self.last_token, verify=session)
-        scores = self._scores(logits[0].float())  # [1, V]
-        token = sample_tokens(scores.softmax(-1)) if self.do_sample else scores.argmax(-1)  # [1]
+        scores = self._scores(logits.float())[:, 0]  # [N, V]
+        token = sample_tokens(scores.softmax(-1)) if self.do_sample else scores.argmax(-1)  # [N]
+        self.count.copy_(self.live)  # m = 1 per live row
         if self.context is not None:
             with patches.fused_kernels():  # the drafter's K/V of the new features: its k-norm and RoPE fused
-                self.context.append(features, 1)
-        self.target.commit(session, self.one)
-        self.last_token.copy_(token.view(1, 1))
+                self.context.append(features, self.count if self.rows > 1 else 1)
+        self.target.commit(session, self.count)
+        self.last_token.copy_(torch.where(self.count.view(-1, 1) > 0, token.view(-1, 1), self.last_token))
         draft_next = self._flag(self.strategy.should_draft(context_len)) if self.speculative else \
             torch.zeros(1, dtype=torch.long, device=self.device)
         if self.strategy.selector is not None:
             self.strategy.selector.observe(self.one, self.one, None, False)
-        zeros = torch.zeros(self.verify_tokens - 1, dtype=torch.long, device=self.device)
+        tokens = torch.cat([token.view(-1, 1), token.new_zeros(self.rows, self.verify_tokens - 1)], dim=1)
+        committed = torch.arange(self.verify_tokens, device=self.device).view(1, -1) < self.count.view(-1, 1)
+        live = self._end_rows(committed, tokens)
         nothing = torch.zeros_like(self.one)
-        self._write_handoff(torch.cat([token.view(1), zeros, nothing, self.one, nothing, nothing, draft_next,
-                                       self.one]))
+        self._write_handoff(tokens, torch.zeros_like(self.count), live, self.one, nothing, nothing, draft_next)
 
     def _spec(self):
         """A whole speculative round over the block's shape (modes "fixed" and "max"): draft, then verify."""
@@ -362,31 +451,41 @@ class ResidentRounds:
         self._verify(self.verify_tokens)
 
     def _draft(self):
-        """Draft, choose w0 (and arm the routing correction): what the round verifies."""
+        """Draft, choose w0 (and arm the routing correction): what the round verifies. A batch shares one w (the
+        rows' mean survival, as the eager batched loop) and runs without the routing correction."""
         t = self.verify_tokens
-        self.round_context_len = self.target.length.clone()
+        self.round_context_len = self._context_len()
         with patches.fused_kernels():  # the drafter's RMSNorms and RoPE take our kernels too
-            draft_logits = self.drafter.draft_static(self.last_token, self.context)  # [1, B-1, V]
+            draft_logits = self.drafter.draft_static(self.last_token, self.context)  # [N, B-1, V]
         drafts = draft_logits.argmax(-1)
-        self.block = torch.cat([self.last_token, drafts[:, : t - 1]], dim=1)  # [1, T]
-        room = self.max_length - (self.target.length + 1)  # tokens generate() still allows
-        w_max = room.clamp(min=1, max=t)
+        self.block = torch.cat([self.last_token, drafts[:, : t - 1]], dim=1)  # [N, T]
+        room = self.limit - (self.target.length + 1)  # [N] tokens generate() still allows each row
+        w_max = (room * self.live).max().view(1).clamp(min=1, max=t)  # [1] the roomiest live row's
         self.choice, signals, self.replayed = None, None, None
-        if self.profile is not None:  # timing mode: the next profile row's signals and accepted count
+        if self.profile is not None:  # timing mode: each row's next profile row: signals and accepted count
             row = self.profile_row % self.profile.accepted.shape[0]
             signals = {k: getattr(self.profile, k).index_select(0, row) for k in ("top1", "margin", "entropy")}
-            self.replayed = self.profile.accepted.index_select(0, row)  # [1] a with the whole block verified
+            self.replayed = self.profile.accepted.index_select(0, row)  # [N] a with the whole block verified
             if self.routing is not None:
                 self.routing.row.copy_(self.profile_row)
             self.profile_row.add_(1)
         if self.strategy.mode != "fixed":
             with patches.fused_kernels():  # the draft signals in one launch
-                self.choice = self.strategy.choose(draft_logits, self.round_context_len, w_max, signals)
+                if self.rows == 1:
+                    self.choice = self.strategy.choose(draft_logits, self.round_context_len, w_max, signals)
+                else:
+                    self.choice = self.strategy.choose_rows(draft_logits, self.round_context_len, w_max, self.live,
+                                                            signals)
+            self.round_w = self.choice.valid if self.rows == 1 else self.choice.w0  # w incl. a kept extra token
             self.round_valid = self.choice.valid  # the extra token included until the correction drops it
         else:
-            self.round_valid = w_max
+            self.round_w = self.round_valid = w_max
+            if self.rows > 1:  # finished and inert rows verify their anchor only (their experts are not read)
+                self.round_valid = torch.where(self.live > 0, w_max, 1)
+                self.choice = Choice(w_max, self.round_valid, torch.zeros_like(self.live[:1], dtype=torch.bool),
+                                     torch.zeros_like(self.one))
         if self.exact:  # the host reads how many tokens stage 0 verifies (w0, + 1 for the extra token)
-            self.verify_length.copy_(self.round_valid, non_blocking=True)
+            self.verify_length.copy_(self.round_w, non_blocking=True)
 
     def _verify(self, n: int):
         """Verify the block's first n tokens (n = T in modes "fixed"/"max"; n = w0 (+1) in "exact"), accept,
@@ -394,37 +493,41 @@ class ResidentRounds:
         t, choice, valid = self.verify_tokens, self.choice, self.round_valid
         tokens = self.block[:, :n]
         session, logits, features = self._verify_forward(tokens, valid, choice)
-        scores = self._scores(logits[0].float())  # [n, V]
+        scores = self._scores(logits.float())  # [N, n, V]
         if self.do_sample:
-            accepted, sampled = speculative_sample(tokens[:, 1:], scores.softmax(-1)[None], valid)
+            accepted, sampled = speculative_sample(tokens[:, 1:], scores.softmax(-1), valid)
             target_tokens = torch.cat([tokens[:, 1:], sampled[:, None]], dim=1)
             target_tokens = target_tokens.scatter(1, accepted.view(-1, 1), sampled.view(-1, 1))
         else:
-            target_tokens = scores.argmax(-1)[None]  # [1, n]
-            accepted = greedy_accept(tokens[:, 1:], target_tokens, valid)
+            target_tokens = scores.argmax(-1)  # [N, n]
+            accepted = greedy_accept(tokens[:, 1:], target_tokens, valid)  # [N]
         if self.replayed is not None:
             accepted = torch.minimum(self.replayed, valid.view(-1) - 1)
         if n < t:  # the hand-off keeps the block's layout
-            target_tokens = torch.cat([target_tokens, target_tokens.new_zeros(1, t - n)], dim=1)
-        self.strategy.observe_acceptance(choice, accepted)
+            target_tokens = torch.cat([target_tokens, target_tokens.new_zeros(self.rows, t - n)], dim=1)
+        if self.strategy.mode != "fixed":
+            self.strategy.observe_acceptance(choice, accepted)
         draft_next = self._flag(self.strategy.should_draft(self.round_context_len))
         keep = choice.keep.long() if choice is not None else torch.zeros_like(self.one)
         n_new = choice.n_new if choice is not None else torch.zeros_like(self.one)
-        self.pending, self.features, self.valid, self.target_tokens = session, features, valid, target_tokens
-        if self.device_commit:  # m = a + 1, cut after the first EOS among the emitted tokens
+        self.pending, self.features, self.target_tokens = session, features, target_tokens
+        live = self.live
+        if self.device_commit:  # m = a + 1, cut after the first EOS among the emitted tokens and at the row's room
             positions = torch.arange(t, device=self.device)
-            emitted = positions <= accepted.view(1)
-            eos = (target_tokens.view(-1, 1) == self.eos_ids.view(1, -1)).any(-1) & emitted  # [T]
-            first_eos = torch.where(eos, positions, t).min()
-            self.count.copy_(torch.minimum(accepted.view(1) + 1, first_eos.view(1) + 1))
+            emitted = positions.view(1, -1) <= accepted.view(-1, 1)  # [N, T]
+            eos = (target_tokens[..., None] == self.eos_ids.view(1, 1, -1)).any(-1) & emitted
+            first_eos = torch.where(eos, positions.view(1, -1), t).min(-1).values  # [N]
+            room = (self.limit - (self.target.length + 1)).clamp(min=0)
+            count = torch.minimum(torch.minimum(accepted + 1, first_eos + 1), room) * self.live
+            self.count.copy_(count)
             self._commit()
-        self._write_handoff(torch.cat([target_tokens.view(-1), accepted.view(1), valid.view(1), keep.view(1),
-                                       n_new.view(1), draft_next, self.count]))
+            live = self._end_rows(positions.view(1, -1) < self.count.view(-1, 1), target_tokens)
+        self._write_handoff(target_tokens, accepted, live, self.round_w, keep, n_new, draft_next)
 
     def _verify_forward(self, tokens: torch.Tensor, valid: torch.Tensor, choice):
-        """The round's target forward: tokens [1, n] verified after the committed ones (GDN states not written),
-        `valid` [1] long of them counting, the routing window armed with the round's `Choice` (or None).
-        Returns the verify session (what a commit reads), logits [1, n, V] and features [1, n, F]."""
+        """The round's target forward: tokens [N, n] verified after each row's committed ones (GDN states not
+        written), `valid` [N] long of them counting, the routing window armed with the round's `Choice` (or None).
+        Returns the verify session (what a commit reads), logits [N, n, V] and features [N, n, F]."""
         if choice is not None:
             self.window.arm(choice)
         session = self.target.session(valid)
@@ -436,33 +539,60 @@ class ResidentRounds:
         return session, logits, features
 
     def _commit(self):
-        """Keep m = self.count tokens of the last verification."""
+        """Keep m = self.count tokens (per row) of the last verification."""
         self.target.commit(self.pending, self.count)
         with patches.fused_kernels():
             self.context.append(self.features, self.count)
-        self.last_token.copy_(self.target_tokens.gather(1, (self.count - 1).clamp(min=0).view(1, 1)))
+        last = self.target_tokens.gather(1, (self.count - 1).clamp(min=0).view(-1, 1))  # [N, 1]
+        self.last_token.copy_(torch.where(self.count.view(-1, 1) > 0, last, self.last_token))
         if self.strategy.selector is not None:
-            self.strategy.selector.observe(self.valid.view(1), self.count, None, True)
+            # one stream for the batch: tokens per live row (the eager batched loop's rule)
+            emitted = self.count if self.rows == 1 else \
+                (self.count.sum() / self.live.sum().clamp(min=1)).view(1)
+            self.strategy.selector.observe(self.round_w.view(1), emitted, None, True)
 
     # ------------------------------------------------------------------------------------------ host side
     def restart_profile(self) -> None:
+        """Row b of a batch replays the profile from row b·(rows / N): each row its own run of rounds."""
         if self.profile is not None:
-            self.profile_row.zero_()
+            stride = max(1, self.profile.accepted.shape[0] // self.rows)
+            self.profile_row.copy_(torch.arange(self.rows, device=self.device) * stride)
 
     def start(self, cache, last_position: torch.Tensor, prompt_features: torch.Tensor, first_token: torch.Tensor,
-              max_length: int, eos_ids: set[int]) -> None:
-        """Load a prefilled call into the static buffers (eager, once per generate() call)."""
+              max_length: int, eos_ids: set[int], real: torch.Tensor | None = None,
+              live: list[bool] | None = None) -> None:
+        """Load a prefilled call into the static buffers (eager, once per generate() call).
+
+        A batch of B ≤ N prompts: real [B, P] is its attention mask (left padding), prompt_features [B, P', F] the
+        prefill's features of the last P' columns, first_token [B], live [B] the rows still generating after the
+        prefill; rows B .. N-1 stay inert."""
         self._prepare_weight_copies()  # weights changed in place since capture: the copies follow
         if self.device_commit:
             ids = sorted(eos_ids)[:MAX_EOS_IDS]
             self.eos_ids.fill_(-1)
             self.eos_ids[: len(ids)].copy_(torch.tensor(ids, dtype=torch.long))
-        self.target.load(cache, last_position)
+        self.target.load(cache, last_position, real)
+        batch = first_token.numel()
+        pads = torch.zeros(batch, dtype=torch.long) if real is None else (real == 0).sum(1).cpu()
+        self.limit.zero_()
+        self.limit[:batch].copy_(max_length - pads)
+        self.live.zero_()
+        self.live[:batch].copy_(torch.tensor([True] * batch if live is None else live, dtype=torch.long))
+        self.last_token.zero_()
+        self.last_token[:batch].copy_(first_token.view(-1, 1))
         if self.context is not None:
             self.context.reset()
-            self.context.append(prompt_features, prompt_features.shape[1])
-        self.last_token.copy_(first_token.view(1, 1))
-        self.max_length.fill_(max_length)
+            if real is None and self.rows == 1:
+                self.context.append(prompt_features, prompt_features.shape[1])
+            else:  # each row's real features first, counted per row; inert rows count none
+                columns = real[:, real.shape[1] - prompt_features.shape[1]:].to(prompt_features.device)
+                order = torch.sort((columns == 0).long(), dim=1, stable=True).indices
+                index = order[..., None].expand(-1, -1, prompt_features.shape[-1])
+                features = prompt_features.new_zeros(self.rows, *prompt_features.shape[1:])
+                features[:batch] = prompt_features.gather(1, index)
+                counts = torch.zeros(self.rows, dtype=torch.long, device=self.device)
+                counts[:batch] = columns.sum(1).to(self.device)
+                self.context.append(features, counts)
         self.reset_selector()
         self.restart_profile()
 
@@ -502,14 +632,36 @@ class ResidentRounds:
         """Write the committed state back into the caller's cache."""
         self.target.store(cache, length)
 
+    def finish_rows(self, cache, lengths: list[int], real: torch.Tensor, output_length: int) -> None:
+        """A batch: rebuild the caller's DynamicCache as the eager batched loop leaves it (patches.set_rows: row b's
+        processed columns, left padding included, then zeros). lengths [B]: tokens each row committed (its real
+        prompt included); real [B, P] the prompt's attention mask. The padding columns' keys come from the caller's
+        prefilled cache (the static one holds real tokens only)."""
+        prompt = real.shape[1]
+        counts = real.sum(1).tolist()
+        snapshots = []
+        for row, length in enumerate(lengths):
+            mine = self.target.row_snapshot(row, length)
+            parts = []
+            for theirs, (first, second) in zip(cache.layers, mine):
+                if patches.is_linear_cache_layer(theirs):
+                    parts.append((first, second))
+                    continue
+                generated = slice(counts[row], length)  # the row's slots after its real prompt
+                parts.append((torch.cat([theirs.keys[row, :, :prompt], first[:, generated]], dim=-2),
+                              torch.cat([theirs.values[row, :, :prompt], second[:, generated]], dim=-2)))
+            snapshots.append(parts)
+        set_rows(cache, snapshots, output_length - 1)
 
-def _routing_replay(profile, moe_blocks, model, device) -> RoutingReplay | None:
-    """Timing mode's calibrated routing: a bank of expert ids sampled from the profile for this model's MoE layers."""
+
+def _routing_replay(profile, moe_blocks, model, device, rows: int) -> RoutingReplay | None:
+    """Timing mode's calibrated routing: a bank of expert ids sampled from the profile for this model's MoE layers
+    (each batch row reads its own bank row)."""
     if profile is None or not moe_blocks:
         return None
     config = model.config.get_text_config()
     bank = profile.bank(len(moe_blocks), config.num_experts, config.num_experts_per_tok)
-    return RoutingReplay(moe_blocks, bank.to(device))
+    return RoutingReplay(moe_blocks, bank.to(device), rows)
 
 
 def _profile_on(profile, device, block_size: int):
@@ -527,17 +679,15 @@ class HostEmitter:
     """Emits tokens on the host, one at a time as AR would: streamer, EOS, max_length and the remaining stopping
     criteria (stop strings, user criteria; called with CPU input_ids and scores=None)."""
 
-    _DEVICE_SIDE = ("MaxLengthCriteria", "EosTokenCriteria")
+    DEVICE_SIDE = ("MaxLengthCriteria", "EosTokenCriteria")
 
     def __init__(self, input_ids: torch.Tensor, generation_config, stopping_criteria, streamer):
         self.input_ids = input_ids  # [1, L] on the model's device: prompt + the prefill's token
         self.tokens: list[int] = []
         self.streamer = streamer
         self.max_length = generation_config.max_length
-        eos = getattr(generation_config, "_eos_token_tensor", None)
-        eos = generation_config.eos_token_id if eos is None else eos.reshape(-1).tolist()
-        self.eos = set([eos] if isinstance(eos, int) else (eos or []))
-        self.criteria = [c for c in stopping_criteria if type(c).__name__ not in self._DEVICE_SIDE]
+        self.eos = eos_ids(generation_config)
+        self.criteria = [c for c in stopping_criteria if type(c).__name__ not in self.DEVICE_SIDE]
         self.host_ids = input_ids.cpu() if self.criteria else None
         self.finished = input_ids.shape[1] >= self.max_length
 
@@ -562,17 +712,16 @@ class HostEmitter:
 def resident_decode(rounds: ResidentRounds, emitter: HostEmitter, telemetry, predicted_latency) -> None:
     """Rounds until a criterion fires; the caller prefilled and `rounds.start(...)`-ed. Host time per round: one
     replay (two for a speculative round), one wait for the hand-off, and the emission of its tokens."""
-    t = rounds.verify_tokens
     draft_next = rounds.speculative
     last = time.perf_counter()
     context_len = emitter.length - 1
     while not emitter.finished:
         rounds.waited_s = 0.0
         if draft_next:
-            handoff = rounds.run_spec()
-            a, w, kept, n_new, draft_next, device_m = handoff[t : t + 6]
+            tokens, a, device_m, _, w, kept, n_new, draft_next = rounds.unpack(rounds.run_spec())
+            a, device_m = a[0], device_m[0]
             committed = 0
-            for token in handoff[: a + 1]:
+            for token in tokens[0][: a + 1]:
                 emitter.emit(token)
                 committed += 1
                 if emitter.finished:
@@ -583,9 +732,9 @@ def resident_decode(rounds: ResidentRounds, emitter: HostEmitter, telemetry, pre
                 raise RuntimeError(f"HybridSpec: the device committed {device_m} tokens, the host emitted {committed}.")
             drafted = True
         else:
-            handoff = rounds.run_step()
-            a, w, kept, n_new, draft_next = 0, 1, 0, 0, handoff[t + 4]  # m = 1
-            emitter.emit(handoff[0])
+            tokens, _, _, _, _, _, _, draft_next = rounds.unpack(rounds.run_step())
+            a, w, kept, n_new = 0, 1, 0, 0  # m = 1
+            emitter.emit(tokens[0][0])
             committed, drafted = 1, False
         draft_next = bool(draft_next) and rounds.speculative
         now = time.perf_counter()
@@ -600,4 +749,76 @@ def resident_decode(rounds: ResidentRounds, emitter: HostEmitter, telemetry, pre
             host_s=now - last - rounds.waited_s,
         ))
         context_len += committed
+        last = now
+
+
+class RowsHost:
+    """A batch's tokens on the host (batched resident rounds): the device decides each row's m and when it ends
+    (EOS, max_length); the host emits the same tokens by the same rules and checks that it agrees.
+
+    As transformers' batched generate(): the output runs to the length at which the last row stopped, rows that
+    stopped earlier filled with pad_token_id."""
+
+    def __init__(self, input_ids: torch.Tensor, first: list[int], generation_config, eos: set[int]):
+        self.input_ids = input_ids  # [B, P] the left-padded prompts
+        self.max_length = generation_config.max_length
+        self.eos = eos
+        self.pad_token_id = generation_config.pad_token_id
+        if eos and self.pad_token_id is None:
+            raise ValueError("`pad_token_id` must be set for a batch with an EOS token: finished rows are filled with "
+                             "it (pass pad_token_id=..., e.g. the EOS id).")
+        self.tokens: list[list[int]] = [[] for _ in first]
+        self.live = [True] * len(first)
+        for row, token in enumerate(first):
+            self.emit(row, token)
+
+    def length(self, row: int) -> int:
+        return self.input_ids.shape[1] + len(self.tokens[row])
+
+    def emit(self, row: int, token: int) -> None:
+        self.tokens[row].append(token)
+        self.live[row] = token not in self.eos and self.length(row) < self.max_length
+
+    def sequences(self) -> torch.Tensor:
+        """[B, L] prompts and tokens, L = the longest row; shorter rows (stopped at EOS) padded."""
+        width = max(len(tokens) for tokens in self.tokens)
+        rows = [tokens + [self.pad_token_id] * (width - len(tokens)) for tokens in self.tokens]
+        new = torch.tensor(rows, dtype=self.input_ids.dtype).to(self.input_ids.device)
+        return torch.cat([self.input_ids, new], dim=1)
+
+
+def resident_decode_rows(rounds: ResidentRounds, host: RowsHost, telemetry, predicted_latency) -> None:
+    """A batch's rounds until every row ended; the caller prefilled and `rounds.start(...)`-ed. One hand-off per
+    round carries every row's tokens, accepted counts, m and whether it still runs."""
+    draft_next = rounds.speculative
+    last = time.perf_counter()
+    while any(host.live):
+        rounds.waited_s = 0.0
+        running = [row for row, live in enumerate(host.live) if live]
+        context_len = max(host.length(row) - 1 for row in running)
+        drafted = draft_next
+        handoff = rounds.run_spec() if drafted else rounds.run_step()
+        tokens, a, device_m, device_live, w, _, _, draft_next = rounds.unpack(handoff)
+        emitted = 0
+        for row in running:
+            count = 0
+            for token in tokens[row][: (a[row] + 1) if drafted else 1]:
+                host.emit(row, token)
+                count += 1
+                if not host.live[row]:
+                    break
+            if count != device_m[row] or host.live[row] != bool(device_live[row]):
+                raise RuntimeError(f"HybridSpec: batch row {row}: the device committed {device_m[row]} tokens "
+                                   f"(running: {bool(device_live[row])}), the host emitted {count} (running: "
+                                   f"{host.live[row]}).")
+            emitted += count
+        draft_next = bool(draft_next) and rounds.speculative
+        now = time.perf_counter()
+        w = w if drafted else 1
+        telemetry.rounds.append(RoundRecord(
+            w, sum(a[row] for row in running) if drafted else 0, emitted, emitted, now - last, drafted,
+            w0=w if drafted and rounds.strategy.mode != "fixed" else None,
+            predicted_s=predicted_latency(w, context_len, drafted), host_s=now - last - rounds.waited_s,
+            rows=len(running),
+        ))
         last = now

@@ -82,22 +82,23 @@ class RouterRecorder:
 
 class RoutingReplay:
     """Timing mode's calibrated routing: while armed, every MoE router's expert ids are replaced by a bank's
-    (the routing weights stay the router's). bank: [rounds, layers, B, k] long on the device; `row` [1] long on the
-    device picks the bank row, so a captured graph replays a different row each round."""
+    (the routing weights stay the router's). bank: [rounds, layers, B, k] long on the device; `row` [N] long on the
+    device picks the bank row of each of the N batch rows, so a captured graph replays different rows each round."""
 
-    def __init__(self, moe_blocks: list[torch.nn.Module], bank: torch.Tensor):
+    def __init__(self, moe_blocks: list[torch.nn.Module], bank: torch.Tensor, rows: int = 1):
         self.bank = bank
-        self.row = torch.zeros(1, dtype=torch.long, device=bank.device)
+        self.row = torch.zeros(rows, dtype=torch.long, device=bank.device)
         self.armed = False
         self._handles = [block.gate.register_forward_hook(self._hook(i)) for i, block in enumerate(moe_blocks)]
 
     def _hook(self, layer: int):
         def hook(module, args, output):
-            ids = output[2]  # [T, k]
-            if not self.armed or ids.shape[0] > self.bank.shape[2]:
+            ids = output[2]  # [N·T, k], row-major over the batch rows
+            tokens = ids.shape[0] // self.row.numel()
+            if not self.armed or tokens > self.bank.shape[2] or tokens * self.row.numel() != ids.shape[0]:
                 return None
-            rows = self.bank.index_select(0, self.row % self.bank.shape[0])  # [1, layers, B, k]
-            return (*output[:2], rows[0, layer, : ids.shape[0]].to(ids.dtype), *output[3:])
+            rows = self.bank.index_select(0, self.row % self.bank.shape[0])  # [N, layers, B, k]
+            return (*output[:2], rows[:, layer, :tokens].reshape(ids.shape).to(ids.dtype), *output[3:])
 
         return hook
 

@@ -30,10 +30,11 @@ class Choice:
     read this very tensor when they run; `correct` rewrites it in place at the first MoE router (the end of stage 0),
     from w0 + 1 to w0 + keep, so stage 1 and acceptance see the corrected length. Tested by
     test_every_reader_sees_the_corrected_valid_length.
+    A batch's choice (`choose_rows`: one shared w0, no correction) has valid [N], one count per row.
     """
 
     w0: torch.Tensor  # [1] long, the nominal length
-    valid: torch.Tensor  # [1] long, tokens that count: w0, or w0 + 1 while the extra token is kept
+    valid: torch.Tensor  # [1] long, tokens that count: w0, or w0 + 1 while the extra token is kept ([N]: a batch)
     keep: torch.Tensor  # [1] bool, extra token kept
     n_new: torch.Tensor  # [1] long, new first-layer experts of the extra token
     decide_keep: Callable[[torch.Tensor], torch.Tensor] | None = None  # n_new [1] -> keep [1] bool; None: no correction
@@ -77,8 +78,11 @@ class RoundStrategy:
         self.routing = None  # timing mode: a selector.profiles.RoutingProfile replacing the routers' choices
 
     @classmethod
-    def build(cls, name: str, settings: HybridSpecConfig, target, drafter, has_router: bool) -> "RoundStrategy":
-        strategy = cls._build(name, settings, target, drafter, has_router)
+    def build(cls, name: str, settings: HybridSpecConfig, target, drafter, has_router: bool,
+              batch: int = 1) -> "RoundStrategy":
+        """The strategy of one generate() call over `batch` prompts (a calibrated strategy reads the latency
+        model's tables for that batch size: LatencyModel.for_batch)."""
+        strategy = cls._build(name, settings, target, drafter, has_router, batch)
         profile = settings.acceptance_profile
         if profile is not None and not isinstance(profile, AcceptanceProfile):
             profile = load_profile(profile)
@@ -94,7 +98,8 @@ class RoundStrategy:
         return strategy
 
     @classmethod
-    def _build(cls, name: str, settings: HybridSpecConfig, target, drafter, has_router: bool) -> "RoundStrategy":
+    def _build(cls, name: str, settings: HybridSpecConfig, target, drafter, has_router: bool,
+               batch: int) -> "RoundStrategy":
         identity = (name, repr(settings.to_dict()), id(settings.selector))
         plain = dict(kernel_backend=settings.kernel_backend, identity=identity)
         if name == "ar":  # plain decoding through the same machinery: the baseline
@@ -115,7 +120,7 @@ class RoundStrategy:
             selector = make_selector(name, {"threshold": settings.confidence_threshold})
         else:
             assert name in CALIBRATED_STRATEGIES
-            latency = resolve_latency_model(settings, target, drafter)
+            latency = resolve_latency_model(settings, target, drafter).for_batch(batch)
             selector = make_selector(name, {"latency_model": latency})
             identity = (*identity, latency.digest())
         selector.reset()
@@ -162,19 +167,37 @@ class RoundStrategy:
 
         return Choice(w0, valid, keep, n_new, decide_keep, signals)
 
-    def choose_shared(self, draft_logits: torch.Tensor, context_len: int, w_max: int) -> tuple[int, dict]:
-        """One w for every row of a batch (generation/batched.py), read on the host: the strategy's rule applied to
-        the rows' mean survival. Returns (w, the rows' draft signals).
+    def choose_rows(self, draft_logits: torch.Tensor, context_len, w_max, live: torch.Tensor | None = None,
+                    signals: dict | None = None) -> Choice:
+        """One w for every row of a batch, on the device (no sync): the strategy's rule applied to the live rows'
+        mean survival, without the routing correction. Returns a Choice whose w0 [1] is the shared length and
+        whose valid [N] is w0 for live rows and 1 for the others (they verify their anchor only).
+
+        draft_logits [N, B-1, V]; context_len, w_max: ints or [1] long device tensors; live [N] long (None: all
+        rows); signals: the draft signals to use instead of the drafts' own (timing mode).
 
         Why the mean: Σ_b G_b(w) = N·(1 + Σ_{i<w} mean_b p̂_{b,i}), so the pooled objective Σ_b G_b(w) − ρ_N·C_N(w)
         of N rows is N times the selector's objective on the mean survival with ρ = ρ_N / N, the throughput per row,
         which is what the selector learns from `observe(..., emitted=mean tokens per row, seconds=None)`. C is the
-        batch-1 calibration: with seconds=None ρ is fed from it too, so the choice equals the pooled optimum whenever
-        C_N(w) = k_N·C(w) (a (batch, w) calibration would drop that assumption; not done)."""
-        signals = draft_signals(draft_logits)
-        survival = self.estimator.to(draft_logits.device).survival(signals).mean(0, keepdim=True)  # [1, B-1]
-        w0 = self.selector.choose(survival, context_len, w_max)
-        return max(1, min(int(w0.reshape(-1)[0]), w_max)), signals
+        selector's latency model: a batch calibration (LatencyModel with batch sizes) gives C_N(w) at N rows, else
+        the batch-1 C, exact whenever C_N(w) = k_N·C(w)."""
+        signals = signals if signals is not None else draft_signals(draft_logits)
+        survival = self.estimator.to(draft_logits.device).survival(signals)  # [N, B-1]
+        if live is None:
+            live = torch.ones(survival.shape[0], dtype=torch.long, device=survival.device)
+        weight = live.to(survival.dtype).view(-1, 1)
+        mean = (survival * weight).sum(0, keepdim=True) / weight.sum().clamp(min=1)  # [1, B-1]
+        w0 = self.selector.choose(mean, context_len, w_max).long().view(1).clamp(min=1)
+        w0 = torch.minimum(w0, w_max) if isinstance(w_max, torch.Tensor) else w0.clamp(max=w_max)
+        valid = torch.where(live > 0, w0, 1)
+        nothing = torch.zeros_like(w0)
+        return Choice(w0, valid, nothing.bool(), nothing, signals=signals)
+
+    def choose_shared(self, draft_logits: torch.Tensor, context_len: int, w_max: int) -> tuple[int, dict]:
+        """`choose_rows` read on the host (the eager batched loop, generation/batched.py): (w, the rows' draft
+        signals)."""
+        choice = self.choose_rows(draft_logits, context_len, w_max)
+        return int(choice.w0), choice.signals
 
     def observe_acceptance(self, choice: Choice | None, accepted: torch.Tensor) -> None:
         """The acceptance estimator's online update (a no-op unless it was built with online_lr > 0): one step on

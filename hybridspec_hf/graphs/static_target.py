@@ -3,13 +3,18 @@
 One `StaticTarget` per (model, capacity, block size) lives across generate() calls. It owns a transformers
 `StaticCache` of `capacity` positions and the device-side bookkeeping around it:
 
-- `length` [1] long: tokens in the cache (committed); every attention layer's `cumulative_length` is set to it
-  after each commit, so a verification writes its T keys at length .. length+T-1;
-- `next_position` [R, 1, 1] long: the position id of the next token (R = rows of mRoPE position ids, or 1);
+- `length` [N] long: tokens in the cache (committed) of each of the N batch rows (N = 1 but for batched resident
+  rounds); a verification writes row b's T keys at slots length[b] .. length[b]+T-1. With one row every attention
+  layer's `cumulative_length` is set to it after each commit (transformers' update writes there); with several,
+  the layers' `update` writes each row at its own length (`_write_rows`);
+- `next_position` [R, N, 1] long: the position id of each row's next token (R = rows of mRoPE position ids, or 1);
 - masks built on the device from `length` (a mask dict, so transformers' mask code, which syncs on 5.17, never
-  runs). On CUDA the attention layers of the resident forwards ignore them and read `length` itself
+  runs), per row. On CUDA the attention layers of the resident forwards ignore them and read `length` itself
   (patches/_attention.py, kernels/attention_triton.py): keys past the live ones are never read, so a round's
   attention no longer costs the whole capacity.
+
+A batch is held without padding: `load` copies row b's real prompt tokens (its attention_mask ones) to slots
+0 .. n_b-1, so each row's cache is the one its own generate() would hold, and rows differ only in their lengths.
 
 Nothing here reads a device value on the host. A generate() call prefills with its own cache as AR does, `load`s
 that cache into the static one, runs rounds, and `store`s the result back into the caller's cache, so the caller
@@ -17,11 +22,13 @@ sees exactly the cache AR decoding would have left.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
 
 from hybridspec_hf import patches
+from hybridspec_hf.patches._cache import row_snapshot
 
 
 class FeatureCapture:
@@ -66,7 +73,7 @@ class StaticTarget:
     tokens and the B positions a verification may write past the committed length)."""
 
     def __init__(self, model, capacity: int, feature_layer_ids: list[int], position_rows: int = 1,
-                 kernel_backend: str = "auto", verifier: str = "block", max_tokens: int = 16):
+                 kernel_backend: str = "auto", verifier: str = "block", max_tokens: int = 16, rows: int = 1):
         from transformers import StaticCache
 
         self.model = model
@@ -81,9 +88,10 @@ class StaticTarget:
         self.gdn_layers = patches.gdn_layers(model)
         self.decoder_layers = patches.text_model(model).layers
         self.feature_layer_ids = list(feature_layer_ids)
-        self.length = torch.zeros(1, dtype=torch.long, device=self.device)
-        # position_rows: 1 for position ids [1, T], R for mRoPE position ids [R, 1, T] (as generate() passes them)
-        self.next_position = torch.zeros(position_rows, 1, 1, dtype=torch.long, device=self.device)
+        self.rows = rows  # batch rows N
+        self.length = torch.zeros(rows, dtype=torch.long, device=self.device)  # [N]
+        # position_rows: 1 for position ids [N, T], R for mRoPE position ids [R, N, T] (as generate() passes them)
+        self.next_position = torch.zeros(position_rows, rows, 1, dtype=torch.long, device=self.device)
         self.key_positions = torch.arange(capacity, device=self.device)  # [capacity]
         self.attn_impl = getattr(text_config, "_attn_implementation", None) or "sdpa"
         if self.attn_impl not in ("sdpa", "eager"):
@@ -106,11 +114,14 @@ class StaticTarget:
         """Allocate every cache tensor now (transformers allocates lazily, on the first update): a forward over a
         few tokens, then back to empty. Graph captures need the tensors to exist and keep their addresses."""
         vocab = self.model.config.get_text_config().vocab_size
-        ids = torch.randint(0, vocab, (1, 2), device=self.device, generator=None)
-        positions = torch.arange(2, device=self.device).view(1, 1, 2).expand(self.next_position.shape[0], 1, 2)
+        ids = torch.randint(0, vocab, (self.rows, 2), device=self.device, generator=None)
+        positions = torch.arange(2, device=self.device).view(1, 1, 2).expand(self.next_position.shape[0], self.rows, 2)
         with torch.no_grad():
             self.model(input_ids=ids, position_ids=self._position_ids(positions), use_cache=True,
                        logits_to_keep=1, attention_mask=self.mask(2), **{self.cache_kwarg: self.cache})
+        if self.rows > 1:
+            for layer in _attention_layers(self.cache):
+                layer.update = functools.partial(_write_rows, layer, self.length)
         self.reset()
 
     def reset(self) -> None:
@@ -121,22 +132,23 @@ class StaticTarget:
             layer.cumulative_length.zero_()
 
     def _position_ids(self, positions: torch.Tensor) -> torch.Tensor:
-        """[R, 1, T] -> what the model takes: [1, T] for plain RoPE, [R, 1, T] for mRoPE."""
+        """[R, N, T] -> what the model takes: [N, T] for plain RoPE, [R, N, T] for mRoPE."""
         return positions[0] if positions.shape[0] == 1 else positions
 
     # ------------------------------------------------------------------------------------------------ masks
     def mask(self, num_tokens: int) -> dict:
-        """The mask dict for T new tokens at cache positions length .. length+T-1 (causal over the static cache)."""
-        query = self.length + torch.arange(num_tokens, device=self.device)  # [T]
-        visible = self.key_positions.view(1, -1) <= query.view(-1, 1)  # [T, capacity]
+        """The mask dict for T new tokens at cache positions length .. length+T-1 of each row (causal over the static
+        cache): [N, 1, T, capacity]."""
+        query = self.length.view(-1, 1) + torch.arange(num_tokens, device=self.device)  # [N, T]
+        visible = self.key_positions.view(1, 1, -1) <= query[..., None]  # [N, T, capacity]
         if self.attn_impl == "eager":
             visible = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill(
                 ~visible, torch.finfo(self.dtype).min)
-        return {"full_attention": visible[None, None], "linear_attention": None}
+        return {"full_attention": visible[:, None], "linear_attention": None}
 
     # ------------------------------------------------------------------------------------------------ forwards
     def forward(self, tokens: torch.Tensor, verify: patches.VerifySession | None = None):
-        """Logits [1, T, V] and features [1, T, F] of T tokens [1, T] after the committed ones.
+        """Logits [N, T, V] and features [N, T, F] of T tokens [N, T] after each row's committed ones.
 
         verify=None: the stock forward (AR: GDN and attention caches advance by T in place; use T = 1).
         With a session: GDN layers verify without writing their state; attention writes T keys past `length`.
@@ -163,47 +175,70 @@ class StaticTarget:
         return outputs.logits, features
 
     def advance(self, count: torch.Tensor) -> None:
-        """count [1] long tokens were committed: move the lengths (device-side) and realign attention layers."""
+        """count [N] long tokens were committed per row: move the lengths (device-side) and realign attention layers
+        (with several rows their `cumulative_length` is unused: `_write_rows` reads `length`)."""
         self.length.add_(count)
-        self.next_position.add_(count.view(1, 1, 1))
-        for layer in _attention_layers(self.cache):
-            layer.cumulative_length.copy_(self.length.view(()))
+        self.next_position.add_(count.view(1, -1, 1))
+        if self.rows == 1:
+            for layer in _attention_layers(self.cache):
+                layer.cumulative_length.copy_(self.length.view(()))
 
     def session(self, valid: torch.Tensor | None = None, decode_step: bool = False) -> patches.VerifySession:
-        """A verification session over the static cache (valid: [1] long device tensor, or None: all tokens).
+        """A verification session over the static cache (valid: [N] long device tensor, or None: all tokens).
         decode_step: one token that will be committed (m = 1), so GDN layers may update their state in place."""
         return patches.VerifySession(cache=self.cache, kernel_backend=self.kernel_backend, valid_len=valid,
                                      verifier=self.verifier, state_buffer=self.state_buffer, decode_step=decode_step)
 
     def commit(self, session: patches.VerifySession, count: torch.Tensor) -> None:
-        """Keep `count` ([1] long, 0 ≤ count ≤ T) of a verification's tokens: S_m and conv windows of every GDN
-        layer in one launch, then the lengths (attention keys past the new length are masked from now on)."""
+        """Keep `count` ([N] long, 0 ≤ count ≤ T, per row) of a verification's tokens: S_m and conv windows of every
+        GDN layer in one launch, then the lengths (attention keys past the new length are masked from now on)."""
         patches.commit_session(session, count.to(torch.int32))
         self.advance(count)
 
     # ------------------------------------------------------------------------------------------------ caller's cache
-    def load(self, cache, position: torch.Tensor) -> None:
+    def load(self, cache, position: torch.Tensor, real: torch.Tensor | None = None) -> None:
         """Copy a prefilled transformers cache (Dynamic or Static) into the static one.
 
-        position: [R, 1, 1] (or anything that reshapes to it) position id of the last cached token.
-        """
-        length = int(cache.get_seq_length())
-        if length + 1 > self.capacity:
-            raise ValueError(f"the prompt ({length} tokens) does not fit the static cache ({self.capacity}).")
+        position: the position id of each row's last cached token, [R, B, 1] (or anything that reshapes to it).
+        real: [B, P] the prompt's attention mask (None: every column real); row b's real columns go to slots
+        0 .. n_b-1 (left padding is dropped). B ≤ N: rows B .. N-1 are inert (length 0, zero states)."""
+        if real is None:
+            real = torch.ones(self.rows, int(cache.get_seq_length()), dtype=torch.long)
+        real = real.to(torch.bool)
+        batch, width = real.shape
+        counts = real.sum(1).tolist()
+        if batch > self.rows:
+            raise ValueError(f"a batch of {batch} rows does not fit the static target's {self.rows} rows.")
+        if max(counts) + 1 > self.capacity:
+            raise ValueError(f"the prompt ({max(counts)} tokens) does not fit the static cache ({self.capacity}).")
         for mine, theirs in zip(self.cache.layers, cache.layers):
             if patches.is_linear_cache_layer(mine):
-                mine.conv_states[0].copy_(theirs.conv_states[0])
-                mine.recurrent_states[0].copy_(theirs.recurrent_states[0])
-            else:
-                mine.keys[:, :, :length].copy_(theirs.keys[:, :, :length])
-                mine.values[:, :, :length].copy_(theirs.values[:, :, :length])
-        self.length.fill_(length)
-        self.next_position.copy_(position.reshape(-1, 1, 1).expand_as(self.next_position) + 1)
-        for layer in _attention_layers(self.cache):
-            layer.cumulative_length.fill_(length)
+                for mine_state, their_state in ((mine.conv_states[0], theirs.conv_states[0]),
+                                                (mine.recurrent_states[0], theirs.recurrent_states[0])):
+                    mine_state[batch:].zero_()
+                    mine_state[:batch].copy_(their_state)
+                continue
+            for row in range(batch):
+                columns = real[row].nonzero().view(-1).to(theirs.keys.device)  # the row's real prompt tokens
+                mine.keys[row, :, : counts[row]].copy_(theirs.keys[row].index_select(-2, columns))
+                mine.values[row, :, : counts[row]].copy_(theirs.values[row].index_select(-2, columns))
+        self.length.zero_()
+        self.length[:batch].copy_(torch.tensor(counts))
+        self.next_position.zero_()
+        position = position.reshape(self.next_position.shape[0], batch, 1) if position.numel() > batch \
+            else position.reshape(1, batch, 1).expand(self.next_position.shape[0], batch, 1)
+        self.next_position[:, :batch].copy_(position + 1)
+        if self.rows == 1:
+            for layer in _attention_layers(self.cache):
+                layer.cumulative_length.fill_(counts[0])
+
+    def row_snapshot(self, row: int, length: int) -> list:
+        """Copies of row `row`'s committed state (`length` tokens, known on the host), in `patches.row_snapshot`'s
+        per-layer layout: attention (keys, values) [H, length, D], GDN (conv state, recurrent state)."""
+        return row_snapshot(self.cache, row, torch.arange(length, device=self.device))
 
     def store(self, cache, length: int) -> None:
-        """Write the committed state (`length` tokens, known on the host) back into the caller's cache."""
+        """Write the committed state (`length` tokens, known on the host) back into the caller's cache (one row)."""
         for mine, theirs in zip(self.cache.layers, cache.layers):
             if patches.is_linear_cache_layer(mine):
                 theirs.conv_states[0].copy_(mine.conv_states[0])
@@ -217,3 +252,14 @@ class StaticTarget:
             else:  # DynamicLayer
                 theirs.keys = mine.keys[:, :, :length].clone()
                 theirs.values = mine.values[:, :, :length].clone()
+
+
+def _write_rows(layer, length: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+    """A static layer's `update` for a batch whose rows hold different numbers of tokens: row b's T new keys and
+    values [N, H, T, D] at slots length[b] .. length[b]+T-1 (one scatter each, no host sync)."""
+    tokens = key_states.shape[-2]
+    slots = length.view(-1, 1) + torch.arange(tokens, device=length.device)  # [N, T]
+    index = slots[:, None, :, None].expand_as(key_states)
+    layer.keys.scatter_(2, index, key_states)
+    layer.values.scatter_(2, index, value_states)
+    return layer.keys, layer.values

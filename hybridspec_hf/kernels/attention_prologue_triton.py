@@ -12,7 +12,8 @@ does all of it in one launch with the same rounding steps:
 rms_norm as transformers' Qwen RMSNorm ((1 + w) offset, fp32 math, one rounding to the dtype), rope as
 `rope_triton` (partial rotary, each product rounded to the dtype, then the sum). `length` [1] long lives on the
 device (the static target's committed length, which every attention layer's `cumulative_length` equals at the
-start of a resident forward): the slots are read inside the kernel, so the launch is capturable. The layer's
+start of a resident forward), or [B] long, one per batch row (batched resident rounds: each row's tokens from slot
+0, its own count): the slots are read inside the kernel, so the launch is capturable. The layer's
 `cumulative_length` is not advanced here: the static target resets it to `length` at every commit
 (graphs/static_target.py), and nothing in a resident forward reads it after the layer's update.
 
@@ -34,13 +35,15 @@ def qk_prologue_reference(q, k, v, q_weight, k_weight, eps, cos, sin, keys, valu
     [B, Hq, T, D]."""
     q_out = rope_reference(rms_norm_reference(q, q_weight, eps, offset), cos, sin)
     k_out = rope_reference(rms_norm_reference(k, k_weight, eps, offset), cos, sin)
-    slots = length.reshape(-1)[:1] + torch.arange(q.shape[2], device=q.device)
-    keys.index_copy_(2, slots, k_out)
-    values.index_copy_(2, slots, v)
+    starts = length.reshape(-1, 1).expand(q.shape[0], 1)  # [B, 1]: one length for all rows, or one per row
+    for row, start in enumerate(starts[:, 0].tolist()):
+        slots = start + torch.arange(q.shape[2], device=q.device)
+        keys[row].index_copy_(1, slots, k_out[row])
+        values[row].index_copy_(1, slots, v[row])
     return q_out
 
 
-def _qk_prologue_kernel(q, k, v, q_w, k_w, cos, sin, q_out, keys, values, length,
+def _qk_prologue_kernel(q, k, v, q_w, k_w, cos, sin, q_out, keys, values, length, stride_len,
                         q_sb, q_sh, q_st, k_sb, k_sh, k_st, v_sb, v_sh, v_st,
                         c_sb, c_st, o_sb, o_sh, o_st, kv_sb, kv_sh, kv_ss,
                         q_heads, kv_heads, tokens, dim, rotary, eps,
@@ -51,7 +54,7 @@ def _qk_prologue_kernel(q, k, v, q_w, k_w, cos, sin, q_out, keys, values, length
     in_dim = cols < dim
     q_rows = q_heads * tokens
     k_rows = kv_heads * tokens
-    slot0 = tl.load(length)
+    slot0 = tl.load(length + b * stride_len)  # the row's first new slot (stride 0: one length for all rows)
     if row < q_rows + k_rows:
         if row < q_rows:
             h, t = row // tokens, row % tokens
@@ -114,8 +117,8 @@ def supported(q, k, v, cos, keys, values) -> bool:
 def qk_prologue(q, k, v, q_weight, k_weight, eps, cos, sin, keys, values, length, offset=True) -> torch.Tensor:
     """`qk_prologue_reference` in ONE launch: q [B, Hq, T, D], k/v [B, Hk, T, D] (strided views allowed, unit stride
     along D), q_weight/k_weight [D] (the RMSNorms' weights, (1 + w) convention), cos/sin [B, T, R] in q's dtype,
-    keys/values [B, Hk, S, D] (the static cache, written at slots length .. length+T-1), length [1] long on the
-    device. Returns q_out [B, Hq, T, D] contiguous."""
+    keys/values [B, Hk, S, D] (the static cache, written at slots length .. length+T-1), length [1] or [B] long
+    on the device (one per row: the rows of a batch hold different numbers of tokens). Returns q_out [B, Hq, T, D] contiguous."""
     if not supported(q, k, v, cos, keys, values) or cos.shape != sin.shape or cos.stride() != sin.stride():
         raise ValueError(
             f"qk_prologue wants q [B, Hq, T, D], k/v [B, Hk, T, D], cos/sin [B, T, R] (R even, ≤ D) and keys/values "
@@ -123,6 +126,10 @@ def qk_prologue(q, k, v, q_weight, k_weight, eps, cos, sin, keys, values, length
             f"{tuple(k.shape)}, v {tuple(v.shape)}, cos {tuple(cos.shape)} {cos.dtype}, keys {tuple(keys.shape)} "
             f"{keys.dtype}.")
     batch, q_heads, tokens, dim = q.shape
+    length = length.reshape(-1)
+    if length.numel() not in (1, batch) or length.dtype.is_floating_point:
+        raise ValueError(f"qk_prologue's length must be an integer tensor of 1 or B={batch} elements, got "
+                         f"{tuple(length.shape)} {length.dtype}.")
     kv_heads = k.shape[1]
     q_out = torch.empty((batch, q_heads, tokens, dim), dtype=q.dtype, device=q.device)
     rows = (q_heads + 2 * kv_heads) * tokens
@@ -130,7 +137,7 @@ def qk_prologue(q, k, v, q_weight, k_weight, eps, cos, sin, keys, values, length
         return q_out
     block = triton.next_power_of_2(dim)
     _qk_prologue_kernel[(rows, batch)](
-        q, k, v, q_weight, k_weight, cos, sin, q_out, keys, values, length.reshape(-1),
+        q, k, v, q_weight, k_weight, cos, sin, q_out, keys, values, length, length.stride(0) if length.numel() > 1 else 0,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], cos.stride(0), cos.stride(1),
         *q_out.stride()[:3], *keys.stride()[:3],
         q_heads, kv_heads, tokens, dim, cos.shape[-1], eps,

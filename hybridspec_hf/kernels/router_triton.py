@@ -66,17 +66,20 @@ def _route_topk_kernel(logits, scores, ids, stride_l, stride_s, stride_i, E, K: 
 
 def mask_invalid_routes_reference(ids: torch.Tensor, weights: torch.Tensor, valid: torch.Tensor):
     """Stage 1 of a verification (generation/router_hooks.py): tokens at or past `valid` ([1] long, on the device)
-    take token 0's experts with weight 0, so they read no expert weights of their own. ids [T, k], weights [T, k]."""
-    invalid = (torch.arange(ids.shape[0], device=ids.device) >= valid).unsqueeze(1)  # [T, 1]
+    take token 0's experts with weight 0, so they read no expert weights of their own. ids [T, k], weights [T, k].
+    A batch of R rows (resident rounds): ids [R·T, k] row-major and valid [R], one count per row."""
+    tokens = ids.shape[0] // max(1, valid.numel())
+    index = torch.arange(ids.shape[0], device=ids.device)
+    invalid = (index % tokens >= valid.reshape(-1).repeat_interleave(tokens)).unsqueeze(1)  # [R·T, 1]
     return torch.where(invalid, ids[:1].expand_as(ids), ids), weights.masked_fill(invalid, 0)
 
 
-def _mask_routes_kernel(ids, weights, out_ids, out_weights, valid, stride_i, stride_w, stride_oi, stride_ow,
+def _mask_routes_kernel(ids, weights, out_ids, out_weights, valid, stride_i, stride_w, stride_oi, stride_ow, tokens,
                         K: tl.constexpr, KP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     slots = tl.arange(0, KP)
     keep = slots < K
-    invalid = row >= tl.load(valid)
+    invalid = row % tokens >= tl.load(valid + row // tokens)  # the token's position in its batch row
     source = tl.where(invalid, 0, row)
     expert = tl.load(ids + source * stride_i + slots, mask=keep)
     weight = tl.load(weights + row * stride_w + slots, mask=keep)
@@ -91,16 +94,18 @@ if HAS_TRITON:
 
 def mask_invalid_routes(ids: torch.Tensor, weights: torch.Tensor, valid: torch.Tensor):
     """Triton `mask_invalid_routes_reference` in one launch (four torch kernels per MoE layer otherwise): new
-    (ids, weights); `valid` is read on the device (no sync, capturable)."""
-    if ids.dim() != 2 or weights.shape != ids.shape or valid.numel() != 1:
-        raise ValueError(f"mask_invalid_routes takes ids and weights [T, k] and valid [1]; got {tuple(ids.shape)}, "
-                         f"{tuple(weights.shape)}, {tuple(valid.shape)}")
+    (ids, weights); `valid` is read on the device (no sync, capturable). ids [R·T, k] with valid [R]: per row."""
+    if (ids.dim() != 2 or weights.shape != ids.shape or valid.numel() < 1 or ids.shape[0] % valid.numel()
+            or not valid.is_contiguous()):
+        raise ValueError(f"mask_invalid_routes takes ids and weights [R·T, k] and a contiguous valid [R] (R = 1: one "
+                         f"sequence); got {tuple(ids.shape)}, {tuple(weights.shape)}, {tuple(valid.shape)}")
     out_ids, out_weights = torch.empty_like(ids), torch.empty_like(weights)
     if ids.shape[0]:
         k = ids.shape[1]
         _mask_routes_kernel[(ids.shape[0],)](ids, weights, out_ids, out_weights, valid, ids.stride(0),
                                              weights.stride(0), out_ids.stride(0), out_weights.stride(0),
-                                             K=k, KP=triton.next_power_of_2(k), num_warps=1)
+                                             ids.shape[0] // valid.numel(), K=k, KP=triton.next_power_of_2(k),
+                                             num_warps=1)
     return out_ids, out_weights
 
 

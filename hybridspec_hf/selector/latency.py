@@ -11,6 +11,10 @@ Units: seconds. w = tokens the target processes in a round (1 anchor + drafts ve
   n̄_all(w | n_new) = expected extra distinct experts over ALL MoE layers (the first included) brought by token w+1
   when it brings n_new new experts in the first MoE layer; n̄_all(w) the same without the observation.
 - η: seconds per extra distinct expert (all layers); the routing correction adds η·(n̄_all(w|n_new) - n̄_all(w)).
+- Batches (optional): C_N(w) and C_ar,N of rounds over N rows (every row verifies w tokens: the dense GEMMs, the
+  union of the experts the N·w tokens route to, N GDN states and attention contexts), for a few N. `for_batch(N)`
+  gives the model a batch of N prompts chooses its shared w with: the tables of the smallest measured N' ≥ N (the
+  batch bucket resident rounds run it in), or the largest measured; without batch tables, the batch-1 C.
 
 Cache: `LatencyModel.save(path)` writes JSON with a cache key (model config hash, dtype, device name, library
 versions: `make_cache_key`). `LatencyModel.load(path, expected_key)` returns None, with a warning naming what
@@ -72,11 +76,25 @@ class LatencyModel:
     eta: float = 0.0  # seconds per extra distinct expert
     experts: ExpertModel | None = None
     key: dict = dataclasses.field(default_factory=dict)
+    batch_sizes: torch.Tensor | None = None  # [n_batch] long ascending, the first 1: batches with their own tables
+    batch_cost: torch.Tensor | None = None  # [n_batch, n_buckets, B] fp32 C_N(w) (row 0 = cost)
+    batch_cost_ar: torch.Tensor | None = None  # [n_batch, n_buckets] fp32 C_ar,N (row 0 = cost_ar)
 
     def __post_init__(self):
         if self.cost.dim() != 2 or self.cost_ar.shape != self.cost.shape[:1] or self.context_lens.shape != self.cost_ar.shape:
             raise ValueError(f"LatencyModel wants cost [n_buckets, B], cost_ar and context_lens [n_buckets]; got "
                              f"{tuple(self.cost.shape)}, {tuple(self.cost_ar.shape)}, {tuple(self.context_lens.shape)}.")
+        if self.batch_sizes is not None:
+            sizes = self.batch_sizes.cpu().long()
+            n = sizes.numel()
+            if (self.batch_cost is None or self.batch_cost.shape != (n, *self.cost.shape) or self.batch_cost_ar is None
+                    or self.batch_cost_ar.shape != (n, *self.cost_ar.shape) or int(sizes[0]) != 1
+                    or not bool((sizes.diff() > 0).all())):
+                raise ValueError("LatencyModel batch tables want batch_sizes [n_batch] ascending from 1, batch_cost "
+                                 f"[n_batch, n_buckets, B] and batch_cost_ar [n_batch, n_buckets]; got {sizes.tolist()}, "
+                                 f"{None if self.batch_cost is None else tuple(self.batch_cost.shape)}, "
+                                 f"{None if self.batch_cost_ar is None else tuple(self.batch_cost_ar.shape)}.")
+            self.batch_sizes = sizes
         if self.sunk is None:
             self.sunk = torch.zeros(self.cost.shape[0], self.cost.shape[1] - 1, device=self.cost.device)
         self.context_lens = self.context_lens.cpu()
@@ -87,6 +105,36 @@ class LatencyModel:
     @property
     def block_size(self) -> int:
         return self.cost.shape[1]
+
+    def for_batch(self, batch: int) -> "LatencyModel":
+        """The model a batch of `batch` rows chooses with (see the module docstring): this one for 1 row or without
+        batch tables, else one whose cost and cost_ar are the tables of the smallest measured batch ≥ `batch` (the
+        largest measured, past them)."""
+        if self.batch_sizes is None or batch <= 1:
+            return self
+        sizes = self.batch_sizes.tolist()
+        index = next((i for i, n in enumerate(sizes) if n >= batch), len(sizes) - 1)
+        return dataclasses.replace(self, cost=self.batch_cost[index].clone(),
+                                   cost_ar=self.batch_cost_ar[index].clone(), batch_sizes=None, batch_cost=None,
+                                   batch_cost_ar=None, key={**self.key, "batch": sizes[index]})
+
+    @classmethod
+    def with_batches(cls, models: Mapping[int, "LatencyModel"]) -> "LatencyModel":
+        """One model from calibrations at several batch sizes {N: model} (N = 1 required: its fields are kept, the
+        others give C_N and C_ar,N; all measured at the same contexts and block size)."""
+        if 1 not in models:
+            raise ValueError(f"with_batches needs the batch-1 calibration; got batch sizes {sorted(models)}.")
+        sizes = sorted(models)
+        base = models[1]
+        for n in sizes:
+            if models[n].cost.shape != base.cost.shape or not torch.equal(models[n].context_lens, base.context_lens):
+                raise ValueError(f"the batch-{n} calibration has cost {tuple(models[n].cost.shape)} at contexts "
+                                 f"{models[n].context_lens.tolist()}; batch 1 has {tuple(base.cost.shape)} at "
+                                 f"{base.context_lens.tolist()}: calibrate them with the same settings.")
+        return dataclasses.replace(
+            base, batch_sizes=torch.tensor(sizes),
+            batch_cost=torch.stack([models[n].cost.to(base.cost.device) for n in sizes]),
+            batch_cost_ar=torch.stack([models[n].cost_ar.to(base.cost.device) for n in sizes]))
 
     def _rows(self, context_len) -> slice | torch.Tensor:
         """Table rows for context lengths: a slice for an int (a view: no kernel), a [batch] long tensor for a
@@ -121,7 +169,9 @@ class LatencyModel:
         """A copy on device (the key, η and context_lens stay host values)."""
         return dataclasses.replace(self, cost=self.cost.to(device), cost_ar=self.cost_ar.to(device),
                                    sunk=self.sunk.to(device),
-                                   experts=None if self.experts is None else self.experts.to(device))
+                                   experts=None if self.experts is None else self.experts.to(device),
+                                   batch_cost=None if self.batch_cost is None else self.batch_cost.to(device),
+                                   batch_cost_ar=None if self.batch_cost_ar is None else self.batch_cost_ar.to(device))
 
     def to_dict(self) -> dict:
         data = {f.name: _jsonable(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "experts"}
