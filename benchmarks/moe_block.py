@@ -36,6 +36,7 @@ ptxas). Writes benchmarks/results/<name>.{json,md} (default moe_block).
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import subprocess
 import sys
@@ -50,7 +51,7 @@ if __name__ == "__main__" and not torch.cuda.is_available() and "--compile-check
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the smoke run: the Triton interpreter (tests set their own)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import capture, environment, time_graph, write_results  # noqa: E402
+from common import capture, environment, time_graph, traced_kernels, write_results  # noqa: E402
 
 from hybridspec_hf import patches  # noqa: E402  (the package installs the patches)
 from hybridspec_hf.kernels import moe_triton  # noqa: E402
@@ -186,13 +187,32 @@ def layer_bytes(shape: Shape, calls: list[tuple]) -> float:
     return sum((int(c[1].unique().numel()) + 1) * shape.expert_bytes for c in calls) / len(calls)
 
 
-def time_kernels(calls, replays: int, mode: str, gate_up: Tiles | None = None, down: Tiles | None = None) -> float:
+def experts_call(calls, mode: str, gate_up: Tiles | None = None, down: Tiles | None = None):
+    """fn() that runs `moe_block_triton` once per layer."""
     def run():
         with torch.no_grad():
             for args in calls:
                 moe_triton.moe_block_triton(*args, mode=mode, gate_up_tiles=gate_up, down_tiles=down)
 
-    return time_layers(run, len(calls), replays)["median_us"]
+    return run
+
+
+def time_kernels(calls, replays: int, mode: str, gate_up: Tiles | None = None, down: Tiles | None = None) -> float:
+    return time_layers(experts_call(calls, mode, gate_up, down), len(calls), replays)["median_us"]
+
+
+def kernel_split(calls, mode: str, replays: int = 5) -> dict[str, float]:
+    """µs per layer of each kernel of the experts call at the default tiles (traced over graph replays; empty on
+    the CPU)."""
+    if not torch.cuda.is_available():
+        return {}
+    graph = capture(experts_call(calls, mode))
+    split = collections.defaultdict(float)
+    for kernel in traced_kernels(graph.replay, replays):
+        split[kernel["name"]] += kernel["us"] / (replays * len(calls))
+    del graph
+    torch.cuda.empty_cache()
+    return dict(split)
 
 
 def checked(calls, mode: str, gate_up: Tiles | None = None, down: Tiles | None = None) -> dict:
@@ -324,14 +344,20 @@ def table(rows: list[dict], decode_swept: bool, direct_swept: bool) -> str:
         syncs = ", ".join(sorted({row["routes"][r]["sync"] for r in ROUTES}))
         lines.append(f"| {row['T']} | {row['distinct']:.1f} | {row['floor_us']:.1f} | " + " | ".join(cells)
                      + f" | {row['routes']['decode']['rel_err']:.1e} | {syncs} |")
-    lines += ["", "Experts kernels alone per layer (moe_block_triton: gate_up, down (+ sum), default tiles): µs, TB/s.",
-              "", "| T | direct µs | TB/s | decode µs | TB/s | decode rel err vs direct | same bits |",
-              "|---|---|---|---|---|---|---|"]
+    lines += ["", "Experts kernels alone per layer (moe_block_triton: gate_up, down (+ sum), default tiles): µs, TB/s, "
+              "and µs per kernel (traced replays).", "",
+              "| T | direct µs | TB/s | direct per kernel | decode µs | TB/s | decode per kernel | decode rel err vs "
+              "direct | same bits |", "|---|---|---|---|---|---|---|---|---|"]
+
+    def per_kernel(split: dict) -> str:
+        return ", ".join(f"{name.strip('_').removesuffix('_kernel')} {us:.1f}" for name, us in split.items()) or "-"
+
     for row in rows:
         direct, decode = row["kernels"]["direct"], row["kernels"].get("decode")
-        tail = (f"{decode['us']:.1f} | {decode['tbps']:.2f} | {decode['rel_err']:.1e} | {decode['same_bits']}"
-                if decode else "- | - | - | -")
-        lines.append(f"| {row['T']} | {direct['us']:.1f} | {direct['tbps']:.2f} | {tail} |")
+        tail = (f"{decode['us']:.1f} | {decode['tbps']:.2f} | {per_kernel(decode['split'])} | {decode['rel_err']:.1e} "
+                f"| {decode['same_bits']}" if decode else "- | - | - | - | -")
+        lines.append(f"| {row['T']} | {direct['us']:.1f} | {direct['tbps']:.2f} | {per_kernel(direct['split'])} | "
+                     f"{tail} |")
     if decode_swept:
         lines += ["", "Decode tile sweep (kernels alone): gate_up tiles at the default down tile, then down tiles at "
                   "the best gate_up. Tiles(block_n, block_k, num_warps, num_stages, split_k).", ""]
@@ -341,16 +367,16 @@ def table(rows: list[dict], decode_swept: bool, direct_swept: bool) -> str:
                 continue
             lines += [f"T = {row['T']}: default {sweep['default'][0]} / {sweep['default'][1]}; best "
                       f"{sweep['best'][0]} / {sweep['best'][1]}: {sweep['best_cell']['us']:.1f} µs, "
-                      f"{sweep['best_cell']['tbps']:.2f} TB/s", "", "| kernel | tiles | µs | TB/s | rel err | same bits |",
-                      "|---|---|---|---|---|---|"]
+                      f"{sweep['best_cell']['tbps']:.2f} TB/s", "",
+                      "| kernel | tiles | µs | TB/s | rel err | same bits |", "|---|---|---|---|---|---|"]
             for kernel in ("gate_up", "down"):
                 for tiles, r in sweep[kernel].items():
                     lines.append(f"| {kernel} | {tiles} | {r['us']:.1f} | {r['tbps']:.2f} | {r['rel_err']:.1e} | "
                                  f"{r['same_bits']} |")
             lines.append("")
     if direct_swept:
-        lines += ["", "One-pass (direct) tile sweep, kernels alone (µs per layer): default tiles against the best pair.",
-                  "", "| T | default gate_up / down | µs | best gate_up / down | µs |", "|---|---|---|---|---|"]
+        lines += ["", "One-pass (direct) tile sweep, kernels alone (µs per layer): default tiles against the best "
+                  "pair.", "", "| T | default gate_up / down | µs | best gate_up / down | µs |", "|---|---|---|---|---|"]
         for row in rows:
             (dg, dd, dus), (bg, bd, bus) = row["direct_sweep"]["default"], row["direct_sweep"]["best"]
             lines.append(f"| {row['T']} | {dg} / {dd} | {dus:.1f} | {bg} / {bd} | {bus:.1f} |")
@@ -417,10 +443,11 @@ def measure_tokens(blocks, shape: Shape, tokens: int, gen: torch.Generator, args
         row["routes"][route] = result
         print(tokens, route, result, flush=True)
     set_route("decode")
-    row["kernels"]["direct"] = cell(time_kernels(calls, args.replays, "direct"), nbytes)
+    row["kernels"]["direct"] = dict(cell(time_kernels(calls, args.replays, "direct"), nbytes),
+                                    split=kernel_split(calls, "direct"))
     if tokens <= moe_triton.DECODE_MAX_TOKENS:
         row["kernels"]["decode"] = dict(checked(calls, "decode"), **cell(time_kernels(calls, args.replays, "decode"),
-                                                                         nbytes))
+                                                                         nbytes), split=kernel_split(calls, "decode"))
         if args.decode_sweep:
             row["decode_sweep"] = decode_sweep(calls, nbytes, args.replays, smoke)
             print(tokens, "decode sweep best", row["decode_sweep"]["best"], row["decode_sweep"]["best_cell"],

@@ -2,6 +2,8 @@
 CPU tests run them in, accepts code the GPU compiler refuses (benchmarks/moe_block.py --compile-check does this for
 every swept tile too)."""
 import importlib
+import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,9 @@ def test_the_decode_kernels_compile_for_sm90_at_the_default_tiles(monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     benchmark = importlib.import_module("moe_block")
     rows = benchmark.compile_check(benchmark.FULL, swept=False)
-    assert {(row["kernel"], row["constexprs"]["TP"], row["constexprs"]["SHARED"]) for row in rows} == {
-        (kernel, block_t, shared) for kernel in ("gate_up", "down") for block_t in (1, 2, 4) for shared in (True, False)}
-    assert not any("bytes spill stores" in row["ptxas"] and "0 bytes spill stores" not in row["ptxas"] for row in rows)
+    sys.modules.pop("moe_block", None)
+    built = {(row["kernel"], row["constexprs"]["TP"], row["constexprs"]["SHARED"]) for row in rows}
+    assert built == {(kernel, block_t, shared) for kernel in ("gate_up", "down") for block_t in (1, 2, 4)
+                     for shared in (True, False)}
+    spills = [int(n) for row in rows for n in re.findall(r"(\d+) bytes spill stores", row["ptxas"])]
+    assert not any(spills), [row["ptxas"] for row in rows]  # ptxas -v where triton ships it: no spills
