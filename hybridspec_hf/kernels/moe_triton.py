@@ -470,6 +470,14 @@ def _down_decode_kernel(
     t_ok = rt < T
     acc = tl.zeros([BN, TP], dtype=tl.float32)
     if live:
+        # the token's weight of this expert: Σ_j w[t, j] over the pairs (t, j) naming it (an expert listed twice
+        # counts twice); the shared expert's output stays unweighted (its gate comes in the combine). Loaded
+        # before the weights, so that both are in flight together
+        rj = tl.arange(0, KP)
+        pair = rt[:, None] * K + rj[None, :]
+        pair_ok = t_ok[:, None] & (rj[None, :] < K)
+        named = (tl.load(ids + pair, mask=pair_ok, other=-1) == expert) & pair_ok & (expert >= 0)
+        coef = tl.sum(tl.load(weights + pair, mask=named, other=0.0).to(tl.float32), axis=1)  # [TP]
         rk = tl.arange(0, BK)
         p_w = w_base + (rn % H).to(tl.int64)[:, None] * stride_wn + rk[None, :]  # [BN, BK]; rows past H: not stored
         p_a = act + (slot * TP).to(tl.int64) * INTER + rk  # [BK] of token 0
@@ -482,13 +490,6 @@ def _down_decode_kernel(
             acc = _add_row_products(acc, b_w, p_a, INTER, k_ok, T, TP)
             p_w += BK
             p_a += BK
-        # the token's weight of this expert: Σ_j w[t, j] over the pairs (t, j) naming it (an expert listed twice
-        # counts twice); the shared expert's output stays unweighted (its gate comes in the combine)
-        rj = tl.arange(0, KP)
-        pair = rt[:, None] * K + rj[None, :]
-        pair_ok = t_ok[:, None] & (rj[None, :] < K)
-        named = (tl.load(ids + pair, mask=pair_ok, other=-1) == expert) & pair_ok & (expert >= 0)
-        coef = tl.sum(tl.load(weights + pair, mask=named, other=0.0).to(tl.float32), axis=1)  # [TP]
         acc = acc * tl.where(is_shared, 1.0, coef)[None, :]
     offsets = rt[None, :] * BN + rb[:, None]
     p_part = partials + (i_n * num_slots).to(tl.int64) * (TP * BN) + offsets
