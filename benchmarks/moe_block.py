@@ -19,7 +19,8 @@ kernels, experts "hybridspec") on layer 0; a host-sync check runs each route und
 `torch.cuda.set_sync_debug_mode("error")`.
 
 The experts kernels alone (`moe_triton.moe_block_triton` on each block's own routing, gate_up + down (+ sum)) are
-timed too, per T: the one-pass kernels ("direct") against the decode kernels, and with --decode-sweep every decode
+timed too, per T: the one-pass kernels ("direct") against the decode kernels, in total and per kernel (µs per layer
+of each kernel name, traced over 5 graph replays by the torch profiler), and with --decode-sweep every decode
 gate_up tile / K split of DECODE_GATE_UP_SWEEP at the default down tile, then every down tile at the best gate_up
 (each config first checked: error against the direct kernels, equal bits over two calls). --sweep times the one-pass
 kernels' tiles the same way (benchmarks/moe_experts.py's sweep) against `moe_triton.default_tiles`.
