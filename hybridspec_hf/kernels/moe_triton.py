@@ -89,14 +89,15 @@ class Tiles:
 
 
 def default_tiles(num_tokens: int, mode: str) -> tuple[int, Tiles, Tiles]:
-    """(block_m, gate_up tiles, down tiles). Decode: narrow column blocks so that the few experts of a call still
-    spread over every SM (T = 1 at the 35B-A3B shape: 8 experts x 32 gate_up blocks = 256 programs), like vLLM's
-    tuned H200 fused_moe configs for E=128/N=1024 at batch 1-8; benchmarks/moe_experts.py sweeps them.
-    Decode (block_m: the tokens padded to a power of two): many short programs of one load step each (the loads
+    """(block_m, gate_up tiles, down tiles). Direct rows: narrow column blocks so that the few experts of a call
+    still spread over every SM (T = 1 at the 35B-A3B shape: 8 experts x 32 gate_up blocks = 256 programs), like
+    vLLM's tuned H200 fused_moe configs for E=128/N=1024 at batch 1-8; benchmarks/moe_experts.py sweeps them.
+    "decode" (block_m: the tokens padded to a power of two): many short programs of one load step each (the loads
     of a program all in flight at once; Triton does not pipeline loads that feed no dot), so that enough bytes are
     in flight at T = 1 (35B-A3B: 9 slots x 32 column blocks x 8 K slices = 2304 gate_up programs of 16 KB, 9 x 128
     down programs of 16 KB, 48 and 32 registers on sm_90); at 3-4 tokens narrower blocks keep the registers of the
-    per-token products under 80; benchmarks/moe_block.py --sweep times the alternatives."""
+    per-token products under 80. Reasoned, not yet measured: benchmarks/moe_block.py --decode-sweep times the
+    alternatives on a GPU."""
     if mode == "decode":
         if num_tokens <= 2:
             return triton.next_power_of_2(num_tokens), Tiles(16, 256, 8, 1, split_k=8), Tiles(16, 512, 8, 1)
