@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, write_results  # noqa: E402
+from common import environment, traced_kernels, write_results  # noqa: E402
 from e2e import HBM_TBPS, build, roofline_bytes  # noqa: E402
 
 from hybridspec_hf import HybridSpecConfig  # noqa: E402
@@ -61,26 +61,6 @@ def kind_of(name: str) -> str:
         if re.search(pattern, name):
             return kind
     return "other"
-
-
-def traced_kernels(replay, n: int) -> list[dict]:
-    """Kernels (and memcpy/memset) traced while replay() runs n times: [{name, us}]."""
-    from torch.profiler import ProfilerActivity, profile
-
-    if not torch.cuda.is_available():  # the CPU twin runs eagerly: nothing to trace (the harness's own check)
-        for _ in range(n):
-            replay()
-        return []
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            replay()
-        torch.cuda.synchronize()
-    with tempfile.NamedTemporaryFile(suffix=".json") as handle:
-        prof.export_chrome_trace(handle.name)
-        events = json.loads(Path(handle.name).read_text())["traceEvents"]
-    return [{"name": e["name"], "us": float(e.get("dur", 0.0))} for e in events
-            if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
 
 
 def attributed_kernels(model, drafter, fn) -> dict:

@@ -6,6 +6,7 @@ import json
 import platform
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -68,3 +69,23 @@ def time_graph(graph: torch.cuda.CUDAGraph, per_replay: int, replays: int = 40) 
     last = len(times) - 1  # nearest-rank percentiles, valid for any number of replays (smoke runs time one)
     return dict(median_us=statistics.median(times), p10_us=times[round(0.1 * last)], p90_us=times[round(0.9 * last)],
                 replays=replays)
+
+
+def traced_kernels(replay, n: int) -> list[dict]:
+    """Kernels (and memcpy/memset) traced while replay() runs n times: [{name, us}]."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if not torch.cuda.is_available():  # the CPU twin runs eagerly: nothing to trace (the harness's own check)
+        for _ in range(n):
+            replay()
+        return []
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            replay()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as handle:
+        prof.export_chrome_trace(handle.name)
+        events = json.loads(Path(handle.name).read_text())["traceEvents"]
+    return [{"name": e["name"], "us": float(e.get("dur", 0.0))} for e in events
+            if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]

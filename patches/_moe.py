@@ -9,7 +9,8 @@ routed experts, 5 per layer ("one pass", T <= 16 tokens: decode and verification
     experts  gate_up, down, sum over the k routed experts + the shared expert as one more slot (its weights from
              the concatenated copy; its gate logit computed in the gate_up launch); the sum adds
              sigmoid(logit) · shared and, through `moe_block_add`, the decoder layer's residual
-                                                                  (kernels/moe_triton.py `moe_block_triton`)
+                                                                  (kernels/moe_triton.py `moe_block_triton`;
+             at T <= 4 its decode kernels fold the sum into the down launch: 4 launches per layer)
 
 and otherwise (more tokens, the shared expert's I not the routed experts', experts not dispatching to "hybridspec",
 a hook on the experts module) 6 around the experts call:

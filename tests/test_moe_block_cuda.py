@@ -118,3 +118,29 @@ def test_the_one_pass_block_with_the_residual_matches_transformers_and_replays(f
         graph.replay()
         assert rel(out, residual + plain(block, x)) < 1e-5
     patches.release_fused_moe([block])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_decode_kernels_match_the_torch_steps_and_repeat_bit_for_bit(dtype):
+    """moe_triton's decode kernels compiled at full width (T = 1..4, default tiles: split-K gate_up, the sum over
+    the slots, the gated shared expert and the residual in the down launch): the torch steps' result and the direct
+    rows' within the CPU twin's tolerances, and the same bits over repeated calls (fixed-order reductions)."""
+    from hybridspec_hf.kernels import moe_triton
+    from hybridspec_hf.patches import _moe
+
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    block = full_width_block("qwen3_5_moe", dtype)
+    patches.prepare_fused_moe([block])
+    shared = block.__dict__[_moe._CACHE].weight
+    for tokens in (1, 2, 3, 4):
+        x, residual = torch.randn(2, tokens, 2048, device="cuda", dtype=dtype)
+        with torch.no_grad():
+            _, weights, ids = block.gate(x)
+        args = (x, ids, weights, block.experts.gate_up_proj, block.experts.down_proj, shared,
+                block.shared_expert.down_proj.weight, residual)
+        out = moe_triton.moe_block_triton(*args, mode="decode")
+        assert rel(out, moe_triton.moe_block_reference(*args)) < tol
+        assert rel(out, moe_triton.moe_block_triton(*args, mode="direct")) < tol
+        for _ in range(20):
+            assert torch.equal(moe_triton.moe_block_triton(*args, mode="decode"), out)
+    patches.release_fused_moe([block])

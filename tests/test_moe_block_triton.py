@@ -325,23 +325,28 @@ def tiny_block(family: str, dtype: torch.dtype, shared_inter: int = 24) -> torch
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
-def test_moe_block_add_folds_the_residual_into_the_one_pass_block(family, dtype, calls):
+def test_moe_block_add_folds_the_residual_into_the_one_pass_block(family, dtype, calls, monkeypatch):
+    """Also through the decode kernels (1 and 3 tokens: `moe_triton.DECODE_MAX_TOKENS`) when DECODE_PATH is on."""
+    monkeypatch.setattr(moe_triton, "DECODE_PATH", True)
+    decoded = []
+    launch_decode = moe_triton._launch_decode
+    monkeypatch.setattr(moe_triton, "_launch_decode", lambda *args: decoded.append(1) or launch_decode(*args))
     block = tiny_block(family, dtype)
     gen = torch.Generator().manual_seed(11)
-    for tokens in (1, 7, 16):
+    for tokens in (1, 3, 7, 16):
         x = torch.randn(1, tokens, 40, generator=gen).to(dtype)
         residual = torch.randn(1, tokens, 40, generator=gen).mul(4).to(dtype)
         with torch.no_grad(), patches.fused_kernels():
             out = patches.moe_block_add(block, x, residual)
         assert_near(out, residual + plain_forward(block, x))
-    assert calls["moe_block_triton"] == 3 and calls["gated_add"] == 0
+    assert calls["moe_block_triton"] == 4 and calls["gated_add"] == 0 and len(decoded) == 2
     seen = []
     handle = block.register_forward_hook(lambda m, a, o: seen.append(o))
     with torch.no_grad(), patches.fused_kernels():
         out = patches.moe_block_add(block, x, residual)  # a hook on the block: the plain expression, it fires
     handle.remove()
     assert len(seen) == 1 and torch.equal(out, residual + seen[0])
-    assert calls["moe_block_triton"] == 4  # the block's own (fused) forward inside
+    assert calls["moe_block_triton"] == 5  # the block's own (fused) forward inside
     with torch.no_grad():
         assert torch.equal(patches.moe_block_add(block, x, residual), residual + block(x))  # outside: plain
 
@@ -414,3 +419,27 @@ def test_mask_invalid_routes_per_batch_row():
     assert (got_weights[invalid] == 0).all() and (got_weights[~invalid] > 0).all()
     assert torch.equal(got_ids[invalid], ids[:1].expand(int(invalid.sum()), 8))
     assert torch.equal(got_ids[~invalid], ids[~invalid])
+
+
+def test_moe_block_benchmark_smoke_run_writes_results(tmp_path, monkeypatch):
+    """benchmarks/moe_block.py on the CPU (tiny shape, the interpreter): the three routes and the kernels alone per
+    T, the decode route agreeing with transformers' block, the decode kernels with the direct ones, bit for bit
+    reproducible; the results written; the routing switches restored."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    defaults = (_moe.SHARED_EXPERT_SLOT, moe_triton.DECODE_PATH)
+    benchmark = importlib.import_module("moe_block")
+    report = benchmark.main(["--smoke", "--name", str(tmp_path / "moe_block")])
+    sys.modules.pop("moe_block", None)
+    assert [row["T"] for row in report["rows"]] == list(benchmark.TOKENS)
+    for row in report["rows"]:
+        assert set(row["routes"]) == {"separate", "one pass", "decode"}
+        assert all(route["rel_err"] < BLOCK_TOL[torch.bfloat16] for route in row["routes"].values())
+        decode = row["kernels"].get("decode")
+        assert (decode is not None) == (row["T"] <= moe_triton.DECODE_MAX_TOKENS)
+        assert decode is None or (decode["same_bits"] and decode["rel_err"] < BLOCK_TOL[torch.bfloat16])
+    assert "| decode µs" in (tmp_path / "moe_block.md").read_text()
+    assert (_moe.SHARED_EXPERT_SLOT, moe_triton.DECODE_PATH) == defaults and not _moe._ON_CPU

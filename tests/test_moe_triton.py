@@ -19,8 +19,11 @@ pytest.importorskip("triton")
 from transformers import Qwen3_5MoeTextConfig  # noqa: E402
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeExperts  # noqa: E402
 
+from hybridspec_hf.kernels import gemv_triton, moe_triton  # noqa: E402
 from hybridspec_hf.kernels.moe_triton import (  # noqa: E402
+    DECODE_MAX_TOKENS,
     DIRECT_MAX_TOKENS,
+    Tiles,
     align_pairs,
     fused_experts,
     fused_experts_reference,
@@ -28,6 +31,7 @@ from hybridspec_hf.kernels.moe_triton import (  # noqa: E402
     moe_block_reference,
     moe_block_triton,
 )
+from hybridspec_hf.kernels.router_triton import mask_invalid_routes_reference  # noqa: E402
 from hybridspec_hf.kernels.shared_expert_triton import concat_shared_weights  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("triton_interpreter")
@@ -170,6 +174,97 @@ def test_moe_block_errors_name_the_problem():
     big = make_block(27, DIRECT_MAX_TOKENS + 1, 40, 24, 4, 2)
     with pytest.raises(ValueError, match="at most 16 tokens"):
         moe_block_triton(**big)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# decode kernels (T <= DECODE_MAX_TOKENS)
+
+# (hidden, inter, experts, top_k, gate_up tiles, down tiles): the default tiles fitted to H, I not powers of two
+# (masked columns and rows); K in two uneven slices and I in two masked steps; K in four even slices
+DECODE_CASES = [
+    (40, 24, 4, 3, None, None),
+    (40, 24, 4, 3, Tiles(8, 16, 4, 1, split_k=2), Tiles(8, 16, 4, 1)),
+    (64, 32, 8, 2, Tiles(16, 16, 4, 1, split_k=4), Tiles(32, 32, 4, 1)),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 2, 3, 4])
+@pytest.mark.parametrize("hidden, inter, experts, top_k, gate_up_tiles, down_tiles", DECODE_CASES)
+def test_decode_matches_reference(hidden, inter, experts, top_k, gate_up_tiles, down_tiles, tokens, dtype):
+    """The decode kernels (one launch of split-K gate_up, one of down + the weighted sum + the gated shared expert +
+    the residual) against the torch steps: experts shared across tokens, non-uniform routing weights, and the last
+    token invalid (a device-side valid length: stage 1's masking gives it token 0's experts with weight 0)."""
+    x = make_block(40 + tokens, tokens, hidden, inter, experts, top_k, dtype)
+    valid = torch.tensor([max(tokens - 1, 1)])
+    x["top_k_index"], x["top_k_weights"] = mask_invalid_routes_reference(x["top_k_index"], x["top_k_weights"], valid)
+    assert tokens == 1 or x["top_k_index"].unique().numel() < x["top_k_index"].numel()  # experts shared
+    assert x["top_k_weights"][0].unique().numel() == top_k  # not uniform
+    tiles = dict(gate_up_tiles=gate_up_tiles, down_tiles=down_tiles)
+    out = moe_block_triton(**x, mode="decode", **tiles)
+    assert out.shape == (tokens, hidden) and out.dtype == dtype
+    assert rel(out, moe_block_reference(**x)) < TOL[dtype]
+    if dtype == torch.float32:
+        truth = moe_block_reference(**{k: v.double() if v.is_floating_point() else v for k, v in x.items()})
+        assert rel(out, truth) < TOL[dtype]
+    if tokens > 1:  # the invalid token: the shared expert and the residual only
+        only_shared = moe_block_reference(**dict(x, top_k_weights=torch.zeros_like(x["top_k_weights"])))
+        assert rel(out[-1], only_shared[-1]) < TOL[dtype]
+    routed = {k: v for k, v in x.items() if k not in ("shared_gate_up", "shared_down", "residual")}
+    assert rel(fused_experts_triton(**routed, mode="decode", **tiles), fused_experts_reference(**routed)) < TOL[dtype]
+
+
+def test_decode_duplicates_sentinels_and_zero_weights():
+    """An expert listed twice by one token counts twice, ids outside [0, E) count nothing, zero weights give exactly
+    the shared expert + residual; the same as the direct rows make of them."""
+    x = make_block(46, 4, 40, 24, 4, 3)
+    x["top_k_index"][1] = torch.tensor([3, 3, 0])
+    x["top_k_index"][2, 2] = 4
+    x["top_k_index"][3, 0] = -1
+    x["top_k_weights"][0] = 0.0
+    out = moe_block_triton(**x, mode="decode")
+    truth = moe_block_reference(**{k: v.double() if v.is_floating_point() else v for k, v in x.items()})
+    assert rel(out, truth) < TOL[torch.float32]
+    assert rel(out, moe_block_triton(**x, mode="direct")) < TOL[torch.float32]
+    only_shared = moe_block_triton(**dict(x, top_k_weights=torch.zeros_like(x["top_k_weights"])), mode="decode")
+    assert torch.equal(out[0], only_shared[0])
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_decode_is_bitwise_reproducible_and_leaves_the_counters_zero(tokens):
+    """Split-K partials and the slots' outputs are summed in a fixed order by the last program to arrive (integer
+    counters, no float atomics): the same bits on every call, and every counter back at 0 for the next launch."""
+    x = make_block(47, tokens, 64, 32, 8, 2, torch.bfloat16)
+    tiles = dict(gate_up_tiles=Tiles(16, 16, 4, 1, split_k=4), down_tiles=Tiles(32, 32, 4, 1))
+    first = moe_block_triton(**x, mode="decode", **tiles)
+    assert not gemv_triton._COUNTERS[torch.device("cpu")].any()
+    assert torch.equal(moe_block_triton(**x, mode="decode", **tiles), first)
+    assert torch.equal(moe_block_triton(**x, **tiles), first)  # "auto" takes the decode kernels up to 4 tokens
+
+
+def test_decode_flag_and_auto_dispatch(monkeypatch):
+    """DECODE_PATH switches "auto" between the decode kernels and the direct rows (A/B), with the same result;
+    above DECODE_MAX_TOKENS "auto" takes the direct rows."""
+    monkeypatch.setattr(moe_triton, "DECODE_PATH", True)
+    launches = []
+    decode = moe_triton._launch_decode
+    monkeypatch.setattr(moe_triton, "_launch_decode", lambda *args: launches.append(1) or decode(*args))
+    x = make_block(48, 3, 40, 24, 4, 3)
+    out = moe_block_triton(**x)
+    assert launches == [1]
+    monkeypatch.setattr(moe_triton, "DECODE_PATH", False)
+    assert rel(moe_block_triton(**x), out) < TOL[torch.float32] and launches == [1]
+    monkeypatch.setattr(moe_triton, "DECODE_PATH", True)
+    moe_block_triton(**make_block(48, DECODE_MAX_TOKENS + 1, 40, 24, 4, 3))
+    assert launches == [1]
+
+
+def test_decode_errors_name_the_problem():
+    x = make_block(49, DECODE_MAX_TOKENS + 1, 40, 24, 4, 2)
+    with pytest.raises(ValueError, match="at most 4 tokens"):
+        moe_block_triton(**x, mode="decode")
+    with pytest.raises(ValueError, match="decode"):
+        moe_block_triton(**x, mode="direct", gate_up_tiles=Tiles(16, 16, split_k=2))
 
 
 def test_align_pairs_blocks():

@@ -194,8 +194,8 @@ if HAS_TRITON:
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
-def _counters(device: torch.device) -> torch.Tensor:
-    """The device's split-K counters (all zero between launches). Made on the first launch outside a CUDA-graph
+def split_counters(device: torch.device) -> torch.Tensor:
+    """The device's split-K counters (all zero between launches; also moe_triton's decode kernels'). Made on the first launch outside a CUDA-graph
     capture (the warm-up); one made inside a capture belongs to that graph's pool, so it is not kept."""
     counters = _COUNTERS.get(device)
     if counters is None:
@@ -244,7 +244,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, confi
     partials = counters = out  # unused without a split
     if split_k > 1:
         partials = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
-        counters = _counters(x.device)
+        counters = split_counters(x.device)
     interpret = bool(triton.knobs.runtime.interpret)
     _gemv_kernel[(triton.cdiv(n, config.block_n), split_k)](
         rows, weight, bias if bias is not None else weight, out, partials, counters,

@@ -23,6 +23,21 @@ Two ways to assign rows to programs, both with a grid sized for the worst case a
 Either way one program column per distinct expert streams that expert's weights: bytes = distinct experts × 6 MiB
 at the Qwen3.5-35B-A3B shape (E=256, H=2048, I=512, bf16), against a copy per pair in transformers' batched_mm.
 
+"decode" (T <= DECODE_MAX_TOKENS, the AR step and short verifications; `DECODE_PATH` switches it off for A/B): two
+launches, weights read in their layout through wide loads along the contiguous reduction, products as fp32 FMAs on
+the CUDA cores (a 16-row tensor-core tile would be >= 75 % padding), one token row at a time:
+  1. gate_up, grid (I / BN, SPLIT, slots): program (i_n, i_k, p) takes BN gate and BN up rows of slot p's expert
+     (the direct rows' slots: pair p if it is the first naming its expert, slot S the shared expert) over K slice
+     i_k of H, for every token. SPLIT > 1: partials to a workspace; the last of the SPLIT programs to bump the
+     (slot, column block) counter sums them in slice order (CUTLASS's split-K semaphore, as kernels/gemv_triton.py:
+     integer atomics only, so the bits do not depend on arrival order) and stores SiLU(gate)·up to act [slots, T, I]
+     fp32; the shared slot's column block 0 also takes the gate logit.
+  2. down, grid (H / BN, slots): program (i_n, p) computes y = down_e act for BN output columns and every token,
+     times the token's routing weight of that expert (Σ_j w[t, j] over the pairs naming it, 0 if none; the shared
+     expert unweighted), into partials [H / BN, slots, T, BN] (zeros for a slot without work); the last program of
+     the column block sums the routed slots in slot order, adds sigmoid(logit) · shared and the residual with the
+     sum kernel's roundings, and stores the output. No separate sum launch.
+
 Precision: dots accumulate in fp32; bf16/fp16 weights take dot operands in the weight dtype (act is rounded to it
 before the down dot, as transformers does); fp32 weights use exact fp32 dots (`input_precision="ieee"`). The routing
 weights and the sum over k stay fp32 until the single cast of the output. Under the interpreter (triton 3.6) every
@@ -34,12 +49,14 @@ Triton compiles on the first launch (there is no autotuning).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from .gdn_triton import HAS_TRITON, _LazyJit, select_backend
+from .gemv_triton import COUNTERS, split_counters
 from .shared_expert_triton import gated_add_reference, shared_expert_reference
 
 if HAS_TRITON:
@@ -50,25 +67,44 @@ else:  # CPU installs without triton keep the reference
     tl = None
 
 DIRECT_MAX_TOKENS = 16  # "direct" rows = all tokens in one 16-row tile; above this the sorted blocks
-MODES = ("auto", "direct", "sorted")
+# "decode" (CUDA-core products) up to 4 tokens: each weight element costs T fp32 FMAs, at T = 4 about a quarter of the
+# H200's FMA rate while the weights stream at 4.25 TB/s; more tokens go to the tensor cores (the direct rows)
+DECODE_MAX_TOKENS = 4
+# True: "auto" takes the decode kernels for T <= DECODE_MAX_TOKENS; False: the direct rows. Off until measured on
+# the H200 (written 2026-12-01: tested under the interpreter and built for sm_90 only; `benchmarks/moe_block.py
+# --decode-sweep` measures the three routes side by side).
+DECODE_PATH = False
+MODES = ("auto", "decode", "direct", "sorted")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
 class Tiles:
     """Tile of one GEMM kernel: block_n output columns (gate_up: per half, so 2·block_n weight rows) by block_k of the
-    reduction per step; num_stages: software-pipelined loads in flight."""
+    reduction per step; num_stages: software-pipelined loads in flight; split_k: programs along the reduction (the
+    decode gate_up only, reduced in the same launch; every other kernel takes 1)."""
 
     block_n: int
     block_k: int
     num_warps: int = 4
     num_stages: int = 4
+    split_k: int = 1
 
 
 def default_tiles(num_tokens: int, mode: str) -> tuple[int, Tiles, Tiles]:
-    """(block_m, gate_up tiles, down tiles). Decode: narrow column blocks so that the few experts of a call still
-    spread over every SM (T = 1 at the 35B-A3B shape: 8 experts x 32 gate_up blocks = 256 programs), like vLLM's
-    tuned H200 fused_moe configs for E=128/N=1024 at batch 1-8; benchmarks/moe_experts.py sweeps them."""
+    """(block_m, gate_up tiles, down tiles). Direct rows: narrow column blocks so that the few experts of a call
+    still spread over every SM (T = 1 at the 35B-A3B shape: 8 experts x 32 gate_up blocks = 256 programs), like
+    vLLM's tuned H200 fused_moe configs for E=128/N=1024 at batch 1-8; benchmarks/moe_experts.py sweeps them.
+    "decode" (block_m: the tokens padded to a power of two): many short programs of one load step each (the loads
+    of a program all in flight at once; Triton does not pipeline loads that feed no dot), so that enough bytes are
+    in flight at T = 1 (35B-A3B: 9 slots x 32 column blocks x 8 K slices = 2304 gate_up programs of 16 KB, 9 x 128
+    down programs of 16 KB, 48 and 32 registers on sm_90); at 3-4 tokens narrower blocks keep the registers of the
+    per-token products under 80. Reasoned, not yet measured: benchmarks/moe_block.py --decode-sweep times the
+    alternatives on a GPU."""
+    if mode == "decode":
+        if num_tokens <= 2:
+            return triton.next_power_of_2(num_tokens), Tiles(16, 256, 8, 1, split_k=8), Tiles(16, 512, 8, 1)
+        return 4, Tiles(8, 512, 8, 1, split_k=4), Tiles(8, 512, 8, 1)
     if mode == "direct":
         small = num_tokens <= 4
         return 16, Tiles(16 if small else 32, 128), Tiles(32 if small else 64, 128)
@@ -135,16 +171,23 @@ def moe_block_reference(
 # kernels
 
 
+def _first_use(ids, slot, S, E, SP: tl.constexpr):
+    """(expert int64, live) of pair `slot` of ids [S]: live when the id is a valid expert that no earlier pair names
+    (one program per distinct expert; slot S, the shared expert's if any, reads -1)."""
+    expert = tl.load(ids + slot, mask=slot < S, other=-1).to(tl.int64)
+    rs = tl.arange(0, SP)
+    earlier = tl.load(ids + rs, mask=rs < slot, other=-1)
+    live = (tl.sum((earlier == expert).to(tl.int32), 0) == 0) & (expert >= 0) & (expert < E)
+    return expert, live
+
+
 def _program_rows(ids, block_expert, block_pairs, slot, T, S, E,
                   DIRECT: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, BM: tl.constexpr):
     """(expert int64, live, pair [BM] int32, row_ok [BM]) of program `slot`: the expert it serves (live = it has
     work), and per row the token–expert pair whose act row it reads or writes."""
     rm = tl.arange(0, BM)
     if DIRECT:
-        expert = tl.load(ids + slot, mask=slot < S, other=-1).to(tl.int64)  # slot S: the shared expert's, if any
-        rs = tl.arange(0, SP)
-        earlier = tl.load(ids + rs, mask=rs < slot, other=-1)
-        live = (tl.sum((earlier == expert).to(tl.int32), 0) == 0) & (expert >= 0) & (expert < E)
+        expert, live = _first_use(ids, slot, S, E, SP)
         rj = tl.arange(0, KP)
         token_ids = tl.load(ids + rm[:, None] * K + rj[None, :], mask=(rm[:, None] < T) & (rj[None, :] < K), other=-1)
         j_first = tl.min(tl.where(token_ids == expert, rj[None, :], KP), 1)  # a token lists an expert once, but
@@ -267,6 +310,14 @@ def _down_kernel(
             tl.store(p_out, acc * b_wt[:, None], mask=row_ok[:, None] & mn[None, :])
 
 
+def _add_gated_shared(routed, shared, gate_logit, dtype: tl.constexpr):
+    """routed + sigmoid(gate_logit) · shared (fp32 in and out), each step rounded to dtype as transformers' torch ops
+    round it (SparseMoeBlock.forward's last lines)."""
+    shared = shared.to(dtype).to(tl.float32)
+    gate = (1.0 / (1.0 + tl.exp(-gate_logit.to(dtype).to(tl.float32)))).to(dtype).to(tl.float32)
+    return (routed.to(dtype).to(tl.float32) + (gate * shared).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+
+
 def _sum_kernel(rows, ids, out, logit, residual, E, S, stride_ot, stride_rt, H: tl.constexpr, K: tl.constexpr,
                 BN: tl.constexpr, SHARED: tl.constexpr, RESIDUAL: tl.constexpr):
     i_n = tl.program_id(0)
@@ -280,22 +331,204 @@ def _sum_kernel(rows, ids, out, logit, residual, E, S, stride_ot, stride_rt, H: 
         ok = (expert >= 0) & (expert < E)  # sentinel pairs were never written
         acc += tl.load(rows + (i_t * K + j) * H + rn, mask=mn & ok, other=0.0)
     value = acc.to(dtype).to(tl.float32)  # the experts' output, in the model dtype
-    if SHARED:  # + sigmoid(gate logit) · shared, each step rounded as transformers' torch ops round it
-        shared = tl.load(rows + (S + i_t) * H + rn, mask=mn, other=0.0).to(dtype).to(tl.float32)
-        gate_logit = tl.load(logit + i_t).to(dtype).to(tl.float32)
-        gate = (1.0 / (1.0 + tl.exp(-gate_logit))).to(dtype).to(tl.float32)
-        value = (value + (gate * shared).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    if SHARED:
+        shared = tl.load(rows + (S + i_t) * H + rn, mask=mn, other=0.0)
+        value = _add_gated_shared(value, shared, tl.load(logit + i_t), dtype)
     if RESIDUAL:  # the decoder layer's residual + block output
         value = tl.load(residual + i_t * stride_rt + rn, mask=mn, other=0.0).to(tl.float32) + value
     tl.store(out + i_t * stride_ot + rn, value.to(dtype), mask=mn)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# decode kernels (T <= DECODE_MAX_TOKENS): CUDA-core products, split-K gate_up, the combine in the down launch
+
+
+def _add_row_products(acc, b_w, p_x, stride_x, k_ok, T, TP: tl.constexpr):
+    """acc [BN, TP] fp32 plus b_w x_t in column t for each row t < T of x, as fp32 FMAs: b_w [BN, BK] a weight
+    tile, x_t [BK] at p_x + t·stride_x (masked by k_ok), rounded to the weights' dtype first as transformers casts
+    activations. A row at a time: the weight tile stays the only large operand in registers."""
+    rt = tl.arange(0, TP)
+    dtype = b_w.dtype
+    b_w = b_w.to(tl.float32)
+    for t in tl.static_range(TP):
+        b_x = tl.load(p_x + t * stride_x, mask=k_ok & (t < T), other=0.0).to(dtype).to(tl.float32)
+        acc += tl.where(rt[None, :] == t, tl.sum(b_w * b_x[None, :], axis=1)[:, None], 0.0)
+    return acc
+
+
+def _gate_up_decode_kernel(
+    hidden, ids, w1, shared_w1, act, partials, logit_partials, logit, counters,
+    T, S, E,
+    stride_ht, stride_we, stride_wn,
+    H: tl.constexpr, INTER: tl.constexpr, SP: tl.constexpr, TP: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr, STEPS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, SHARED: tl.constexpr,
+):
+    """Program (i_n, i_k, slot): BN gate and BN up rows of the slot's expert over K slice i_k, for every token;
+    the last of the SPLIT programs of (slot, i_n) sums their partials in slice order and stores SiLU(gate)·up."""
+    i_n = tl.program_id(0)
+    i_k = tl.program_id(1)
+    slot = tl.program_id(2)
+    expert, live = _first_use(ids, slot, S, E, SP)
+    w_base = w1 + expert * stride_we
+    if SHARED:
+        is_shared = slot == S
+        live = live | is_shared
+        if is_shared:
+            w_base = shared_w1  # [gate_proj; up_proj; shared_expert_gate; padding]
+    if live:
+        rb = tl.arange(0, BN)
+        rn = i_n * BN + rb
+        rt = tl.arange(0, TP)
+        rk = tl.arange(0, BK)
+        t_ok = rt < T
+        k_start = i_k * (STEPS * BK)
+        # rows past I read row rn mod I (valid memory: the W loads need no row mask) and are never stored
+        p_gate = w_base + (rn % INTER).to(tl.int64)[:, None] * stride_wn + (k_start + rk)[None, :]  # [BN, BK]
+        p_up = p_gate + INTER * stride_wn
+        p_x = hidden + k_start + rk  # [BK] of token 0
+        acc_gate = tl.zeros([BN, TP], dtype=tl.float32)
+        acc_up = tl.zeros([BN, TP], dtype=tl.float32)
+        for step in range(STEPS):
+            k_ok = (k_start + step * BK + rk) < H
+            if EVEN_K:
+                b_gate = tl.load(p_gate)
+                b_up = tl.load(p_up)
+            else:
+                b_gate = tl.load(p_gate, mask=k_ok[None, :], other=0.0)
+                b_up = tl.load(p_up, mask=k_ok[None, :], other=0.0)
+            acc_gate = _add_row_products(acc_gate, b_gate, p_x, stride_ht, k_ok, T, TP)
+            acc_up = _add_row_products(acc_up, b_up, p_x, stride_ht, k_ok, T, TP)
+            p_gate += BK
+            p_up += BK
+            p_x += BK
+        takes_logit = False
+        acc_logit = tl.zeros([1, TP], dtype=tl.float32)
+        if SHARED:
+            takes_logit = is_shared & (i_n == 0)
+            if takes_logit:  # the gate logit, row 2I of the copy, over the same K slice
+                p_w = shared_w1 + 2 * INTER * stride_wn + k_start + rk[None, :]  # [1, BK]
+                p_x = hidden + k_start + rk
+                for step in range(STEPS):
+                    k_ok = (k_start + step * BK + rk) < H
+                    b_w = tl.load(p_w, mask=k_ok[None, :], other=0.0)
+                    acc_logit = _add_row_products(acc_logit, b_w, p_x, stride_ht, k_ok, T, TP)
+                    p_w += BK
+                    p_x += BK
+        p_act = act + (slot * TP + rt)[None, :].to(tl.int64) * INTER + rn[:, None]  # act [slots, TP, I] fp32
+        act_ok = (rn < INTER)[:, None] & t_ok[None, :]
+        if SPLIT == 1:
+            tl.store(p_act, acc_gate * tl.sigmoid(acc_gate) * acc_up, mask=act_ok)
+            if takes_logit:
+                tl.store(logit + rt[None, :], acc_logit, mask=t_ok[None, :])
+        else:  # partials [slots, I / BN, SPLIT, 2, TP, BN]; the last program of (slot, i_n) to arrive sums them
+            tile = slot * tl.cdiv(INTER, BN) + i_n
+            offsets = rt[None, :] * BN + rb[:, None]
+            p_part = partials + (tile * SPLIT).to(tl.int64) * (2 * TP * BN) + offsets
+            tl.store(p_part + i_k * (2 * TP * BN), acc_gate)
+            tl.store(p_part + i_k * (2 * TP * BN) + TP * BN, acc_up)
+            if takes_logit:
+                tl.store(logit_partials + i_k * TP + rt[None, :], acc_logit)
+            tl.debug_barrier()  # every thread's partial is written before the signal (release below)
+            arrived = tl.atomic_add(counters + tile, 1, sem="acq_rel")
+            if arrived == SPLIT - 1:  # in slice order, not arrival order: the same bits every call
+                acc_gate = tl.zeros([BN, TP], dtype=tl.float32)
+                acc_up = tl.zeros([BN, TP], dtype=tl.float32)
+                for s in tl.static_range(SPLIT):
+                    acc_gate += tl.load(p_part + s * (2 * TP * BN), cache_modifier=".cg")
+                    acc_up += tl.load(p_part + s * (2 * TP * BN) + TP * BN, cache_modifier=".cg")
+                tl.store(p_act, acc_gate * tl.sigmoid(acc_gate) * acc_up, mask=act_ok)
+                if takes_logit:
+                    acc_logit = tl.zeros([1, TP], dtype=tl.float32)
+                    for s in tl.static_range(SPLIT):
+                        acc_logit += tl.load(logit_partials + s * TP + rt[None, :], cache_modifier=".cg")
+                    tl.store(logit + rt[None, :], acc_logit, mask=t_ok[None, :])
+                tl.store(counters + tile, 0)  # zero again for the next launch
+
+
+def _down_decode_kernel(
+    act, ids, weights, w2, shared_w2, partials, logit, residual, out, counters,
+    T, S, E,
+    stride_we, stride_wn, stride_ot, stride_rt,
+    H: tl.constexpr, INTER: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, TP: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, STEPS: tl.constexpr, EVEN_K: tl.constexpr, SHARED: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+):
+    """Program (i_n, slot): BN output columns of the slot's expert, y = down_e act for every token, times the
+    token's routing weight of that expert (0 if it did not choose it), to partials [H / BN, slots, TP, BN]; the last
+    of the column tile's programs sums the slots in slot order, adds the gated shared expert and the residual, and
+    stores the output."""
+    i_n = tl.program_id(0)
+    slot = tl.program_id(1)
+    num_slots = S + 1 if SHARED else S
+    expert, live = _first_use(ids, slot, S, E, SP)
+    w_base = w2 + expert * stride_we
+    is_shared = False
+    if SHARED:
+        is_shared = slot == S
+        live = live | is_shared
+        if is_shared:
+            w_base = shared_w2  # the shared expert's down_proj [H, I]
+    rb = tl.arange(0, BN)
+    rn = i_n * BN + rb
+    rt = tl.arange(0, TP)
+    t_ok = rt < T
+    acc = tl.zeros([BN, TP], dtype=tl.float32)
+    if live:
+        # the token's weight of this expert: Σ_j w[t, j] over the pairs (t, j) naming it (an expert listed twice
+        # counts twice); the shared expert's output stays unweighted (its gate comes in the combine). Loaded
+        # before the weights, so that both are in flight together
+        rj = tl.arange(0, KP)
+        pair = rt[:, None] * K + rj[None, :]
+        pair_ok = t_ok[:, None] & (rj[None, :] < K)
+        named = (tl.load(ids + pair, mask=pair_ok, other=-1) == expert) & pair_ok & (expert >= 0)
+        coef = tl.sum(tl.load(weights + pair, mask=named, other=0.0).to(tl.float32), axis=1)  # [TP]
+        rk = tl.arange(0, BK)
+        p_w = w_base + (rn % H).to(tl.int64)[:, None] * stride_wn + rk[None, :]  # [BN, BK]; rows past H: not stored
+        p_a = act + (slot * TP).to(tl.int64) * INTER + rk  # [BK] of token 0
+        for step in range(STEPS):
+            k_ok = (step * BK + rk) < INTER
+            if EVEN_K:
+                b_w = tl.load(p_w)
+            else:
+                b_w = tl.load(p_w, mask=k_ok[None, :], other=0.0)
+            acc = _add_row_products(acc, b_w, p_a, INTER, k_ok, T, TP)
+            p_w += BK
+            p_a += BK
+        acc = acc * tl.where(is_shared, 1.0, coef)[None, :]
+    offsets = rt[None, :] * BN + rb[:, None]
+    p_part = partials + (i_n * num_slots).to(tl.int64) * (TP * BN) + offsets
+    tl.store(p_part + slot * (TP * BN), acc)  # also the zeros of a slot without work: the sum reads every slot
+    tl.debug_barrier()  # every thread's partial is written before the signal (release below)
+    arrived = tl.atomic_add(counters + i_n, 1, sem="acq_rel")
+    if arrived == num_slots - 1:  # the routed slots in slot order, not arrival order: the same bits every call
+        routed = tl.zeros([BN, TP], dtype=tl.float32)
+        for s in tl.static_range(SP):  # unrolled (SP >= S): every slot's load in flight at once
+            routed += tl.load(p_part + s * (TP * BN), mask=s < S, other=0.0, cache_modifier=".cg")
+        dtype = out.dtype.element_ty
+        value = routed.to(dtype).to(tl.float32)  # the experts' output, in the model dtype
+        if SHARED:
+            shared = tl.load(p_part + S * (TP * BN), cache_modifier=".cg")
+            gate_logit = tl.load(logit + rt, mask=t_ok, other=0.0)
+            value = _add_gated_shared(value, shared, gate_logit[None, :], dtype)
+        out_ok = (rn < H)[:, None] & t_ok[None, :]
+        if RESIDUAL:  # the decoder layer's residual + block output
+            p_res = residual + rt[None, :] * stride_rt + rn[:, None]
+            value = tl.load(p_res, mask=out_ok, other=0.0).to(tl.float32) + value
+        tl.store(out + rt[None, :] * stride_ot + rn[:, None], value.to(dtype), mask=out_ok)
+        tl.store(counters + i_n, 0)  # zero again for the next launch
+
+
 if HAS_TRITON:
+    _first_use = triton.jit(_first_use)
     _program_rows = triton.jit(_program_rows)
     _shared_slot = triton.jit(_shared_slot)
+    _add_gated_shared = triton.jit(_add_gated_shared)
+    _add_row_products = triton.jit(_add_row_products)
     _gate_up_kernel = _LazyJit(_gate_up_kernel)
     _down_kernel = _LazyJit(_down_kernel)
     _sum_kernel = _LazyJit(_sum_kernel)
+    _gate_up_decode_kernel = _LazyJit(_gate_up_decode_kernel, do_not_specialize=["T"])
+    _down_decode_kernel = _LazyJit(_down_decode_kernel, do_not_specialize=["T"])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -344,13 +577,11 @@ def fused_experts_triton(
     down_tiles: Tiles | None = None,
 ) -> torch.Tensor:
     """Triton `fused_experts_reference`: [T, H] in hidden's dtype, three launches (plus torch's align ops in
-    "sorted" mode), no host sync. Shapes as the reference; mode "auto" = "direct" for T <= DIRECT_MAX_TOKENS.
+    "sorted" mode; two in "decode" mode), no host sync. Shapes as the reference; mode "auto" = "decode" for
+    T <= DECODE_MAX_TOKENS (while DECODE_PATH), "direct" for T <= DIRECT_MAX_TOKENS, else "sorted".
     Call once before CUDA-graph capture (Triton compiles on the first launch of each shape)."""
     num_tokens = _check_shapes(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj)[0]
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if mode == "auto":
-        mode = "direct" if num_tokens <= DIRECT_MAX_TOKENS else "sorted"
+    mode = _resolve_mode(mode, num_tokens, gate_up_proj, down_proj)
     if mode == "direct" and num_tokens > DIRECT_MAX_TOKENS:
         raise ValueError(f'mode="direct" takes at most {DIRECT_MAX_TOKENS} tokens, got T={num_tokens}; use "sorted"')
     return _launch(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, mode, block_m, gate_up_tiles,
@@ -367,18 +598,22 @@ def moe_block_triton(
     shared_down: torch.Tensor,
     residual: torch.Tensor | None = None,
     *,
+    mode: str = "auto",
     gate_up_tiles: Tiles | None = None,
     down_tiles: Tiles | None = None,
 ) -> torch.Tensor:
     """Triton `moe_block_reference` in three launches (T <= DIRECT_MAX_TOKENS, the "direct" rows): the shared expert
     is one more expert slot of the gate_up and down kernels (its weights from the concatenated copy, whose program
     also computes the gate logit) and the sum kernel adds sigmoid(logit) · shared and the residual. No host sync.
+    mode "auto" takes the "decode" kernels for T <= DECODE_MAX_TOKENS (while DECODE_PATH): two launches, the sum,
+    the gated shared expert and the residual in the down launch's reduction.
 
     Shapes as `fused_experts_triton`, plus shared_gate_up [R >= 2I + 1, H] (`concat_shared_weights`: gate rows, up
     rows, the shared_expert_gate row), shared_down [H, I] (the shared expert's I must be the routed experts' I; the
     strides of both must be those of one routed expert), residual [T, H] or None; all weights of one dtype."""
     num_tokens, hidden_size, _, inter, _ = _check_shapes(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj)
-    if num_tokens > DIRECT_MAX_TOKENS:
+    mode = _resolve_mode(mode, num_tokens, gate_up_proj, down_proj)
+    if num_tokens > DIRECT_MAX_TOKENS or mode == "sorted":
         raise ValueError(f"moe_block_triton takes at most {DIRECT_MAX_TOKENS} tokens (the direct rows), got "
                          f"T={num_tokens}; use fused_experts_triton and the shared expert's own kernels")
     if not shared_slot_fits(gate_up_proj, down_proj, shared_gate_up, shared_down):
@@ -391,8 +626,30 @@ def moe_block_triton(
     if residual is not None and (residual.shape != hidden.shape or residual.dtype != hidden.dtype):
         raise ValueError(f"residual must be [T, H] {hidden.dtype} like hidden; got {tuple(residual.shape)} "
                          f"{residual.dtype}")
-    return _launch(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, "direct", None, gate_up_tiles,
+    return _launch(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, mode, None, gate_up_tiles,
                    down_tiles, shared=(shared_gate_up, shared_down), residual=residual)
+
+
+def decode_fits(num_tokens: int, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> bool:
+    """Whether the decode kernels take the call: at most DECODE_MAX_TOKENS tokens, weights contiguous along the
+    reduction (their wide loads)."""
+    return num_tokens <= DECODE_MAX_TOKENS and gate_up_proj.stride(-1) == 1 and down_proj.stride(-1) == 1
+
+
+def _resolve_mode(mode: str, num_tokens: int, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> str:
+    """The kernels of a call: `mode`, or for "auto" the first of decode, direct, sorted that takes it."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode == "decode" and not decode_fits(num_tokens, gate_up_proj, down_proj):
+        raise ValueError(
+            f'mode="decode" takes at most {DECODE_MAX_TOKENS} tokens and weights with unit stride along the reduction; '
+            f"got T={num_tokens}, gate_up_proj strides {gate_up_proj.stride()}, down_proj strides "
+            f'{down_proj.stride()}. Use mode="auto"')
+    if mode != "auto":
+        return mode
+    if DECODE_PATH and decode_fits(num_tokens, gate_up_proj, down_proj):
+        return "decode"
+    return "direct" if num_tokens <= DIRECT_MAX_TOKENS else "sorted"
 
 
 def shared_slot_fits(gate_up_proj: torch.Tensor, down_proj: torch.Tensor, shared_gate_up: torch.Tensor,
@@ -414,6 +671,11 @@ def _launch(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, mode, b
     out = torch.empty_like(hidden, memory_format=torch.contiguous_format)
     if num_tokens == 0:
         return out
+    if mode == "decode":
+        return _launch_decode(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, out, gate_up_tiles,
+                              down_tiles, shared, residual)
+    if (gate_up_tiles and gate_up_tiles.split_k != 1) or (down_tiles and down_tiles.split_k != 1):
+        raise ValueError(f'split_k > 1 is for mode="decode" only; got {gate_up_tiles}, {down_tiles} in mode {mode!r}')
     default_m, default_gate_up, default_down = default_tiles(num_tokens, mode)
     block_m = block_m or default_m
     gate_up_tiles = gate_up_tiles or default_gate_up
@@ -462,6 +724,93 @@ def _launch(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, mode, b
         SHARED=shared is not None, RESIDUAL=residual is not None, num_warps=4,
     )
     return out
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch: grid, compile-time constants, warps and stages."""
+
+    grid: tuple[int, ...]
+    constexprs: dict
+    num_warps: int
+    num_stages: int
+
+
+def decode_launches(num_tokens: int, hidden_size: int, inter: int, top_k: int, *, shared: bool, residual: bool,
+                    gate_up_tiles: Tiles | None = None, down_tiles: Tiles | None = None) -> tuple[Launch, Launch]:
+    """The decode kernels' gate_up and down launches for a call of this shape (`default_tiles` unless given), fitted
+    to it: blocks no larger than the problem, no K slice without columns, column blocks within the split-K
+    counters. benchmarks/moe_block.py --compile-check compiles exactly these for sm_90."""
+    if down_tiles is not None and down_tiles.split_k != 1:
+        raise ValueError(f"the decode down kernel does not split its reduction; got {down_tiles}")
+    block_t, default_gate_up, default_down = default_tiles(num_tokens, "decode")
+    pairs = num_tokens * top_k
+    slots = pairs + (1 if shared else 0)
+    common = dict(H=hidden_size, INTER=inter, SP=triton.next_power_of_2(pairs), TP=block_t, SHARED=shared)
+    tiles, steps, split = _fit_decode(gate_up_tiles or default_gate_up, inter, hidden_size, slots)
+    gate_up = Launch((triton.cdiv(inter, tiles.block_n), split, slots),
+                     dict(common, BN=tiles.block_n, BK=tiles.block_k, STEPS=steps, SPLIT=split,
+                          EVEN_K=hidden_size % (steps * tiles.block_k) == 0), tiles.num_warps, tiles.num_stages)
+    tiles, steps, _ = _fit_decode(down_tiles or default_down, hidden_size, inter, 1)
+    down = Launch((triton.cdiv(hidden_size, tiles.block_n), slots),
+                  dict(common, K=top_k, KP=triton.next_power_of_2(top_k), BN=tiles.block_n, BK=tiles.block_k,
+                       STEPS=steps, EVEN_K=inter % tiles.block_k == 0, RESIDUAL=residual),
+                  tiles.num_warps, tiles.num_stages)
+    return gate_up, down
+
+
+def _launch_decode(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, out, gate_up_tiles, down_tiles,
+                   shared, residual) -> torch.Tensor:
+    """The decode kernels' two launches into out [T, H] (module docstring)."""
+    num_tokens, hidden_size, num_experts, inter, top_k = _check_shapes(
+        hidden, top_k_index, top_k_weights, gate_up_proj, down_proj)
+    gate_up, down = decode_launches(num_tokens, hidden_size, inter, top_k, shared=shared is not None,
+                                    residual=residual is not None, gate_up_tiles=gate_up_tiles, down_tiles=down_tiles)
+    pairs = num_tokens * top_k
+    ids = top_k_index.reshape(-1).contiguous()  # [S], pair t·k + j
+    weights = top_k_weights.reshape(-1).contiguous()  # [S]
+    hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
+    shared_gate_up, shared_down = shared if shared is not None else (gate_up_proj, down_proj)  # unused without
+    if residual is not None:
+        residual = residual if residual.stride(-1) == 1 else residual.contiguous()
+    device = hidden.device
+    counters = split_counters(device)
+    block_t, split, slots = gate_up.constexprs["TP"], gate_up.constexprs["SPLIT"], gate_up.grid[2]
+
+    def workspace(numel: int) -> torch.Tensor:
+        return torch.empty(numel, dtype=torch.float32, device=device)
+
+    act = workspace(slots * block_t * inter)  # [slots, TP, I]: SiLU(gate)·up per slot and token
+    row_block = block_t * gate_up.constexprs["BN"]
+    partials = workspace(math.prod(gate_up.grid) * 2 * row_block if split > 1 else 1)
+    logit_partials, logit = workspace(split * block_t), workspace(block_t)
+    _gate_up_decode_kernel[gate_up.grid](
+        hidden, ids, gate_up_proj, shared_gate_up, act, partials, logit_partials, logit, counters,
+        num_tokens, pairs, num_experts, hidden.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1),
+        **gate_up.constexprs, num_warps=gate_up.num_warps, num_stages=gate_up.num_stages,
+    )
+    partials = workspace(math.prod(down.grid) * block_t * down.constexprs["BN"])
+    _down_decode_kernel[down.grid](
+        act, ids, weights, down_proj, shared_down, partials, logit, residual if residual is not None else out, out,
+        counters, num_tokens, pairs, num_experts, down_proj.stride(0), down_proj.stride(1), out.stride(0),
+        residual.stride(0) if residual is not None else 0,
+        **down.constexprs, num_warps=down.num_warps, num_stages=down.num_stages,
+    )
+    return out
+
+
+def _fit_decode(tiles: Tiles, n: int, k: int, slots: int) -> tuple[Tiles, int, int]:
+    """(tiles, steps, split) of a decode launch over n output columns and a reduction of k: blocks no larger than
+    the problem, column blocks (x slots, when split) within the split-K counters, no K slice without columns;
+    steps: block_k steps per slice."""
+    block_n = min(max(tiles.block_n, triton.next_power_of_2(triton.cdiv(n, COUNTERS))), triton.next_power_of_2(n))
+    block_k = min(tiles.block_k, triton.next_power_of_2(k))
+    split = max(1, min(tiles.split_k, triton.cdiv(k, block_k)))
+    if slots * triton.cdiv(n, block_n) > COUNTERS:
+        split = 1
+    steps = triton.cdiv(triton.cdiv(k, split), block_k)
+    split = triton.cdiv(k, steps * block_k)
+    return Tiles(block_n, block_k, tiles.num_warps, tiles.num_stages, split), steps, split
 
 
 def _fit(tiles: Tiles, n: int, k: int) -> Tiles:
