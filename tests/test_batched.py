@@ -215,12 +215,17 @@ def test_sampling_batch_runs_and_a_seed_fixes_it():
     assert outs[0].shape == (2, 9 + 12) and ((outs[0] >= 0) & (outs[0] < VOCAB)).all()
 
 
-def test_shared_length_maximises_the_pooled_objective():
-    """choose_shared: w = argmax_w Σ_b G_b(w) − ρ·N·C(w), i.e. the rows' summed expected tokens at one price."""
+def nominal_strategy() -> RoundStrategy:
+    """"nominal" over a float32 tiny target with a synthetic C(w) (slope 0.3): the shared-length tests."""
     target = make_target("qwen3_5_moe", dtype=torch.float32)
     drafter = make_drafter(target, BLOCK).float()
     settings = HybridSpecConfig(latency_model=latency_model(BLOCK, 0.3))
-    strategy = RoundStrategy.build("nominal", settings, target, drafter, has_router=True)
+    return RoundStrategy.build("nominal", settings, target, drafter, has_router=True)
+
+
+def test_shared_length_maximises_the_pooled_objective():
+    """choose_shared: w = argmax_w Σ_b G_b(w) − ρ·N·C(w), i.e. the rows' summed expected tokens at one price."""
+    strategy = nominal_strategy()
     generator = torch.Generator().manual_seed(0)
     for case in range(20):
         sharpness = 1 + 4 * torch.rand(3, 1, 1, generator=generator)

@@ -6,7 +6,8 @@ tests/test_batched.py, test_every_strategy_gives_each_row_its_own_generate with 
 import pytest
 import torch
 from _tiny import VOCAB, cache_tensors, make_drafter, make_target, output_cache
-from test_batched import PAD, assert_rows_equal_own, left_pad, own_generate, random_prompts, spec_batch
+from test_batched import (PAD, assert_rows_equal_own, left_pad, nominal_strategy, own_generate, random_prompts,
+                          spec_batch)
 from test_properties import latency_model
 
 import hybridspec_hf
@@ -71,12 +72,7 @@ def test_max_new_tokens_across_calls_reuse_the_bucket(fp64_gdn):
 def test_the_shared_length_is_the_live_rows_pooled_choice(fp64_gdn):
     """choose_rows on the device equals the eager batched loop's choice over the same rows; finished and inert rows
     weigh nothing and verify only their anchor."""
-    from hybridspec_hf.generation.strategy import RoundStrategy
-
-    target = make_target("qwen3_5_moe", dtype=torch.float32)
-    drafter = make_drafter(target, BLOCK).float()
-    settings = HybridSpecConfig(latency_model=latency_model(BLOCK, 0.3))
-    strategy = RoundStrategy.build("nominal", settings, target, drafter, has_router=True)
+    strategy = nominal_strategy()
     generator = torch.Generator().manual_seed(0)
     for case in range(10):
         logits = torch.randn(4, BLOCK - 1, VOCAB, generator=generator) * (1 + 4 * torch.rand(4, 1, 1,
