@@ -43,9 +43,10 @@ class HybridSpecConfig:
     verify_shape: for strategies that choose w on the device: "max" verifies min(B, room) tokens with a device-side
         valid length (GPU-resident rounds: one graph per round, no host read inside it); "exact" reads w0 (+1 for the
         routing correction) on the host and verifies only those tokens (GPU-resident rounds: a draft graph, then the
-        verify graph of that length). "auto": "max" on CUDA — on the H200 with our fused kernels a per-length round
-        saved ≈ 0.1 ms at w ≈ 8 and the extra read cost ≈ 0.25 ms of host time (benchmarks/results/
-        gpu_rounds_runs.md, run 16) — and "exact" elsewhere (on a CPU every verified row costs).
+        verify graph of that length). "auto": "max" on CUDA — one hand-off per round, a 0.8 s capture and a 28 s
+        first-use calibration at the 35B-A3B shape; "exact" was 1.6–5.9 % faster end to end on the H200 (run 29 of
+        benchmarks/results/gpu_rounds_runs.md) for a second host read per round, 7 s of capture and 74 s of
+        calibration, so choose it for long generations — and "exact" elsewhere (on a CPU every verified row costs).
     cuda_graphs: "auto": GPU-resident rounds captured in CUDA graphs on CUDA when the call allows them, else the
         eager loop (telemetry.path_reason says why); "on": resident rounds required (on a CPU they run uncaptured);
         "off": the eager loop; "uncaptured": resident rounds required, never captured (every kernel launched from
