@@ -231,7 +231,7 @@ def test_decode_duplicates_sentinels_and_zero_weights():
 
 
 @pytest.mark.parametrize("tokens", [1, 3])
-def test_decode_is_bitwise_reproducible_and_leaves_the_counters_zero(tokens):
+def test_decode_is_bitwise_reproducible_and_leaves_the_counters_zero(tokens, monkeypatch):
     """Split-K partials and the slots' outputs are summed in a fixed order by the last program to arrive (integer
     counters, no float atomics): the same bits on every call, and every counter back at 0 for the next launch."""
     x = make_block(47, tokens, 64, 32, 8, 2, torch.bfloat16)
@@ -239,6 +239,7 @@ def test_decode_is_bitwise_reproducible_and_leaves_the_counters_zero(tokens):
     first = moe_block_triton(**x, mode="decode", **tiles)
     assert not gemv_triton._COUNTERS[torch.device("cpu")].any()
     assert torch.equal(moe_block_triton(**x, mode="decode", **tiles), first)
+    monkeypatch.setattr(moe_triton, "DECODE_PATH", True)  # (off by default until measured on a GPU)
     assert torch.equal(moe_block_triton(**x, **tiles), first)  # "auto" takes the decode kernels up to 4 tokens
 
 
