@@ -431,7 +431,8 @@ def main(argv: list[str] | None = None) -> int:
         "parameters_b": parameters_b(target), "drafter_parameters_b": parameters_b(drafter),
         "device": (f"{world} × {device.type} (tensor parallelism, tp_plan='auto')" if world > 1
                    else f"one {device.type} device (no tensor parallelism)"), "world_size": world,
-        "weights": "random (config-only checkpoint; missing weights initialised by transformers on each rank)",
+        "weights": ("random (config-only checkpoint; missing weights initialised by transformers on each rank)"
+                    if world > 1 else "random (built whole on one device as benchmarks/e2e.py builds it, seed 0)"),
         "acceptance": "timing mode: replayed from benchmarks/profiles/ (" + args.profiles + "); correctness mode: "
                       "real acceptance of a random drafter",
         "cuda_graphs": args.cuda_graphs, "build_s": round(build_s, 1), "memory_after_build": memory_per_gpu(),
@@ -446,8 +447,10 @@ def main(argv: list[str] | None = None) -> int:
         env.update(world_size=world, nccl=".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda"
                    else None, NCCL_NVLS_ENABLE=os.environ.get("NCCL_NVLS_ENABLE"),
                    gpus=[torch.cuda.get_device_name(i) for i in range(world)] if device.type == "cuda" else None)
+        one_rank = ("One rank: no tensor parallelism; the target is built whole on one device as benchmarks/e2e.py "
+                    "builds it (random weights, seed 0), not from the config-only checkpoint described below.\n\n")
         payload = {"title": title, "environment": env, **report,
-                   "notes": "\n\n".join(__doc__.split("\n\n")[2:])}
+                   "notes": (one_rank if world == 1 else "") + "\n\n".join(__doc__.split("\n\n")[2:])}
         table = markdown(report) + memory_markdown(report) + correctness_markdown(report) if report["profiles"] \
             else correctness_markdown(report)
         write_results(str(stem), payload, table)
