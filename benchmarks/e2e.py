@@ -193,7 +193,11 @@ def run_method(target, drafter, prompt, method: str, profile, tokens: int, routi
 
     # one method's rounds at a time (a target keeps up to 3 captured sets): the GPU memory column is this method's
     hybridspec_hf.release_graphs(target)
+    sync()
+    start = time.perf_counter()
     target.generate(prompt, do_sample=False, max_new_tokens=warmup_tokens, **kwargs)  # warm-up: captures, compiles
+    sync()
+    warmup_s = time.perf_counter() - start
     capture_s = 0.0 if method.startswith("hf_") else hybridspec_hf.get_telemetry(target).capture_s
     prefill = min(timed_call(1)[0] for _ in range(3))
     if prompt.is_cuda:
@@ -206,6 +210,8 @@ def run_method(target, drafter, prompt, method: str, profile, tokens: int, routi
     row = {"ms_per_token": decode * 1e3, "tokens_per_s": 1.0 / decode, "new_tokens": new,
            "prefill_ms": prefill * 1e3, "end_to_end_ms_per_token": seconds / new * 1e3,
            "gpu_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if prompt.is_cuda else None}
+    if method == "hf_static_compile":  # did generate() compile (transformers keeps the compiled call on the model)?
+        row.update(compiled=hasattr(target, "_compiled_call"), warmup_s=warmup_s)
     if not method.startswith("hf_"):
         tel = hybridspec_hf.get_telemetry(target)
         rounds = tel.rounds
@@ -277,6 +283,13 @@ def latency_table(model) -> dict:
             "c16_over_c4": round(float(cost[-1] / cost[3]), 3) if cost.shape[0] >= 4 else None}
 
 
+def _moe_decode_path() -> bool | None:
+    """kernels.moe_triton.DECODE_PATH as the run used it (None where the package has no Triton)."""
+    from hybridspec_hf.kernels import moe_triton
+
+    return moe_triton.DECODE_PATH if moe_triton.HAS_TRITON else None
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen35_35b_a3b", choices=[*QWEN35_MOE_SHAPES, "qwen3_next_80b_a3b", "tiny"])
@@ -289,7 +302,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context", type=int, default=256, help="prompt tokens (random ids)")
     parser.add_argument("--with-compile", action="store_true", help="also time generate(cache_implementation='static')")
     parser.add_argument("--name", default=None, help="results stem (default e2e_<model>)")
+    parser.add_argument("--moe-decode", choices=["on", "off"], default=None,
+                        help="set kernels.moe_triton.DECODE_PATH (the T <= 4 decode kernels) before capture (A/B)")
     args = parser.parse_args(argv)
+    if args.moe_decode is not None:
+        from hybridspec_hf.kernels import moe_triton
+
+        moe_triton.DECODE_PATH = args.moe_decode == "on"
     device = "cuda" if torch.cuda.is_available() else "cpu"
     target, drafter = build(args.model, args.layers, device)
     vocab = target.config.get_text_config().vocab_size
@@ -297,13 +316,20 @@ def main(argv: list[str] | None = None) -> None:
     methods = args.methods.split(",")
     report: dict = {"model": args.model, "layers": target.config.get_text_config().num_hidden_layers,
                     "parameters_b": sum(p.numel() for p in target.parameters()) / 1e9, "device": device,
-                    "weights": "random", "not_run": dict(NOT_RUN),
+                    "weights": "random", "not_run": dict(NOT_RUN), "moe_decode_path": _moe_decode_path(),
                     "profiles": {}}
     if args.with_compile:
         report["not_run"].pop("hf_static_compile")
         methods.insert(1, "hf_static_compile")
-    plain = {m: run_method(target, drafter, prompt, m, None, min(args.tokens, 64) if m == "hf_eager" else args.tokens)
-             for m in methods if m in ("hf_eager", "hf_static_compile", "ar")}
+    plain = {}
+    for m in [m for m in methods if m in ("hf_eager", "hf_static_compile", "ar")]:
+        try:
+            plain[m] = run_method(target, drafter, prompt, m, None, min(args.tokens, 64) if m == "hf_eager" else args.tokens)
+        except Exception as error:  # transformers' own fast path may not run on this model: say so, keep the rest
+            if m != "hf_static_compile":
+                raise
+            plain[m] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+        print("plain decoding,", m, plain[m], flush=True)
     report["latency"] = {}
     for routing_name in args.routing.split(","):
         routing = routing_profile(routing_name)
@@ -344,7 +370,7 @@ def save(name: str, report: dict) -> None:
 
 def markdown(report: dict) -> str:
     lines = [f"{report['model']}, {report['layers']} layers, {report['parameters_b']:.2f} B parameters, random "
-             f"weights, on {report['device']}; acceptance replayed from the first half of each profile's rows (timing "
+             f"weights, on {report['device']} (MoE decode kernels: {report.get('moe_decode_path')}); acceptance replayed from the first half of each profile's rows (timing "
              "mode), the acceptance estimator of the calibrated strategies fitted on the other half. ms/token and "
              "tokens/s are decoding: the decode loop's wall time per token (ours), timed call minus a prefill-only call (HF "
              "eager); `e2e ms/tok` includes the prefill."]
@@ -376,6 +402,11 @@ def markdown(report: dict) -> str:
                          f"{row['tokens_per_s'] / hf if hf else float('nan'):.2f} | {fmt('tau')} | {fmt('mean_w')} | "
                          f"{fmt('round_ms')} | {row.get('plain_steps', '–')} | {fmt('prefill_ms', '.1f')} | "
                          f"{fmt('end_to_end_ms_per_token')} | {fmt('gpu_memory_gib', '.1f')} |")
+        compiled = rows.get("hf_static_compile", {})
+        if "warmup_s" in compiled:
+            lines += ["", f"HF static cache + compile: generate() {'compiled' if compiled['compiled'] else 'did NOT compile'}"
+                          f" its forward; first call (compilation, {compiled['new_tokens']} tokens) "
+                          f"{compiled['warmup_s']:.0f} s."]
         if data.get("length_choice_bound"):
             lines += ["", "Length-choice bound (an oracle that knows each round's accepted length verifies exactly "
                           "a + 1 tokens; its speed over vanilla DFlash bounds any selector's): "

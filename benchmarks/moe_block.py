@@ -447,7 +447,7 @@ def measure_tokens(blocks, shape: Shape, tokens: int, gen: torch.Generator, args
     set_route("decode")
     row["kernels"]["direct"] = dict(cell(time_kernels(calls, args.replays, "direct"), nbytes),
                                     split=kernel_split(calls, "direct"))
-    if tokens <= moe_triton.DECODE_MAX_TOKENS:
+    if tokens <= moe_triton.DECODE_KERNEL_MAX_TOKENS:
         row["kernels"]["decode"] = dict(checked(calls, "decode"), **cell(time_kernels(calls, args.replays, "decode"),
                                                                          nbytes), split=kernel_split(calls, "decode"))
         if args.decode_sweep:

@@ -12,13 +12,16 @@ out=${1:?usage: gpu_suite.sh OUT [workers]}
 workers=${2:-7}
 mkdir -p "$out/logs"
 python=${PYTHON:-python3}
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1
+# one thread per worker: 2 runs x workers processes share the machine's cores (torch's default, one thread per core
+# in every process, left run 34's suites 20x slower than CI and cut short by the limit)
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 "$python" -m pip install -q --no-deps .whl/execnet-*.whl .whl/pytest_xdist-*.whl > /dev/null 2>&1
 fla=$(mktemp -d)
 "$python" -m pip install -q --no-deps --target "$fla" .whl/einops-*.whl .whl/fla_core-*.whl \
   .whl/flash_linear_attention-*.whl > /dev/null 2>&1
 run() {  # name, extra PYTHONPATH
-  PYTHONPATH="$2$PYTHONPATH" timeout "${LIMIT_S:-300}" "$python" -m pytest -q -n "$workers" --dist loadfile \
+  # -v: a test's FAILED line is written when it fails, so a run cut short by the limit still names its failures
+  PYTHONPATH="$2$PYTHONPATH" timeout "${LIMIT_S:-300}" "$python" -m pytest -v -n "$workers" --dist loadfile \
     -p no:cacheprovider -rf ${TESTS:-tests} > "$out/logs/$1.log" 2>&1
   echo "exit status $?" >> "$out/logs/$1.log"
 }
@@ -39,7 +42,13 @@ wait
     echo
     grep -E "(passed|failed|error).* in [0-9.]+s" "$out/logs/$name.log" | tail -n 1
     tail -n 1 "$out/logs/$name.log"
-    grep -E "^FAILED|^ERROR" "$out/logs/$name.log" | cut -c1-300 | head -n 60
+    echo "tests passed so far: $(grep -c " PASSED " "$out/logs/$name.log")"
+    # the short summary (a run that finished: with the first error line), else the failures as they came
+    if grep -qE "^FAILED|^ERROR" "$out/logs/$name.log"; then
+      grep -E "^FAILED|^ERROR" "$out/logs/$name.log" | cut -c1-300 | head -n 60
+    else
+      grep -E " (FAILED|ERROR) " "$out/logs/$name.log" | sed -E 's/^\[gw[0-9]+\] \[ *[0-9]+%\] //' | cut -c1-200 | head -n 60
+    fi
   done
 } > "$out/suite.md"
 cat "$out/suite.md"

@@ -326,14 +326,14 @@ def tiny_block(family: str, dtype: torch.dtype, shared_inter: int = 24) -> torch
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
 def test_moe_block_add_folds_the_residual_into_the_one_pass_block(family, dtype, calls, monkeypatch):
-    """Also through the decode kernels (1 and 3 tokens: `moe_triton.DECODE_MAX_TOKENS`) when DECODE_PATH is on."""
+    """Also through the decode kernels (1 and 2 tokens: `moe_triton.DECODE_MAX_TOKENS`) when DECODE_PATH is on."""
     monkeypatch.setattr(moe_triton, "DECODE_PATH", True)
     decoded = []
     launch_decode = moe_triton._launch_decode
     monkeypatch.setattr(moe_triton, "_launch_decode", lambda *args: decoded.append(1) or launch_decode(*args))
     block = tiny_block(family, dtype)
     gen = torch.Generator().manual_seed(11)
-    for tokens in (1, 3, 7, 16):
+    for tokens in (1, 2, 7, 16):
         x = torch.randn(1, tokens, 40, generator=gen).to(dtype)
         residual = torch.randn(1, tokens, 40, generator=gen).mul(4).to(dtype)
         with torch.no_grad(), patches.fused_kernels():
@@ -439,7 +439,7 @@ def test_moe_block_benchmark_smoke_run_writes_results(tmp_path, monkeypatch):
         assert set(row["routes"]) == {"separate", "one pass", "decode"}
         assert all(route["rel_err"] < BLOCK_TOL[torch.bfloat16] for route in row["routes"].values())
         decode = row["kernels"].get("decode")
-        assert (decode is not None) == (row["T"] <= moe_triton.DECODE_MAX_TOKENS)
+        assert (decode is not None) == (row["T"] <= moe_triton.DECODE_KERNEL_MAX_TOKENS)
         assert decode is None or (decode["same_bits"] and decode["rel_err"] < BLOCK_TOL[torch.bfloat16])
     assert "| decode µs" in (tmp_path / "moe_block.md").read_text()
     assert (_moe.SHARED_EXPERT_SLOT, moe_triton.DECODE_PATH) == defaults and not _moe._ON_CPU

@@ -21,6 +21,7 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeExper
 
 from hybridspec_hf.kernels import gemv_triton, moe_triton  # noqa: E402
 from hybridspec_hf.kernels.moe_triton import (  # noqa: E402
+    DECODE_KERNEL_MAX_TOKENS,
     DECODE_MAX_TOKENS,
     DIRECT_MAX_TOKENS,
     Tiles,
@@ -230,7 +231,7 @@ def test_decode_duplicates_sentinels_and_zero_weights():
     assert torch.equal(out[0], only_shared[0])
 
 
-@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("tokens", [1, 2])
 def test_decode_is_bitwise_reproducible_and_leaves_the_counters_zero(tokens, monkeypatch):
     """Split-K partials and the slots' outputs are summed in a fixed order by the last program to arrive (integer
     counters, no float atomics): the same bits on every call, and every counter back at 0 for the next launch."""
@@ -239,29 +240,32 @@ def test_decode_is_bitwise_reproducible_and_leaves_the_counters_zero(tokens, mon
     first = moe_block_triton(**x, mode="decode", **tiles)
     assert not gemv_triton._COUNTERS[torch.device("cpu")].any()
     assert torch.equal(moe_block_triton(**x, mode="decode", **tiles), first)
-    monkeypatch.setattr(moe_triton, "DECODE_PATH", True)  # (off by default until measured on a GPU)
-    assert torch.equal(moe_block_triton(**x, **tiles), first)  # "auto" takes the decode kernels up to 4 tokens
+    monkeypatch.setattr(moe_triton, "DECODE_PATH", True)
+    assert torch.equal(moe_block_triton(**x, **tiles), first)  # "auto" takes them up to DECODE_MAX_TOKENS tokens
 
 
 def test_decode_flag_and_auto_dispatch(monkeypatch):
     """DECODE_PATH switches "auto" between the decode kernels and the direct rows (A/B), with the same result;
-    above DECODE_MAX_TOKENS "auto" takes the direct rows."""
+    above DECODE_MAX_TOKENS "auto" takes the direct rows (the H200 sweep's choice), while mode="decode" still takes
+    up to DECODE_KERNEL_MAX_TOKENS."""
     monkeypatch.setattr(moe_triton, "DECODE_PATH", True)
     launches = []
     decode = moe_triton._launch_decode
     monkeypatch.setattr(moe_triton, "_launch_decode", lambda *args: launches.append(1) or decode(*args))
-    x = make_block(48, 3, 40, 24, 4, 3)
+    x = make_block(48, DECODE_MAX_TOKENS, 40, 24, 4, 3)
     out = moe_block_triton(**x)
     assert launches == [1]
     monkeypatch.setattr(moe_triton, "DECODE_PATH", False)
     assert rel(moe_block_triton(**x), out) < TOL[torch.float32] and launches == [1]
     monkeypatch.setattr(moe_triton, "DECODE_PATH", True)
-    moe_block_triton(**make_block(48, DECODE_MAX_TOKENS + 1, 40, 24, 4, 3))
+    above = make_block(48, DECODE_MAX_TOKENS + 1, 40, 24, 4, 3)
+    out = moe_block_triton(**above)
     assert launches == [1]
+    assert rel(moe_block_triton(**above, mode="decode"), out) < TOL[torch.float32] and launches == [1, 1]
 
 
 def test_decode_errors_name_the_problem():
-    x = make_block(49, DECODE_MAX_TOKENS + 1, 40, 24, 4, 2)
+    x = make_block(49, DECODE_KERNEL_MAX_TOKENS + 1, 40, 24, 4, 2)
     with pytest.raises(ValueError, match="at most 4 tokens"):
         moe_block_triton(**x, mode="decode")
     with pytest.raises(ValueError, match="decode"):

@@ -69,11 +69,14 @@ else:  # CPU installs without triton keep the reference
 DIRECT_MAX_TOKENS = 16  # "direct" rows = all tokens in one 16-row tile; above this the sorted blocks
 # "decode" (CUDA-core products) up to 4 tokens: each weight element costs T fp32 FMAs, at T = 4 about a quarter of the
 # H200's FMA rate while the weights stream at 4.25 TB/s; more tokens go to the tensor cores (the direct rows)
-DECODE_MAX_TOKENS = 4
-# True: "auto" takes the decode kernels for T <= DECODE_MAX_TOKENS; False: the direct rows. Off until measured on
-# the H200 (written 2026-12-01: tested under the interpreter and built for sm_90 only; `benchmarks/moe_block.py
-# --decode-sweep` measures the three routes side by side).
-DECODE_PATH = False
+# Measured on the H200 (run 34, `benchmarks/moe_block.py --decode-sweep`, µs per layer at the 35B-A3B shape, best
+# tiles): T = 1 decode 22.8 against direct 38.0; T = 2 43.8 against 54.2; T = 4 110.9 against 82.3 — so "auto" takes
+# the decode kernels up to 2 tokens (the kernels themselves accept up to 4: `decode_fits`).
+DECODE_MAX_TOKENS = 2
+DECODE_KERNEL_MAX_TOKENS = 4  # what the decode kernels accept (mode="decode"; the sweep's T = 4 row)
+# True: "auto" takes the decode kernels for T <= DECODE_MAX_TOKENS; False: the direct rows (A/B: our AR step 2.97
+# ms/token with them against 3.50 without, run 34).
+DECODE_PATH = True
 MODES = ("auto", "decode", "direct", "sorted")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -101,10 +104,12 @@ def default_tiles(num_tokens: int, mode: str) -> tuple[int, Tiles, Tiles]:
     down programs of 16 KB, 48 and 32 registers on sm_90); at 3-4 tokens narrower blocks keep the registers of the
     per-token products under 80. Reasoned, not yet measured: benchmarks/moe_block.py --decode-sweep times the
     alternatives on a GPU."""
-    if mode == "decode":
-        if num_tokens <= 2:
-            return triton.next_power_of_2(num_tokens), Tiles(16, 256, 8, 1, split_k=8), Tiles(16, 512, 8, 1)
-        return 4, Tiles(8, 512, 8, 1, split_k=4), Tiles(8, 512, 8, 1)
+    if mode == "decode":  # the best of the H200 sweep (run 34) at T = 1 and 2; the T = 3-4 tiles only for A/B
+        if num_tokens == 1:
+            return 1, Tiles(32, 256, 8, 1, split_k=8), Tiles(16, 256, 4, 1)
+        if num_tokens == 2:
+            return 2, Tiles(8, 256, 4, 1, split_k=8), Tiles(16, 256, 4, 1)
+        return 4, Tiles(16, 128, 4, 1, split_k=16), Tiles(16, 256, 4, 1)
     if mode == "direct":
         small = num_tokens <= 4
         return 16, Tiles(16 if small else 32, 128), Tiles(32 if small else 64, 128)
@@ -631,9 +636,9 @@ def moe_block_triton(
 
 
 def decode_fits(num_tokens: int, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> bool:
-    """Whether the decode kernels take the call: at most DECODE_MAX_TOKENS tokens, weights contiguous along the
-    reduction (their wide loads)."""
-    return num_tokens <= DECODE_MAX_TOKENS and gate_up_proj.stride(-1) == 1 and down_proj.stride(-1) == 1
+    """Whether the decode kernels can take the call: at most DECODE_KERNEL_MAX_TOKENS tokens, weights contiguous
+    along the reduction (their wide loads). "auto" takes them only up to DECODE_MAX_TOKENS."""
+    return num_tokens <= DECODE_KERNEL_MAX_TOKENS and gate_up_proj.stride(-1) == 1 and down_proj.stride(-1) == 1
 
 
 def _resolve_mode(mode: str, num_tokens: int, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> str:
@@ -642,12 +647,12 @@ def _resolve_mode(mode: str, num_tokens: int, gate_up_proj: torch.Tensor, down_p
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if mode == "decode" and not decode_fits(num_tokens, gate_up_proj, down_proj):
         raise ValueError(
-            f'mode="decode" takes at most {DECODE_MAX_TOKENS} tokens and weights with unit stride along the reduction; '
-            f"got T={num_tokens}, gate_up_proj strides {gate_up_proj.stride()}, down_proj strides "
+            f'mode="decode" takes at most {DECODE_KERNEL_MAX_TOKENS} tokens and weights with unit stride along the '
+            f"reduction; got T={num_tokens}, gate_up_proj strides {gate_up_proj.stride()}, down_proj strides "
             f'{down_proj.stride()}. Use mode="auto"')
     if mode != "auto":
         return mode
-    if DECODE_PATH and decode_fits(num_tokens, gate_up_proj, down_proj):
+    if DECODE_PATH and num_tokens <= DECODE_MAX_TOKENS and decode_fits(num_tokens, gate_up_proj, down_proj):
         return "decode"
     return "direct" if num_tokens <= DIRECT_MAX_TOKENS else "sorted"
 
