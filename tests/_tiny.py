@@ -175,7 +175,10 @@ class OracleDrafter(DFlashDrafter):
         else:
             positions = (anchor_position + steps).view(1, -1)
         if reference.shape[0] > 1:  # one reference per batch row (a CPU batch: `rows` says which)
-            which = rows.to(device) if rows is not None else torch.arange(logits.shape[0], device=device)
+            if rows is not None and not torch.equal(rows, torch.arange(rows.numel())):  # rows left the batch: an
+                which = rows.to(device)  # eager batch (never captured: a CPU tensor may not be copied in a capture)
+            else:  # every row as it started (a resident bucket: its rows never leave), made on the device
+                which = torch.arange(logits.shape[0], device=device)
             which = which.clamp(max=reference.shape[0] - 1)  # the inert rows filling a resident batch's bucket
         else:
             which = torch.zeros(positions.shape[0], dtype=torch.long, device=device)

@@ -36,6 +36,14 @@ def triton_interpreter():
         yield
 
 
+@pytest.fixture
+def cpu_only(monkeypatch):
+    """The test runs as on a machine without a GPU (torch.cuda.is_available() is False): the benchmark harnesses'
+    CPU runs (their smoke checks) pick the CPU and the interpreter also on the GPU image, where they otherwise took
+    CUDA and asserted CPU-only facts (gpu_rounds_runs.md, run 35). Their CUDA paths are the benchmarks' own runs."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -13,7 +13,7 @@ def batch_benchmark(monkeypatch):
     return batch
 
 
-def test_every_method_batch_and_profile_is_measured_and_written(batch_benchmark, tmp_path):
+def test_every_method_batch_and_profile_is_measured_and_written(batch_benchmark, tmp_path, cpu_only):
     stem = tmp_path / "batch_tiny"
     batch_benchmark.main(["--model", "tiny", "--batches", "1,3", "--profiles", "high,low", "--tokens", "6",
                           "--context", "8", "--name", str(stem)])

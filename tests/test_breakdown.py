@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 
-def test_breakdown_times_the_round_and_its_forward_alone(tmp_path, monkeypatch):
+def test_breakdown_times_the_round_and_its_forward_alone(tmp_path, monkeypatch, cpu_only):
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import breakdown
 

@@ -4,7 +4,7 @@ import json
 from hybridspec_hf.cli import main
 
 
-def test_bench_runs_every_method_under_a_profile_and_writes_results(tmp_path):
+def test_bench_runs_every_method_under_a_profile_and_writes_results(tmp_path, cpu_only):
     stem = tmp_path / "e2e_tiny"
     code = main(["bench", "--model", "tiny", "--tokens", "12", "--context", "8", "--profiles", "low",
                  "--methods", "hf_eager,ar,dflash,static7,hybridspec", "--routing", "uniform,calibrated",

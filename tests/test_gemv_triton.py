@@ -206,7 +206,7 @@ def projection_weights(model) -> set[int]:
     return weights
 
 
-def test_benchmark_smoke_run_writes_results(tmp_path, monkeypatch):
+def test_benchmark_smoke_run_writes_results(tmp_path, monkeypatch, cpu_only):
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     benchmark = importlib.import_module("gemv")
     report = benchmark.main(["--smoke", "--replays", "1", "--name", str(tmp_path / "gemv")])
