@@ -97,9 +97,10 @@ def test_dinkelbach_beats_the_ratio_selector_on_sampled_rounds():
 
 
 def test_speculation_switches_off_when_it_does_not_pay_and_back_on_after_a_probe():
-    """Drafting costs 10 ms a round, an AR step 6 ms. Useless drafts -> AR with one probe every 16 AR rounds; good
-    drafts again -> drafting resumes at the next probe and stays on."""
-    selector = HybridSpec(latency_model(cost_ar=6e-3), routing_correction=False, probe_every=16)
+    """Drafting costs 10 ms a round, an AR step 6 ms. Useless drafts -> AR with one probe every 16 AR rounds (the
+    probes' share of time not limited: probe_share=1); good drafts again -> drafting resumes at the next probe and
+    stays on."""
+    selector = HybridSpec(latency_model(cost_ar=6e-3), routing_correction=False, probe_every=16, probe_share=1.0)
 
     def round_(survival_rate):
         draft = bool(selector.should_draft(1024)[0])
@@ -119,3 +120,35 @@ def test_speculation_switches_off_when_it_does_not_pay_and_back_on_after_a_probe
     good = [round_(0.97) for _ in range(60)]
     first = good.index(True)
     assert first <= 17 and all(good[first:])
+
+
+def test_probes_take_at_most_their_share_of_the_plain_steps_time():
+    """Where a speculative round costs 5x a plain step (a batch's rounds), useless drafts -> probes far enough apart
+    that their extra time stays within probe_share of the plain steps' time; the stretch follows the measured costs
+    (0.03: (30 - 6) / (0.03 * 6) = 134 plain steps between probes), and at most probe_every apart where probes are
+    cheap."""
+    def plain_rounds(selector, spec_ms, ar_ms, rounds):
+        drafted = []
+        for _ in range(rounds):
+            draft = bool(selector.should_draft(1024)[0])
+            if draft:
+                survival = (0.02 ** I)[None].float()
+                w = selector.choose(survival, 1024)
+                emitted, latency = torch.ones(1), torch.tensor([spec_ms * 1e-3])
+            else:
+                w, emitted, latency = torch.ones(1, dtype=torch.long), torch.ones(1), torch.tensor([ar_ms * 1e-3])
+            selector.observe(w, emitted, latency, drafted=draft)
+            drafted.append(draft)
+        return drafted
+
+    dear = plain_rounds(HybridSpec(latency_model(cost=COST * 3, cost_ar=6e-3), routing_correction=False), 30.0,
+                        6.0, 600)
+    probes = [i for i, d in enumerate(dear) if d][1:]  # after the first (always speculative) round
+    gaps = [b - a - 1 for a, b in zip(probes, probes[1:])]
+    assert gaps and all(gap == 134 for gap in gaps), gaps
+    extra = len(probes) * (30.0 - 6.0)
+    assert extra <= 0.03 * 6.0 * (600 - len(probes)) * 1.05
+    cheap = plain_rounds(HybridSpec(latency_model(cost_ar=6e-3), routing_correction=False), 6.1, 6.0, 200)
+    probes = [i for i, d in enumerate(cheap) if d][1:]
+    gaps = [b - a - 1 for a, b in zip(probes, probes[1:])]
+    assert gaps and all(gap == 16 for gap in gaps), gaps

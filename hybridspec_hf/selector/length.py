@@ -97,23 +97,30 @@ class DinkelbachThroughput:
     but near break-even a 10-round memory (0.9) switched to plain steps on noise: on the low-acceptance profile with the
     H200's C(w) it stepped plain in 35–87 of ≈ 270 rounds and fell 4–8 % behind the per-round-ratio selector, which a
     20-round memory closes in simulation — benchmarks/results/selector_sim.md), compared by
-    `should_draft`. While AR is chosen nothing new is learnt about speculation, so every `probe_every`-th consecutive
-    AR round is speculative anyway (a probe); since the speculative averages are discounted every round, a probe after
-    a long AR stretch dominates them and can switch drafting back on at once.
+    `should_draft`. While AR is chosen nothing new is learnt about speculation, so after a stretch of consecutive AR
+    rounds one round is speculative anyway (a probe); since the speculative averages are discounted every round, a
+    probe after a long AR stretch dominates them and can switch drafting back on at once. The stretch is at least
+    `probe_every` rounds, and long enough that a probe's extra time (a speculative round's recent cost over a plain
+    step's) is at most `probe_share` of the plain steps' time since the last speculative round: where drafting is
+    dear next to a plain step (a batch's rounds: run 37 measured C_16(1) = 27 ms against C_ar = 5.8–11.6 ms), a probe
+    every 16 steps cost a fifth of the time; at batch 1 on the H200 (≈ 5.4 against 2.95 ms) it is every ≈ 28 steps.
 
     State tensors are [batch] on the device (one independent stream per row; a batch's shared round latency is
     passed to every row). Updates are in place (capturable, no host sync).
     """
 
     def __init__(self, forgetting: float = 0.98, draft_forgetting: float = 0.95, probe_every: int = 16,
-                 prior_rounds: float = 4.0):
+                 prior_rounds: float = 4.0, probe_share: float = 0.03):
         for name, value in (("forgetting", forgetting), ("draft_forgetting", draft_forgetting)):
             if not 0.0 < value <= 1.0:
                 raise ValueError(f"{name} must be in (0, 1], got {value}; 1 means no forgetting.")
         if probe_every < 1:
             raise ValueError(f"probe_every must be >= 1 round, got {probe_every}.")
+        if not 0.0 < probe_share <= 1.0:
+            raise ValueError(f"probe_share must be in (0, 1], got {probe_share}: the most of the plain steps' time "
+                             "that a probe's extra cost may take (1 = probe every probe_every steps, whatever it costs).")
         self.forgetting, self.draft_forgetting = forgetting, draft_forgetting
-        self.probe_every, self.prior_rounds = probe_every, prior_rounds
+        self.probe_every, self.prior_rounds, self.probe_share = probe_every, prior_rounds, probe_share
         self.tokens = self.latency = None
 
     def reset(self, cost_ar: torch.Tensor | float, batch: int, device: torch.device | str) -> None:
@@ -151,5 +158,9 @@ class DinkelbachThroughput:
     def draft_decision(self, cost_ar: torch.Tensor) -> torch.Tensor:
         """Whether each stream drafts the next round: [batch] bool (see the class docstring)."""
         weight = self.spec_weight.clamp(min=1e-12)
-        pays = should_draft(self.spec_tokens / weight, self.spec_latency / weight, self.rho, cost_ar)
-        return pays | (self.spec_weight == 0) | (self.ar_streak >= self.probe_every)
+        spec_cost = self.spec_latency / weight
+        pays = should_draft(self.spec_tokens / weight, spec_cost, self.rho, cost_ar)
+        # a probe once the plain steps since the last speculative round have cost 1/probe_share times its extra time
+        stretch = ((spec_cost - cost_ar).clamp(min=0) / (self.probe_share * cost_ar)).ceil()
+        probe = self.ar_streak >= stretch.clamp(min=self.probe_every)
+        return pays | (self.spec_weight == 0) | probe

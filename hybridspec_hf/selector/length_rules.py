@@ -147,20 +147,20 @@ class HybridSpec(_Calibrated):
 
     rho_source: "measured" (default; emitted tokens and measured latency feed ρ, predicted C(w) when no latency is
     passed) or "predicted" (G(w) and C(w)). See length.DinkelbachThroughput for forgetting, draft_forgetting,
-    probe_every and prior_rounds. allow_ar=False always drafts.
+    probe_every, prior_rounds and probe_share. allow_ar=False always drafts.
     """
 
     name = "hybridspec"
 
     def __init__(self, latency_model: LatencyModel, routing_correction: bool = True, rho_source: str = "measured",
                  forgetting: float = 0.98, draft_forgetting: float = 0.95, probe_every: int = 16,
-                 prior_rounds: float = 4.0, allow_ar: bool = True):
+                 prior_rounds: float = 4.0, allow_ar: bool = True, probe_share: float = 0.03):
         super().__init__(latency_model)
         if rho_source not in ("measured", "predicted"):
             raise ValueError(f"rho_source must be 'measured' or 'predicted', got {rho_source!r}.")
         self.routing_correction, self.rho_source, self.allow_ar = routing_correction, rho_source, allow_ar
         self.name = "hybridspec" if routing_correction else "nominal"
-        self.throughput = DinkelbachThroughput(forgetting, draft_forgetting, probe_every, prior_rounds)
+        self.throughput = DinkelbachThroughput(forgetting, draft_forgetting, probe_every, prior_rounds, probe_share)
 
     @property
     def rho(self) -> torch.Tensor | None:
