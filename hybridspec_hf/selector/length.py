@@ -132,6 +132,9 @@ class DinkelbachThroughput:
         self.spec_latency = torch.zeros(batch, device=device)
         self.spec_weight = torch.zeros(batch, device=device)
         self.ar_streak = torch.zeros(batch, dtype=torch.long, device=device)
+        # a forced draft (the first round of a generation, which the loops draft without asking, or a probe) whose
+        # round is not observed yet
+        self.forced = torch.ones(batch, dtype=torch.bool, device=device)
 
     def restart(self, cost_ar: torch.Tensor) -> None:
         """`reset` in place, keeping every tensor's address (CUDA graphs hold them). cost_ar: [batch]."""
@@ -139,6 +142,7 @@ class DinkelbachThroughput:
         self.latency.copy_(self.prior_rounds * cost_ar.expand_as(self.latency))
         for stat in (self.spec_tokens, self.spec_latency, self.spec_weight, self.ar_streak):
             stat.zero_()
+        self.forced.fill_(True)
 
     @property
     def rho(self) -> torch.Tensor:
@@ -163,4 +167,9 @@ class DinkelbachThroughput:
         # a probe once the plain steps since the last speculative round have cost 1/probe_share times its extra time
         stretch = ((spec_cost - cost_ar).clamp(min=0) / (self.probe_share * cost_ar)).ceil()
         probe = self.ar_streak >= stretch.clamp(min=self.probe_every)
-        return pays | (self.spec_weight == 0) | probe
+        # The rounds decide the next round's drafting before they observe their own (the hand-off carries the
+        # decision), so when a forced draft (the first, or a probe) is still in flight its tokens are not counted
+        # yet: forcing again would draft twice for one observation (each probe cost two speculative rounds).
+        forced = ((self.spec_weight == 0) | probe) & ~self.forced
+        self.forced.copy_(forced & ~pays)
+        return pays | forced

@@ -175,7 +175,8 @@ class HybridSpec(_Calibrated):
         hold their addresses); the first call allocates them. context_len: [batch] long on the rounds' device."""
         if self.throughput.tokens is None or self.throughput.tokens.device != context_len.device:
             self.throughput.tokens = None
-            self.should_draft(context_len)
+            self.should_draft(context_len)  # allocates the streams; the call's first round is still to come
+            self.throughput.forced.fill_(True)
             return
         self.throughput.restart(self._model(context_len.device).cost_ar_for(context_len))
 
