@@ -1,7 +1,7 @@
-"""The round functions that CUDA graphs capture (ResidentRounds._step, _spec, _draft, _verify, _commit) read
-nothing back to the host, on the CPU twin: a device→host read inside them would fail to capture on a GPU (or sync
-the round). Every Tensor method that reads a value on the host raises while one of them runs, and whole batch-1
-and batched calls of every kind of strategy still finish and equal their own generate()."""
+"""The round functions that CUDA graphs capture (ResidentRounds._step, _step_append, _spec, _draft, _verify,
+_commit) read nothing back to the host, on the CPU twin: a device→host read inside them would fail to capture on a
+GPU (or sync the round). Every Tensor method that reads a value on the host raises while one of them runs, and whole
+batch-1 and batched calls of every kind of strategy still finish and equal their own generate()."""
 import contextlib
 import functools
 
@@ -18,7 +18,7 @@ from hybridspec_hf.generation.resident import ResidentRounds
 
 BLOCK = 8
 READS = ["item", "tolist", "nonzero", "__bool__", "__int__", "__float__", "__index__", "numpy"]
-CAPTURED = ["_step", "_spec", "_draft", "_verify", "_commit"]
+CAPTURED = ["_step", "_step_append", "_spec", "_draft", "_verify", "_commit"]
 
 
 def sync_free_target(name: str, seed: int):

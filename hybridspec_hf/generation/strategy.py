@@ -18,7 +18,7 @@ from hybridspec_hf.config import CALIBRATED_STRATEGIES, HybridSpecConfig, resolv
 from hybridspec_hf.generation.calibration import resolve_latency_model
 from hybridspec_hf.graphs.capture import distributed
 from hybridspec_hf.selector.profiles import AcceptanceProfile, RoutingProfile, load_profile
-from hybridspec_hf.selector import AcceptanceEstimator, count_new_experts, draft_signals, make_selector
+from hybridspec_hf.selector import AcceptanceEstimator, LengthSelector, count_new_experts, draft_signals, make_selector
 
 
 @dataclass
@@ -210,6 +210,10 @@ class RoundStrategy:
         if self.selector is None:
             return True
         return self.selector.should_draft(context_len)
+
+    def takes_plain_steps(self) -> bool:
+        """Whether `should_draft` may answer False: a selector with its own rule (the others draft every round)."""
+        return self.selector is not None and type(self.selector).should_draft is not LengthSelector.should_draft
 
     def handoff(self, accepted, valid, choice: Choice | None, next_draft, tokens: int) -> torch.Tensor:
         """The round's one transfer: [a, w, kept, n_new, draft_next] as one long tensor."""
