@@ -105,7 +105,14 @@ def main(argv: list[str] | None = None) -> dict:
                         help="HybridSpecConfig.verify_shape of the speculative methods (auto: max on CUDA)")
     parser.add_argument("--name", default=None, help="results stem (default batch_<model>; tiny on a CPU: "
                                                      "batch_tiny_cpu)")
+    parser.add_argument("--defer-appends", choices=["on", "off"], default=None,
+                        help="set generation.resident.DEFER_CONTEXT_APPENDS (plain steps park the drafter's "
+                             "features for the next speculative round) before capture (A/B)")
     args = parser.parse_args(argv)
+    if args.defer_appends is not None:
+        from hybridspec_hf.generation import resident
+
+        resident.DEFER_CONTEXT_APPENDS = args.defer_appends == "on"
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tiny = args.model == "tiny"
     tokens = args.tokens or (12 if tiny else 128)
@@ -121,7 +128,8 @@ def main(argv: list[str] | None = None) -> dict:
     report: dict = {"model": args.model, "layers": target.config.get_text_config().num_hidden_layers,
                     "parameters_b": sum(p.numel() for p in target.parameters()) / 1e9, "device": device,
                     "weights": "random", "routing": "uniform (random router)", "tokens_per_row": tokens,
-                    "context": context, "verify_shape": args.verify_shape, "build_s": time.perf_counter() - start,
+                    "context": context, "verify_shape": args.verify_shape,
+                    "defer_context_appends": hybridspec_hf.generation.resident.DEFER_CONTEXT_APPENDS, "build_s": time.perf_counter() - start,
                     "batches": {}}
     calibration_start = time.perf_counter()
     latency = calibrate_latency(target, drafter, context_lens=(context,), repeats=1, progress=False,

@@ -304,7 +304,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--name", default=None, help="results stem (default e2e_<model>)")
     parser.add_argument("--moe-decode", choices=["on", "off"], default=None,
                         help="set kernels.moe_triton.DECODE_PATH (the T <= 4 decode kernels) before capture (A/B)")
+    parser.add_argument("--defer-appends", choices=["on", "off"], default=None,
+                        help="set generation.resident.DEFER_CONTEXT_APPENDS (plain steps park the drafter's "
+                             "features for the next speculative round) before capture (A/B)")
     args = parser.parse_args(argv)
+    if args.defer_appends is not None:
+        from hybridspec_hf.generation import resident
+
+        resident.DEFER_CONTEXT_APPENDS = args.defer_appends == "on"
     if args.moe_decode is not None:
         from hybridspec_hf.kernels import moe_triton
 
@@ -317,6 +324,7 @@ def main(argv: list[str] | None = None) -> None:
     report: dict = {"model": args.model, "layers": target.config.get_text_config().num_hidden_layers,
                     "parameters_b": sum(p.numel() for p in target.parameters()) / 1e9, "device": device,
                     "weights": "random", "not_run": dict(NOT_RUN), "moe_decode_path": _moe_decode_path(),
+                    "defer_context_appends": hybridspec_hf.generation.resident.DEFER_CONTEXT_APPENDS,
                     "profiles": {}}
     if args.with_compile:
         report["not_run"].pop("hf_static_compile")

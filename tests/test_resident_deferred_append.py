@@ -139,9 +139,10 @@ def test_batch_rows_that_end_at_different_times_keep_their_own_context(fp64_gdn)
 
 
 @pytest.mark.parametrize("strategy, defers", [("dflash", False), ("static", False), ("hybridspec", True)])
-def test_only_strategies_that_take_plain_steps_defer(strategy, defers, fp64_gdn):
+def test_only_strategies_that_take_plain_steps_defer(strategy, defers, fp64_gdn, monkeypatch):
     """Strategies that draft every round append nothing parked (deferring would only add an empty append to each
     of their rounds); HybridSpec's latency-aware selector may skip drafting, so it defers."""
+    monkeypatch.setattr(resident, "DEFER_CONTEXT_APPENDS", True)
     target = make_target("qwen3_5_moe", seed=1)
     prompt = torch.randint(0, VOCAB, (1, 5))
     drafter = make_drafter(target, BLOCK)

@@ -72,9 +72,11 @@ from hybridspec_hf.patches.experts import fused_experts_for
 
 _CAPACITY_STEP = 512
 MAX_ROUNDS_PER_TARGET = 3  # captured settings kept per target (graphs, static caches): see the module docstring
-# plain steps append the drafter's context at the next speculative round (module docstring); False: at once, the
-# A/B baseline (the drafter sees the same context either way)
-DEFER_CONTEXT_APPENDS = True
+# True: plain steps append the drafter's context at the next speculative round (module docstring); False: at once
+# (the drafter sees the same context either way). Off until measured on the H200 (written 2026-12-01 after run 38,
+# CPU-tested only): it saves the plain step's drafter kernels (HybridSpec's plain step cost 1-7 % more than AR's)
+# and adds a DEFERRED_STEPS-row append to every HybridSpec round; `e2e.py --defer-appends on|off` is the A/B.
+DEFER_CONTEXT_APPENDS = False
 _ACTIVE = "_hybridspec_resident"  # the target's most recently used rounds
 _KEPT = "_hybridspec_resident_kept"  # every rounds the target keeps, least recently used first
 
