@@ -79,3 +79,25 @@ def test_conv_verify_and_commit_match_sequential_updates():
         full = torch.cat([conv_state, x], dim=-1)
         assert torch.equal(state[0], full[0, :, m : m + kernel])
         assert torch.equal(state[1], full[1, :, tokens - m : tokens - m + kernel])
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_one_token_verify_is_the_general_formula_bit_for_bit(dtype):
+    """A plain step (T = 1) skips the triangular solve and the decay matrix (A is empty, the decay 1): the same bits
+    as the general path gives its first token (a verification of two tokens: the second cannot change the first),
+    and the commit of that token matches the float64 recurrence."""
+    gen = torch.Generator().manual_seed(5)
+    b, h, hv, dk, dv = 3, 2, 4, 16, 8
+    q, k = (torch.randn(b, 1, h, dk, generator=gen).to(dtype) for _ in range(2))
+    v = torch.randn(b, 1, hv, dv, generator=gen).to(dtype)
+    g = (-torch.rand(b, 1, hv, generator=gen)).to(dtype)
+    beta = torch.rand(b, 1, hv, generator=gen).to(dtype)
+    state = torch.randn(b, hv, dk, dv, generator=gen).to(dtype)
+    one = gdn_verify(q, k, v, g, beta, state)
+    two = gdn_verify(*(torch.cat([x, x.flip(0)], 1) for x in (q, k, v, g, beta)), state)
+    assert torch.equal(one.out, two.out[:, :1]) and torch.equal(one.z, two.z[..., :1, :])
+    _, expected = gdn_recurrence(q.double(), k.double(), v.double(), g.double(), beta.double(), state.double())
+    committed = state.clone()
+    gdn_commit(committed, k, one, torch.ones(b, dtype=torch.long))
+    assert torch.allclose(committed.double(), expected[:, 0], atol={torch.float64: 1e-12, torch.float32: 1e-5,
+                                                               torch.bfloat16: 0.1}[dtype])

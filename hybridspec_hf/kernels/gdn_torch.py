@@ -88,8 +88,12 @@ def gdn_verify(
     s0 = state.to(dtype)
 
     gamma = g_cum.exp().unsqueeze(-1)  # [B, HV, T, 1]
-    decay = _decay_matrix(g_cum)  # [B, HV, T, T]
     t = g_cum.shape[-1]
+    if t == 1:  # a plain step: A is empty and the decay 1, so Z is the right-hand side (the same bits, no solve)
+        z = bh.unsqueeze(-1) * (vh - gamma * (kh @ s0))  # [B, HV, 1, dv]
+        out = gamma * (qh @ s0) + (qh @ kh.transpose(-1, -2)) @ z
+        return GDNVerifyResult(out=out.transpose(1, 2).to(v.dtype), z=z, g_cum=g_cum)
+    decay = _decay_matrix(g_cum)  # [B, HV, T, T]
     strictly_lower = torch.ones(t, t, dtype=torch.bool, device=q.device).tril(-1)
     a = (bh.unsqueeze(-1) * (kh @ kh.transpose(-1, -2)) * decay).masked_fill(~strictly_lower, 0.0)
     rhs = bh.unsqueeze(-1) * (vh - gamma * (kh @ s0))  # [B, HV, T, dv]
