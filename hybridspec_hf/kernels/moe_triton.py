@@ -23,7 +23,7 @@ Two ways to assign rows to programs, both with a grid sized for the worst case a
 Either way one program column per distinct expert streams that expert's weights: bytes = distinct experts × 6 MiB
 at the Qwen3.5-35B-A3B shape (E=256, H=2048, I=512, bf16), against a copy per pair in transformers' batched_mm.
 
-"decode" (T <= DECODE_MAX_TOKENS, the AR step and short verifications; `DECODE_PATH` switches it off for A/B): two
+"decode" (T <= DECODE_MAX_TOKENS, the AR step and 2-token verifications; `DECODE_PATH` switches it off for A/B): two
 launches, weights read in their layout through wide loads along the contiguous reduction, products as fp32 FMAs on
 the CUDA cores (a 16-row tensor-core tile would be >= 75 % padding), one token row at a time:
   1. gate_up, grid (I / BN, SPLIT, slots): program (i_n, i_k, p) takes BN gate and BN up rows of slot p's expert
@@ -100,11 +100,11 @@ def default_tiles(num_tokens: int, mode: str) -> tuple[int, Tiles, Tiles]:
     vLLM's tuned H200 fused_moe configs for E=128/N=1024 at batch 1-8; benchmarks/moe_experts.py sweeps them.
     "decode" (block_m: the tokens padded to a power of two): many short programs of one load step each (the loads
     of a program all in flight at once; Triton does not pipeline loads that feed no dot), so that enough bytes are
-    in flight at T = 1 (35B-A3B: 9 slots x 32 column blocks x 8 K slices = 2304 gate_up programs of 16 KB, 9 x 128
-    down programs of 16 KB, 48 and 32 registers on sm_90); at 3-4 tokens narrower blocks keep the registers of the
-    per-token products under 80. Reasoned, not yet measured: benchmarks/moe_block.py --decode-sweep times the
-    alternatives on a GPU."""
-    if mode == "decode":  # the best of the H200 sweep (run 34) at T = 1 and 2; the T = 3-4 tiles only for A/B
+    in flight at one token. The tiles are the best of `benchmarks/moe_block.py --decode-sweep` on the H200 (run 34:
+    at T = 1 gate_up 32 columns x 256 of K in 8 slices, 8 warps, and down 16 x 256: 22.8 us per layer against 24.4
+    at the reasoned tiles before; at T = 2 gate_up 8 x 256 in 8 slices: 43.8 against 50.1). At 3-4 tokens the
+    sweep's best (110.9 us at T = 4) lost to the direct rows (82.3), so "auto" stops at DECODE_MAX_TOKENS = 2."""
+    if mode == "decode":  # T = 3-4: the sweep's best at 4, for mode="decode" (A/B) only
         if num_tokens == 1:
             return 1, Tiles(32, 256, 8, 1, split_k=8), Tiles(16, 256, 4, 1)
         if num_tokens == 2:
