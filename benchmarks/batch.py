@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, environment, write_results  # noqa: E402
+from common import (RESULTS, add_switches, apply_switches, environment, switch_settings,  # noqa: E402
+                    write_results)
 from e2e import build, profile_halves  # noqa: E402
 
 import hybridspec_hf  # noqa: E402
@@ -105,14 +106,9 @@ def main(argv: list[str] | None = None) -> dict:
                         help="HybridSpecConfig.verify_shape of the speculative methods (auto: max on CUDA)")
     parser.add_argument("--name", default=None, help="results stem (default batch_<model>; tiny on a CPU: "
                                                      "batch_tiny_cpu)")
-    parser.add_argument("--defer-appends", choices=["on", "off"], default=None,
-                        help="set generation.resident.DEFER_CONTEXT_APPENDS (plain steps park the drafter's "
-                             "features for the next speculative round) before capture (A/B)")
+    add_switches(parser, "defer-appends", "moe-decode")
     args = parser.parse_args(argv)
-    if args.defer_appends is not None:
-        from hybridspec_hf.generation import resident
-
-        resident.DEFER_CONTEXT_APPENDS = args.defer_appends == "on"
+    apply_switches(args)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tiny = args.model == "tiny"
     tokens = args.tokens or (12 if tiny else 128)
@@ -129,7 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
                     "parameters_b": sum(p.numel() for p in target.parameters()) / 1e9, "device": device,
                     "weights": "random", "routing": "uniform (random router)", "tokens_per_row": tokens,
                     "context": context, "verify_shape": args.verify_shape,
-                    "defer_context_appends": hybridspec_hf.generation.resident.DEFER_CONTEXT_APPENDS, "build_s": time.perf_counter() - start,
+                    "switches": switch_settings(), "build_s": time.perf_counter() - start,
                     "batches": {}}
     calibration_start = time.perf_counter()
     latency = calibrate_latency(target, drafter, context_lens=(context,), repeats=1, progress=False,

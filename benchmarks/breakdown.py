@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, traced_kernels, write_results  # noqa: E402
+from common import (add_switches, apply_switches, environment, switch_settings, traced_kernels,  # noqa: E402
+                    write_results)
 from e2e import HBM_TBPS, build, roofline_bytes  # noqa: E402
 
 from hybridspec_hf import HybridSpecConfig  # noqa: E402
@@ -237,19 +238,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--name", default="breakdown_qwen35_35b_a3b")
     parser.add_argument("--attribute", action="store_true",
                         help="also run each part eagerly under the profiler: kernels by (module, aten op)")
-    parser.add_argument("--moe-one-pass", choices=["on", "off"], default=None,
-                        help="set patches._moe.SHARED_EXPERT_SLOT (the one-pass MoE block) before capture (A/B)")
-    parser.add_argument("--moe-decode", choices=["on", "off"], default=None,
-                        help="set kernels.moe_triton.DECODE_PATH (the T <= 4 decode kernels) before capture (A/B)")
+    add_switches(parser, "moe-one-pass", "moe-decode", "defer-appends")
     args = parser.parse_args(argv)
-    if args.moe_decode is not None:
-        from hybridspec_hf.kernels import moe_triton
-
-        moe_triton.DECODE_PATH = args.moe_decode == "on"
-    if args.moe_one_pass is not None:
-        from hybridspec_hf.patches import _moe
-
-        _moe.SHARED_EXPERT_SLOT = args.moe_one_pass == "on"
+    apply_switches(args)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     target, drafter = build(args.model, args.layers, device)
     vocab = target.config.get_text_config().vocab_size
@@ -299,22 +290,12 @@ def main(argv: list[str] | None = None) -> None:
     write(args, target, parts, outside_the_forward(parts, drafter.config.block_size))
 
 
-def _moe_setting(name: str) -> bool:
-    """The MoE switch `name` as the graphs were captured with: patches._moe.SHARED_EXPERT_SLOT (the one-pass
-    block) or kernels.moe_triton.DECODE_PATH (the T <= 4 decode kernels)."""
-    from hybridspec_hf.kernels import moe_triton
-    from hybridspec_hf.patches import _moe
-
-    return bool(getattr(_moe if name == "SHARED_EXPERT_SLOT" else moe_triton, name))
-
-
 def write(args, target, parts: dict, outside: dict) -> None:
     config = target.config.get_text_config()
     lines = [f"{args.model}, {config.num_hidden_layers} layers, random bf16 weights, random drafter; graphs replayed "
              f"on their own ({args.replays} replays each). Busy = sum of kernel durations; wall = CUDA-event time of a "
              f"replay; roofline = fewest bytes / {HBM_TBPS} TB/s (uniform router); committed = tokens a replay "
-             f"commits. MoE: one-pass block {_moe_setting('SHARED_EXPERT_SLOT')}, decode kernels (T <= 4) "
-             f"{_moe_setting('DECODE_PATH')}.", "",
+             "commits. Switches: " + ", ".join(f"{k} {v}" for k, v in switch_settings().items()) + ".", "",
              "| part | kernels | busy ms | wall ms | roofline ms | wall / roofline | idle share | committed |",
              "|---|---|---|---|---|---|---|---|"]
     for label, row in parts.items():
@@ -329,8 +310,8 @@ def write(args, target, parts: dict, outside: dict) -> None:
         lines += ["", "Top kernels: " + "; ".join(f"`{k}` ×{v['kernels']:.0f} {v['us']:.0f} µs"
                                                   for k, v in list(row["top_kernels"].items())[:12])]
     payload = {"title": f"Kernel breakdown of the resident graphs ({args.model})", "environment": environment(),
-               "weights": "random", "moe_one_pass": _moe_setting("SHARED_EXPERT_SLOT"),
-               "moe_decode_path": _moe_setting("DECODE_PATH"), "parts": parts, "outside_the_forward": outside,
+               "weights": "random", "switches": switch_settings(),
+               "parts": parts, "outside_the_forward": outside,
                "notes": __doc__.split("\n\n")[2]}
     write_results(args.name, payload, "\n".join(lines))
     print("\n".join(lines))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import importlib
 import json
 import platform
 import statistics
@@ -12,6 +13,37 @@ from pathlib import Path
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+# A/B switches a benchmark may set before it captures: flag -> (module, attribute, what it switches on)
+SWITCHES = {
+    "moe-one-pass": ("hybridspec_hf.patches._moe", "SHARED_EXPERT_SLOT", "the one-pass MoE block"),
+    "moe-decode": ("hybridspec_hf.kernels.moe_triton", "DECODE_PATH", "the MoE decode kernels up to DECODE_MAX_TOKENS"),
+    "defer-appends": ("hybridspec_hf.generation.resident", "DEFER_CONTEXT_APPENDS",
+                      "plain steps park the drafter's features for the next speculative round"),
+}
+
+
+def add_switches(parser, *flags: str) -> None:
+    """--FLAG on|off for each of `flags` (keys of SWITCHES); `apply_switches` sets them."""
+    for flag in flags:
+        module, attribute, what = SWITCHES[flag]
+        parser.add_argument(f"--{flag}", choices=["on", "off"], default=None,
+                            help=f"set {module}.{attribute} ({what}) before capture (A/B)")
+
+
+def apply_switches(args) -> None:
+    """Set every switch the command line named (`add_switches`); the others keep the package's default."""
+    for flag, (module, attribute, _) in SWITCHES.items():
+        value = getattr(args, flag.replace("-", "_"), None)
+        if value is not None:
+            setattr(importlib.import_module(module), attribute, value == "on")
+
+
+def switch_settings() -> dict:
+    """Every switch as the run used it, by attribute name (for the results)."""
+    return {attribute: bool(getattr(importlib.import_module(module), attribute))
+            for module, attribute, _ in SWITCHES.values()}
 
 
 def environment() -> dict:

@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, environment, write_results  # noqa: E402
+from common import (RESULTS, add_switches, apply_switches, environment, switch_settings,  # noqa: E402
+                    write_results)
 
 import hybridspec_hf  # noqa: E402
 from hybridspec_hf import DFlashDrafter, HybridSpecConfig  # noqa: E402
@@ -283,13 +284,6 @@ def latency_table(model) -> dict:
             "c16_over_c4": round(float(cost[-1] / cost[3]), 3) if cost.shape[0] >= 4 else None}
 
 
-def _moe_decode_path() -> bool | None:
-    """kernels.moe_triton.DECODE_PATH as the run used it (None where the package has no Triton)."""
-    from hybridspec_hf.kernels import moe_triton
-
-    return moe_triton.DECODE_PATH if moe_triton.HAS_TRITON else None
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen35_35b_a3b", choices=[*QWEN35_MOE_SHAPES, "qwen3_next_80b_a3b", "tiny"])
@@ -302,20 +296,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context", type=int, default=256, help="prompt tokens (random ids)")
     parser.add_argument("--with-compile", action="store_true", help="also time generate(cache_implementation='static')")
     parser.add_argument("--name", default=None, help="results stem (default e2e_<model>)")
-    parser.add_argument("--moe-decode", choices=["on", "off"], default=None,
-                        help="set kernels.moe_triton.DECODE_PATH (the T <= 4 decode kernels) before capture (A/B)")
-    parser.add_argument("--defer-appends", choices=["on", "off"], default=None,
-                        help="set generation.resident.DEFER_CONTEXT_APPENDS (plain steps park the drafter's "
-                             "features for the next speculative round) before capture (A/B)")
+    add_switches(parser, "moe-decode", "defer-appends")
     args = parser.parse_args(argv)
-    if args.defer_appends is not None:
-        from hybridspec_hf.generation import resident
-
-        resident.DEFER_CONTEXT_APPENDS = args.defer_appends == "on"
-    if args.moe_decode is not None:
-        from hybridspec_hf.kernels import moe_triton
-
-        moe_triton.DECODE_PATH = args.moe_decode == "on"
+    apply_switches(args)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     target, drafter = build(args.model, args.layers, device)
     vocab = target.config.get_text_config().vocab_size
@@ -323,8 +306,7 @@ def main(argv: list[str] | None = None) -> None:
     methods = args.methods.split(",")
     report: dict = {"model": args.model, "layers": target.config.get_text_config().num_hidden_layers,
                     "parameters_b": sum(p.numel() for p in target.parameters()) / 1e9, "device": device,
-                    "weights": "random", "not_run": dict(NOT_RUN), "moe_decode_path": _moe_decode_path(),
-                    "defer_context_appends": hybridspec_hf.generation.resident.DEFER_CONTEXT_APPENDS,
+                    "weights": "random", "not_run": dict(NOT_RUN), "switches": switch_settings(),
                     "profiles": {}}
     if args.with_compile:
         report["not_run"].pop("hf_static_compile")
@@ -377,8 +359,9 @@ def save(name: str, report: dict) -> None:
 
 
 def markdown(report: dict) -> str:
+    switches = ", ".join(f"{k} {v}" for k, v in report.get("switches", {}).items())
     lines = [f"{report['model']}, {report['layers']} layers, {report['parameters_b']:.2f} B parameters, random "
-             f"weights, on {report['device']} (MoE decode kernels: {report.get('moe_decode_path')}); acceptance replayed from the first half of each profile's rows (timing "
+             f"weights, on {report['device']} ({switches}); acceptance replayed from the first half of each profile's rows (timing "
              "mode), the acceptance estimator of the calibrated strategies fitted on the other half. ms/token and "
              "tokens/s are decoding: the decode loop's wall time per token (ours), timed call minus a prefill-only call (HF "
              "eager); `e2e ms/tok` includes the prefill."]
