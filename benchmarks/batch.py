@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (RESULTS, add_switches, apply_switches, environment, switch_settings,  # noqa: E402
-                    write_results)
+from common import (RESULTS, add_switches, apply_switches, environment, method_variant,  # noqa: E402
+                    switch_settings, variant_switches, write_results)
 from e2e import build, profile_halves  # noqa: E402
 
 import hybridspec_hf  # noqa: E402
@@ -55,7 +55,15 @@ def expert_union(target, tokens: float) -> float | None:
 
 def run_method(target, drafter, prompt: torch.Tensor, method: str, replay, estimator, latency, tokens: int,
                verify_shape: str = "auto") -> dict:
-    """One (batch, profile, method): a warm-up call (captures the batch bucket's rounds), then a timed call."""
+    """One (batch, profile, method): a warm-up call (captures the batch bucket's rounds), then a timed call. A method
+    "BASE+FLAG" / "BASE-FLAG" runs BASE with that A/B switch on / off (common.method_variant)."""
+    with method_variant(method, target) as base:
+        return {**_run_method(target, drafter, prompt, base, replay, estimator, latency, tokens, verify_shape),
+                "switches": variant_switches(method)}
+
+
+def _run_method(target, drafter, prompt: torch.Tensor, method: str, replay, estimator, latency, tokens: int,
+                verify_shape: str) -> dict:
     strategy = method
     timed = method != "ar"  # AR is plain decoding: no acceptance to replay
     # on a CPU (the tiny harness) every method runs the resident rounds' CPU twin, as the profiles' methods must
@@ -99,7 +107,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--model", default="qwen35_35b_a3b", choices=["qwen35_35b_a3b", "tiny"])
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)), help="batch sizes (comma-separated)")
     parser.add_argument("--profiles", default=",".join(PROFILES), help=f"subset of {','.join(PROFILES)}")
-    parser.add_argument("--methods", default=",".join(METHODS), help=f"subset of {','.join(METHODS)}")
+    parser.add_argument("--methods", default=",".join(METHODS),
+                        help=f"subset of {','.join(METHODS)}; METHOD+FLAG / METHOD-FLAG runs METHOD with an A/B "
+                             "switch on / off (e.g. hybridspec+defer-appends)")
     parser.add_argument("--tokens", type=int, default=None, help="new tokens per row (default 128; tiny: 12)")
     parser.add_argument("--context", type=int, default=None, help="prompt tokens (default 128; tiny: 16)")
     parser.add_argument("--verify-shape", default="auto", choices=["auto", "max", "exact"],
@@ -202,17 +212,19 @@ def markdown(report: dict) -> str:
         ranked = sorted(((r, b, label) for label, ratios in summary.items() for b, r in ratios))
         for word, (ratio, batch, label) in (("Largest", ranked[-1]), ("Smallest", ranked[0])):
             rows = report["batches"][str(batch)][label]["methods"]
-            hs, df = rows["hybridspec"], rows["dflash"]
+            hs, df = rows["hybridspec"], rows["dflash"]  # the variants (hybridspec+FLAG) are in the table
             union = "" if hs["expert_union"] is None else (
                 f", experts read per MoE layer ≈ {hs['expert_union']:.0f} against {df['expert_union']:.0f}")
             lines += ["", f"{word} advantage over DFlash: batch {batch}, {label} acceptance, {ratio:.2f}× (HybridSpec "
                           f"verifies w = {hs['mean_w']:.1f} per row against {df['mean_w']:.1f}{union}; rounds "
                           f"{hs['round_ms']:.2f} against {df['round_ms']:.2f} ms; τ {hs['tau']:.2f} against "
                           f"{df['tau']:.2f}; {hs['plain_steps']} plain steps)."]
-        lines += ["", "HybridSpec over AR (must be ≥ 0.97×): " + ", ".join(
-            f"batch {b} {label} {row['methods']['hybridspec']['tokens_per_s'] / row['methods']['ar']['tokens_per_s']:.2f}×"
+    for variant in sorted({m for profiles in report["batches"].values() for row in profiles.values()
+                           for m in row["methods"] if m.startswith("hybridspec")}):
+        lines += ["", f"{variant} over AR (must be ≥ 0.97×): " + ", ".join(
+            f"batch {b} {label} {row['methods'][variant]['tokens_per_s'] / row['methods']['ar']['tokens_per_s']:.2f}×"
             for b, profiles in report["batches"].items() for label, row in profiles.items()
-            if {"ar", "hybridspec"} <= set(row["methods"]))]
+            if {"ar", variant} <= set(row["methods"]))]
     lines += ["", f"Elapsed {report.get('elapsed_s', 0):.0f} s (model build {report['build_s']:.0f} s)."]
     return "\n".join(lines)
 
@@ -240,7 +252,8 @@ def plot(report: dict, stem: Path) -> None:
     fig, axes = plt.subplots(2, max(1, len(labels)), figsize=(5 * max(1, len(labels)), 7), squeeze=False)
     for column, label in enumerate(labels):
         batches = [b for b in report["batches"] if label in report["batches"][b]]
-        for method in METHODS:
+        present = {m for b in batches for m in report["batches"][b][label]["methods"]}
+        for method in [m for m in METHODS if m in present] + sorted(present - set(METHODS)):
             points = [(int(b), report["batches"][b][label]["methods"][method]) for b in batches
                       if method in report["batches"][b][label]["methods"]]
             if not points:

@@ -1,6 +1,7 @@
 """Shared by the benchmark scripts: environment facts, result writing (JSON + markdown), CUDA-graph timing."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib
 import json
@@ -38,6 +39,40 @@ def apply_switches(args) -> None:
         value = getattr(args, flag.replace("-", "_"), None)
         if value is not None:
             setattr(importlib.import_module(module), attribute, value == "on")
+
+
+@contextlib.contextmanager
+def method_variant(method: str, target=None):
+    """A method named "BASE+FLAG" or "BASE-FLAG" (FLAG a key of SWITCHES) runs BASE with that switch on or off, then
+    puts it back: an A/B of one switch inside one run, sharing the model and the calibration. Yields BASE. Rounds
+    captured under one setting must not serve the other, so `target`'s captured rounds are released on both sides
+    of a variant."""
+    base, sign, flag = method, "", ""
+    for candidate in SWITCHES:
+        for mark in "+-":
+            if method.endswith(mark + candidate):
+                base, sign, flag = method[: -len(candidate) - 1], mark, candidate
+    if not flag:
+        yield base
+        return
+    module, attribute, _ = SWITCHES[flag]
+    owner = importlib.import_module(module)
+    before = getattr(owner, attribute)
+    release = (lambda: None) if target is None else (
+        lambda: importlib.import_module("hybridspec_hf").release_graphs(target))
+    release()
+    setattr(owner, attribute, sign == "+")
+    try:
+        yield base
+    finally:
+        setattr(owner, attribute, before)
+        release()
+
+
+def variant_switches(method: str) -> dict:
+    """{attribute: setting} a method variant ("BASE+FLAG" / "BASE-FLAG") sets; {} for a plain method."""
+    with method_variant(method):
+        return switch_settings()
 
 
 def switch_settings() -> dict:

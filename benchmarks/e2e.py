@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (RESULTS, add_switches, apply_switches, environment, switch_settings,  # noqa: E402
-                    write_results)
+from common import (RESULTS, add_switches, apply_switches, environment, method_variant,  # noqa: E402
+                    switch_settings, variant_switches, write_results)
 
 import hybridspec_hf  # noqa: E402
 from hybridspec_hf import DFlashDrafter, HybridSpecConfig  # noqa: E402
@@ -165,7 +165,17 @@ def run_method(target, drafter, prompt, method: str, profile, tokens: int, routi
                estimator=None, cuda_graphs: str = "auto") -> dict:
     """One method: a warm-up call (captures, compiles), a prefill-only call (time to first token), a timed call.
     Decode ms/token = (timed - prefill-only) / (new tokens - 1): the decoding speed, without the prefill that every
-    method shares (reported separately). cuda_graphs: HybridSpecConfig.cuda_graphs of our methods."""
+    method shares (reported separately). cuda_graphs: HybridSpecConfig.cuda_graphs of our methods. A method
+    "BASE+FLAG" / "BASE-FLAG" runs BASE with that A/B switch on / off (common.method_variant)."""
+    with method_variant(method, target) as base:
+        row = _run_method(target, drafter, prompt, base, profile, tokens, routing, latency, estimator, cuda_graphs)
+        if base != method:
+            row["switches"] = variant_switches(method)
+        return row
+
+
+def _run_method(target, drafter, prompt, method: str, profile, tokens: int, routing, latency, estimator,
+                cuda_graphs: str) -> dict:
     sync = torch.cuda.synchronize if prompt.is_cuda else (lambda: None)
     warmup_tokens = tokens  # the same length: resident rounds are captured for the call's static-cache capacity
     if method == "hf_eager":
@@ -290,7 +300,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: all that fit)")
     parser.add_argument("--profiles", default="dflash_like,low,tiny_pair_heldout",
                         help="acceptance profiles in benchmarks/profiles/ (comma-separated stems)")
-    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
+    parser.add_argument("--methods", default=",".join(METHODS),
+                        help="comma-separated subset of " + ",".join(METHODS) + "; METHOD+FLAG / METHOD-FLAG runs "
+                             "METHOD with an A/B switch on / off (e.g. hybridspec+defer-appends)")
     parser.add_argument("--routing", default="uniform,calibrated", help="uniform (random router) and/or calibrated")
     parser.add_argument("--tokens", type=int, default=512, help="new tokens per timed call (HF eager: ≤ 64)")
     parser.add_argument("--context", type=int, default=256, help="prompt tokens (random ids)")
@@ -407,6 +419,10 @@ def markdown(report: dict) -> str:
             ablation = {other: hs / rows[other]["tokens_per_s"] for other in ("ar", "dflash", "ratio", "nominal", "static7")
                         if "tokens_per_s" in rows.get(other, {})}
             lines += ["", "HybridSpec speedup over: " + ", ".join(f"{k} {v:.2f}×" for k, v in ablation.items())]
+        for variant in [m for m in rows if m != "hybridspec" and m.startswith("hybridspec")
+                        and "tokens_per_s" in rows[m] and "tokens_per_s" in rows.get("hybridspec", {})]:
+            lines += ["", f"A/B: {variant} ({rows[variant]['switches']}) over hybridspec: "
+                          f"{rows[variant]['tokens_per_s'] / rows['hybridspec']['tokens_per_s']:.3f}×"]
     lines += ["", "Not run: " + "; ".join(f"{k}: {v}" for k, v in report["not_run"].items())]
     return "\n".join(lines)
 
