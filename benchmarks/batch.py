@@ -37,6 +37,7 @@ from e2e import build, profile_halves  # noqa: E402
 
 import hybridspec_hf  # noqa: E402
 from hybridspec_hf import HybridSpecConfig  # noqa: E402
+from hybridspec_hf.generation import resident  # noqa: E402
 from hybridspec_hf.generation.calibration import calibrate_latency  # noqa: E402
 
 PROFILES = {"high": "dflash_like", "tiny_pair": "tiny_pair_heldout", "low": "low"}
@@ -116,9 +117,15 @@ def main(argv: list[str] | None = None) -> dict:
                         help="HybridSpecConfig.verify_shape of the speculative methods (auto: max on CUDA)")
     parser.add_argument("--name", default=None, help="results stem (default batch_<model>; tiny on a CPU: "
                                                      "batch_tiny_cpu)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="timed calls per method, the methods interleaved; the table shows the median run (the "
+                             "lower middle one for an even count)")
     add_switches(parser, "defer-appends", "moe-decode")
     args = parser.parse_args(argv)
     apply_switches(args)
+    methods = args.methods.split(",")
+    # every method's rounds stay captured between its interleaved calls (a variant's are kept beside its base's)
+    resident.MAX_ROUNDS_PER_TARGET = max(resident.MAX_ROUNDS_PER_TARGET, len(methods))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tiny = args.model == "tiny"
     tokens = args.tokens or (12 if tiny else 128)
@@ -134,7 +141,7 @@ def main(argv: list[str] | None = None) -> dict:
     report: dict = {"model": args.model, "layers": target.config.get_text_config().num_hidden_layers,
                     "parameters_b": sum(p.numel() for p in target.parameters()) / 1e9, "device": device,
                     "weights": "random", "routing": "uniform (random router)", "tokens_per_row": tokens,
-                    "context": context, "verify_shape": args.verify_shape,
+                    "context": context, "verify_shape": args.verify_shape, "repeats": args.repeats,
                     "switches": switch_settings(), "build_s": time.perf_counter() - start,
                     "batches": {}}
     calibration_start = time.perf_counter()
@@ -153,12 +160,18 @@ def main(argv: list[str] | None = None) -> dict:
         for label, (profile, replay, _, estimator) in halves.items():
             entry = table.setdefault(label, {"profile": PROFILES[label],
                                              "mean_accepted_length": replay.mean_accepted_length, "methods": {}})
-            for method in args.methods.split(","):
-                result = run_method(target, drafter, rows, method, replay, estimator, latency, tokens,
-                                    args.verify_shape)
-                entry["methods"][method] = result
-                print(f"batch {batch}, {label}, {method}:", {k: v for k, v in result.items() if k != "path_reason"},
-                      flush=True)
+            runs: dict = {method: [] for method in methods}
+            for repeat in range(args.repeats):  # the methods interleaved: drift between calls hits every method
+                for method in methods:
+                    result = run_method(target, drafter, rows, method, replay, estimator, latency, tokens,
+                                        args.verify_shape)
+                    runs[method].append(result)
+                    print(f"batch {batch}, {label}, {method}, run {repeat + 1}:",
+                          {k: v for k, v in result.items() if k != "path_reason"}, flush=True)
+            for method, results in runs.items():  # the median run (by tokens/s), with every run's tokens/s
+                ranked = sorted(results, key=lambda r: r["tokens_per_s"])
+                entry["methods"][method] = {**ranked[(len(ranked) - 1) // 2],
+                                            "tokens_per_s_runs": [r["tokens_per_s"] for r in results]}
             hybridspec_hf.release_graphs(target)  # the next profile's rounds replace these
         report["elapsed_s"] = time.perf_counter() - start
         save(name, report)  # after every batch size: a run cut short keeps what it measured
@@ -178,7 +191,9 @@ def markdown(report: dict) -> str:
              f"weights, {report['routing']} routing, on {report['device']}; {report['tokens_per_row']} new tokens per "
              f"row after a {report['context']}-token prompt, verify shape {report.get('verify_shape', 'auto')} (auto: "
              "max on CUDA, exact on a CPU). tokens/s: every row's tokens over the decode loop's "
-             "wall time (prefill excluded). × AR: over AR at the same batch size."]
+             "wall time (prefill excluded). × AR: over AR at the same batch size."
+             + (f" Each method ran {report['repeats']} timed calls, the methods interleaved; the row is the median "
+                "call (tokens/s of every call in the JSON)." if report.get("repeats", 1) > 1 else "")]
     if report["device"] == "cpu":
         lines += ["", "**A CPU run of the harness**: the tiny float32 model, the resident rounds' CPU twin (no CUDA "
                       "graphs, no GPU kernels); its timings say nothing about a GPU."]

@@ -24,6 +24,9 @@ SWITCHES = {
                       "plain steps park the drafter's features for the next speculative round"),
 }
 
+# switches the resident rounds' key records (resident._Key): a variant needs no release of the kept rounds
+KEYED = {"defer-appends"}
+
 
 def add_switches(parser, *flags: str) -> None:
     """--FLAG on|off for each of `flags` (keys of SWITCHES); `apply_switches` sets them."""
@@ -46,7 +49,7 @@ def method_variant(method: str, target=None):
     """A method named "BASE+FLAG" or "BASE-FLAG" (FLAG a key of SWITCHES) runs BASE with that switch on or off, then
     puts it back: an A/B of one switch inside one run, sharing the model and the calibration. Yields BASE. Rounds
     captured under one setting must not serve the other, so `target`'s captured rounds are released on both sides
-    of a variant."""
+    of a variant, unless the rounds' key records the switch (KEYED)."""
     base, sign, flag = method, "", ""
     for candidate in SWITCHES:
         for mark in "+-":
@@ -58,7 +61,8 @@ def method_variant(method: str, target=None):
     module, attribute, _ = SWITCHES[flag]
     owner = importlib.import_module(module)
     before = getattr(owner, attribute)
-    release = (lambda: None) if target is None else (
+    keyed = flag in KEYED  # kept rounds record the setting: rounds of both may be kept side by side
+    release = (lambda: None) if target is None or keyed else (
         lambda: importlib.import_module("hybridspec_hf").release_graphs(target))
     release()
     setattr(owner, attribute, sign == "+")

@@ -41,6 +41,13 @@ class Pattern(StaticLength):
         self.round.add_(1)
         return decision
 
+    def plain_run(self, context_len):
+        """The plain steps until the pattern's next 1 (this round's included in the count of rounds passed)."""
+        ahead = self.pattern[(self.round + torch.arange(self.pattern.numel())) % self.pattern.numel()]
+        k = ahead.long().argmax().view(1)  # the first 1 from this round on
+        self.round.add_(k + 1)
+        return k
+
 
 def drafted_contexts(target, drafter, ids, defer: bool, columns: int, verify_shape: str, **kwargs):
     """generate() through resident rounds forced by PATTERN, with a buffer of `columns` plain steps, deferring their
@@ -59,16 +66,16 @@ def drafted_contexts(target, drafter, ids, defer: bool, columns: int, verify_sha
         counts["step appends"] += in_step[0]
         return _original(self, features, count)
 
-    def step(self, _original=resident.ResidentRounds._step):
+    def step(self, decide=False, _original=resident.ResidentRounds._step):
         in_step[0] += 1
         try:
-            return _original(self)
+            return _original(self, decide)
         finally:
             in_step[0] -= 1
 
-    def step_append(self, _original=resident.ResidentRounds._step_append):
+    def step_append(self, decide=False, _original=resident.ResidentRounds._step_append):
         counts["step_append"] += 1
-        return _original(self)
+        return _original(self, decide)
 
     settings = HybridSpecConfig(selector=Pattern(PATTERN, 6), cuda_graphs="on", verify_shape=verify_shape)
     with pytest.MonkeyPatch.context() as patch:

@@ -141,8 +141,8 @@ def test_probes_take_at_most_their_share_of_the_plain_steps_time():
             drafted.append(draft)
         return drafted
 
-    dear = plain_rounds(HybridSpec(latency_model(cost=COST * 3, cost_ar=6e-3), routing_correction=False), 30.0,
-                        6.0, 600)
+    dear = plain_rounds(HybridSpec(latency_model(cost=COST * 3, cost_ar=6e-3), routing_correction=False,
+                                   probe_share=0.03), 30.0, 6.0, 600)
     probes = [i for i, d in enumerate(dear) if d][1:]  # after the first (always speculative) round
     gaps = [b - a - 1 for a, b in zip(probes, probes[1:])]
     assert gaps and all(gap == 134 for gap in gaps), gaps
@@ -152,3 +152,71 @@ def test_probes_take_at_most_their_share_of_the_plain_steps_time():
     probes = [i for i, d in enumerate(cheap) if d][1:]
     gaps = [b - a - 1 for a, b in zip(probes, probes[1:])]
     assert gaps and all(gap == 16 for gap in gaps), gaps
+
+
+def _plain_steps_one_by_one(throughput, cost_ar, limit=4000):
+    """The per-step rule: draft_decision, then a plain update, until it drafts: (plain steps after this one, the
+    state after them)."""
+    k = 0
+    while True:
+        draft = throughput.draft_decision(cost_ar)
+        throughput.update(torch.ones_like(cost_ar), cost_ar, torch.zeros_like(draft))
+        if bool(draft[0]) or k == limit:
+            return k
+        k += 1
+
+
+def test_plain_run_takes_the_per_step_decisions_at_once():
+    """`plain_run` = `draft_decision` + `update` repeated until drafting: the same count of plain steps and the same
+    state after them (ρ's sums, the speculative averages, the streak and the forced flag), for random states
+    (speculation that pays, does not, or pays only once ρ has fallen; probes due at once or far off; a forced draft
+    in flight; no speculative round yet)."""
+    from hybridspec_hf.selector.length import DinkelbachThroughput
+
+    generator = torch.Generator().manual_seed(3)
+    checked = 0
+    for case in range(300):
+        u = torch.rand(8, generator=generator, dtype=torch.float64)
+        throughput = DinkelbachThroughput(forgetting=float(0.9 + 0.1 * u[0]), probe_every=int(1 + 30 * u[1]),
+                                          probe_share=float(0.005 + 0.2 * u[2]))
+        cost_ar = torch.tensor([3e-3 * (0.5 + float(u[3]))])
+        throughput.reset(cost_ar, 1, "cpu")
+        for _ in range(int(10 * u[4])):  # some history: speculative rounds of random yield and cost
+            spec = torch.rand(1, generator=generator) < 0.6
+            tokens = 1 + 4 * torch.rand(1, generator=generator) * spec
+            # plain steps off their calibrated cost too: ρ = 1/C_ar exactly would put every decision on a tie
+            latency = cost_ar * (0.8 + 0.4 * torch.rand(1, generator=generator) + 3 * torch.rand(1, generator=generator) * spec)
+            throughput.update(tokens, latency, spec)
+        throughput.forced.fill_(bool(u[5] < 0.3))
+        if u[6] < 0.1:  # no speculative round seen (the streak and ρ's sums as they were)
+            for stat in (throughput.spec_tokens, throughput.spec_latency, throughput.spec_weight):
+                stat.zero_()
+        twin = DinkelbachThroughput(throughput.forgetting, throughput.draft_forgetting, throughput.probe_every,
+                                    throughput.prior_rounds, throughput.probe_share)
+        twin.reset(cost_ar, 1, "cpu")
+        for name in ("tokens", "latency", "spec_tokens", "spec_latency", "spec_weight", "ar_streak", "forced"):
+            getattr(twin, name).copy_(getattr(throughput, name))
+        expected = _plain_steps_one_by_one(twin, cost_ar)
+        got = throughput.plain_run(cost_ar)
+        if expected >= throughput.PLAIN_HORIZON:  # beyond the scan: the probe's step, or the horizon when it pays
+            assert int(got[0]) >= throughput.PLAIN_HORIZON
+            continue
+        checked += 1
+        assert int(got[0]) == expected, case
+        for name in ("tokens", "latency", "spec_tokens", "spec_latency", "spec_weight"):
+            torch.testing.assert_close(getattr(throughput, name), getattr(twin, name), rtol=1e-4, atol=1e-9)  # fp32 sums over ≤ 256 steps
+        for name in ("ar_streak", "forced"):
+            assert torch.equal(getattr(throughput, name), getattr(twin, name)), (case, name)
+    assert checked > 200
+
+
+def test_plain_run_of_the_selector_drafts_again_when_speculation_pays():
+    """HybridSpec.plain_run at a plain step: useless drafts -> the next probe's distance; good ones -> draft next."""
+    selector = HybridSpec(latency_model(cost_ar=6e-3), routing_correction=False, probe_every=16, probe_share=1.0)
+    selector.should_draft(1024)
+    selector.choose((0.02 ** I)[None].float(), 1024)
+    selector.observe(torch.ones(1, dtype=torch.long), torch.ones(1), torch.tensor([10e-3]), drafted=True)
+    assert int(selector.plain_run(1024)[0]) == 16  # this step and 16 more, then the probe (every 17th round)
+    selector.choose((0.97 ** I)[None].float(), 1024)
+    selector.observe(torch.full((1,), 16), torch.full((1,), 14.0), torch.tensor([25e-3]), drafted=True)
+    assert int(selector.plain_run(1024)[0]) == 0

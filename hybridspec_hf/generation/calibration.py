@@ -29,6 +29,9 @@ from hybridspec_hf.selector.length import on_device
 logger = logging.getLogger(__name__)
 
 
+PLAIN_FOREVER = 2 ** 30  # a plain_run count that outlasts any generation
+
+
 class ForcedLength(LengthSelector):
     """Always verifies w tokens (w = 0: a plain decoding step without drafting). For calibration.
 
@@ -60,6 +63,12 @@ class ForcedLength(LengthSelector):
         if isinstance(context_len, torch.Tensor):
             return self._tensor(context_len.device) > 0
         return self.w > 0
+
+    def plain_run(self, context_len) -> torch.Tensor:
+        """Plain steps before the next draft: none while w > 0, else to the end (w = 0 times plain steps)."""
+        draft = self.should_draft(context_len)
+        return torch.where(draft, 0, PLAIN_FOREVER) if isinstance(draft, torch.Tensor) else \
+            torch.tensor([0 if draft else PLAIN_FOREVER])
 
     def choose(self, survival, context_len, w_max=None) -> torch.Tensor:
         w = self._tensor(survival.device).clamp(min=1, max=survival.shape[1] + 1).expand(survival.shape[0])

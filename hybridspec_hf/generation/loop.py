@@ -209,6 +209,10 @@ def hybridspec_decode(
             return finish_output(generation_config, emitter, cache, cache_key)
         draft_cache = drafter.new_context_cache() if drafter is not None else None
         draft_next = drafter is not None
+        # plain steps: the first after a speculative round decides how many follow before the next draft
+        # (Strategy.plain_run); those run no selector work
+        decides = drafter is not None and strategy.takes_plain_steps()
+        plain_left = 0
 
         while not emitter.finished:
             round_start = time.perf_counter()
@@ -253,11 +257,20 @@ def hybridspec_decode(
                     target_tokens = scores.argmax(dim=-1)  # [B, T]
                     accepted = greedy_accept(tokens[:, 1:], target_tokens, valid)
                 strategy.observe_acceptance(choice, accepted)
-                next_draft = strategy.should_draft(committed_len)
+                decide = decides and not drafted and plain_left == 0
+                if drafted or not decides:
+                    next_draft = strategy.should_draft(committed_len)
+                elif decide:  # the plain steps to come, the selector advanced past them and this one
+                    next_draft = strategy.plain_run(committed_len)
+                else:
+                    next_draft = plain_left - 1  # the plain steps still to come after this one
 
             # 5. Hand-off: the round's one device→host transfer; emit token by token until a criterion fires.
             handoff = strategy.handoff(accepted, valid, choice, next_draft, tokens.shape[1]).tolist()
-            a, w, kept, n_new, draft_next = handoff[0], handoff[1], handoff[2], handoff[3], bool(handoff[4])
+            a, w, kept, n_new, draft_next = handoff[0], handoff[1], handoff[2], handoff[3], handoff[4]
+            if decides and not drafted:  # handoff[4] counts the plain steps still to come
+                plain_left, draft_next = draft_next, draft_next == 0
+            draft_next = bool(draft_next)
             committed = 0
             for i in range(a + 1):
                 emitter.emit(target_tokens[:, i], scores[:, i], raw[:, i])
@@ -271,7 +284,8 @@ def hybridspec_decode(
                 if context is not None:
                     context = torch.cat([context, features[:, :committed]], dim=1)
                 seconds = time.perf_counter() - round_start
-                strategy.observe(w, committed, seconds, drafted, like=accepted)
+                if drafted or not decides:  # plain_run accounted the plain steps
+                    strategy.observe(w, committed, seconds, drafted, like=accepted)
             corrected = choice is not None and strategy.corrects
             telemetry.rounds.append(RoundRecord(
                 w, a, committed, committed, seconds, drafted,

@@ -144,6 +144,7 @@ class _Key:
     device_commit: bool
     capture: bool
     rows: int = 1  # batch rows of the static buffers (a bucket of BATCH_BUCKETS)
+    defer: bool = False  # DEFER_CONTEXT_APPENDS when captured (rounds of either setting may be kept side by side)
 
 
 MAX_EOS_IDS = 8  # EOS ids a round can test on the device
@@ -177,7 +178,7 @@ def resident_rounds(model, drafter, strategy, logits_processor, do_sample: bool,
     block = drafter.config.block_size if drafter is not None else 1
     capacity = -(-(max_length + block) // _CAPACITY_STEP) * _CAPACITY_STEP
     key = _Key(id(drafter), strategy.identity(), do_sample, tuple(repr(p.__dict__) for p in logits_processor),
-               capacity, position_rows, device_commit, capture, rows)
+               capacity, position_rows, device_commit, capture, rows, DEFER_CONTEXT_APPENDS)
     kept = model.__dict__.setdefault(_KEPT, [])
     found = next((rounds for rounds in reversed(kept) if _reusable(rounds.key, key)), None)
     if found is not None:
@@ -314,7 +315,9 @@ class ResidentRounds:
         self.exact = self.speculative and strategy.mode == "exact"
         self.verify_length = torch.zeros(1, dtype=torch.long, pin_memory=pinned)
         self.verified = self.verify_tokens  # tokens the last round verified (its commit graph, in "exact")
-        self.step = self.step_append = self.spec = self.draft = None
+        self.step = self.step_append = self.spec = self.draft = self.decide = self.decide_append = None
+        # plain steps exist (a selector that may not draft): the first after a speculative round decides how many
+        self.decides = self.speculative and strategy.takes_plain_steps()
         self.verifies: dict[int, Replay] = {}
         self.commits: dict[int, Replay] = {}
         try:
@@ -330,6 +333,10 @@ class ResidentRounds:
                 self.step = replay(self._step)
                 if self.defers:
                     self.step_append = replay(self._step_append)
+                if self.decides:  # the plain step that decides the stretch of plain steps after it
+                    self.decide = replay(functools.partial(self._step, decide=True))
+                    if self.defers:
+                        self.decide_append = replay(functools.partial(self._step_append, decide=True))
                 if self.exact:
                     self.draft = replay(self._draft)
                     for n in range(1, self.verify_tokens + 1):
@@ -352,7 +359,7 @@ class ResidentRounds:
         for hooks in (self.window, self.routing):
             if hooks is not None:
                 hooks.remove()
-        self.step = self.step_append = self.spec = self.draft = None
+        self.step = self.step_append = self.spec = self.draft = self.decide = self.decide_append = None
         self.verifies, self.commits = {}, {}
         if release_copies:
             patches.release_fused_moe(self.moe)
@@ -434,9 +441,11 @@ class ResidentRounds:
         self.live.mul_((~ended).long())
         return self.live
 
-    def _step(self):
+    def _step(self, decide: bool = False):
         """A plain decoding step: verify the anchor and commit it (m = 1 per live row is known, so one graph does
-        both).
+        both). `decide` (the first plain step after a speculative round): the selector decides how many plain steps
+        follow before the next draft (`Strategy.plain_run`, handed off in the draft_next slot); the steps it
+        decided run without any selector work, as AR's step (the host counts them down).
 
         Our GDN path instead of transformers' decode path (on the H200 the stock one-token forward cost 13.7 ms in a
         graph against ≈ 11.8 ms with the block verify + one-launch commit, benchmarks/results/gpu_rounds_runs.md).
@@ -459,10 +468,9 @@ class ResidentRounds:
                 self.context.append(features, self.count if self.rows > 1 else 1)
         self.target.commit(session, self.count)
         self.last_token.copy_(torch.where(self.count.view(-1, 1) > 0, token.view(-1, 1), self.last_token))
-        draft_next = self._flag(self.strategy.should_draft(context_len)) if self.speculative else \
+        # the plain steps before the next draft (decide), else nothing: the host knows
+        draft_next = self.strategy.plain_run(context_len).reshape(-1)[:1].to(self.device) if decide else \
             torch.zeros(1, dtype=torch.long, device=self.device)
-        if self.strategy.selector is not None:
-            self.strategy.selector.observe(self.one, self.one, None, False)
         tokens = torch.cat([token.view(-1, 1), token.new_zeros(self.rows, self.verify_tokens - 1)], dim=1)
         committed = torch.arange(self.verify_tokens, device=self.device).view(1, -1) < self.count.view(-1, 1)
         live = self._end_rows(committed, tokens)
@@ -483,9 +491,9 @@ class ResidentRounds:
             self.context.append(self.deferred, self.deferred_count)
         self.deferred_count.zero_()
 
-    def _step_append(self):
+    def _step_append(self, decide: bool = False):
         """A plain step that fills the buffer's last column, then the append of the whole buffer."""
-        self._step()
+        self._step(decide)
         self._append_deferred()
 
     def _spec(self):
@@ -644,9 +652,15 @@ class ResidentRounds:
         self.reset_selector()
         self.restart_profile()
 
-    def run_step(self) -> list[int]:
+    def run_step(self, decide: bool = False) -> list[int]:
+        """A plain step; `decide`: the one that decides how many plain steps follow (its hand-off's draft_next)."""
         full = self.defers and self.deferred_steps == self.DEFERRED_STEPS - 1  # this step fills the last column
-        (self.step_append if full else self.step)()
+        if decide and not self.decides:
+            raise RuntimeError("HybridSpec: a deciding plain step for a strategy that always drafts.")
+        if decide:
+            (self.decide_append if full else self.decide)()
+        else:
+            (self.step_append if full else self.step)()
         self.deferred_steps = 0 if full else self.deferred_steps + 1
         return self._read_handoff()
 
@@ -764,6 +778,7 @@ def resident_decode(rounds: ResidentRounds, emitter: HostEmitter, telemetry, pre
     """Rounds until a criterion fires; the caller prefilled and `rounds.start(...)`-ed. Host time per round: one
     replay (two for a speculative round), one wait for the hand-off, and the emission of its tokens."""
     draft_next = rounds.speculative
+    plain_left = 0  # plain steps a deciding step ordered before the next draft (they run without selector work)
     last = time.perf_counter()
     context_len = emitter.length - 1
     while not emitter.finished:
@@ -783,7 +798,10 @@ def resident_decode(rounds: ResidentRounds, emitter: HostEmitter, telemetry, pre
                 raise RuntimeError(f"HybridSpec: the device committed {device_m} tokens, the host emitted {committed}.")
             drafted = True
         else:
-            tokens, _, _, _, _, _, _, draft_next = rounds.unpack(rounds.run_step())
+            decide = rounds.decides and plain_left == 0
+            tokens, _, _, _, _, _, _, plan = rounds.unpack(rounds.run_step(decide))
+            plain_left = plan if decide else plain_left - 1
+            draft_next = rounds.decides and plain_left <= 0
             a, w, kept, n_new = 0, 1, 0, 0  # m = 1
             emitter.emit(tokens[0][0])
             committed, drafted = 1, False
@@ -842,14 +860,19 @@ def resident_decode_rows(rounds: ResidentRounds, host: RowsHost, telemetry, pred
     """A batch's rounds until every row ended; the caller prefilled and `rounds.start(...)`-ed. One hand-off per
     round carries every row's tokens, accepted counts, m and whether it still runs."""
     draft_next = rounds.speculative
+    plain_left = 0  # plain steps a deciding step ordered before the next draft
     last = time.perf_counter()
     while any(host.live):
         rounds.waited_s = 0.0
         running = [row for row, live in enumerate(host.live) if live]
         context_len = max(host.length(row) - 1 for row in running)
         drafted = draft_next
-        handoff = rounds.run_spec() if drafted else rounds.run_step()
+        decide = not drafted and rounds.decides and plain_left == 0
+        handoff = rounds.run_spec() if drafted else rounds.run_step(decide)
         tokens, a, device_m, device_live, w, _, _, draft_next = rounds.unpack(handoff)
+        if not drafted:  # draft_next is the deciding step's count of plain steps to come (else nothing)
+            plain_left = draft_next if decide else plain_left - 1
+            draft_next = rounds.decides and plain_left <= 0
         emitted = 0
         for row in running:
             count = 0

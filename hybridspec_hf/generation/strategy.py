@@ -211,6 +211,23 @@ class RoundStrategy:
             return True
         return self.selector.should_draft(context_len)
 
+    def plain_run(self, context_len) -> torch.Tensor:
+        """At a plain step that `should_draft` chose: how many more plain steps come before the next draft ([1] or
+        [batch] long, 0 = draft next), decided now for all of them; the selector is advanced past this step and
+        those (they teach it nothing: `HybridSpec.plain_run`). The steps in between run no selector work.
+        Selectors without a plain-step rule always draft (0; this step still accounted)."""
+        run = getattr(self.selector, "plain_run", None)
+        if run is not None:
+            return run(context_len)
+        if self.takes_plain_steps():
+            raise TypeError(f"{type(self.selector).__name__} overrides should_draft but has no plain_run(context_len):"
+                            " the rounds ask it once per stretch of plain steps how many come before the next draft.")
+        device = context_len.device if isinstance(context_len, torch.Tensor) else torch.device("cpu")
+        if self.selector is not None:
+            one = torch.ones(1, dtype=torch.long, device=device)
+            self.selector.observe(one, one, None, False)
+        return torch.zeros(1, dtype=torch.long, device=device)
+
     def takes_plain_steps(self) -> bool:
         """Whether `should_draft` may answer False: a selector with its own rule (the others draft every round)."""
         return self.selector is not None and type(self.selector).should_draft is not LengthSelector.should_draft

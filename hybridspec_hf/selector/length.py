@@ -103,14 +103,17 @@ class DinkelbachThroughput:
     `probe_every` rounds, and long enough that a probe's extra time (a speculative round's recent cost over a plain
     step's) is at most `probe_share` of the plain steps' time since the last speculative round: where drafting is
     dear next to a plain step (a batch's rounds: run 37 measured C_16(1) = 27 ms against C_ar = 5.8–11.6 ms), a probe
-    every 16 steps cost a fifth of the time; at batch 1 on the H200 (≈ 5.4 against 2.95 ms) it is every ≈ 28 steps.
+    every 16 steps cost a fifth of the time. The default share, 1 %, puts a probe every ≈ 73 plain steps at batch 1 on
+    the H200 (5.1 against 2.95 ms) and ≈ 135 at batch 16 (27 against 11.5 ms): at 3 % the probes alone kept
+    HybridSpec 3 % behind AR where drafting never pays (run 39, benchmarks/results/batch_qwen35_35b_a3b_run39.md).
+    `plain_run` takes every decision of a stretch of plain steps at its first step.
 
     State tensors are [batch] on the device (one independent stream per row; a batch's shared round latency is
     passed to every row). Updates are in place (capturable, no host sync).
     """
 
     def __init__(self, forgetting: float = 0.98, draft_forgetting: float = 0.95, probe_every: int = 16,
-                 prior_rounds: float = 4.0, probe_share: float = 0.03):
+                 prior_rounds: float = 4.0, probe_share: float = 0.01):
         for name, value in (("forgetting", forgetting), ("draft_forgetting", draft_forgetting)):
             if not 0.0 < value <= 1.0:
                 raise ValueError(f"{name} must be in (0, 1], got {value}; 1 means no forgetting.")
@@ -122,6 +125,8 @@ class DinkelbachThroughput:
         self.forgetting, self.draft_forgetting = forgetting, draft_forgetting
         self.probe_every, self.prior_rounds, self.probe_share = probe_every, prior_rounds, probe_share
         self.tokens = self.latency = None
+
+    PLAIN_HORIZON = 256  # plain steps `plain_run` scans ahead
 
     def reset(self, cost_ar: torch.Tensor | float, batch: int, device: torch.device | str) -> None:
         """Start (or restart) every stream from the AR prior: prior_rounds rounds of 1 token in cost_ar seconds."""
@@ -173,3 +178,55 @@ class DinkelbachThroughput:
         forced = ((self.spec_weight == 0) | probe) & ~self.forced
         self.forced.copy_(forced & ~pays)
         return pays | forced
+
+    def plain_run(self, cost_ar: torch.Tensor) -> torch.Tensor:
+        """A plain step's decision for every plain step to come at once: the number k of further plain steps before
+        the next draft ([batch] long, 0 = draft next), with the state advanced past this step and those k.
+
+        Plain steps teach nothing about speculation, and their update is fixed (one token in cost_ar seconds), so
+        the decisions `draft_decision` followed by `update` would take over the coming steps are known now: after
+        j more plain steps the discounted sums are T_j = f^j·T + S_j and L_j = f^j·L + S_j·C_ar (S_j = Σ_{i<j} f^i),
+        the speculative averages keep their value (every sum scales by the same draft_forgetting^j), and the streak
+        grows by j. k is the first j at which `draft_decision` of that state drafts (it pays, or a probe is due);
+        j is scanned up to PLAIN_HORIZON, beyond which ρ_j has moved to within f^256 < 0.6 % of its limit 1/C_ar:
+        then k is the probe's step, or PLAIN_HORIZON when drafting pays at the limit. Equal to calling
+        `draft_decision` and `update` once per step (test), at one decision per stretch instead of one per step:
+        the steps in between run no selector work (the rounds replay AR's plain step). cost_ar: [batch].
+        """
+        device = self.tokens.device
+        f, d = self.forgetting, self.draft_forgetting
+        cost_ar = cost_ar.float()
+        j = torch.arange(self.PLAIN_HORIZON, device=device, dtype=torch.float32)  # [J]
+        decay = f ** j  # [J]
+        partial = j if f == 1.0 else (1.0 - decay) / (1.0 - f)  # S_j
+        tokens = decay * self.tokens[:, None] + partial  # [batch, J]
+        latency = decay * self.latency[:, None] + partial * cost_ar[:, None]
+        weight = self.spec_weight.clamp(min=1e-12)
+        spec_gain, spec_cost = self.spec_tokens / weight, self.spec_latency / weight  # [batch]: the same at every j
+        pays = should_draft(spec_gain[:, None], spec_cost[:, None], tokens / latency, cost_ar[:, None])  # [batch, J]
+        stretch = ((spec_cost - cost_ar).clamp(min=0) / (self.probe_share * cost_ar)).ceil().clamp(min=self.probe_every)
+        due = (self.ar_streak[:, None] + j.long()) >= stretch[:, None]  # a probe is due at step j
+        never = (self.spec_weight == 0)[:, None]
+        # a forced draft still in flight (self.forced) blocks forcing at j = 0 only: j > 0 means no decision fired
+        free = torch.ones_like(due)
+        free[:, 0] = ~self.forced
+        fires = pays | ((never | due) & free)  # [batch, J]
+        first = torch.where(fires, j.long(), self.PLAIN_HORIZON).min(-1).values  # [batch]
+        beyond_pays = should_draft(spec_gain, spec_cost, 1.0 / cost_ar, cost_ar)  # ρ at its limit
+        probe_at = (stretch.long() - self.ar_streak).clamp(min=1)  # the probe's step when none fired in the scan
+        beyond = torch.where(beyond_pays, torch.full_like(probe_at, self.PLAIN_HORIZON), probe_at)
+        k = torch.where(first < self.PLAIN_HORIZON, first, beyond.clamp(min=self.PLAIN_HORIZON))
+        at = first.clamp(max=self.PLAIN_HORIZON - 1).view(-1, 1)
+        forced = ((never | due) & free & ~pays).gather(1, at).squeeze(1)  # the draft at step k is a forced one
+        self.forced.copy_(torch.where(first < self.PLAIN_HORIZON, forced, ~beyond_pays))
+        # advance past this step and the k to come: n = k + 1 plain updates
+        n = (k + 1).float()
+        decay_n = f ** n
+        partial_n = n if f == 1.0 else (1.0 - decay_n) / (1.0 - f)
+        self.tokens.mul_(decay_n).add_(partial_n)
+        self.latency.mul_(decay_n).add_(partial_n * cost_ar)
+        spec_decay = d ** n
+        for stat in (self.spec_tokens, self.spec_latency, self.spec_weight):
+            stat.mul_(spec_decay)
+        self.ar_streak.add_(k + 1)
+        return k

@@ -154,7 +154,7 @@ class HybridSpec(_Calibrated):
 
     def __init__(self, latency_model: LatencyModel, routing_correction: bool = True, rho_source: str = "measured",
                  forgetting: float = 0.98, draft_forgetting: float = 0.95, probe_every: int = 16,
-                 prior_rounds: float = 4.0, allow_ar: bool = True, probe_share: float = 0.03):
+                 prior_rounds: float = 4.0, allow_ar: bool = True, probe_share: float = 0.01):
         super().__init__(latency_model)
         if rho_source not in ("measured", "predicted"):
             raise ValueError(f"rho_source must be 'measured' or 'predicted', got {rho_source!r}.")
@@ -200,6 +200,19 @@ class HybridSpec(_Calibrated):
         if not self.allow_ar:
             return torch.ones(batch, dtype=torch.bool, device=device)
         return self.throughput.draft_decision(self._cost_ar)
+
+    def plain_run(self, context_len) -> torch.Tensor:
+        """At a plain step: how many more plain steps come before the next draft ([batch] long, 0 = draft next),
+        the streams advanced past this step and those (DinkelbachThroughput.plain_run: the same decisions as
+        `should_draft` + `observe` once per plain step, each costing C_ar at this context)."""
+        self.should_draft(context_len) if self.throughput.tokens is None else None  # allocates the streams
+        batch = self.throughput.tokens.shape[0]
+        self._ready(batch, self._model(self.throughput.tokens.device), context_len)
+        if not self.allow_ar:
+            self.throughput.update(torch.ones_like(self._cost_ar), self._cost_ar,
+                                   torch.zeros(batch, dtype=torch.bool, device=self._cost_ar.device))
+            return torch.zeros(batch, dtype=torch.long, device=self._cost_ar.device)
+        return self.throughput.plain_run(self._cost_ar)
 
     def choose(self, survival, context_len, w_max=None):
         self._ready(survival.shape[0], self._model(survival.device), context_len)
