@@ -116,6 +116,23 @@ def test_rounds_are_reused_by_shorter_calls_and_rebuilt_for_longer_ones(monkeypa
     assert target.__dict__["_hybridspec_resident"] is not rounds
 
 
+def test_the_call_that_calibrates_captures_rounds_the_next_call_replays(monkeypatch, tmp_path, fp64_gdn):
+    """The first call of a calibrated strategy calibrates (nothing cached yet) and captures; the second call reads
+    the calibration from the cache and must find the same rounds (a fresh model's digest once differed from its
+    cached copy's, and the second call captured again: run 40's CUDA tests)."""
+    monkeypatch.setenv("HYBRIDSPEC_CACHE", str(tmp_path))
+    target = make_target("qwen3_5_moe", seed=5)
+    prompt = torch.randint(0, VOCAB, (1, 9))
+    drafter = make_drafter(target, 8, reference(target, prompt, 30).sequences, error_rate=0.3)
+    run(target, prompt, drafter, "nominal", 20, hybridspec_config=ON)
+    assert list((tmp_path / "latency").glob("*.json")), "the first call did not calibrate"
+    rounds = target.__dict__["_hybridspec_resident"]
+    assert torch.equal(run(target, prompt, drafter, "nominal", 20, hybridspec_config=ON),
+                       reference(target, prompt, 20).sequences)
+    assert target.__dict__["_hybridspec_resident"] is rounds
+    assert hybridspec_hf.get_telemetry(target).capture_s == 0.0
+
+
 @pytest.mark.parametrize("strategy, verify_shape", [("dflash", "auto"), ("hybridspec", "exact"),
                                                     ("hybridspec", "max")])
 def test_stop_strings_streamer_and_user_criteria(strategy, verify_shape, fp64_gdn):

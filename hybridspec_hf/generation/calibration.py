@@ -113,6 +113,9 @@ def resolve_latency_model(settings: HybridSpecConfig, target, drafter) -> Latenc
         model = calibrate_latency(target, drafter, kernel_backend=settings.kernel_backend, verify_shape=shape,
                                   cuda_graphs="uncaptured" if settings.cuda_graphs == "uncaptured" else "auto")
     model.key = key
+    # as later calls will read it from the cache (the JSON round trip): the same digest, so the rounds this call
+    # captures serve those calls too (the fresh model's digest differed and the next call captured again)
+    model = LatencyModel.from_dict(json.loads(json.dumps(model.to_dict())))
     if not distributed() or torch.distributed.get_rank() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         model.save(path)

@@ -20,12 +20,13 @@ with that verify graph.
 
 A plain decoding step (the "ar" strategy, or HybridSpec's plain-decoding option) is one graph: verify the anchor,
 commit it (m = 1), the token, and its hand-off. On the CPU the same functions run eagerly (no capture), so the CPU
-tests cover this path. A strategy that may skip drafting defers its plain steps' drafter context appends: each step
-parks its features in a buffer of DEFERRED_STEPS columns, and the next speculative round appends them all before it
-drafts (the drafter reads its context only then). The step then launches no drafter kernel (appending at once made
-HybridSpec's plain step 1-7 % slower than AR's on the H200, 3.13 against 2.93 ms at batch 1); every
-DEFERRED_STEPS-th plain step in a row replays a second graph that appends after the step, so the buffer never
-overflows.
+tests cover this path. A strategy that may skip drafting runs its plain steps in stretches: the first step after a
+speculative round decides how many plain steps follow before the next draft (`Strategy.plain_run`), and the steps in
+between run no selector work. It also defers their drafter context appends: each step parks its features in a
+buffer of DEFERRED_STEPS columns, and the stretch's deciding step and its last step (the host knows which) replay a
+second graph that appends the parked features after the step, as does every step that fills the buffer's last
+column; so a speculative round finds the drafter's context whole. The steps in between launch no drafter kernel
+(appending at once made HybridSpec's plain step 1-7 % slower than AR's on the H200, 3.13 against 2.93 ms at batch 1).
 
 A batch (generation/batched.py hands over after its eager prefill) runs in rounds built for N rows, N the smallest
 bucket of BATCH_BUCKETS (1, 2, 4, 8, 16) that holds it: one set of graphs per bucket rather than per batch size, the
@@ -72,11 +73,12 @@ from hybridspec_hf.patches.experts import fused_experts_for
 
 _CAPACITY_STEP = 512
 MAX_ROUNDS_PER_TARGET = 3  # captured settings kept per target (graphs, static caches): see the module docstring
-# True: plain steps append the drafter's context at the next speculative round (module docstring); False: at once
-# (the drafter sees the same context either way). Off until measured on the H200 (written 2026-12-01 after run 38,
-# CPU-tested only): it saves the plain step's drafter kernels (HybridSpec's plain step cost 1-7 % more than AR's)
-# and adds a DEFERRED_STEPS-row append to every HybridSpec round; `e2e.py --defer-appends on|off` is the A/B.
-DEFER_CONTEXT_APPENDS = False
+# True: plain steps park the drafter's features and append them at the ends of their stretch (module docstring);
+# False: each step appends at once (the drafter sees the same context either way). On since run 40 on the H200
+# (benchmarks/results/batch_qwen35_35b_a3b_run40.md, the A/B in one run): HybridSpec's plain step at batch 16 cost
+# 11.70 against 11.90 ms (AR 11.63); the speculative rounds then still appended the buffer before drafting (the
+# high profile lost up to 1 %), which the stretch's own appends have replaced since. `--defer-appends` is the A/B.
+DEFER_CONTEXT_APPENDS = True
 _ACTIVE = "_hybridspec_resident"  # the target's most recently used rounds
 _KEPT = "_hybridspec_resident_kept"  # every rounds the target keeps, least recently used first
 
@@ -315,7 +317,7 @@ class ResidentRounds:
         self.exact = self.speculative and strategy.mode == "exact"
         self.verify_length = torch.zeros(1, dtype=torch.long, pin_memory=pinned)
         self.verified = self.verify_tokens  # tokens the last round verified (its commit graph, in "exact")
-        self.step = self.step_append = self.spec = self.draft = self.decide = self.decide_append = None
+        self.step = self.step_append = self.spec = self.draft = self.decide = None
         # plain steps exist (a selector that may not draft): the first after a speculative round decides how many
         self.decides = self.speculative and strategy.takes_plain_steps()
         self.verifies: dict[int, Replay] = {}
@@ -333,10 +335,9 @@ class ResidentRounds:
                 self.step = replay(self._step)
                 if self.defers:
                     self.step_append = replay(self._step_append)
-                if self.decides:  # the plain step that decides the stretch of plain steps after it
-                    self.decide = replay(functools.partial(self._step, decide=True))
-                    if self.defers:
-                        self.decide_append = replay(functools.partial(self._step_append, decide=True))
+                if self.decides:  # the plain step that decides the stretch of plain steps after it (and appends)
+                    self.decide = replay(functools.partial(self._step_append if self.defers else self._step,
+                                                           decide=True))
                 if self.exact:
                     self.draft = replay(self._draft)
                     for n in range(1, self.verify_tokens + 1):
@@ -359,7 +360,7 @@ class ResidentRounds:
         for hooks in (self.window, self.routing):
             if hooks is not None:
                 hooks.remove()
-        self.step = self.step_append = self.spec = self.draft = self.decide = self.decide_append = None
+        self.step = self.step_append = self.spec = self.draft = self.decide = None
         self.verifies, self.commits = {}, {}
         if release_copies:
             patches.release_fused_moe(self.moe)
@@ -506,8 +507,6 @@ class ResidentRounds:
         rows' mean survival, as the eager batched loop) and runs without the routing correction."""
         t = self.verify_tokens
         self.round_context_len = self._context_len()
-        if self.defers:  # the drafter reads its context now: the plain steps' features go in first
-            self._append_deferred()
         with patches.fused_kernels():  # the drafter's RMSNorms and RoPE take our kernels too
             draft_logits = self.drafter.draft_static(self.last_token, self.context)  # [N, B-1, V]
         drafts = draft_logits.argmax(-1)
@@ -652,20 +651,22 @@ class ResidentRounds:
         self.reset_selector()
         self.restart_profile()
 
-    def run_step(self, decide: bool = False) -> list[int]:
-        """A plain step; `decide`: the one that decides how many plain steps follow (its hand-off's draft_next)."""
-        full = self.defers and self.deferred_steps == self.DEFERRED_STEPS - 1  # this step fills the last column
+    def run_step(self, decide: bool = False, last: bool = False) -> list[int]:
+        """A plain step; `decide`: the one that decides how many plain steps follow (its hand-off's draft_next);
+        `last`: the last of a stretch, a draft comes next. Deferring appends, the deciding step and the last one
+        append the parked features (as does a step that fills the buffer's last column), so a speculative round
+        never has any to append: the drafter's context is whole when it drafts."""
         if decide and not self.decides:
             raise RuntimeError("HybridSpec: a deciding plain step for a strategy that always drafts.")
+        full = self.defers and (decide or last or self.deferred_steps == self.DEFERRED_STEPS - 1)
         if decide:
-            (self.decide_append if full else self.decide)()
+            self.decide()
         else:
             (self.step_append if full else self.step)()
         self.deferred_steps = 0 if full else self.deferred_steps + 1
         return self._read_handoff()
 
     def run_spec(self) -> list[int]:
-        self.deferred_steps = 0  # the round appends the parked features before it drafts
         if not self.exact:
             self.spec()
             return self._read_handoff()
@@ -799,7 +800,7 @@ def resident_decode(rounds: ResidentRounds, emitter: HostEmitter, telemetry, pre
             drafted = True
         else:
             decide = rounds.decides and plain_left == 0
-            tokens, _, _, _, _, _, _, plan = rounds.unpack(rounds.run_step(decide))
+            tokens, _, _, _, _, _, _, plan = rounds.unpack(rounds.run_step(decide, last=plain_left == 1))
             plain_left = plan if decide else plain_left - 1
             draft_next = rounds.decides and plain_left <= 0
             a, w, kept, n_new = 0, 1, 0, 0  # m = 1
@@ -868,7 +869,7 @@ def resident_decode_rows(rounds: ResidentRounds, host: RowsHost, telemetry, pred
         context_len = max(host.length(row) - 1 for row in running)
         drafted = draft_next
         decide = not drafted and rounds.decides and plain_left == 0
-        handoff = rounds.run_spec() if drafted else rounds.run_step(decide)
+        handoff = rounds.run_spec() if drafted else rounds.run_step(decide, last=plain_left == 1)
         tokens, a, device_m, device_live, w, _, _, draft_next = rounds.unpack(handoff)
         if not drafted:  # draft_next is the deciding step's count of plain steps to come (else nothing)
             plain_left = draft_next if decide else plain_left - 1
