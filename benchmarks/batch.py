@@ -98,6 +98,13 @@ def _run_method(target, drafter, prompt: torch.Tensor, method: str, replay, esti
         "capture_s": capture_s, "rounds": len(rounds), "plain_steps": len(rounds) - len(drafted),
         "mean_w": statistics.mean(r.w for r in rounds), "tau": emitted / max(1, sum(r.rows for r in rounds)),
         "round_ms": statistics.median(r.wall_s for r in rounds) * 1e3,
+        # where a speculative method's time goes: its plain steps (against AR's step) and its speculative rounds
+        "plain_ms": statistics.median(r.wall_s for r in rounds if not r.drafted) * 1e3
+        if len(drafted) < len(rounds) else None,
+        "plain_host_ms": statistics.median(r.host_s for r in rounds if not r.drafted) * 1e3
+        if len(drafted) < len(rounds) and rounds[0].host_s is not None else None,
+        "spec_ms": statistics.mean(r.wall_s for r in drafted) * 1e3 if drafted else None,
+        "spec_tokens": statistics.mean(r.emitted for r in drafted) / batch if drafted else None,
         "expert_union": expert_union(target, batch * statistics.mean(r.w for r in rounds)),
         "gpu_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
     }
@@ -118,9 +125,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--name", default=None, help="results stem (default batch_<model>; tiny on a CPU: "
                                                      "batch_tiny_cpu)")
     parser.add_argument("--repeats", type=int, default=1,
-                        help="timed calls per method, the methods interleaved; the table shows the median run (the "
-                             "lower middle one for an even count)")
-    add_switches(parser, "defer-appends", "moe-decode")
+                        help="timed calls per method, the methods interleaved; the table pools them (every call's "
+                             "tokens over every call's time)")
+    parser.add_argument("--row-stride", type=int, default=37,
+                        help="call r of a method replays the profiles from row r × this (AcceptanceProfile.start_row; "
+                             "0: every call from row 0, as runs up to 41)")
+    add_switches(parser, "defer-appends", "moe-decode", "trust-drafts")
     args = parser.parse_args(argv)
     apply_switches(args)
     methods = args.methods.split(",")
@@ -142,6 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
                     "parameters_b": sum(p.numel() for p in target.parameters()) / 1e9, "device": device,
                     "weights": "random", "routing": "uniform (random router)", "tokens_per_row": tokens,
                     "context": context, "verify_shape": args.verify_shape, "repeats": args.repeats,
+                    "row_stride": args.row_stride,
                     "switches": switch_settings(), "build_s": time.perf_counter() - start,
                     "batches": {}}
     calibration_start = time.perf_counter()
@@ -162,21 +173,33 @@ def main(argv: list[str] | None = None) -> dict:
                                              "mean_accepted_length": replay.mean_accepted_length, "methods": {}})
             runs: dict = {method: [] for method in methods}
             for repeat in range(args.repeats):  # the methods interleaved: drift between calls hits every method
+                replay.start_row = repeat * args.row_stride  # each call its own stretch of the profile
                 for method in methods:
                     result = run_method(target, drafter, rows, method, replay, estimator, latency, tokens,
                                         args.verify_shape)
                     runs[method].append(result)
                     print(f"batch {batch}, {label}, {method}, run {repeat + 1}:",
                           {k: v for k, v in result.items() if k != "path_reason"}, flush=True)
-            for method, results in runs.items():  # the median run (by tokens/s), with every run's tokens/s
-                ranked = sorted(results, key=lambda r: r["tokens_per_s"])
-                entry["methods"][method] = {**ranked[(len(ranked) - 1) // 2],
-                                            "tokens_per_s_runs": [r["tokens_per_s"] for r in results]}
+            for method, results in runs.items():
+                entry["methods"][method] = pooled(results)
             hybridspec_hf.release_graphs(target)  # the next profile's rounds replace these
         report["elapsed_s"] = time.perf_counter() - start
         save(name, report)  # after every batch size: a run cut short keeps what it measured
     print(markdown(report))
     return report
+
+
+def pooled(results: list[dict]) -> dict:
+    """One method's calls as one: tokens/s = every call's tokens over every call's time; counts and round times
+    averaged over the calls; every call's tokens/s kept."""
+    row = dict(results[0])
+    for key in row:
+        values = [r[key] for r in results]
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            row[key] = statistics.mean(values)
+    row["tokens_per_s"] = sum(r["tokens_per_s"] * r["decode_s"] for r in results) / sum(r["decode_s"] for r in results)
+    row["tokens_per_s_runs"] = [r["tokens_per_s"] for r in results]
+    return row
 
 
 def save(name: str, report: dict) -> None:
@@ -192,8 +215,10 @@ def markdown(report: dict) -> str:
              f"row after a {report['context']}-token prompt, verify shape {report.get('verify_shape', 'auto')} (auto: "
              "max on CUDA, exact on a CPU). tokens/s: every row's tokens over the decode loop's "
              "wall time (prefill excluded). × AR: over AR at the same batch size."
-             + (f" Each method ran {report['repeats']} timed calls, the methods interleaved; the row is the median "
-                "call (tokens/s of every call in the JSON)." if report.get("repeats", 1) > 1 else "")]
+             + (f" Each method ran {report['repeats']} timed calls, the methods interleaved, call r replaying the "
+                f"profiles from row r × {report.get('row_stride', 0)}; the row pools them (tokens/s: all tokens over "
+                "all time; the other columns: means; every call's tokens/s in the JSON)."
+                if report.get("repeats", 1) > 1 else "")]
     if report["device"] == "cpu":
         lines += ["", "**A CPU run of the harness**: the tiny float32 model, the resident rounds' CPU twin (no CUDA "
                       "graphs, no GPU kernels); its timings say nothing about a GPU."]
@@ -206,19 +231,21 @@ def markdown(report: dict) -> str:
         lines.append(f"| {batch} | {cost[0]:.2f} | {cost[min(3, len(cost) - 1)]:.2f} | {cost[-1]:.2f} | "
                      f"{row['cost_ar']:.2f} |")
     lines += ["", "| batch | profile (τ at B = 16) | method | tokens/s | × AR | mean w | τ | round ms | plain steps | "
-                  "expert union | GPU GiB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "plain step ms | spec. round ms (tokens per row) | expert union | GPU GiB |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for batch, profiles in report["batches"].items():
         for label, entry in profiles.items():
             methods = entry["methods"]
             ar = methods.get("ar", {}).get("tokens_per_s")
             for method, row in methods.items():
-                union = row.get("expert_union")
-                memory = row.get("gpu_memory_gib")
+                union, memory, spec = row.get("expert_union"), row.get("gpu_memory_gib"), row.get("spec_ms")
+                spec = "–" if spec is None else f"{spec:.2f} ({row['spec_tokens']:.2f})"
+                plain = "–" if row.get("plain_ms") is None else f"{row['plain_ms']:.2f}"
                 lines.append(
                     f"| {batch} | {label} ({entry['mean_accepted_length']:.2f}) | {method} | "
                     f"{row['tokens_per_s']:.1f} | {row['tokens_per_s'] / ar if ar else float('nan'):.2f} | "
-                    f"{row['mean_w']:.2f} | {row['tau']:.2f} | {row['round_ms']:.2f} | {row['plain_steps']} | "
-                    f"{'–' if union is None else format(union, '.0f')} | "
+                    f"{row['mean_w']:.2f} | {row['tau']:.2f} | {row['round_ms']:.2f} | {row['plain_steps']:.0f} | "
+                    f"{plain} | {spec} | {'–' if union is None else format(union, '.0f')} | "
                     f"{'–' if memory is None else format(memory, '.1f')} |")
     summary = advantage(report)
     if summary:

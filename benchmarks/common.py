@@ -22,10 +22,12 @@ SWITCHES = {
     "moe-decode": ("hybridspec_hf.kernels.moe_triton", "DECODE_PATH", "the MoE decode kernels up to DECODE_MAX_TOKENS"),
     "defer-appends": ("hybridspec_hf.generation.resident", "DEFER_CONTEXT_APPENDS",
                       "plain steps park the drafter's features for the next speculative round"),
+    "trust-drafts": ("hybridspec_hf.selector.length_rules", "TRUST_DRAFTS",
+                     "HybridSpec's draft decision trusts the drafts' G(w) until emitted tokens confirm it"),
 }
 
 # switches the resident rounds' key records (resident._Key): a variant needs no release of the kept rounds
-KEYED = {"defer-appends"}
+KEYED = {"defer-appends", "trust-drafts"}
 
 
 def add_switches(parser, *flags: str) -> None:

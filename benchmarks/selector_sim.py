@@ -10,6 +10,15 @@ C_ar), and that cost is what the selector observes as the round's time. No routi
 show how often it steps plain where drafting pays. Also the length-choice bound of e2e.py (an oracle that verifies
 exactly a + 1 tokens). Writes benchmarks/results/<name>.{json,md}. Simulated: no GPU, no model; the C(w) are measured
 ones (named in the output).
+
+    python benchmarks/selector_sim.py --calls 40 --batch-latency benchmarks/results/batch_qwen35_35b_a3b_run40.json
+
+Calls mode: whole generate() calls of --tokens tokens as the GPU-resident rounds take their decisions (the call's
+first round drafts; a speculative round decides the next before it observes itself; a plain stretch is decided at its
+first step by `plain_run`), each call starting the profile at another row (every 37th; batch.py and e2e.py start
+every call at row 0, shown as "row 0"), with batch.py's C_N(w) and C_ar,N of each batch size as one stream. Variants
+of the draft decision's evidence (`trust_tokens`: 0 = the emitted tokens alone) and never plain (`allow_ar=False`).
+× AR: the call's time of AR steps over its simulated time.
 """
 from __future__ import annotations
 
@@ -73,13 +82,87 @@ def simulate(strategy: str, options: dict, latency: LatencyModel, replay, estima
     return {"tokens_per_s": tokens / seconds, "tau": tokens / rounds, "plain_steps": plain, "rounds": rounds}
 
 
+CALL_VARIANTS = {  # name: selector options
+    "emitted tokens alone (trust_tokens 0, before)": {"trust_tokens": 0.0},
+    "default (trust_tokens 4)": {},
+    "trust_tokens 8": {"trust_tokens": 8.0},
+    "never plain": {"allow_ar": False},
+}
+
+
+def simulate_call(selector, latency: LatencyModel, replay, estimator, start_row: int, tokens: int) -> tuple:
+    """One call from the profile's row start_row: (× AR, speculative rounds)."""
+    cost, cost_ar, block = latency.cost[0].double(), float(latency.cost_ar[0]), latency.block_size
+    context = latency.context_lens[:1].long()
+    selector.restart(context)
+    row, made, seconds, spec, draft_next, plain_left = start_row, 1, 0.0, 0, True, 0
+    while made < tokens:
+        if draft_next:
+            i = row % replay.accepted.shape[0]
+            row += 1
+            signals = {k: getattr(replay, k)[i: i + 1] for k in ("top1", "margin", "entropy")}
+            w = int(selector.choose(estimator.survival(signals), context, torch.tensor([block])).reshape(-1)[0])
+            w = max(1, min(w, block))
+            emitted = min(int(replay.accepted[i]) + 1, w, tokens - made)
+            draft_next = bool(selector.should_draft(context).reshape(-1)[0])  # before it observes itself
+            selector.observe(torch.tensor([w]), torch.tensor([emitted]), None, True)
+            seconds, made, spec = seconds + float(cost[w - 1]), made + emitted, spec + 1
+        else:
+            plain_left = int(selector.plain_run(context).reshape(-1)[0]) if plain_left == 0 else plain_left - 1
+            draft_next = plain_left <= 0
+            seconds, made = seconds + cost_ar, made + 1
+    return (tokens - 1) * cost_ar / seconds, spec
+
+
+def main_calls(args) -> None:
+    tables = json.loads(Path(args.batch_latency).read_text())["latency_ms"]
+    report = {"latency_source": args.batch_latency, "tokens": args.tokens, "calls": args.calls, "results": {}}
+    lines = [f"{args.calls} calls of {args.tokens} tokens per profile and batch size (one stream with the batch's "
+             f"C_N(w)), from {args.batch_latency}; each cell: mean × AR over calls from every 37th row / at row 0 "
+             "(3 calls), speculative rounds per call.", "",
+             "| batch | profile | " + " | ".join(CALL_VARIANTS) + " |", "|---|---|" + "---|" * len(CALL_VARIANTS)]
+    for batch, table in tables.items():
+        latency = LatencyModel(cost=torch.tensor(table["cost"])[None] * 1e-3,
+                               cost_ar=torch.tensor([table["cost_ar"]]) * 1e-3,
+                               context_lens=torch.tensor([json.loads(Path(args.batch_latency).read_text())["context"]]))
+        for name in args.profiles.split(","):
+            _, replay, _, estimator = profile_halves(name)
+            cells = {}
+            for variant, options in CALL_VARIANTS.items():
+                selector = make_selector("nominal", {"latency_model": latency, **options})
+                selector.reset()
+                spread = [simulate_call(selector, latency, replay, estimator, 37 * c, args.tokens)
+                          for c in range(args.calls)]
+                row0 = [simulate_call(selector, latency, replay, estimator, 0, args.tokens) for _ in range(3)]
+                cells[variant] = {"x_ar": sum(r[0] for r in spread) / len(spread),
+                                  "x_ar_min": min(r[0] for r in spread),
+                                  "spec_rounds": sum(r[1] for r in spread) / len(spread),
+                                  "x_ar_row0": sum(r[0] for r in row0) / len(row0)}
+            report["results"][f"{batch} / {name}"] = cells
+            lines.append(f"| {batch} | {name} | " + " | ".join(
+                f"{c['x_ar']:.3f} / {c['x_ar_row0']:.3f} ({c['spec_rounds']:.1f})" for c in cells.values()) + " |")
+    payload = {"title": "HybridSpec's draft decision over whole calls, simulated with measured C_N(w)",
+               "environment": environment(), **report, "notes": __doc__.split("\n\n")[3]}
+    write_results(args.name, payload, "\n".join(lines))
+    print("\n".join(lines))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--latency", required=True, help="an e2e results JSON (its calibrated latency tables)")
+    parser.add_argument("--latency", help="an e2e results JSON (its calibrated latency tables)")
+    parser.add_argument("--batch-latency", help="calls mode: a batch.py results JSON (its C_N(w) tables)")
+    parser.add_argument("--calls", type=int, default=0, help="calls mode: calls per profile and batch size")
+    parser.add_argument("--tokens", type=int, default=128, help="calls mode: tokens per call")
     parser.add_argument("--profiles", default="dflash_like,low,tiny_pair_heldout")
     parser.add_argument("--rounds", type=int, default=2000)
     parser.add_argument("--name", default="selector_sim")
     args = parser.parse_args()
+    if args.calls:
+        if not args.batch_latency:
+            parser.error("--calls needs --batch-latency (a batch.py results JSON)")
+        return main_calls(args)
+    if not args.latency:
+        parser.error("--latency is required (or --calls with --batch-latency)")
     tables = json.loads(Path(args.latency).read_text())["latency"]
     report = {"latency_source": args.latency, "results": {}}
     lines = []

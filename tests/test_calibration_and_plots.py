@@ -58,6 +58,34 @@ def test_first_use_policy_require_raises_and_auto_caches(pair, tmp_path, monkeyp
         assert LatencyModel.load(path, stale) is None
 
 
+def test_a_calibration_another_process_published_first_is_the_one_used(pair, tmp_path, monkeypatch):
+    """Two processes calibrating the same model at once (e.g. parallel workers sharing the cache): the first file
+    written stays, and the later process uses it, so its next calls (which read the cache) take the same decisions
+    and replay the same rounds."""
+    from hybridspec_hf.generation import calibration
+
+    target, drafter, prompt, reference = pair
+    monkeypatch.setenv("HYBRIDSPEC_CACHE", str(tmp_path))
+    key = cache_key(target, drafter, "auto")
+    theirs = calibrate_latency(target, drafter, context_lens=(16,), repeats=1, progress=False)
+    theirs.key = key
+    theirs.cost = theirs.cost * 1.5  # measurably different from what this process will measure
+    calibrate = calibration.calibrate_latency
+
+    def slower_than_the_other_process(*args, **kwargs):
+        model = calibrate(*args, **kwargs)
+        assert theirs.save(cache_path(key), replace=False)  # the other process finishes first
+        return model
+
+    monkeypatch.setattr(calibration, "calibrate_latency", slower_than_the_other_process)
+    used = calibration.resolve_latency_model(HybridSpecConfig(), target, drafter)
+    assert used.digest() == LatencyModel.load(cache_path(key), key).digest()
+    assert torch.allclose(used.cost, theirs.cost)
+    assert not used.save(cache_path(key), replace=False)  # the published file is not replaced
+    used.save(cache_path(key))  # an explicit save (`hybridspec calibrate`) replaces it
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
 def test_plot_helpers_draw(pair, tmp_path):
     import matplotlib
 

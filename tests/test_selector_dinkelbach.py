@@ -2,6 +2,7 @@
 and switches speculation off (and back on) through the AR option."""
 import itertools
 
+import pytest
 import torch
 
 from hybridspec_hf.selector import (
@@ -122,6 +123,29 @@ def test_speculation_switches_off_when_it_does_not_pay_and_back_on_after_a_probe
     assert first <= 17 and all(good[first:])
 
 
+def test_one_unlucky_round_does_not_switch_off_drafting_that_the_drafts_say_pays():
+    """A first round whose drafts the estimator trusts (p̂ = 0.95^i) but that emitted one token: counted by its
+    emitted tokens alone (trust_tokens=0) the speculative average says stop (1 token in C(w) against 1 in C_ar);
+    with the default trust in the drafts' G(w) drafting goes on, and a run of such rounds still switches it off
+    (the emitted tokens outweigh the trust)."""
+    survival = (0.95 ** I)[None].float()
+
+    def drafts_after(trust, emitted_tokens):
+        selector = HybridSpec(latency_model(cost_ar=6e-3), routing_correction=False, trust_tokens=trust)
+        for emitted in emitted_tokens:
+            selector.should_draft(1024)
+            w = selector.choose(survival, 1024)
+            selector.observe(w, torch.tensor([emitted]), COST[w - 1].float(), drafted=True)
+        return bool(selector.should_draft(1024)[0])
+
+    assert not drafts_after(0.0, [1.0])
+    assert drafts_after(4.0, [1.0])
+    assert not drafts_after(4.0, [1.0] * 4)
+    assert drafts_after(4.0, [6.0] * 4) and drafts_after(0.0, [6.0] * 4)  # drafts that deliver: both draft
+    with pytest.raises(ValueError, match="trust_tokens"):
+        HybridSpec(latency_model(), trust_tokens=-1.0)
+
+
 def test_probes_take_at_most_their_share_of_the_plain_steps_time():
     """Where a speculative round costs 5x a plain step (a batch's rounds), useless drafts -> probes far enough apart
     that their extra time stays within probe_share of the plain steps' time; the stretch follows the measured costs
@@ -178,7 +202,8 @@ def test_plain_run_takes_the_per_step_decisions_at_once():
     for case in range(300):
         u = torch.rand(8, generator=generator, dtype=torch.float64)
         throughput = DinkelbachThroughput(forgetting=float(0.9 + 0.1 * u[0]), probe_every=int(1 + 30 * u[1]),
-                                          probe_share=float(0.005 + 0.2 * u[2]))
+                                          probe_share=float(0.005 + 0.2 * u[2]),
+                                          trust_tokens=0.0 if u[7] < 0.2 else float(10 * u[7]))
         cost_ar = torch.tensor([3e-3 * (0.5 + float(u[3]))])
         throughput.reset(cost_ar, 1, "cpu")
         for _ in range(int(10 * u[4])):  # some history: speculative rounds of random yield and cost
@@ -186,15 +211,18 @@ def test_plain_run_takes_the_per_step_decisions_at_once():
             tokens = 1 + 4 * torch.rand(1, generator=generator) * spec
             # plain steps off their calibrated cost too: ρ = 1/C_ar exactly would put every decision on a tie
             latency = cost_ar * (0.8 + 0.4 * torch.rand(1, generator=generator) + 3 * torch.rand(1, generator=generator) * spec)
-            throughput.update(tokens, latency, spec)
+            predicted = 1 + 6 * torch.rand(1, generator=generator) * spec  # the drafts' G(w), off the emitted
+            throughput.update(tokens, latency, spec, expected=predicted)
         throughput.forced.fill_(bool(u[5] < 0.3))
         if u[6] < 0.1:  # no speculative round seen (the streak and ρ's sums as they were)
-            for stat in (throughput.spec_tokens, throughput.spec_latency, throughput.spec_weight):
+            for stat in (throughput.spec_tokens, throughput.spec_expected, throughput.spec_latency,
+                         throughput.spec_weight):
                 stat.zero_()
         twin = DinkelbachThroughput(throughput.forgetting, throughput.draft_forgetting, throughput.probe_every,
-                                    throughput.prior_rounds, throughput.probe_share)
+                                    throughput.prior_rounds, throughput.probe_share, throughput.trust_tokens)
         twin.reset(cost_ar, 1, "cpu")
-        for name in ("tokens", "latency", "spec_tokens", "spec_latency", "spec_weight", "ar_streak", "forced"):
+        for name in ("tokens", "latency", "spec_tokens", "spec_expected", "spec_latency", "spec_weight", "ar_streak",
+                     "forced"):
             getattr(twin, name).copy_(getattr(throughput, name))
         expected = _plain_steps_one_by_one(twin, cost_ar)
         got = throughput.plain_run(cost_ar)
@@ -203,7 +231,7 @@ def test_plain_run_takes_the_per_step_decisions_at_once():
             continue
         checked += 1
         assert int(got[0]) == expected, case
-        for name in ("tokens", "latency", "spec_tokens", "spec_latency", "spec_weight"):
+        for name in ("tokens", "latency", "spec_tokens", "spec_expected", "spec_latency", "spec_weight"):
             torch.testing.assert_close(getattr(throughput, name), getattr(twin, name), rtol=1e-4, atol=1e-9)  # fp32 sums over ≤ 256 steps
         for name in ("ar_streak", "forced"):
             assert torch.equal(getattr(throughput, name), getattr(twin, name)), (case, name)

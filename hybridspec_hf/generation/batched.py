@@ -340,7 +340,7 @@ def _resident_rows(model, drafter, strategy, logits_processor, generation_config
         telemetry.capture_s, rounds.capture_s = rounds.capture_s, 0.0  # reported by the call that captured
         telemetry.resident_memory_bytes = rounds.memory_bytes
         rounds.start(cache, positions, features, first, generation_config.max_length, eos, real=attention_mask,
-                     live=host.live)
+                     live=host.live, profile_start=getattr(strategy.profile, "start_row", 0))
     resident_decode_rows(rounds, host, telemetry, strategy.predicted_latency)  # syncs only at each hand-off
     with host_syncs():
         sequences = host.sequences()

@@ -116,9 +116,15 @@ def resolve_latency_model(settings: HybridSpecConfig, target, drafter) -> Latenc
     # as later calls will read it from the cache (the JSON round trip): the same digest, so the rounds this call
     # captures serve those calls too (the fresh model's digest differed and the next call captured again)
     model = LatencyModel.from_dict(json.loads(json.dumps(model.to_dict())))
-    if not distributed() or torch.distributed.get_rank() == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        model.save(path)
+    if distributed():  # rank 0 writes; every rank already holds the mean over ranks
+        if torch.distributed.get_rank() == 0:
+            model.save(path)
+        return model
+    if not model.save(path, replace=False):
+        # another process calibrated the same model and device meanwhile: use its model, so every process (and
+        # this one's later calls, which read the cache) takes decisions from the same one and reuses its rounds
+        cached = LatencyModel.load(path, key)
+        model = cached if cached is not None else model
     return model
 
 

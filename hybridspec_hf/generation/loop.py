@@ -120,7 +120,8 @@ def _resident(model, drafter, strategy, logits_processor, generation_config, sto
                                  capture=telemetry.path == "cuda_graphs")
         telemetry.capture_s, rounds.capture_s = rounds.capture_s, 0.0  # reported by the call that captured
         telemetry.resident_memory_bytes = rounds.memory_bytes
-        rounds.start(cache, positions, context, first, generation_config.max_length, host.eos)
+        rounds.start(cache, positions, context, first, generation_config.max_length, host.eos,
+                     profile_start=getattr(strategy.profile, "start_row", 0))
     resident_decode(rounds, host, telemetry, rounds.strategy.predicted_latency)  # syncs only at each hand-off
     with host_syncs():
         rounds.finish(cache, host.length - 1)

@@ -604,15 +604,15 @@ class ResidentRounds:
             self.strategy.selector.observe(self.round_w.view(1), emitted, None, True)
 
     # ------------------------------------------------------------------------------------------ host side
-    def restart_profile(self) -> None:
-        """Row b of a batch replays the profile from row b·(rows / N): each row its own run of rounds."""
+    def restart_profile(self, start_row: int = 0) -> None:
+        """Row b of a batch replays the profile from row start_row + b·(rows / N): each row its own run of rounds."""
         if self.profile is not None:
             stride = max(1, self.profile.accepted.shape[0] // self.rows)
-            self.profile_row.copy_(torch.arange(self.rows, device=self.device) * stride)
+            self.profile_row.copy_(torch.arange(self.rows, device=self.device) * stride + start_row)
 
     def start(self, cache, last_position: torch.Tensor, prompt_features: torch.Tensor, first_token: torch.Tensor,
               max_length: int, eos_ids: set[int], real: torch.Tensor | None = None,
-              live: list[bool] | None = None) -> None:
+              live: list[bool] | None = None, profile_start: int = 0) -> None:
         """Load a prefilled call into the static buffers (eager, once per generate() call).
 
         A batch of B ≤ N prompts: real [B, P] is its attention mask (left padding), prompt_features [B, P', F] the
@@ -649,7 +649,7 @@ class ResidentRounds:
                 self.deferred_count.zero_()
         self.deferred_steps = 0
         self.reset_selector()
-        self.restart_profile()
+        self.restart_profile(profile_start)
 
     def run_step(self, decide: bool = False, last: bool = False) -> list[int]:
         """A plain step; `decide`: the one that decides how many plain steps follow (its hand-off's draft_next);

@@ -27,7 +27,9 @@ import bisect
 import dataclasses
 import hashlib
 import json
+import os
 import statistics
+import threading
 import warnings
 from collections import defaultdict
 from pathlib import Path
@@ -189,10 +191,29 @@ class LatencyModel:
         fields = {k: _tensor_or_value(k, v, cls) for k, v in data.items() if k not in ("format", "experts")}
         return cls(**fields, experts=experts)
 
-    def save(self, path: str | Path) -> None:
+    def save(self, path: str | Path, replace: bool = True) -> bool:
+        """Writes the model to path atomically (a reader sees the old file or the new one, never half of one).
+        replace=False: only when no file is there yet (another process's finished calibration stays); returns
+        whether this model was written."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=1))
+        scratch = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        scratch.write_text(json.dumps(self.to_dict(), indent=1))
+        try:
+            if replace:
+                os.replace(scratch, path)
+                return True
+            try:
+                os.link(scratch, path)  # fails when the file exists: the first writer wins
+            except FileExistsError:
+                return False
+            except OSError:  # a file system without hard links: the same check, not atomic
+                if path.exists():
+                    return False
+                os.replace(scratch, path)
+            return True
+        finally:
+            scratch.unlink(missing_ok=True)
 
     @classmethod
     def load(cls, path: str | Path, expected_key: Mapping | None = None) -> "LatencyModel | None":

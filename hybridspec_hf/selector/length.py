@@ -113,7 +113,7 @@ class DinkelbachThroughput:
     """
 
     def __init__(self, forgetting: float = 0.98, draft_forgetting: float = 0.95, probe_every: int = 16,
-                 prior_rounds: float = 4.0, probe_share: float = 0.01):
+                 prior_rounds: float = 4.0, probe_share: float = 0.01, trust_tokens: float = 4.0):
         for name, value in (("forgetting", forgetting), ("draft_forgetting", draft_forgetting)):
             if not 0.0 < value <= 1.0:
                 raise ValueError(f"{name} must be in (0, 1], got {value}; 1 means no forgetting.")
@@ -122,7 +122,9 @@ class DinkelbachThroughput:
         if not 0.0 < probe_share <= 1.0:
             raise ValueError(f"probe_share must be in (0, 1], got {probe_share}: the most of the plain steps' time "
                              "that a probe's extra cost may take (1 = probe every probe_every steps, whatever it costs).")
-        self.forgetting, self.draft_forgetting = forgetting, draft_forgetting
+        if trust_tokens < 0:
+            raise ValueError(f"trust_tokens must be >= 0 (0: the emitted tokens alone), got {trust_tokens}.")
+        self.forgetting, self.draft_forgetting, self.trust_tokens = forgetting, draft_forgetting, trust_tokens
         self.probe_every, self.prior_rounds, self.probe_share = probe_every, prior_rounds, probe_share
         self.tokens = self.latency = None
 
@@ -134,6 +136,7 @@ class DinkelbachThroughput:
         self.tokens = torch.full((batch,), float(self.prior_rounds), device=device)
         self.latency = self.prior_rounds * cost_ar.clone()
         self.spec_tokens = torch.zeros(batch, device=device)
+        self.spec_expected = torch.zeros(batch, device=device)
         self.spec_latency = torch.zeros(batch, device=device)
         self.spec_weight = torch.zeros(batch, device=device)
         self.ar_streak = torch.zeros(batch, dtype=torch.long, device=device)
@@ -145,7 +148,7 @@ class DinkelbachThroughput:
         """`reset` in place, keeping every tensor's address (CUDA graphs hold them). cost_ar: [batch]."""
         self.tokens.fill_(float(self.prior_rounds))
         self.latency.copy_(self.prior_rounds * cost_ar.expand_as(self.latency))
-        for stat in (self.spec_tokens, self.spec_latency, self.spec_weight, self.ar_streak):
+        for stat in (self.spec_tokens, self.spec_expected, self.spec_latency, self.spec_weight, self.ar_streak):
             stat.zero_()
         self.forced.fill_(True)
 
@@ -154,13 +157,17 @@ class DinkelbachThroughput:
         """Pooled throughput ρ [batch] fp32, tokens/second."""
         return self.tokens / self.latency
 
-    def update(self, tokens: torch.Tensor, latency: torch.Tensor, drafted: torch.Tensor) -> None:
-        """Account one round: tokens emitted, latency seconds, drafted (False = plain AR step), all [batch]."""
+    def update(self, tokens: torch.Tensor, latency: torch.Tensor, drafted: torch.Tensor,
+               expected: torch.Tensor | None = None) -> None:
+        """Account one round: tokens emitted, latency seconds, drafted (False = plain AR step), all [batch];
+        expected: a speculative round's G(w), the tokens its drafts' signals predicted (None: the emitted ones)."""
         tokens, latency = tokens.float(), latency.float()
+        expected = tokens if expected is None else expected.float()
         spec = drafted.float()  # [batch]
         self.tokens.mul_(self.forgetting).add_(tokens)
         self.latency.mul_(self.forgetting).add_(latency)
-        for stat, value in ((self.spec_tokens, tokens), (self.spec_latency, latency), (self.spec_weight, 1.0)):
+        for stat, value in ((self.spec_tokens, tokens), (self.spec_expected, expected), (self.spec_latency, latency),
+                            (self.spec_weight, 1.0)):
             stat.mul_(self.draft_forgetting).add_(spec * value)
         self.ar_streak.add_(1).mul_((~drafted).long())
 
@@ -168,7 +175,7 @@ class DinkelbachThroughput:
         """Whether each stream drafts the next round: [batch] bool (see the class docstring)."""
         weight = self.spec_weight.clamp(min=1e-12)
         spec_cost = self.spec_latency / weight
-        pays = should_draft(self.spec_tokens / weight, spec_cost, self.rho, cost_ar)
+        pays = should_draft(self._spec_gain(1.0), spec_cost, self.rho, cost_ar)
         # a probe once the plain steps since the last speculative round have cost 1/probe_share times its extra time
         stretch = ((spec_cost - cost_ar).clamp(min=0) / (self.probe_share * cost_ar)).ceil()
         probe = self.ar_streak >= stretch.clamp(min=self.probe_every)
@@ -179,6 +186,26 @@ class DinkelbachThroughput:
         self.forced.copy_(forced & ~pays)
         return pays | forced
 
+    def _spec_gain(self, scale) -> torch.Tensor:
+        """Tokens a speculative round is expected to yield: the recent rounds' mean G(w) times the emitted/G ratio,
+        the ratio shrunk towards 1 by trust_tokens of pseudo-evidence: (trust + Σ emitted) / (trust + Σ G).
+
+        One round's acceptance is noisy (a block accepts 0 or 15 tokens), and the call's first round alone decides
+        whether the next ones draft; G(w) = E[tokens | the drafts' signals] has less noise. With little evidence
+        the mean G counts, with more the emitted tokens do (an estimator that is off on this text is corrected).
+        Counting the emitted tokens alone, a bad first round kept one call in three on the DFlash-like profile at
+        ≈ AR speed until a probe (benchmarks/results/selector_sim.md). scale: the sums' common decay (plain_run's
+        d^j; a scalar or a [J] row), which moves the ratio towards the prior as the evidence fades.
+        Returns [batch] (scalar scale) or [batch, J]."""
+        weight = self.spec_weight.clamp(min=1e-12)
+        tokens, expected = self.spec_tokens, self.spec_expected
+        if isinstance(scale, torch.Tensor):
+            tokens, expected, weight = tokens[:, None], expected[:, None], weight[:, None]
+        if self.trust_tokens == 0:  # the emitted tokens alone, whatever the decay
+            return tokens / weight
+        ratio = (self.trust_tokens + scale * tokens) / (self.trust_tokens + scale * expected)
+        return expected / weight * ratio
+
     def plain_run(self, cost_ar: torch.Tensor) -> torch.Tensor:
         """A plain step's decision for every plain step to come at once: the number k of further plain steps before
         the next draft ([batch] long, 0 = draft next), with the state advanced past this step and those k.
@@ -186,8 +213,8 @@ class DinkelbachThroughput:
         Plain steps teach nothing about speculation, and their update is fixed (one token in cost_ar seconds), so
         the decisions `draft_decision` followed by `update` would take over the coming steps are known now: after
         j more plain steps the discounted sums are T_j = f^j·T + S_j and L_j = f^j·L + S_j·C_ar (S_j = Σ_{i<j} f^i),
-        the speculative averages keep their value (every sum scales by the same draft_forgetting^j), and the streak
-        grows by j. k is the first j at which `draft_decision` of that state drafts (it pays, or a probe is due);
+        the speculative means keep their value (every sum scales by the same draft_forgetting^j; the emitted/G
+        ratio of `_spec_gain` moves towards its prior, computed per j), and the streak grows by j. k is the first j at which `draft_decision` of that state drafts (it pays, or a probe is due);
         j is scanned up to PLAIN_HORIZON, beyond which ρ_j has moved to within f^256 < 0.6 % of its limit 1/C_ar:
         then k is the probe's step, or PLAIN_HORIZON when drafting pays at the limit. Equal to calling
         `draft_decision` and `update` once per step (test), at one decision per stretch instead of one per step:
@@ -202,8 +229,9 @@ class DinkelbachThroughput:
         tokens = decay * self.tokens[:, None] + partial  # [batch, J]
         latency = decay * self.latency[:, None] + partial * cost_ar[:, None]
         weight = self.spec_weight.clamp(min=1e-12)
-        spec_gain, spec_cost = self.spec_tokens / weight, self.spec_latency / weight  # [batch]: the same at every j
-        pays = should_draft(spec_gain[:, None], spec_cost[:, None], tokens / latency, cost_ar[:, None])  # [batch, J]
+        spec_cost = self.spec_latency / weight  # [batch]: the same at every j
+        spec_gain = self._spec_gain(d ** j)  # [batch, J]: the emitted/G ratio moves towards its prior as sums decay
+        pays = should_draft(spec_gain, spec_cost[:, None], tokens / latency, cost_ar[:, None])  # [batch, J]
         stretch = ((spec_cost - cost_ar).clamp(min=0) / (self.probe_share * cost_ar)).ceil().clamp(min=self.probe_every)
         due = (self.ar_streak[:, None] + j.long()) >= stretch[:, None]  # a probe is due at step j
         never = (self.spec_weight == 0)[:, None]
@@ -212,7 +240,7 @@ class DinkelbachThroughput:
         free[:, 0] = ~self.forced
         fires = pays | ((never | due) & free)  # [batch, J]
         first = torch.where(fires, j.long(), self.PLAIN_HORIZON).min(-1).values  # [batch]
-        beyond_pays = should_draft(spec_gain, spec_cost, 1.0 / cost_ar, cost_ar)  # ρ at its limit
+        beyond_pays = should_draft(self._spec_gain(0.0), spec_cost, 1.0 / cost_ar, cost_ar)  # ρ and ratio at limits
         probe_at = (stretch.long() - self.ar_streak).clamp(min=1)  # the probe's step when none fired in the scan
         beyond = torch.where(beyond_pays, torch.full_like(probe_at, self.PLAIN_HORIZON), probe_at)
         k = torch.where(first < self.PLAIN_HORIZON, first, beyond.clamp(min=self.PLAIN_HORIZON))
@@ -226,7 +254,7 @@ class DinkelbachThroughput:
         self.tokens.mul_(decay_n).add_(partial_n)
         self.latency.mul_(decay_n).add_(partial_n * cost_ar)
         spec_decay = d ** n
-        for stat in (self.spec_tokens, self.spec_latency, self.spec_weight):
+        for stat in (self.spec_tokens, self.spec_expected, self.spec_latency, self.spec_weight):
             stat.mul_(spec_decay)
         self.ar_streak.add_(k + 1)
         return k

@@ -142,25 +142,33 @@ class PerRoundRatio(_Calibrated):
         return ratio_length(survival, self._costs(survival, context_len), w_max)
 
 
+TRUST_TOKENS = 4.0  # HybridSpec's default trust_tokens (benchmarks/results/selector_sim_calls.md)
+TRUST_DRAFTS = True  # A/B switch (benchmarks' trust-drafts): False makes the default trust_tokens 0 (emitted alone)
+
+
 class HybridSpec(_Calibrated):
     """Dinkelbach length selection with a plain-AR option and (optionally) the routing correction.
 
     rho_source: "measured" (default; emitted tokens and measured latency feed ρ, predicted C(w) when no latency is
     passed) or "predicted" (G(w) and C(w)). See length.DinkelbachThroughput for forgetting, draft_forgetting,
-    probe_every, prior_rounds and probe_share. allow_ar=False always drafts.
+    probe_every, prior_rounds, probe_share and trust_tokens (how much the draft decision trusts the estimator's
+    G(w) before the emitted tokens have confirmed it; 0: the emitted tokens alone). allow_ar=False always drafts.
     """
 
     name = "hybridspec"
 
     def __init__(self, latency_model: LatencyModel, routing_correction: bool = True, rho_source: str = "measured",
                  forgetting: float = 0.98, draft_forgetting: float = 0.95, probe_every: int = 16,
-                 prior_rounds: float = 4.0, allow_ar: bool = True, probe_share: float = 0.01):
+                 prior_rounds: float = 4.0, allow_ar: bool = True, probe_share: float = 0.01,
+                 trust_tokens: float | None = None):
         super().__init__(latency_model)
+        trust_tokens = (TRUST_TOKENS if TRUST_DRAFTS else 0.0) if trust_tokens is None else trust_tokens
         if rho_source not in ("measured", "predicted"):
             raise ValueError(f"rho_source must be 'measured' or 'predicted', got {rho_source!r}.")
         self.routing_correction, self.rho_source, self.allow_ar = routing_correction, rho_source, allow_ar
         self.name = "hybridspec" if routing_correction else "nominal"
-        self.throughput = DinkelbachThroughput(forgetting, draft_forgetting, probe_every, prior_rounds, probe_share)
+        self.throughput = DinkelbachThroughput(forgetting, draft_forgetting, probe_every, prior_rounds, probe_share,
+                                               trust_tokens)
 
     @property
     def rho(self) -> torch.Tensor | None:
@@ -241,7 +249,8 @@ class HybridSpec(_Calibrated):
             return
         seconds = predicted_latency if latency is None else on_device(latency, w.device, torch.float32).expand(
             w.shape[0])
-        self.throughput.update(emitted.float(), seconds, spec)
+        gain = expected_tokens(self._survival).gather(1, idx).squeeze(1)  # G(w): what the drafts' signals predicted
+        self.throughput.update(emitted.float(), seconds, spec, expected=gain.to(emitted.device))
 
 
 _STRATEGIES = {

@@ -22,13 +22,18 @@ SIGNALS = ("top1", "margin", "entropy")
 
 @dataclass
 class AcceptanceProfile:
-    """Rows of (draft signals [R, B-1] fp32 each, accepted [R] long with the full block verified)."""
+    """Rows of (draft signals [R, B-1] fp32 each, accepted [R] long with the full block verified).
+
+    start_row: the row a generate() call's first speculative round replays (timing mode; row b of a batch starts
+    b·R/N rows further). A benchmark moves it between calls so that its calls replay different stretches of text
+    (the rows are in trace order: one start would time every call on the same few dozen rounds)."""
 
     top1: torch.Tensor
     margin: torch.Tensor
     entropy: torch.Tensor
     accepted: torch.Tensor
     name: str = "profile"
+    start_row: int = 0
 
     def __post_init__(self) -> None:
         rows, positions = self.top1.shape
@@ -37,6 +42,8 @@ class AcceptanceProfile:
                 raise ValueError(f"profile signals must all be [rows, B-1] = {(rows, positions)}; got {tuple(field.shape)}.")
         if self.accepted.shape != (rows,) or int(self.accepted.min()) < 0 or int(self.accepted.max()) > positions:
             raise ValueError(f"profile accepted counts must be [rows] in [0, B-1 = {positions}].")
+        if not isinstance(self.start_row, int) or self.start_row < 0:
+            raise ValueError(f"start_row must be an int >= 0 (taken modulo the {rows} rows), got {self.start_row!r}.")
 
     @property
     def block_size(self) -> int:
