@@ -160,9 +160,9 @@ def main(argv: list[str] | None = None) -> dict:
                                 batch_sizes=tuple(batches), cuda_graphs="auto" if device == "cuda" else "on",
                                 verify_shape=None if args.verify_shape == "auto" else args.verify_shape)
     report["calibration_s"] = time.perf_counter() - calibration_start
-    report["latency_ms"] = {str(n): {"cost_ar": float(latency.batch_cost_ar[i, 0]) * 1e3,
-                                     "cost": [round(float(c) * 1e3, 3) for c in latency.batch_cost[i, 0]]}
-                            for i, n in enumerate(latency.batch_sizes.tolist())}
+    report["latency_ms"] = {str(n): {"cost_ar": float(latency.for_batch(n).cost_ar[0]) * 1e3,
+                                     "cost": [round(float(c) * 1e3, 3) for c in latency.for_batch(n).cost[0]]}
+                            for n in batches}
     print("latency model (ms):", report["latency_ms"], flush=True)
     halves = {label: profile_halves(PROFILES[label]) for label in args.profiles.split(",")}
     for batch in batches:
