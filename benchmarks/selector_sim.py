@@ -90,34 +90,43 @@ CALL_VARIANTS = {  # name: selector options
 }
 
 
-def simulate_call(selector, latency: LatencyModel, replay, estimator, start_row: int, tokens: int) -> tuple:
-    """One call from the profile's row start_row: (× AR, speculative rounds)."""
+def simulate_call(selector, latency: LatencyModel, replay, estimator, start_row: int, tokens: int,
+                  rows: int = 1) -> tuple:
+    """One call of `rows` batch rows from the profile's row start_row (row b from start_row + b·R/rows, as the
+    resident rounds replay it): (× AR, speculative rounds). A batch shares one w, chosen from the rows' mean survival,
+    and the selector observes the mean tokens per row (RoundStrategy.choose_rows)."""
     cost, cost_ar, block = latency.cost[0].double(), float(latency.cost_ar[0]), latency.block_size
     context = latency.context_lens[:1].long()
     selector.restart(context)
-    row, made, seconds, spec, draft_next, plain_left = start_row, 1, 0.0, 0, True, 0
+    stride = max(1, replay.accepted.shape[0] // rows)
+    row = torch.arange(rows) * stride + start_row
+    made, seconds, spec, draft_next, plain_left = 1, 0.0, 0, True, 0
     while made < tokens:
         if draft_next:
             i = row % replay.accepted.shape[0]
-            row += 1
-            signals = {k: getattr(replay, k)[i: i + 1] for k in ("top1", "margin", "entropy")}
-            w = int(selector.choose(estimator.survival(signals), context, torch.tensor([block])).reshape(-1)[0])
+            row = row + 1
+            signals = {k: getattr(replay, k)[i] for k in ("top1", "margin", "entropy")}
+            survival = estimator.survival(signals).mean(0, keepdim=True)
+            w = int(selector.choose(survival, context, torch.tensor([block])).reshape(-1)[0])
             w = max(1, min(w, block))
-            emitted = min(int(replay.accepted[i]) + 1, w, tokens - made)
+            # the rows' mean progress stands for each row's (a batch's rows end at different rounds: not modelled)
+            per_row = float((replay.accepted[i] + 1).clamp(max=w).float().clamp(max=tokens - made).mean())
             draft_next = bool(selector.should_draft(context).reshape(-1)[0])  # before it observes itself
-            selector.observe(torch.tensor([w]), torch.tensor([emitted]), None, True)
-            seconds, made, spec = seconds + float(cost[w - 1]), made + emitted, spec + 1
+            selector.observe(torch.tensor([w]), torch.tensor([per_row]), None, True)
+            seconds, made, spec = seconds + float(cost[w - 1]), made + per_row, spec + 1
         else:
             plain_left = int(selector.plain_run(context).reshape(-1)[0]) if plain_left == 0 else plain_left - 1
             draft_next = plain_left <= 0
             seconds, made = seconds + cost_ar, made + 1
-    return (tokens - 1) * cost_ar / seconds, spec
+    return (made - 1) * cost_ar / seconds, spec
 
 
 def main_calls(args) -> None:
     tables = json.loads(Path(args.batch_latency).read_text())["latency_ms"]
-    report = {"latency_source": args.batch_latency, "tokens": args.tokens, "calls": args.calls, "results": {}}
-    lines = [f"{args.calls} calls of {args.tokens} tokens per profile and batch size (one stream with the batch's "
+    report = {"latency_source": args.batch_latency, "tokens": args.tokens, "calls": args.calls, "rows": args.rows,
+              "results": {}}
+    how = "its N rows, one shared w" if args.rows else "one stream"
+    lines = [f"{args.calls} calls of {args.tokens} tokens per profile and batch size ({how} with the batch's "
              f"C_N(w)), from {args.batch_latency}; each cell: mean × AR over calls from every 37th row / at row 0 "
              "(3 calls), speculative rounds per call.", "",
              "| batch | profile | " + " | ".join(CALL_VARIANTS) + " |", "|---|---|" + "---|" * len(CALL_VARIANTS)]
@@ -131,9 +140,10 @@ def main_calls(args) -> None:
             for variant, options in CALL_VARIANTS.items():
                 selector = make_selector("nominal", {"latency_model": latency, **options})
                 selector.reset()
-                spread = [simulate_call(selector, latency, replay, estimator, 37 * c, args.tokens)
+                rows = int(batch) if args.rows else 1
+                spread = [simulate_call(selector, latency, replay, estimator, 37 * c, args.tokens, rows)
                           for c in range(args.calls)]
-                row0 = [simulate_call(selector, latency, replay, estimator, 0, args.tokens) for _ in range(3)]
+                row0 = [simulate_call(selector, latency, replay, estimator, 0, args.tokens, rows) for _ in range(3)]
                 cells[variant] = {"x_ar": sum(r[0] for r in spread) / len(spread),
                                   "x_ar_min": min(r[0] for r in spread),
                                   "spec_rounds": sum(r[1] for r in spread) / len(spread),
@@ -153,6 +163,9 @@ def main() -> None:
     parser.add_argument("--batch-latency", help="calls mode: a batch.py results JSON (its C_N(w) tables)")
     parser.add_argument("--calls", type=int, default=0, help="calls mode: calls per profile and batch size")
     parser.add_argument("--tokens", type=int, default=128, help="calls mode: tokens per call")
+    parser.add_argument("--rows", action="store_true",
+                        help="calls mode: a batch size's calls run its rows (each its own profile rows, one shared w "
+                             "from their mean survival, the mean tokens per row observed) instead of one stream")
     parser.add_argument("--profiles", default="dflash_like,low,tiny_pair_heldout")
     parser.add_argument("--rounds", type=int, default=2000)
     parser.add_argument("--name", default="selector_sim")
