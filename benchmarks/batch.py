@@ -230,8 +230,8 @@ def markdown(report: dict) -> str:
         cost = row["cost"]
         lines.append(f"| {batch} | {cost[0]:.2f} | {cost[min(3, len(cost) - 1)]:.2f} | {cost[-1]:.2f} | "
                      f"{row['cost_ar']:.2f} |")
-    lines += ["", "| batch | profile (τ at B = 16) | method | tokens/s | × AR | mean w | τ | round ms | plain steps | "
-                  "plain step ms | spec. round ms (tokens per row) | expert union | GPU GiB |",
+    lines += ["", "| batch | profile (τ at B = 16) | method | tokens/s | × AR | mean w | τ | round ms | "
+                  "plain steps | plain step ms | spec. round ms (tokens per row) | expert union | GPU GiB |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for batch, profiles in report["batches"].items():
         for label, entry in profiles.items():

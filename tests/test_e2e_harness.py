@@ -82,3 +82,40 @@ def test_selector_simulation_replays_a_profile_and_prices_plain_steps(monkeypatc
     assert abs(dflash["tokens_per_s"] - expected) < 1e-6 * expected and dflash["plain_steps"] == 0
     never = selector_sim.simulate("nominal", {"allow_ar": False}, latency, replay, estimator, 40)
     assert never["plain_steps"] == 0 and never["tokens_per_s"] > 0
+
+
+def test_call_simulation_prices_a_whole_call_and_its_rows(monkeypatch):
+    """selector_sim.simulate_call: a profile whose every round accepts the whole block, a flat C(w), never plain:
+    each round costs C and yields its w tokens per row, so × AR = (tokens - 1)·C_ar / (rounds·C), for one row and
+    for a batch's rows; a profile that accepts nothing at a round cost far above C_ar: the call steps plain after its
+    first round and probes little (× AR a little below 1)."""
+    from pathlib import Path
+
+    import torch
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import selector_sim
+    from e2e import profile_halves
+
+    from hybridspec_hf.selector.latency import LatencyModel
+    from hybridspec_hf.selector.length_rules import make_selector
+
+    # a flat C(w): the whole block is the best length whatever the survival
+    latency = LatencyModel(cost=torch.full((1, 16), 7.8e-3), cost_ar=torch.tensor([4.4e-3]),
+                           context_lens=torch.tensor([64]))
+    _, replay, _, estimator = profile_halves("low")
+    everything = replay.rows(slice(0, 40))
+    everything.accepted = torch.full_like(everything.accepted, 15)
+    for rows in (1, 4):
+        selector = make_selector("nominal", {"latency_model": latency, "allow_ar": False})
+        selector.reset()
+        speedup, spec = selector_sim.simulate_call(selector, latency, everything, estimator, 0, 129, rows)
+        assert spec >= 8 and abs(speedup - 128 * 4.4e-3 / (spec * 7.8e-3)) < 1e-6, (rows, speedup, spec)
+    nothing = replay.rows(slice(0, 40))
+    nothing.accepted = torch.zeros_like(nothing.accepted)
+    dear = LatencyModel(cost=torch.full((1, 16), 20e-3), cost_ar=torch.tensor([4.4e-3]),
+                        context_lens=torch.tensor([64]))
+    selector = make_selector("nominal", {"latency_model": dear})
+    selector.reset()
+    speedup, spec = selector_sim.simulate_call(selector, dear, nothing, estimator, 0, 129)
+    assert spec <= 3 and 0.85 < speedup < 1.0, (speedup, spec)
