@@ -113,7 +113,7 @@ class DinkelbachThroughput:
     """
 
     def __init__(self, forgetting: float = 0.98, draft_forgetting: float = 0.95, probe_every: int = 16,
-                 prior_rounds: float = 4.0, probe_share: float = 0.01, trust_tokens: float = 4.0):
+                 prior_rounds: float = 4.0, probe_share: float = 0.01, trust_tokens: float = 0.0):
         for name, value in (("forgetting", forgetting), ("draft_forgetting", draft_forgetting)):
             if not 0.0 < value <= 1.0:
                 raise ValueError(f"{name} must be in (0, 1], got {value}; 1 means no forgetting.")
@@ -191,11 +191,13 @@ class DinkelbachThroughput:
         the ratio shrunk towards 1 by trust_tokens of pseudo-evidence: (trust + Σ emitted) / (trust + Σ G).
 
         One round's acceptance is noisy (a block accepts 0 or 15 tokens), and the call's first round alone decides
-        whether the next ones draft; G(w) = E[tokens | the drafts' signals] has less noise. With little evidence
-        the mean G counts, with more the emitted tokens do (an estimator that is off on this text is corrected).
-        Counting the emitted tokens alone, a bad first round kept one call in three on the DFlash-like profile at
-        ≈ AR speed until a probe (benchmarks/results/selector_sim.md). scale: the sums' common decay (plain_run's
-        d^j; a scalar or a [J] row), which moves the ratio towards the prior as the evidence fades.
+        whether the next ones draft; G(w) = E[tokens | the drafts' signals] has less noise when the estimator is
+        right. With little evidence the mean G counts, with more the emitted tokens do. trust_tokens = 0 (the
+        default) is the emitted tokens alone: trust 4 lifted the DFlash-like profile in simulation (a bad first round
+        kept one call in three near AR speed until a probe, benchmarks/results/selector_sim_calls.md) but cost 5 % on
+        the tiny pair's held-out prompts, whose estimator is optimistic there (strategies_cpu_tiny_pair.md).
+        scale: the sums' common decay (plain_run's d^j; a scalar or a [J] row), which moves the ratio towards the
+        prior as the evidence fades.
         Returns [batch] (scalar scale) or [batch, J]."""
         weight = self.spec_weight.clamp(min=1e-12)
         tokens, expected = self.spec_tokens, self.spec_expected

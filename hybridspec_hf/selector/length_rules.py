@@ -142,8 +142,13 @@ class PerRoundRatio(_Calibrated):
         return ratio_length(survival, self._costs(survival, context_len), w_max)
 
 
-TRUST_TOKENS = 4.0  # HybridSpec's default trust_tokens (benchmarks/results/selector_sim_calls.md)
-TRUST_DRAFTS = True  # A/B switch (benchmarks' trust-drafts): False makes the default trust_tokens 0 (emitted alone)
+# HybridSpec's default trust_tokens: 0 (the emitted tokens alone) unless TRUST_DRAFTS (the benchmarks' trust-drafts
+# A/B switch) makes it TRUST_TOKENS. Trust won in simulation on the declared profiles, whose estimator is fitted on the
+# same text (benchmarks/results/selector_sim_calls.md), but lost on the tiny pair's held-out prompts on a CPU, where
+# the pair's estimator is optimistic (0.95x against 1.00x AR, benchmarks/results/strategies_cpu_tiny_pair.md), and
+# was even or behind on the H200 (runs 42-43 of benchmarks/results/gpu_rounds_runs.md).
+TRUST_TOKENS = 4.0
+TRUST_DRAFTS = False
 
 
 class HybridSpec(_Calibrated):
