@@ -15,8 +15,9 @@ ones (named in the output).
 
 Calls mode: whole generate() calls of --tokens tokens as the GPU-resident rounds take their decisions (the call's
 first round drafts; a speculative round decides the next before it observes itself; a plain stretch is decided at its
-first step by `plain_run`), each call starting the profile at another row (every 37th; batch.py and e2e.py start
-every call at row 0, shown as "row 0"), with batch.py's C_N(w) and C_ar,N of each batch size as one stream. Variants
+first step by `plain_run`), each call starting the profile at another row (every 37th, as batch.py's repeated calls;
+e2e.py starts every call at row 0, shown as "row 0"), with batch.py's C_N(w) and C_ar,N of each batch size as one
+stream (--rows: the batch's rows, one shared w). Variants
 of the draft decision's evidence (`trust_tokens`: 0 = the emitted tokens alone) and never plain (`allow_ar=False`).
 × AR: the call's time of AR steps over its simulated time.
 """
@@ -83,8 +84,8 @@ def simulate(strategy: str, options: dict, latency: LatencyModel, replay, estima
 
 
 CALL_VARIANTS = {  # name: selector options
-    "emitted tokens alone (trust_tokens 0, before)": {"trust_tokens": 0.0},
-    "default (trust_tokens 4)": {},
+    "default (emitted tokens alone, trust_tokens 0)": {},
+    "trust_tokens 4": {"trust_tokens": 4.0},
     "trust_tokens 8": {"trust_tokens": 8.0},
     "never plain": {"allow_ar": False},
 }
@@ -122,7 +123,8 @@ def simulate_call(selector, latency: LatencyModel, replay, estimator, start_row:
 
 
 def main_calls(args) -> None:
-    tables = json.loads(Path(args.batch_latency).read_text())["latency_ms"]
+    source = json.loads(Path(args.batch_latency).read_text())
+    tables = source["latency_ms"]
     report = {"latency_source": args.batch_latency, "tokens": args.tokens, "calls": args.calls, "rows": args.rows,
               "results": {}}
     how = "its N rows, one shared w" if args.rows else "one stream"
@@ -133,7 +135,7 @@ def main_calls(args) -> None:
     for batch, table in tables.items():
         latency = LatencyModel(cost=torch.tensor(table["cost"])[None] * 1e-3,
                                cost_ar=torch.tensor([table["cost_ar"]]) * 1e-3,
-                               context_lens=torch.tensor([json.loads(Path(args.batch_latency).read_text())["context"]]))
+                               context_lens=torch.tensor([source["context"]]))
         for name in args.profiles.split(","):
             _, replay, _, estimator = profile_halves(name)
             cells = {}

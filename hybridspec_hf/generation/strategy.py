@@ -123,7 +123,8 @@ class RoundStrategy:
             latency = resolve_latency_model(settings, target, drafter).for_batch(batch)
             selector = make_selector(name, {"latency_model": latency})
             # the module-level defaults a selector read (HybridSpec's trust_tokens) are part of its decisions
-            identity = (*identity, latency.digest(), getattr(getattr(selector, "throughput", None), "trust_tokens", None))
+            trust = getattr(getattr(selector, "throughput", None), "trust_tokens", None)
+            identity = (*identity, latency.digest(), trust)
         selector.reset()
         carried = settings.acceptance_estimator is None and getattr(drafter, "acceptance_estimator", None) is not None
         estimator = _estimator(drafter.acceptance_estimator if carried else settings.acceptance_estimator, block_size)

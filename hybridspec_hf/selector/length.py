@@ -216,7 +216,8 @@ class DinkelbachThroughput:
         the decisions `draft_decision` followed by `update` would take over the coming steps are known now: after
         j more plain steps the discounted sums are T_j = f^j·T + S_j and L_j = f^j·L + S_j·C_ar (S_j = Σ_{i<j} f^i),
         the speculative means keep their value (every sum scales by the same draft_forgetting^j; the emitted/G
-        ratio of `_spec_gain` moves towards its prior, computed per j), and the streak grows by j. k is the first j at which `draft_decision` of that state drafts (it pays, or a probe is due);
+        ratio of `_spec_gain` moves towards its prior, computed per j), and the streak grows by j. k is the first j
+        at which `draft_decision` of that state drafts (it pays, or a probe is due);
         j is scanned up to PLAIN_HORIZON, beyond which ρ_j has moved to within f^256 < 0.6 % of its limit 1/C_ar:
         then k is the probe's step, or PLAIN_HORIZON when drafting pays at the limit. Equal to calling
         `draft_decision` and `update` once per step (test), at one decision per stretch instead of one per step:

@@ -254,8 +254,10 @@ class HybridSpec(_Calibrated):
             return
         seconds = predicted_latency if latency is None else on_device(latency, w.device, torch.float32).expand(
             w.shape[0])
-        gain = expected_tokens(self._survival).gather(1, idx).squeeze(1)  # G(w): what the drafts' signals predicted
-        self.throughput.update(emitted.float(), seconds, spec, expected=gain.to(emitted.device))
+        expected = None  # the emitted tokens alone: no G(w) to compute (a captured round runs no kernel for it)
+        if self.throughput.trust_tokens > 0:
+            expected = expected_tokens(self._survival).gather(1, idx).squeeze(1).to(emitted.device)  # G(w)
+        self.throughput.update(emitted.float(), seconds, spec, expected=expected)
 
 
 _STRATEGIES = {
