@@ -83,6 +83,12 @@ def simulate(strategy: str, options: dict, latency: LatencyModel, replay, estima
     return {"tokens_per_s": tokens / seconds, "tau": tokens / rounds, "plain_steps": plain, "rounds": rounds}
 
 
+def latency_from_ms(cost_ms: list[float], cost_ar_ms: float, context: int) -> LatencyModel:
+    """A one-context latency model from a results file's C(w) and C_ar in milliseconds."""
+    return LatencyModel(cost=torch.tensor(cost_ms)[None] * 1e-3, cost_ar=torch.tensor([cost_ar_ms]) * 1e-3,
+                        context_lens=torch.tensor([context]))
+
+
 CALL_VARIANTS = {  # name: selector options
     "default (emitted tokens alone, trust_tokens 0)": {},
     "trust_tokens 4": {"trust_tokens": 4.0},
@@ -133,9 +139,7 @@ def main_calls(args) -> None:
              "(3 calls), speculative rounds per call.", "",
              "| batch | profile | " + " | ".join(CALL_VARIANTS) + " |", "|---|---|" + "---|" * len(CALL_VARIANTS)]
     for batch, table in tables.items():
-        latency = LatencyModel(cost=torch.tensor(table["cost"])[None] * 1e-3,
-                               cost_ar=torch.tensor([table["cost_ar"]]) * 1e-3,
-                               context_lens=torch.tensor([source["context"]]))
+        latency = latency_from_ms(table["cost"], table["cost_ar"], source["context"])
         for name in args.profiles.split(","):
             _, replay, _, estimator = profile_halves(name)
             cells = {}
@@ -182,9 +186,7 @@ def main() -> None:
     report = {"latency_source": args.latency, "results": {}}
     lines = []
     for label, table in tables.items():
-        latency = LatencyModel(cost=torch.tensor(table["cost_ms"])[None] * 1e-3,
-                               cost_ar=torch.tensor([table["cost_ar_ms"]]) * 1e-3,
-                               context_lens=torch.tensor([table["context"]]))
+        latency = latency_from_ms(table["cost_ms"], table["cost_ar_ms"], table["context"])
         for name in args.profiles.split(","):
             _, replay, _, estimator = profile_halves(name)
             key = f"{name} / {label}"
