@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--name", default="breakdown_qwen35_35b_a3b")
     parser.add_argument("--attribute", action="store_true",
                         help="also run each part eagerly under the profiler: kernels by (module, aten op)")
-    add_switches(parser, "moe-one-pass", "moe-decode", "defer-appends")
+    add_switches(parser, "moe-one-pass", "moe-decode", "defer-appends", "pdl")
     args = parser.parse_args(argv)
     apply_switches(args)
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -24,6 +24,8 @@ SWITCHES = {
                       "plain steps park the drafter's features for the next speculative round"),
     "trust-drafts": ("hybridspec_hf.selector.length_rules", "TRUST_DRAFTS",
                      "HybridSpec's draft decision trusts the drafts' G(w) until emitted tokens confirm it"),
+    "pdl": ("hybridspec_hf.kernels.pdl", "ENABLED",
+            "programmatic dependent launch of our Triton kernels (Hopper: a kernel starts as the one before ends)"),
 }
 
 # switches the resident rounds' key records (resident._Key): a variant needs no release of the kept rounds

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from . import pdl
 from .gdn_triton import HAS_TRITON, _LazyJit, tl, tl_dtype, triton
 from .norm_triton import rms_norm_reference
 from .rope_triton import rope_reference
@@ -47,7 +48,8 @@ def _qk_prologue_kernel(q, k, v, q_w, k_w, cos, sin, q_out, keys, values, length
                         q_sb, q_sh, q_st, k_sb, k_sh, k_st, v_sb, v_sh, v_st,
                         c_sb, c_st, o_sb, o_sh, o_st, kv_sb, kv_sh, kv_ss,
                         q_heads, kv_heads, tokens, dim, rotary, eps,
-                        OFFSET: tl.constexpr, BLOCK: tl.constexpr, OUT_DTYPE: tl.constexpr):
+                        OFFSET: tl.constexpr, BLOCK: tl.constexpr, OUT_DTYPE: tl.constexpr, PDL: tl.constexpr):
+    pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
     row = tl.program_id(0)  # rows (b, head, t): q's B·Hq·T, then k's B·Hk·T, then v's B·Hk·T
     b = tl.program_id(1).to(tl.int64)  # batch row
     cols = tl.arange(0, BLOCK)
@@ -98,7 +100,7 @@ def _qk_prologue_kernel(q, k, v, q_w, k_w, cos, sin, q_out, keys, values, length
 
 
 if HAS_TRITON:
-    _qk_prologue_kernel = _LazyJit(_qk_prologue_kernel)
+    _qk_prologue_kernel = _LazyJit(_qk_prologue_kernel, pdl=True)
 
 
 def supported(q, k, v, cos, keys, values) -> bool:

@@ -39,6 +39,7 @@ from typing import NamedTuple
 
 import torch
 
+from . import pdl
 from .gdn_triton import HAS_TRITON, _LazyJit, fused_kernels_active, tl, triton
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -105,7 +106,9 @@ def _attention_kernel(
     T, G, S, num_splits, window, qk_scale,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ITERS: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
     i_s = tl.program_id(0)
     i_p = tl.program_id(1)  # KV head × row block
     i_b = tl.program_id(2).to(tl.int64)
@@ -175,7 +178,9 @@ def _combine_kernel(
     T, G, S, num_splits, window,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
     SPLIT_BLOCKS: tl.constexpr, ROWS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_GATE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
     i_r = tl.program_id(0)  # ROWS rows of a row block
     i_p = tl.program_id(1)
     i_b = tl.program_id(2).to(tl.int64)
@@ -217,8 +222,8 @@ def _combine_kernel(
 
 if HAS_TRITON:
     _key_range = triton.jit(_key_range)
-    _attention_kernel = _LazyJit(_attention_kernel)
-    _combine_kernel = _LazyJit(_combine_kernel)
+    _attention_kernel = _LazyJit(_attention_kernel, pdl=True)
+    _combine_kernel = _LazyJit(_combine_kernel, pdl=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------

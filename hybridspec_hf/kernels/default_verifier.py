@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import pdl
 from .gdn_torch import commit_conv_state, gdn_recurrence
 from .gdn_triton import (
     HAS_TRITON,
@@ -75,7 +76,9 @@ def _recurrent_verify_kernel(
     stride_pb, stride_pt, stride_ph, stride_pk,
     HV, GROUP, DK, DV, scale,
     T: tl.constexpr, HAS_VALID: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
     i_v = tl.program_id(0)
     i_h = tl.program_id(1)
     i_b = tl.program_id(2).to(tl.int64)
@@ -129,7 +132,7 @@ def _recurrent_verify_kernel(
 
 
 if HAS_TRITON:
-    _recurrent_verify_kernel = _LazyJit(_recurrent_verify_kernel)
+    _recurrent_verify_kernel = _LazyJit(_recurrent_verify_kernel, pdl=True)
 
 
 def _recurrent_config(batch: int, num_v_heads: int, dv: int) -> tuple[int, int]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from . import pdl
 from .gdn_triton import HAS_TRITON, _LazyJit, tl, tl_dtype, triton
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -81,7 +82,9 @@ def _qk_norm_rope_store_kernel(
     stride_vs, stride_qb, stride_qt, stride_qh, stride_len, stride_cos,
     tokens, slots, q_heads, kv_heads, dim, eps,
     BLOCK: tl.constexpr, OUT_DTYPE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
     bt = tl.program_id(0)  # (batch row, token)
     layer = tl.program_id(1)
     head = tl.program_id(2)  # q heads first, then the KV heads (each writes its k and its v)
@@ -119,7 +122,8 @@ def _qk_norm_rope_store_kernel(
 
 
 def _add_rms_norm_kernel(x, delta, weight, h_out, y_out, stride_x, stride_d, stride_h, stride_y, n, eps,
-                         HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, OUT_DTYPE: tl.constexpr):
+                         HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, OUT_DTYPE: tl.constexpr, PDL: tl.constexpr):
+    pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
@@ -136,8 +140,8 @@ def _add_rms_norm_kernel(x, delta, weight, h_out, y_out, stride_x, stride_d, str
 
 
 if HAS_TRITON:
-    _qk_norm_rope_store_kernel = _LazyJit(_qk_norm_rope_store_kernel)
-    _add_rms_norm_kernel = _LazyJit(_add_rms_norm_kernel)
+    _qk_norm_rope_store_kernel = _LazyJit(_qk_norm_rope_store_kernel, pdl=True)
+    _add_rms_norm_kernel = _LazyJit(_add_rms_norm_kernel, pdl=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import pdl
 from .gdn_torch import conv_verify
 from .gdn_triton import HAS_TRITON, _LazyJit, _last_dim_contiguous, tl, tl_dtype, triton
 
@@ -47,7 +48,8 @@ def _conv_silu_kernel(state, x, w, bias, out,
                       stride_wc, stride_wk,
                       C, T,
                       K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr, ROLL: tl.constexpr, BW: tl.constexpr):
+                      X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr, ROLL: tl.constexpr, BW: tl.constexpr, PDL: tl.constexpr):
+    pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
     i_c = tl.program_id(0)
     i_b = tl.program_id(1).to(tl.int64)
     rc = i_c * BC + tl.arange(0, BC)
@@ -95,7 +97,8 @@ def _softplus(x, threshold):
 
 
 def _gates_kernel(a, b, A_log, dt_bias, g, beta, stride_a, stride_b, rows, HV, threshold,
-                  BR: tl.constexpr, BH: tl.constexpr, BETA_DTYPE: tl.constexpr):
+                  BR: tl.constexpr, BH: tl.constexpr, BETA_DTYPE: tl.constexpr, PDL: tl.constexpr):
+    pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
     rr = tl.program_id(0) * BR + tl.arange(0, BR)
     rh = tl.arange(0, BH)
     mh = rh < HV
@@ -112,8 +115,8 @@ def _gates_kernel(a, b, A_log, dt_bias, g, beta, stride_a, stride_b, rows, HV, t
 
 if HAS_TRITON:
     _softplus = triton.jit(_softplus)  # a device function (also called by gdn_step_triton's kernel)
-    _conv_silu_kernel = _LazyJit(_conv_silu_kernel)
-    _gates_kernel = _LazyJit(_gates_kernel)
+    _conv_silu_kernel = _LazyJit(_conv_silu_kernel, pdl=True)
+    _gates_kernel = _LazyJit(_gates_kernel, pdl=True)
 
 
 def conv_silu(conv_state: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,

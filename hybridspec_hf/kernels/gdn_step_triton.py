@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import torch
 
+from . import pdl
 from .gdn_prologue_triton import SOFTPLUS_THRESHOLD, _softplus, conv_silu_reference, gdn_gates_reference
 from .gdn_torch import commit_conv_state, compute_dtype, gdn_recurrence
 from .gdn_triton import HAS_TRITON, _LazyJit, _last_dim_contiguous, tl, tl_dtype, triton
@@ -114,7 +115,9 @@ def _gdn_step_kernel(
     K: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr, ARRIVALS: tl.constexpr,
     HAS_BIAS: tl.constexpr, NORM: tl.constexpr, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr,
     BETA_DTYPE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
     i_v = tl.program_id(0)
     i_h = tl.program_id(1)
     i_b = tl.program_id(2).to(tl.int64)
@@ -191,7 +194,7 @@ if HAS_TRITON:
     _conv_silu_one = triton.jit(_conv_silu_one)
     _rolled_window = triton.jit(_rolled_window)
     _store_window = triton.jit(_store_window)
-    _gdn_step_kernel = _LazyJit(_gdn_step_kernel)
+    _gdn_step_kernel = _LazyJit(_gdn_step_kernel, pdl=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------

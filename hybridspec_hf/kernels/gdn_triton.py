@@ -39,11 +39,13 @@ truncate where the GPU rounds to nearest (bf16 outputs differ in their last bit)
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections import OrderedDict
 
 import torch
 
+from . import pdl
 from .gdn_torch import GDNVerifyResult, PendingGDNLayer, commit_gdn_states, gdn_verify
 
 try:
@@ -93,10 +95,12 @@ def fused_kernels_allowed() -> bool:
 
 class _LazyJit:
     """`triton.jit(fn, **options)`, bound when first launched in the current TRITON_INTERPRET mode (read at launch,
-    not import)."""
+    not import). `pdl=True`: the kernel takes a `PDL: tl.constexpr` argument and follows `pdl`'s rule (reads only
+    weights before `pdl.wait(PDL)`); each launch passes PDL and the launch option as `pdl.active` says."""
 
-    def __init__(self, fn, **options):
+    def __init__(self, fn, pdl: bool = False, **options):
         self.fn = fn
+        self.pdl = pdl
         self.options = options
         self._bound = {}
 
@@ -104,7 +108,12 @@ class _LazyJit:
         interpret = bool(triton.knobs.runtime.interpret)
         if interpret not in self._bound:
             self._bound[interpret] = triton.jit(self.fn, **self.options)
-        return self._bound[interpret][grid]
+        launcher = self._bound[interpret][grid]
+        if not self.pdl:
+            return launcher
+        if pdl.active(interpret):
+            return functools.partial(launcher, PDL=True, launch_pdl=True)
+        return functools.partial(launcher, PDL=False)
 
 
 def select_backend(kernel_backend: str, *tensors: torch.Tensor) -> str:
@@ -202,7 +211,9 @@ def _verify_kernel(
     HV, GROUP, DK, DV, scale,
     T: tl.constexpr, HAS_VALID: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr,
     BV: tl.constexpr, PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
     i_v = tl.program_id(0)
     i_h = tl.program_id(1)
     i_b = tl.program_id(2).to(tl.int64)
@@ -277,7 +288,7 @@ def _verify_kernel(
 
 
 if HAS_TRITON:
-    _verify_kernel = _LazyJit(_verify_kernel)
+    _verify_kernel = _LazyJit(_verify_kernel, pdl=True)
 
 
 # fp32-grade `tl.dot` precisions for fp32 operands (not "tf32", nor Triton's two-part "bf16x3": ~1e-5 and worse)
@@ -405,7 +416,9 @@ def _commit_kernel(
     FOLD: tl.constexpr, STATE_DTYPE: tl.constexpr, SRC_DTYPE: tl.constexpr, CONV_DTYPE: tl.constexpr,
     CONV_IN_DTYPE: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr,
     NV: tl.constexpr, BC: tl.constexpr, BW: tl.constexpr, PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
     # table rows: 0 state [B,HV,dk,dv]; 1 FOLD: raw k [B,T,H,dk], else per-token states [B,T,HV,dk,dv];
     #             2 z [B,HV,T,dv] fp32; 3 g_cum [B,HV,T] fp32; 4 conv_state [B,C,KC]; 5 conv_input [B,C,T]
     pid = tl.program_id(0)
@@ -485,7 +498,7 @@ def _commit_kernel(
 
 
 if HAS_TRITON:
-    _commit_kernel = _LazyJit(_commit_kernel)
+    _commit_kernel = _LazyJit(_commit_kernel, pdl=True)
 
 
 def launch_commit(

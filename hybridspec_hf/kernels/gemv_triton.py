@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import pdl
 from .gdn_triton import HAS_TRITON, _LazyJit, select_backend, tl, tl_dtype, triton
 
 MAX_ROWS = 16  # rows of x (tokens) the kernel takes: one 16-row tile
@@ -130,12 +131,24 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 # kernel
 
 
+def _gemv_tile(acc, b_w, b_x, DOT: tl.constexpr, DOT_FP32: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] + b_w [BLOCK_N, BLOCK_K] · b_xᵀ [BLOCK_K, BLOCK_M] (fp32 accumulation)."""
+    if DOT:
+        if DOT_FP32:
+            acc += tl.dot(b_w.to(tl.float32), tl.trans(b_x.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(b_w, tl.trans(b_x))
+    else:
+        acc += tl.sum(b_w.to(tl.float32)[:, None, :] * b_x.to(tl.float32)[None, :, :], axis=2)
+    return acc
+
+
 def _gemv_kernel(
     x, w, bias, y, partials, counters,
     M, N, K, stride_xm, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STEPS: tl.constexpr, SPLIT_K: tl.constexpr,
     DOT: tl.constexpr, DOT_FP32: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    OUT_DTYPE: tl.constexpr,
+    OUT_DTYPE: tl.constexpr, PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -147,8 +160,16 @@ def _gemv_kernel(
     p_w = w + (rn % N).to(tl.int64)[:, None] * stride_wn + (k_start + rk)[None, :]  # [BLOCK_N, BLOCK_K]
     p_x = x + rm[:, None] * stride_xm + (k_start + rk)[None, :]  # [BLOCK_M, BLOCK_K]
     row_ok = rm < M
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # y block, transposed: W's rows are the long side
-    for step in range(STEPS):
+    # the first W tile before the PDL wait (weights: no kernel writes them), so it streams while the kernel before
+    # this one ends; x (that kernel's output) after it
+    k_ok = (k_start + rk) < K
+    b_w = tl.load(p_w) if EVEN_K else tl.load(p_w, mask=k_ok[None, :], other=0.0)
+    pdl.enter(PDL)
+    b_x = tl.load(p_x, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+    acc = _gemv_tile(tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), b_w, b_x, DOT, DOT_FP32)
+    for step in range(1, STEPS):  # y block, transposed: W's rows are the long side
+        p_w += BLOCK_K
+        p_x += BLOCK_K
         if EVEN_K:
             b_w = tl.load(p_w)
             b_x = tl.load(p_x, mask=row_ok[:, None], other=0.0)
@@ -156,15 +177,7 @@ def _gemv_kernel(
             k_ok = (k_start + step * BLOCK_K + rk) < K
             b_w = tl.load(p_w, mask=k_ok[None, :], other=0.0)
             b_x = tl.load(p_x, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        if DOT:
-            if DOT_FP32:
-                acc += tl.dot(b_w.to(tl.float32), tl.trans(b_x.to(tl.float32)), input_precision="ieee")
-            else:
-                acc += tl.dot(b_w, tl.trans(b_x))
-        else:
-            acc += tl.sum(b_w.to(tl.float32)[:, None, :] * b_x.to(tl.float32)[None, :, :], axis=2)
-        p_w += BLOCK_K
-        p_x += BLOCK_K
+        acc = _gemv_tile(acc, b_w, b_x, DOT, DOT_FP32)
 
     out_ok = (rn < N)[:, None] & row_ok[None, :]
     if SPLIT_K > 1:
@@ -185,7 +198,8 @@ def _gemv_kernel(
 
 
 if HAS_TRITON:
-    _gemv_kernel = _LazyJit(_gemv_kernel, do_not_specialize=["M"])  # one compile for every M of a config
+    _gemv_tile = triton.jit(_gemv_tile)
+    _gemv_kernel = _LazyJit(_gemv_kernel, pdl=True, do_not_specialize=["M"])  # one compile for every M of a config
 
 
 # ----------------------------------------------------------------------------------------------------------------

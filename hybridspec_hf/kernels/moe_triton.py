@@ -55,6 +55,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import pdl
 from .gdn_triton import HAS_TRITON, _LazyJit, select_backend
 from .gemv_triton import COUNTERS, split_counters
 from .shared_expert_triton import gated_add_reference, shared_expert_reference
@@ -224,7 +225,9 @@ def _gate_up_kernel(
     H: tl.constexpr, INTER: tl.constexpr, DIRECT: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
     SP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr,
     SHARED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
     i_n = tl.program_id(0)
     slot = tl.program_id(1)
     expert, live, pair, row_ok = _program_rows(ids, block_expert, block_pairs, slot, T, S, E, DIRECT, K, KP, SP, BM)
@@ -276,7 +279,9 @@ def _down_kernel(
     H: tl.constexpr, INTER: tl.constexpr, DIRECT: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
     SP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr,
     SHARED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
     i_n = tl.program_id(0)
     slot = tl.program_id(1)
     expert, live, pair, row_ok = _program_rows(ids, block_expert, block_pairs, slot, T, S, E, DIRECT, K, KP, SP, BM)
@@ -324,7 +329,8 @@ def _add_gated_shared(routed, shared, gate_logit, dtype: tl.constexpr):
 
 
 def _sum_kernel(rows, ids, out, logit, residual, E, S, stride_ot, stride_rt, H: tl.constexpr, K: tl.constexpr,
-                BN: tl.constexpr, SHARED: tl.constexpr, RESIDUAL: tl.constexpr):
+                BN: tl.constexpr, SHARED: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr):
+    pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
     i_n = tl.program_id(0)
     i_t = tl.program_id(1).to(tl.int64)
     rn = i_n * BN + tl.arange(0, BN)
@@ -367,9 +373,11 @@ def _gate_up_decode_kernel(
     stride_ht, stride_we, stride_wn,
     H: tl.constexpr, INTER: tl.constexpr, SP: tl.constexpr, TP: tl.constexpr, BN: tl.constexpr,
     BK: tl.constexpr, STEPS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, SHARED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (i_n, i_k, slot): BN gate and BN up rows of the slot's expert over K slice i_k, for every token;
     the last of the SPLIT programs of (slot, i_n) sums their partials in slice order and stores SiLU(gate)·up."""
+    pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
     i_n = tl.program_id(0)
     i_k = tl.program_id(1)
     slot = tl.program_id(2)
@@ -457,11 +465,13 @@ def _down_decode_kernel(
     H: tl.constexpr, INTER: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, TP: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, STEPS: tl.constexpr, EVEN_K: tl.constexpr, SHARED: tl.constexpr,
     RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (i_n, slot): BN output columns of the slot's expert, y = down_e act for every token, times the
     token's routing weight of that expert (0 if it did not choose it), to partials [H / BN, slots, TP, BN]; the last
     of the column tile's programs sums the slots in slot order, adds the gated shared expert and the residual, and
     stores the output."""
+    pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
     i_n = tl.program_id(0)
     slot = tl.program_id(1)
     num_slots = S + 1 if SHARED else S
@@ -529,11 +539,11 @@ if HAS_TRITON:
     _shared_slot = triton.jit(_shared_slot)
     _add_gated_shared = triton.jit(_add_gated_shared)
     _add_row_products = triton.jit(_add_row_products)
-    _gate_up_kernel = _LazyJit(_gate_up_kernel)
-    _down_kernel = _LazyJit(_down_kernel)
-    _sum_kernel = _LazyJit(_sum_kernel)
-    _gate_up_decode_kernel = _LazyJit(_gate_up_decode_kernel, do_not_specialize=["T"])
-    _down_decode_kernel = _LazyJit(_down_decode_kernel, do_not_specialize=["T"])
+    _gate_up_kernel = _LazyJit(_gate_up_kernel, pdl=True)
+    _down_kernel = _LazyJit(_down_kernel, pdl=True)
+    _sum_kernel = _LazyJit(_sum_kernel, pdl=True)
+    _gate_up_decode_kernel = _LazyJit(_gate_up_decode_kernel, pdl=True, do_not_specialize=["T"])
+    _down_decode_kernel = _LazyJit(_down_decode_kernel, pdl=True, do_not_specialize=["T"])
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import pdl
 from .gdn_triton import HAS_TRITON, _LazyJit, fused_kernels, fused_kernels_active, tl, tl_dtype, triton
 
 # the flag's first name, from when it routed only the norms: kept for code written against it
@@ -49,7 +50,8 @@ def gated_rms_norm_reference(x: torch.Tensor, gate: torch.Tensor, weight: torch.
 
 
 def _rms_norm_kernel(x, w, y, stride_x_group, stride_x, x_group, stride_y, n, eps, OFFSET: tl.constexpr,
-                     BLOCK: tl.constexpr, OUT_DTYPE: tl.constexpr):
+                     BLOCK: tl.constexpr, OUT_DTYPE: tl.constexpr, PDL: tl.constexpr):
+    pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
@@ -63,7 +65,8 @@ def _rms_norm_kernel(x, w, y, stride_x_group, stride_x, x_group, stride_y, n, ep
 
 
 def _add_rms_norm_kernel(x, r, w, h, y, stride_x, stride_r, stride_h, stride_y, n, eps, OFFSET: tl.constexpr,
-                         BLOCK: tl.constexpr, OUT_DTYPE: tl.constexpr):
+                         BLOCK: tl.constexpr, OUT_DTYPE: tl.constexpr, PDL: tl.constexpr):
+    pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
@@ -81,7 +84,8 @@ def _add_rms_norm_kernel(x, r, w, h, y, stride_x, stride_r, stride_h, stride_y, 
 
 
 def _gated_rms_norm_kernel(x, z, w, y, stride_x, stride_z_group, stride_z, z_group, stride_y, n, eps,
-                           BLOCK: tl.constexpr, OUT_DTYPE: tl.constexpr):
+                           BLOCK: tl.constexpr, OUT_DTYPE: tl.constexpr, PDL: tl.constexpr):
+    pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
@@ -97,9 +101,9 @@ def _gated_rms_norm_kernel(x, z, w, y, stride_x, stride_z_group, stride_z, z_gro
 
 
 if HAS_TRITON:
-    _rms_norm_kernel = _LazyJit(_rms_norm_kernel)
-    _add_rms_norm_kernel = _LazyJit(_add_rms_norm_kernel)
-    _gated_rms_norm_kernel = _LazyJit(_gated_rms_norm_kernel)
+    _rms_norm_kernel = _LazyJit(_rms_norm_kernel, pdl=True)
+    _add_rms_norm_kernel = _LazyJit(_add_rms_norm_kernel, pdl=True)
+    _gated_rms_norm_kernel = _LazyJit(_gated_rms_norm_kernel, pdl=True)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

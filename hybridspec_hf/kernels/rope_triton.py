@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from . import pdl
 from .gdn_triton import HAS_TRITON, _LazyJit, tl, tl_dtype, triton
 
 
@@ -34,7 +35,8 @@ def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
 def _rope_kernel(q, k, cos, sin, q_out, k_out,
                  q_sb, q_sh, q_st, k_sb, k_sh, k_st, c_sb, c_st,
                  q_rows, q_heads, k_heads, tokens, dim, rotary,
-                 BLOCK: tl.constexpr, OUT_DTYPE: tl.constexpr):
+                 BLOCK: tl.constexpr, OUT_DTYPE: tl.constexpr, PDL: tl.constexpr):
+    pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
     row = tl.program_id(0)  # rows (b, head, t) in row-major order: q's B·Hq·T first, then k's B·Hk·T
     if row < q_rows:
         x_ptr, out_ptr, r, heads, sb, sh, st = q, q_out, row, q_heads, q_sb, q_sh, q_st
@@ -62,7 +64,7 @@ def _rope_kernel(q, k, cos, sin, q_out, k_out,
 
 
 if HAS_TRITON:
-    _rope_kernel = _LazyJit(_rope_kernel)
+    _rope_kernel = _LazyJit(_rope_kernel, pdl=True)
 
 
 def _check(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from . import pdl
 from .gdn_triton import HAS_TRITON, _LazyJit, tl, tl_dtype, triton
 
 MAX_EXPERTS = 4096  # one row in registers
@@ -40,7 +41,8 @@ def route_topk_reference(logits: torch.Tensor, top_k: int, normalize: bool) -> t
 
 
 def _route_topk_kernel(logits, scores, ids, stride_l, stride_s, stride_i, E, K: tl.constexpr, KP: tl.constexpr,
-                       BLOCK_E: tl.constexpr, NORMALIZE: tl.constexpr, OUT_DTYPE: tl.constexpr):
+                       BLOCK_E: tl.constexpr, NORMALIZE: tl.constexpr, OUT_DTYPE: tl.constexpr, PDL: tl.constexpr):
+    pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_E)
     valid = cols < E
@@ -75,7 +77,8 @@ def mask_invalid_routes_reference(ids: torch.Tensor, weights: torch.Tensor, vali
 
 
 def _mask_routes_kernel(ids, weights, out_ids, out_weights, valid, stride_i, stride_w, stride_oi, stride_ow, tokens,
-                        K: tl.constexpr, KP: tl.constexpr):
+                        K: tl.constexpr, KP: tl.constexpr, PDL: tl.constexpr):
+    pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
     row = tl.program_id(0).to(tl.int64)
     slots = tl.arange(0, KP)
     keep = slots < K
@@ -88,8 +91,8 @@ def _mask_routes_kernel(ids, weights, out_ids, out_weights, valid, stride_i, str
 
 
 if HAS_TRITON:
-    _route_topk_kernel = _LazyJit(_route_topk_kernel)
-    _mask_routes_kernel = _LazyJit(_mask_routes_kernel)
+    _route_topk_kernel = _LazyJit(_route_topk_kernel, pdl=True)
+    _mask_routes_kernel = _LazyJit(_mask_routes_kernel, pdl=True)
 
 
 def mask_invalid_routes(ids: torch.Tensor, weights: torch.Tensor, valid: torch.Tensor):

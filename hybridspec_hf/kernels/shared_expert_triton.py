@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import pdl
 from .gdn_triton import HAS_TRITON, _LazyJit, tl, tl_dtype, triton
 from .gemv_triton import linear
 from .norm_triton import _rows
@@ -61,7 +62,8 @@ def concat_shared_weights(gate_proj: torch.Tensor, up_proj: torch.Tensor, gate: 
     return out
 
 
-def _silu_mul_kernel(gate_up, act, stride_g, stride_a, inter, BLOCK: tl.constexpr, OUT_DTYPE: tl.constexpr):
+def _silu_mul_kernel(gate_up, act, stride_g, stride_a, inter, BLOCK: tl.constexpr, OUT_DTYPE: tl.constexpr, PDL: tl.constexpr):
+    pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -72,7 +74,8 @@ def _silu_mul_kernel(gate_up, act, stride_g, stride_a, inter, BLOCK: tl.constexp
 
 
 def _gated_add_kernel(routed, gate_logit, shared, out, stride_r, stride_g, stride_s, stride_o, hidden,
-                      BLOCK: tl.constexpr, OUT_DTYPE: tl.constexpr):
+                      BLOCK: tl.constexpr, OUT_DTYPE: tl.constexpr, PDL: tl.constexpr):
+    pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -85,8 +88,8 @@ def _gated_add_kernel(routed, gate_logit, shared, out, stride_r, stride_g, strid
 
 
 if HAS_TRITON:
-    _silu_mul_kernel = _LazyJit(_silu_mul_kernel)
-    _gated_add_kernel = _LazyJit(_gated_add_kernel)
+    _silu_mul_kernel = _LazyJit(_silu_mul_kernel, pdl=True)
+    _gated_add_kernel = _LazyJit(_gated_add_kernel, pdl=True)
 
 
 def _grid(rows: int, cols: int) -> tuple[int, tuple[int, int]]:

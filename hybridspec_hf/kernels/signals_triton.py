@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from . import pdl
 from .gdn_triton import HAS_TRITON, _LazyJit, tl, triton
 
 BLOCK_V = 2048  # logits per step of the stream
@@ -24,8 +25,9 @@ CHUNK_V = 4 * BLOCK_V  # logits per program: a 248k vocabulary spreads over 31 p
 
 
 def _signals_partial_kernel(logits, part, stride_row, V, S: tl.constexpr, CHUNK: tl.constexpr,
-                            BLOCK: tl.constexpr):
+                            BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Program (row, split): m, the second largest value, s and t (module docstring) over its CHUNK of the row."""
+    pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
@@ -60,8 +62,9 @@ def _signals_partial_kernel(logits, part, stride_row, V, S: tl.constexpr, CHUNK:
     tl.store(out + 3, t)
 
 
-def _signals_combine_kernel(part, out, S: tl.constexpr, SP: tl.constexpr):
+def _signals_combine_kernel(part, out, S: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr):
     """One program per row: the S partials merged (each rescaled to the row's max), then top1, margin, entropy."""
+    pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
     row = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, SP)
     ok = i < S
@@ -86,8 +89,8 @@ def _signals_combine_kernel(part, out, S: tl.constexpr, SP: tl.constexpr):
 
 
 if HAS_TRITON:
-    _signals_partial_kernel = _LazyJit(_signals_partial_kernel)
-    _signals_combine_kernel = _LazyJit(_signals_combine_kernel)
+    _signals_partial_kernel = _LazyJit(_signals_partial_kernel, pdl=True)
+    _signals_combine_kernel = _LazyJit(_signals_combine_kernel, pdl=True)
 
 
 def draft_signals_fused(draft_logits: torch.Tensor) -> dict[str, torch.Tensor]:

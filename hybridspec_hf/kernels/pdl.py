@@ -1,0 +1,68 @@
+"""Programmatic dependent launch (PDL) for our Triton kernels: a kernel starts while the one before it finishes.
+
+A resident plain step is ≈ 470 kernels in one CUDA graph (benchmarks/results/breakdown_run34_decode_on.md): the GPU
+idles ≈ 11 % of the step between them, and each kernel's first weight loads wait for the kernel before it to end.
+On Hopper a kernel launched with the programmatic-stream-serialization attribute may start once every program of
+the kernel before it has signalled (`griddepcontrol.launch_dependents`), and must execute `griddepcontrol.wait`
+before it reads what that kernel wrote: the wait returns when the kernel before has completed and its writes are
+visible. CUDA graphs captured from such launches keep these programmatic edges.
+
+The rule every kernel that takes part follows (`_LazyJit(fn, pdl=True)` in gdn_triton.py passes `PDL` and the
+launch option): before `wait(PDL)` it reads nothing but weights (tensors no kernel of the graph writes) and writes
+nothing; right after the wait it signals `launch_dependents(PDL)`, so at most two kernels overlap: one running, the
+next one's programs resident and prefetching their weights. Every program executes the wait, so a kernel completes
+only after the kernel before it has (kernels further back are then complete too: the chain is transitive), and
+kernels that do not take part (torch's, cuBLAS's) keep plain stream order on both sides.
+
+ENABLED switches it (A/B: `--pdl on|off` in the benchmarks); it applies on CUDA devices of compute capability ≥ 9
+only, and never under TRITON_INTERPRET=1 (the CPU tests run the kernels with PDL=False: the same code otherwise).
+Read when a kernel launches, so graphs captured afterwards follow it.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # CPU installs without triton
+    triton = tl = gdc_wait = gdc_launch_dependents = None
+
+ENABLED = False
+
+
+@functools.lru_cache(maxsize=None)
+def _capable(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
+def active(interpret: bool) -> bool:
+    """Whether launches now take PDL: switched on, not interpreted, and the current CUDA device is Hopper or newer."""
+    return ENABLED and not interpret and torch.cuda.is_available() and _capable(torch.cuda.current_device())
+
+
+def wait(PDL):
+    """In a kernel: wait for the kernel before it to complete (its writes visible). A no-op with PDL False."""
+    if PDL:
+        gdc_wait()
+
+
+def launch_dependents(PDL):
+    """In a kernel: let the next kernel's programs start (they wait for this one in their own `wait`)."""
+    if PDL:
+        gdc_launch_dependents()
+
+
+def enter(PDL):
+    """The usual kernel start when nothing is prefetched: wait, then let the next kernel start."""
+    wait(PDL)
+    launch_dependents(PDL)
+
+
+if triton is not None:
+    wait = triton.jit(wait)
+    launch_dependents = triton.jit(launch_dependents)
+    enter = triton.jit(enter)
