@@ -145,7 +145,7 @@ def summarize(kernels: list[dict], n: int) -> dict:
         rows = sorted(table.items(), key=lambda kv: -kv[1][1])[:top]
         return {key: {"kernels": c / n, "us": us / n} for key, (c, us) in rows}
     return {"kernels": len(kernels) / n, "busy_us": sum(k["us"] for k in kernels) / n,
-            "by_kind": per_replay(by_kind), "top_kernels": per_replay(by_name, 25)}
+            "by_kind": per_replay(by_kind), "top_kernels": per_replay(by_name, 25), "all_kernels": per_replay(by_name)}
 
 
 def part_bytes(target, drafter, tokens: int, context: int, drafting: bool) -> dict:
@@ -164,6 +164,7 @@ def part_bytes(target, drafter, tokens: int, context: int, drafting: bool) -> di
 # its replays (a verify graph replays the last draft, all its tokens valid; the forward alone, a fresh round's block)
 Part = collections.namedtuple("Part", "replay tokens drafting before")
 AR_STEP, DRAFT, ROUND = "AR step (w = 1)", "draft (drafting + choosing w0)", "round, max shape (one graph)"
+HS_STEP = "HybridSpec plain step (w = 1, no append)"
 OUTSIDE_GOAL_MS = 1.0  # issue 15, at B = 16
 
 
@@ -191,6 +192,9 @@ def parts_of(rounds, strategy: str, verify_shape: str, lengths: list[int]) -> di
     """The graphs of one set of resident rounds to trace, by label."""
     if strategy == "ar":
         return {AR_STEP: Part(rounds.step, 1, False, lambda: None)}
+    if verify_shape == "plain":  # HybridSpec's plain step, to set beside AR's (the same forward, m = 1)
+        # its features park in the deferred buffer's next column: start each measurement from column 0
+        return {HS_STEP: Part(rounds.step, 1, False, lambda: rounds.deferred_count.zero_())}
     if verify_shape == "exact":
         def last_draft_all_valid(n):
             rounds.draft()
@@ -236,6 +240,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--lengths", default="1,4,8,16", help="verify graphs to trace")
     parser.add_argument("--name", default="breakdown_qwen35_35b_a3b")
+    parser.add_argument("--batch", type=int, default=1, help="rows per call (the graphs of that batch's bucket)")
+    parser.add_argument("--plain-only", action="store_true",
+                        help="only the plain steps: AR's and HybridSpec's (where the two differ, kernel by kernel)")
     parser.add_argument("--attribute", action="store_true",
                         help="also run each part eagerly under the profiler: kernels by (module, aten op)")
     add_switches(parser, "moe-one-pass", "moe-decode", "defer-appends", "pdl")
@@ -245,18 +252,21 @@ def main(argv: list[str] | None = None) -> None:
     target, drafter = build(args.model, args.layers, device)
     vocab = target.config.get_text_config().vocab_size
     context = 256
-    prompt = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(0)).to(device)
+    prompt = torch.randint(0, vocab, (args.batch, context), generator=torch.Generator().manual_seed(0)).to(device)
     capacity_tokens = 80 * args.replays + 64  # room for the replays below (the random drafter's rounds grow the cache ≈ 1)
     lengths = [int(n) for n in args.lengths.split(",")]
     parts = {}
     # the plain step; the exact-length draft and verify graphs; the max-shape round (the default on CUDA)
-    for strategy, verify_shape in (("ar", "exact"), ("hybridspec", "exact"), ("hybridspec", "max")):
+    runs = [("ar", "exact"), ("hybridspec", "plain")] if args.plain_only else \
+        [("ar", "exact"), ("hybridspec", "plain"), ("hybridspec", "exact"), ("hybridspec", "max")]
+    for strategy, verify_shape in runs:
         # a stand-in latency model (what is traced does not depend on it): no calibration needed
         latency = LatencyModel(cost=torch.linspace(7e-3, 10e-3, 16)[None], cost_ar=torch.tensor([5e-3]),
                                context_lens=torch.tensor([context]))
-        settings = HybridSpecConfig(cuda_graphs="on", verify_shape=verify_shape, latency_model=latency)
-        kwargs = dict(generation_strategy=strategy, hybridspec_config=settings,
-                      assistant_model=drafter if strategy != "ar" else None, do_sample=False)
+        settings = HybridSpecConfig(cuda_graphs="on", verify_shape="max" if verify_shape == "plain" else verify_shape,
+                                    latency_model=latency)
+        kwargs = dict(generation_strategy=strategy, hybridspec_config=settings, attention_mask=torch.ones_like(prompt),
+                      assistant_model=drafter if strategy != "ar" else None, do_sample=False, pad_token_id=0)
         target.generate(prompt, max_new_tokens=capacity_tokens, **kwargs)  # captures for this capacity
         target.generate(prompt, max_new_tokens=8, **kwargs)  # reuses the rounds, leaves the cache near the prompt
         rounds = target.__dict__.get("_hybridspec_resident")
@@ -264,10 +274,14 @@ def main(argv: list[str] | None = None) -> None:
         rounds.live.fill_(1)  # and commits (the call that ended left its row finished)
         for label, part in parts_of(rounds, strategy, verify_shape, lengths).items():
             part.before()
-            start_length = int(rounds.target.length)
+            start_length = int(rounds.target.length.max())
             row = summarize(traced_kernels(part.replay, args.replays), args.replays)
+            committed = int(rounds.target.length.max()) - start_length
+            part.before()
+            start_length = int(rounds.target.length.max())
             row["wall_ms"] = wall_ms(part.replay, args.replays)
-            row["committed_per_replay"] = (int(rounds.target.length) - start_length) / (2 * args.replays)
+            committed += int(rounds.target.length.max()) - start_length
+            row["committed_per_replay"] = committed / (2 * args.replays)
             if args.attribute and device == "cuda":
                 saved = dict(rounds.__dict__)  # the eager call rebinds round buffers; the graphs keep reading these
                 try:  # a diagnostic: a failure here must not cost the run its timings
@@ -279,7 +293,7 @@ def main(argv: list[str] | None = None) -> None:
                     rounds.__dict__.update(saved)
                 for key, value in list(row["attributed"].items())[:40]:
                     print(f"    {value['kernels']:5d} {value['us']:8.1f} us  {key}", flush=True)
-            length = int(rounds.target.length)
+            length = int(rounds.target.length.max())
             row["bytes"] = part_bytes(target, drafter, part.tokens, length, part.drafting)
             row["roofline_ms"] = sum(row["bytes"].values()) / (HBM_TBPS * 1e12) * 1e3
             parts[label] = row
@@ -287,7 +301,23 @@ def main(argv: list[str] | None = None) -> None:
                   f"{row['wall_ms']:.3f} ms, roofline {row['roofline_ms']:.3f} ms", flush=True)
             for kind, value in row["by_kind"].items():
                 print(f"    {kind:40s} {value['kernels']:7.1f} kernels {value['us']:9.1f} us", flush=True)
-    write(args, target, parts, outside_the_forward(parts, drafter.config.block_size))
+    if HS_STEP in parts:
+        print(step_difference(parts[AR_STEP], parts[HS_STEP]), flush=True)
+    write(args, target, parts, None if args.plain_only else outside_the_forward(parts, drafter.config.block_size))
+
+
+def step_difference(ar: dict, hs: dict) -> str:
+    """HybridSpec's plain step less AR's: wall and busy time, and the kernels (by name) whose count or time differ."""
+    lines = [f"HybridSpec plain step - AR step: wall {hs['wall_ms'] - ar['wall_ms']:+.3f} ms, busy "
+             f"{(hs['busy_us'] - ar['busy_us']) / 1e3:+.3f} ms, kernels {hs['kernels'] - ar['kernels']:+.0f}"]
+    names = set(ar["all_kernels"]) | set(hs["all_kernels"])
+    zero = {"kernels": 0.0, "us": 0.0}
+    rows = sorted(((hs["all_kernels"].get(n, zero)["us"] - ar["all_kernels"].get(n, zero)["us"],
+                    hs["all_kernels"].get(n, zero)["kernels"] - ar["all_kernels"].get(n, zero)["kernels"], n)
+                   for n in names), key=lambda r: -abs(r[0]))
+    lines += [f"    {us:+8.1f} us {count:+5.1f} kernels  {name}" for us, count, name in rows[:25]
+              if abs(us) >= 0.5 or count]
+    return "\n".join(lines)
 
 
 def write(args, target, parts: dict, outside: dict) -> None:
@@ -303,7 +333,8 @@ def write(args, target, parts: dict, outside: dict) -> None:
                      f"{row['roofline_ms']:.3f} | {row['wall_ms'] / row['roofline_ms']:.1f}× | "
                      f"{max(0.0, 1 - row['busy_us'] / 1e3 / row['wall_ms']):.0%} | "
                      f"{row['committed_per_replay']:.2f} |")
-    lines += ["", *outside_lines(outside)]
+    if outside is not None:
+        lines += ["", *outside_lines(outside)]
     for label, row in parts.items():
         lines += ["", f"### {label}", "", "| kind | kernels / replay | µs / replay |", "|---|---|---|"]
         lines += [f"| {k} | {v['kernels']:.1f} | {v['us']:.1f} |" for k, v in row["by_kind"].items()]

@@ -15,13 +15,13 @@ def test_breakdown_times_the_round_and_its_forward_alone(tmp_path, monkeypatch, 
     report = json.loads(stem.with_suffix(".json").read_text())
     parts = report["parts"]
     forward_16, forward_1 = breakdown.forward_label(16), breakdown.forward_label(1)
-    assert list(parts) == [breakdown.AR_STEP, breakdown.DRAFT, "verify w = 1 (+ accept, commit)",
+    assert list(parts) == [breakdown.AR_STEP, breakdown.HS_STEP, breakdown.DRAFT, "verify w = 1 (+ accept, commit)",
                            "verify w = 16 (+ accept, commit)", breakdown.ROUND, forward_16, forward_1]
     assert all(row["kernels"] == 0 and row["wall_ms"] > 0 for row in parts.values())  # CPU: timings only
     # the forward alone neither drafts nor commits; a round commits at least its anchor, a plain step exactly it
     committed = {label: row["committed_per_replay"] for label, row in parts.items()}
     assert committed[forward_16] == committed[forward_1] == committed[breakdown.DRAFT] == 0
-    assert committed[breakdown.ROUND] >= 1 and committed[breakdown.AR_STEP] == 1
+    assert committed[breakdown.ROUND] >= 1 and committed[breakdown.AR_STEP] == committed[breakdown.HS_STEP] == 1
     assert "drafter weights" in parts[breakdown.ROUND]["bytes"] and "drafter weights" not in parts[forward_16]["bytes"]
     outside = report["outside_the_forward"]
     assert outside["block"] == 16
@@ -29,3 +29,16 @@ def test_breakdown_times_the_round_and_its_forward_alone(tmp_path, monkeypatch, 
     assert outside["draft_ms"] == parts[breakdown.DRAFT]["wall_ms"]
     assert outside["forward_1_ms"] == parts[forward_1]["wall_ms"]
     assert "outside the forward (round - forward)" in stem.with_suffix(".md").read_text()
+
+
+def test_breakdown_sets_the_plain_steps_side_by_side_at_batch_2(tmp_path, monkeypatch, cpu_only):
+    """--plain-only --batch 2: AR's plain step and HybridSpec's, each committing one token per row."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import breakdown
+
+    stem = tmp_path / "breakdown_plain"
+    breakdown.main(["--model", "tiny", "--replays", "2", "--batch", "2", "--plain-only", "--name", str(stem)])
+    report = json.loads(stem.with_suffix(".json").read_text())
+    assert list(report["parts"]) == [breakdown.AR_STEP, breakdown.HS_STEP]
+    assert all(row["committed_per_replay"] == 1 for row in report["parts"].values())
+    assert report["outside_the_forward"] is None

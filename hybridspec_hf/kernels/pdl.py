@@ -16,7 +16,10 @@ kernels that do not take part (torch's, cuBLAS's) keep plain stream order on bot
 
 ENABLED switches it (A/B: `--pdl on|off` in the benchmarks); it applies on CUDA devices of compute capability ≥ 9
 only, and never under TRITON_INTERPRET=1 (the CPU tests run the kernels with PDL=False: the same code otherwise).
-Read when a kernel launches, so graphs captured afterwards follow it.
+Read when a kernel launches, so graphs captured afterwards follow it. On since run 47 on the H200
+(benchmarks/results/batch_pdl_run47.md, A/B in one run, Qwen3.5-35B-A3B shape): our AR step 2.95 → 2.70-2.76 ms at
+batch 1, 4.26 → 3.93-3.98 at batch 2, 6.02 → 5.66-5.69 at batch 4 (1.06-1.09x tokens/s); the same bits
+(tests/test_pdl_cuda.py).
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ try:
 except ImportError:  # CPU installs without triton
     triton = tl = gdc_wait = gdc_launch_dependents = None
 
-ENABLED = False
+ENABLED = True
 
 
 @functools.lru_cache(maxsize=None)
@@ -40,8 +43,10 @@ def _capable(device_index: int) -> bool:
 
 
 def active(interpret: bool) -> bool:
-    """Whether launches now take PDL: switched on, not interpreted, and the current CUDA device is Hopper or newer."""
-    return ENABLED and not interpret and torch.cuda.is_available() and _capable(torch.cuda.current_device())
+    """Whether launches now take PDL: switched on, not interpreted, and the current device an NVIDIA GPU of compute
+    capability ≥ 9 (Hopper or newer; not ROCm, whose capability numbers mean something else)."""
+    return (ENABLED and not interpret and torch.version.hip is None and torch.cuda.is_available()
+            and _capable(torch.cuda.current_device()))
 
 
 def wait(PDL):
