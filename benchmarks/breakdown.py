@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> None:
                 for key, value in list(row["attributed"].items())[:40]:
                     print(f"    {value['kernels']:5d} {value['us']:8.1f} us  {key}", flush=True)
             length = int(rounds.target.length.max())
-            row["bytes"] = part_bytes(target, drafter, part.tokens, length, part.drafting)
+            row["bytes"] = part_bytes(target, drafter, part.tokens * args.batch, length, part.drafting)
             row["roofline_ms"] = sum(row["bytes"].values()) / (HBM_TBPS * 1e12) * 1e3
             parts[label] = row
             print(f"{label}: {row['kernels']:.0f} kernels, busy {row['busy_us'] / 1e3:.3f} ms, wall "
@@ -323,7 +323,8 @@ def step_difference(ar: dict, hs: dict) -> str:
 def write(args, target, parts: dict, outside: dict) -> None:
     config = target.config.get_text_config()
     lines = [f"{args.model}, {config.num_hidden_layers} layers, random bf16 weights, random drafter; graphs replayed "
-             f"on their own ({args.replays} replays each). Busy = sum of kernel durations; wall = CUDA-event time of a "
+             f"on their own ({args.replays} replays each), batch {args.batch}. Busy = sum of kernel durations (with "
+             "programmatic dependent launch kernels overlap, so busy may exceed wall); wall = CUDA-event time of a "
              f"replay; roofline = fewest bytes / {HBM_TBPS} TB/s (uniform router); committed = tokens a replay "
              "commits. Switches: " + ", ".join(f"{k} {v}" for k, v in switch_settings().items()) + ".", "",
              "| part | kernels | busy ms | wall ms | roofline ms | wall / roofline | idle share | committed |",
