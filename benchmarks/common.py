@@ -101,6 +101,12 @@ def environment() -> dict:
         "cpu": platform.processor() or platform.machine(),
         "torch_threads": torch.get_num_threads(),
     }
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        pass
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     return info

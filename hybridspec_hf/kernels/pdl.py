@@ -8,8 +8,8 @@ before it reads what that kernel wrote: the wait returns when the kernel before 
 visible. CUDA graphs captured from such launches keep these programmatic edges.
 
 The rule every kernel that takes part follows (`_LazyJit(fn, pdl=True)` in gdn_triton.py passes `PDL` and the
-launch option): before `wait(PDL)` it reads nothing but weights (tensors no kernel of the graph writes) and writes
-nothing; right after the wait it signals `launch_dependents(PDL)`, so at most two kernels overlap: one running, the
+launch option): before `enter(PDL)` it reads nothing but weights (tensors no kernel of the graph writes) and writes
+nothing; `enter` waits, then signals the next kernel, so at most two kernels overlap: one running, the
 next one's programs resident and prefetching their weights. Every program executes the wait, so a kernel completes
 only after the kernel before it has (kernels further back are then complete too: the chain is transitive), and
 kernels that do not take part (torch's, cuBLAS's) keep plain stream order on both sides.
@@ -49,25 +49,13 @@ def active(interpret: bool) -> bool:
             and _capable(torch.cuda.current_device()))
 
 
-def wait(PDL):
-    """In a kernel: wait for the kernel before it to complete (its writes visible). A no-op with PDL False."""
+def enter(PDL):
+    """In a kernel, before anything but weight reads: wait for the kernel before it to complete (its writes visible),
+    then let the next kernel's programs start (they wait for this one in their own `enter`). No-op with PDL False."""
     if PDL:
         gdc_wait()
-
-
-def launch_dependents(PDL):
-    """In a kernel: let the next kernel's programs start (they wait for this one in their own `wait`)."""
-    if PDL:
         gdc_launch_dependents()
 
 
-def enter(PDL):
-    """The usual kernel start when nothing is prefetched: wait, then let the next kernel start."""
-    wait(PDL)
-    launch_dependents(PDL)
-
-
 if triton is not None:
-    wait = triton.jit(wait)
-    launch_dependents = triton.jit(launch_dependents)
     enter = triton.jit(enter)
