@@ -1,5 +1,6 @@
 """The batch-aware latency model: C_N(w) calibrated over (batch size, w), and the shared w of a batch chosen with
 the tables of its batch size (pooled objective Σ_b G_b(w) − ρ_N·C_N(w))."""
+import collections
 import dataclasses
 
 import pytest
@@ -72,3 +73,26 @@ def test_calibration_over_batch_sizes_times_batched_rounds():
     assert bool((model.batch_cost[1, :, 1:] >= model.batch_cost[1, :, :-1]).all()), "C_2(w) is fitted monotone"
     assert torch.equal(model.for_batch(2).cost, model.batch_cost[1])
     assert torch.equal(model.for_batch(2).cost_ar, model.batch_cost_ar[1])
+
+
+def test_batch_calibration_times_rounds_that_verified_the_forced_length(monkeypatch):
+    """Every forced w of the batch calibration is timed on rounds that verified w tokens: the calls leave room for
+    the whole block (a round never verifies past max_length; short calls made C_N(w) flat above w ≈ 4)."""
+    target = make_target("qwen3_5_moe", seed=4, dtype=torch.float32)
+    drafter = make_drafter(target, BLOCK).float()
+    verified = collections.defaultdict(set)  # forced w -> w the batch's drafted rounds verified
+    generate = target.generate
+
+    def recording(*args, **kwargs):
+        out = generate(*args, **kwargs)
+        forced = kwargs["hybridspec_config"].selector.w
+        if out.shape[0] == 2:
+            verified[forced] |= {r.w for r in target.hybridspec_telemetry.rounds if r.drafted and r.rows == 2}
+        return out
+
+    monkeypatch.setattr(target, "generate", recording)
+    calibrate_latency(target, drafter, context_lens=(16,), repeats=1, progress=False, batch_sizes=(1, 2))
+    lengths = [w for w in verified if w > 0]
+    assert BLOCK in lengths and len(lengths) >= 4
+    for w in lengths:
+        assert w in verified[w], (w, verified[w])

@@ -75,6 +75,12 @@ class ForcedLength(LengthSelector):
         return w if w_max is None else torch.minimum(w, on_device(w_max, w.device))
 
 
+# what a cached calibration was measured with, besides the model and the libraries: bumped when the measurement
+# changes (2: batch tables timed on rounds that verified the forced w; kernels launched with PDL), so that a cache
+# written before is measured again instead of being read
+CALIBRATION_REVISION = 2
+
+
 def cache_key(target, drafter, kernel_backend: str, verify_shape: str | None = None) -> dict:
     import transformers
 
@@ -83,7 +89,8 @@ def cache_key(target, drafter, kernel_backend: str, verify_shape: str | None = N
     shape = verify_shape or resolved_verify_shape(HybridSpecConfig(), device)
     config = {"target": target.config.to_dict(), "drafter": drafter.config.to_dict(), "kernels": kernel_backend,
               "verify_shape": shape}
-    return make_cache_key(config, next(target.parameters()).dtype, device_name, {"transformers": transformers.__version__})
+    return make_cache_key(config, next(target.parameters()).dtype, device_name,
+                          {"transformers": transformers.__version__, "hybridspec_calibration": str(CALIBRATION_REVISION)})
 
 
 def cache_path(key: dict) -> Path:
@@ -302,9 +309,12 @@ def calibrate_batches(model: LatencyModel, target, drafter, batch_sizes: list[in
     """`model` (the batch-1 calibration) with C_N(w) and C_ar,N for each N in batch_sizes: rounds over N prompts of
     the context's length (no padding), every row verifying the forced w, through generate() as a batched call runs
     them (GPU-resident rounds of N's bucket on CUDA, the eager batched loop elsewhere). Each call stops on
-    max_new_tokens (a host-side criterion would send a batch to the eager loop), so a call runs at most
-    rounds_per_call + 1 rounds; the routers' statistics and η stay batch 1's (the routing correction is off in
-    batches)."""
+    max_new_tokens (a host-side criterion would send a batch to the eager loop): rounds_per_call + 1 + B tokens, so
+    that its first rounds_per_call + 1 rounds have room to verify the whole block (a round never verifies past a
+    row's max_length) and only rounds that verified the forced w are timed. Until 2026-12-02 a call had
+    rounds_per_call + 2 tokens, so C_N(w) above w ≈ 4 was the cost of verifying ≈ 4 tokens (flat): the H200 runs
+    43 and 49 measured batch 2-8 rounds of w ≈ 15 at 1.2-1.4x the calibrated C_N(16). The routers' statistics and η
+    stay batch 1's (the routing correction is off in batches)."""
     forced = ForcedLength(0)
     block_size = drafter.config.block_size
     tables = {1: model}
@@ -313,14 +323,16 @@ def calibrate_batches(model: LatencyModel, target, drafter, batch_sizes: list[in
             forced.set(w)
             ids = torch.cat([prompt(context) for _ in range(batch)])
             target.generate(
-                ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=rounds_per_call + 2,
+                ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                max_new_tokens=rounds_per_call + 1 + block_size,
                 eos_token_id=None, pad_token_id=0, assistant_model=drafter, generation_strategy="hybridspec",
                 hybridspec_config=HybridSpecConfig(selector=forced, kernel_backend=kernel_backend,
                                                    verify_shape=verify_shape or "auto", cuda_graphs=cuda_graphs))
             rounds = target.hybridspec_telemetry.rounds
-            # whole-batch rounds only (no row finished yet); w = 0: the plain steps after the first, drafted, round
-            times = sorted(r.wall_s for r in rounds if r.drafted == (w > 0) and r.rows == batch) or \
-                sorted(r.wall_s for r in rounds)
+            # whole-batch rounds (no row finished yet) that verified w; w = 0: the plain steps after the first,
+            # drafted, round
+            times = sorted(r.wall_s for r in rounds if r.drafted == (w > 0) and r.rows == batch
+                           and (w == 0 or r.w == w)) or sorted(r.wall_s for r in rounds)
             return times[len(times) // 2]
 
         tables[batch] = calibrate(measure_round, measured_lengths(block_size), context_lens, repeats=repeats,
