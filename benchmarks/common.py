@@ -26,6 +26,10 @@ SWITCHES = {
                      "HybridSpec's draft decision trusts the drafts' G(w) until emitted tokens confirm it"),
     "pdl": ("hybridspec_hf.kernels.pdl", "ENABLED",
             "programmatic dependent launch of our Triton kernels (Hopper: a kernel starts as the one before ends)"),
+    "early-reads": ("hybridspec_hf.kernels.pdl", "EARLY_READS",
+                    "reads of what kernels two back wrote before the PDL wait (MoE decode down, GDN step state)"),
+    "gdn-norm-fold": ("hybridspec_hf.kernels.gdn_step_triton", "FOLD_NORM",
+                      "the GDN step's gated RMSNorm by the head's last program, no launch of its own"),
 }
 
 # switches the resident rounds' key records (resident._Key): a variant needs no release of the kept rounds
@@ -50,35 +54,42 @@ def apply_switches(args) -> None:
 
 @contextlib.contextmanager
 def method_variant(method: str, target=None):
-    """A method named "BASE+FLAG" or "BASE-FLAG" (FLAG a key of SWITCHES) runs BASE with that switch on or off, then
-    puts it back: an A/B of one switch inside one run, sharing the model and the calibration. Yields BASE. Rounds
-    captured under one setting must not serve the other, so `target`'s captured rounds are released on both sides
-    of a variant, unless the rounds' key records the switch (KEYED)."""
-    base, sign, flag = method, "", ""
-    for candidate in SWITCHES:
-        for mark in "+-":
-            if method.endswith(mark + candidate):
-                base, sign, flag = method[: -len(candidate) - 1], mark, candidate
-    if not flag:
+    """A method named "BASE+FLAG" or "BASE-FLAG" (FLAG a key of SWITCHES; several may follow one another, e.g.
+    "ar-early-reads-gdn-norm-fold") runs BASE with those switches on or off, then puts them back: an A/B inside one
+    run, sharing the model and the calibration. Yields BASE. Rounds captured under one setting must not serve
+    another, so `target`'s captured rounds are released on both sides of a variant, unless the rounds' key records
+    every switch it sets (KEYED)."""
+    base, settings = method, []
+    while True:
+        found = next(((mark, flag) for flag in SWITCHES for mark in "+-" if base.endswith(mark + flag)), None)
+        if found is None:
+            break
+        mark, flag = found
+        base = base[: -len(flag) - 1]
+        settings.append((flag, mark == "+"))
+    if not settings:
         yield base
         return
-    module, attribute, _ = SWITCHES[flag]
-    owner = importlib.import_module(module)
-    before = getattr(owner, attribute)
-    keyed = flag in KEYED  # kept rounds record the setting: rounds of both may be kept side by side
+    keyed = all(flag in KEYED for flag, _ in settings)  # kept rounds record the settings: kept side by side
     release = (lambda: None) if target is None or keyed else (
         lambda: importlib.import_module("hybridspec_hf").release_graphs(target))
     release()
-    setattr(owner, attribute, sign == "+")
+    before = []
+    for flag, on in settings:
+        module, attribute, _ = SWITCHES[flag]
+        owner = importlib.import_module(module)
+        before.append((owner, attribute, getattr(owner, attribute)))
+        setattr(owner, attribute, on)
     try:
         yield base
     finally:
-        setattr(owner, attribute, before)
+        for owner, attribute, value in reversed(before):
+            setattr(owner, attribute, value)
         release()
 
 
 def variant_switches(method: str) -> dict:
-    """{attribute: setting} a method variant ("BASE+FLAG" / "BASE-FLAG") sets; {} for a plain method."""
+    """Every switch's setting under a method variant ("BASE+FLAG" / "BASE-FLAG", flags may follow one another)."""
     with method_variant(method):
         return switch_settings()
 

@@ -119,3 +119,25 @@ def test_call_simulation_prices_a_whole_call_and_its_rows(monkeypatch):
     selector.reset()
     speedup, spec = selector_sim.simulate_call(selector, dear, nothing, estimator, 0, 129)
     assert spec <= 3 and 0.85 < speedup < 1.0, (speedup, spec)
+
+
+def test_method_variants_set_one_or_several_switches_and_put_them_back(monkeypatch):
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from common import method_variant, variant_switches
+
+    from hybridspec_hf.kernels import gdn_step_triton, pdl
+
+    before = (pdl.EARLY_READS, gdn_step_triton.FOLD_NORM, pdl.ENABLED)
+    with method_variant("ar-early-reads-gdn-norm-fold") as base:
+        assert base == "ar" and (pdl.EARLY_READS, gdn_step_triton.FOLD_NORM) == (False, False)
+        assert pdl.ENABLED == before[2]
+    assert (pdl.EARLY_READS, gdn_step_triton.FOLD_NORM, pdl.ENABLED) == before
+    with method_variant("hybridspec+pdl") as base:
+        assert base == "hybridspec" and pdl.ENABLED
+    with method_variant("dflash") as base:
+        assert base == "dflash"
+    settings = variant_switches("ar-early-reads")
+    assert settings["EARLY_READS"] is False and settings["FOLD_NORM"] == before[1]
+    assert (pdl.EARLY_READS, gdn_step_triton.FOLD_NORM, pdl.ENABLED) == before

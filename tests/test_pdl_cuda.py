@@ -82,3 +82,92 @@ def test_resident_calls_with_pdl_equal_those_without(strategy, rows, pdl_switch)
         outputs[on] = target.generate(prompt, **kwargs)
     resident.release_resident_rounds(target)
     assert torch.equal(outputs[True], outputs[False])
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("switch", ["early_reads", "fold_norm"])
+def test_early_reads_and_the_folded_norm_keep_the_tokens(switch, rows, monkeypatch):
+    """Reads before the PDL wait (pdl.EARLY_READS: the MoE decode down kernel's routing and first weight tile, the
+    GDN step's state) and the GDN step's norm by the head's last program (gdn_step_triton.FOLD_NORM) give the same
+    tokens as without, in whole bf16 resident calls with PDL on: AR at batch 1 (the GDN step, T = 1 decode MoE) and
+    HybridSpec in a bucket of 4."""
+    from _tiny import make_drafter, make_target
+
+    from hybridspec_hf.kernels import gdn_step_triton
+
+    owner, attribute = (pdl, "EARLY_READS") if switch == "early_reads" else (gdn_step_triton, "FOLD_NORM")
+    assert pdl.active(False)
+    target = make_target("qwen3_5_moe", dtype=torch.bfloat16)
+    if hasattr(target, "set_experts_implementation"):
+        target.set_experts_implementation("batched_mm")
+    target.cuda()
+    strategy = "ar" if rows == 1 else "hybridspec"
+    drafter = make_drafter(target, 8, None, error_rate=0.25, seed=0).to(torch.bfloat16).cuda()
+    drafter.bind_target(target)
+    prompt = torch.randint(1, VOCAB, (rows, 11), generator=torch.Generator().manual_seed(7 + rows)).cuda()
+    kwargs = dict(attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=40, pad_token_id=0,
+                  assistant_model=drafter if strategy != "ar" else None, generation_strategy=strategy,
+                  hybridspec_config=HybridSpecConfig(cuda_graphs="on"))
+    outputs = {}
+    for on in (False, True):
+        monkeypatch.setattr(owner, attribute, on)
+        resident.release_resident_rounds(target)  # graphs captured under this setting
+        target.generate(prompt, **kwargs)
+        outputs[on] = target.generate(prompt, **kwargs)
+    resident.release_resident_rounds(target)
+    assert torch.equal(outputs[True], outputs[False])
+
+
+def _step_chain(h, layers, early: bool, fold: bool, monkeypatch):
+    """Per layer: the input projection (gemv, the kernel right before the step) → the GDN step (state and window in
+    place) → out projection, as a resident plain step runs them."""
+    from hybridspec_hf.kernels import gdn_step_triton
+
+    monkeypatch.setattr(pdl, "EARLY_READS", early)
+    monkeypatch.setattr(gdn_step_triton, "FOLD_NORM", fold)
+    out = h
+    for p in layers:
+        mixed = gemv_triton.gemv(out, p["w_in"], None, gemv_triton.GemvConfig(64, 128, 1, 4, 4, True))  # [1, 1, W]
+        x, z, b, a = mixed.split(p["widths"], dim=-1)
+        y = gdn_step_triton.gdn_step(x, p["conv_state"], p["conv_weight"], None, a, b, p["A_log"], p["dt_bias"],
+                                     p["state"], z.reshape(1, 1, 32, 128), p["norm_weight"], 1e-6, 16)
+        out = out + gemv_triton.gemv(y.reshape(1, 1, -1), p["w_out"], None,
+                                     gemv_triton.GemvConfig(32, 128, 8, 4, 4, True))
+    return out
+
+
+def test_the_gdn_step_reads_early_and_folds_its_norm_without_changing_bits(monkeypatch):
+    """At the 35B-A3B layer shape (16 key / 32 value heads of 128, BV = 16: 256 programs) in a captured chain with
+    PDL: the state read before the wait gives the same bits as after it, over 6 replays that each update the states
+    in place; the folded norm equals the norm's own launch to one bf16 rounding."""
+    torch.manual_seed(0)
+    hidden, dk, heads, v_heads = 2048, 128, 16, 32
+    channels = 2 * heads * dk + v_heads * dk
+    widths = [channels, v_heads * dk, v_heads, v_heads]
+    def make_layers():
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        rand = lambda *shape: torch.randn(*shape, device="cuda", generator=gen)  # noqa: E731
+        return [dict(w_in=(rand(sum(widths), hidden) * hidden ** -0.5).bfloat16(),
+                     w_out=(rand(hidden, v_heads * dk) * (v_heads * dk) ** -0.5).bfloat16(), widths=widths,
+                     conv_state=rand(1, channels, 4).bfloat16(), conv_weight=(rand(channels, 4) * 0.5).bfloat16(),
+                     A_log=torch.linspace(-3.0, 2.7, v_heads, device="cuda"), dt_bias=rand(v_heads).bfloat16(),
+                     state=rand(1, v_heads, dk, dk) * 0.3, norm_weight=(1.0 + 0.3 * rand(dk)).bfloat16())
+                for _ in range(4)]
+    h = torch.randn(1, 1, hidden, device="cuda").bfloat16()
+    runs = {}
+    for early, fold in ((False, False), (True, False), (True, True)):
+        layers = make_layers()
+        _step_chain(h, make_layers(), early, fold, monkeypatch)  # compiles outside the capture (other caches)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = _step_chain(h, layers, early, fold, monkeypatch)
+        outs = []
+        for _ in range(6):
+            graph.replay()
+            outs.append(out.clone())
+        runs[early, fold] = (torch.stack(outs), torch.stack([p["state"] for p in layers]))
+    assert torch.equal(runs[True, False][0], runs[False, False][0])
+    assert torch.equal(runs[True, False][1], runs[False, False][1])
+    folded, separate = runs[True, True][0].float(), runs[True, False][0].float()
+    assert runs[True, False][0].abs().sum() > 0
+    torch.testing.assert_close(folded, separate, rtol=2 ** -7, atol=2 ** -7 * separate.abs().max().item())

@@ -782,6 +782,7 @@ def resident_decode(rounds: ResidentRounds, emitter: HostEmitter, telemetry, pre
     replay (two for a speculative round), one wait for the hand-off, and the emission of its tokens."""
     draft_next = rounds.speculative
     plain_left = 0  # plain steps a deciding step ordered before the next draft (they run without selector work)
+    predicted = []  # (w, context, drafted) of each round: its calibrated latency is looked up after the loop
     last = time.perf_counter()
     context_len = emitter.length - 1
     while not emitter.finished:
@@ -817,11 +818,19 @@ def resident_decode(rounds: ResidentRounds, emitter: HostEmitter, telemetry, pre
             w0=w - kept if device_side else None,
             extra_kept=bool(kept) if corrected else None,
             n_new=n_new if corrected else None,
-            predicted_s=predicted_latency(w, context_len, drafted),
             host_s=now - last - rounds.waited_s,
         ))
+        predicted.append((w, context_len, drafted))
         context_len += committed
         last = now
+    _fill_predictions(telemetry.rounds, predicted, predicted_latency)
+
+
+def _fill_predictions(records: list, predicted: list, predicted_latency) -> None:
+    """Each round's calibrated latency (telemetry), looked up once the rounds are done: in the loop the lookup
+    (≈ 3 µs of host time) would sit between a hand-off and the next launch, where the GPU waits for the host."""
+    for record, args in zip(records[len(records) - len(predicted):], predicted):
+        record.predicted_s = predicted_latency(*args)
 
 
 class RowsHost:
@@ -864,6 +873,7 @@ def resident_decode_rows(rounds: ResidentRounds, host: RowsHost, telemetry, pred
     round carries every row's tokens, accepted counts, m and whether it still runs."""
     draft_next = rounds.speculative
     plain_left = 0  # plain steps a deciding step ordered before the next draft
+    predicted = []  # (w, context, drafted) of each round: its calibrated latency is looked up after the loop
     last = time.perf_counter()
     while any(host.live):
         rounds.waited_s = 0.0
@@ -895,7 +905,8 @@ def resident_decode_rows(rounds: ResidentRounds, host: RowsHost, telemetry, pred
         telemetry.rounds.append(RoundRecord(
             w, sum(a[row] for row in running) if drafted else 0, emitted, emitted, now - last, drafted,
             w0=w if drafted and rounds.strategy.mode != "fixed" else None,
-            predicted_s=predicted_latency(w, context_len, drafted), host_s=now - last - rounds.waited_s,
-            rows=len(running),
+            host_s=now - last - rounds.waited_s, rows=len(running),
         ))
+        predicted.append((w, context_len, drafted))
         last = now
+    _fill_predictions(telemetry.rounds, predicted, predicted_latency)

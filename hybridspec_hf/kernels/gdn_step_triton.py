@@ -19,8 +19,10 @@ reductions of the step read the same decayed state (o = e^g Sᵀ q + (q · k) z,
 Grid: one program per (dv tile of BV columns, value head, request); it owns its [dk, BV] state tile (read and
 written once, in place) and its BV value channels of the conv window. With BV = dv a program holds a whole head's
 output, so the gated RMSNorm runs in its registers: ONE launch, 32 programs at the 35B-A3B shape (HV = 32). With
-BV < dv the kernel stores o and `norm_triton.gated_rms_norm` follows: two launches, more programs (BV = 16: 256).
-On the H200 the narrow tiles won at batch 1 (237 µs against 277 for BV = dv, 30 layers: `step_config`, the
+BV < dv (more programs: BV = 16 gives 256) each program stores its o tile and the last of the head's programs to
+arrive (a (request, value head) counter, as below) reads the whole head back and applies the norm in place: one
+launch too (`FOLD_NORM`; off, `norm_triton.gated_rms_norm` follows as a second launch). On the H200 the narrow
+tiles with the norm's own launch won at batch 1 (237 µs against 277 for BV = dv, 30 layers: `step_config`, the
 default).
 
 The q and k channels of a key head are read by every program of its GROUP value heads and dv tiles, so none of
@@ -42,6 +44,9 @@ from .gdn_triton import HAS_TRITON, _LazyJit, _last_dim_contiguous, tl, tl_dtype
 from .norm_triton import gated_rms_norm, gated_rms_norm_reference
 
 FUSED_STEP = True  # the switch: False keeps the four launches (conv_silu, gdn_gates, gdn_decode_step, gated norm)
+# With narrow tiles (BV < dv) the last of a head's programs to arrive applies the gated RMSNorm to the whole head in
+# the same launch; False: the norm's own launch after the step (A/B)
+FOLD_NORM = True
 
 
 def gdn_step_reference(x: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tensor,
@@ -111,13 +116,15 @@ def _gdn_step_kernel(
     x, conv_state, conv_w, conv_bias, a, b, A_log, dt_bias, state, z, norm_w, out, counters,
     stride_xb, stride_cb, stride_cc, stride_ck, stride_wc, stride_wk, stride_ab, stride_bb,
     stride_sb, stride_sh, stride_sk, stride_zb, stride_zh,
-    HV, GROUP, DK, DV, scale, threshold, eps,
-    K: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr, ARRIVALS: tl.constexpr,
-    HAS_BIAS: tl.constexpr, NORM: tl.constexpr, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr,
+    HV, GROUP, DK, DV, scale, threshold, eps, HEAD_COUNTERS,
+    K: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr,
+    ARRIVALS: tl.constexpr, TILES: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
+    FOLD_NORM: tl.constexpr, EARLY: tl.constexpr, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr,
     BETA_DTYPE: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
+    if not EARLY:
+        pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
     i_v = tl.program_id(0)
     i_h = tl.program_id(1)
     i_b = tl.program_id(2).to(tl.int64)
@@ -129,7 +136,11 @@ def _gdn_step_kernel(
     mv = rv < DV
     mask_kv = mk[:, None] & mv[None, :]
     p_s = state + i_b * stride_sb + i_h * stride_sh + rk[:, None] * stride_sk + rv[None, :]
-    b_s = tl.load(p_s, mask=mask_kv, other=0.0)  # [BK, BV] fp32, issued first: the largest read
+    # [BK, BV] fp32, issued first: the largest read. EARLY (pdl.EARLY_READS): before the PDL wait, past L1 (the state
+    # was written by this layer's previous step, long before the input projection this kernel waits for)
+    b_s = tl.load(p_s, mask=mask_kv, other=0.0, cache_modifier=".cg")
+    if EARLY:
+        pdl.enter(PDL)  # the conv window and x (the input projection's) from here on
 
     p_c = conv_state + i_b * stride_cb
     p_x = x + i_b * stride_xb
@@ -177,23 +188,40 @@ def _gdn_step_kernel(
     tl.store(p_s, b_s, mask=mask_kv)
     b_o = (b_sq + tl.sum(b_q * b_k, 0) * b_z).to(X_DTYPE)  # the recurrence's output in v's dtype
 
-    p_out = out + (i_b * HV + i_h) * DV + rv
+    p_head = out + (i_b * HV + i_h) * DV
+    p_z = z + i_b * stride_zb + i_h * stride_zh
     if NORM:  # this program holds the whole head: norm_triton's gated RMSNorm in registers
-        o = tl.where(mv, b_o.to(tl.float32), 0.0)
-        rstd = tl.rsqrt(tl.sum(o * o, 0) / DV + eps)
-        normed = (o * rstd).to(X_DTYPE).to(tl.float32)  # transformers rounds to the model dtype before the weight
-        weight = tl.load(norm_w + rv, mask=mv, other=0.0).to(tl.float32)
-        scaled = (weight * normed).to(X_DTYPE).to(tl.float32)  # w · y in the model dtype
-        gate = tl.load(z + i_b * stride_zb + i_h * stride_zh + rv, mask=mv, other=0.0).to(tl.float32)
-        tl.store(p_out, (scaled * (gate / (1.0 + tl.exp(-gate)))).to(X_DTYPE), mask=mv)
+        _gated_norm_store(b_o.to(tl.float32), rv, mv, p_head, p_z, norm_w, DV, eps, X_DTYPE)
     else:
-        tl.store(p_out, b_o, mask=mv)
+        tl.store(p_head + rv, b_o, mask=mv)
+        if FOLD_NORM:  # the last of the head's TILES programs to arrive norms the whole head (o in out, in place)
+            tl.debug_barrier()  # every thread's o is written before the signal (release below)
+            p_count = counters + HEAD_COUNTERS + i_b * HV + i_h
+            arrived = tl.atomic_add(p_count, 1, sem="acq_rel")
+            if arrived == TILES - 1:
+                rd = tl.arange(0, BD)
+                md = rd < DV
+                o = tl.load(p_head + rd, mask=md, other=0.0, cache_modifier=".cg").to(tl.float32)
+                _gated_norm_store(o, rd, md, p_head, p_z, norm_w, DV, eps, X_DTYPE)
+                tl.store(p_count, 0)  # zero again for the next launch
+
+
+def _gated_norm_store(o, cols, mask, p_head, p_z, norm_w, DV, eps, X_DTYPE: tl.constexpr):
+    """norm_triton's gated RMSNorm of one head's o (fp32 holding X_DTYPE values, 0 where masked), stored at p_head:
+    y = (w · (o · rsqrt(mean(o²) + eps))) · silu(z), with transformers' roundings."""
+    rstd = tl.rsqrt(tl.sum(o * o, 0) / DV + eps)
+    normed = (o * rstd).to(X_DTYPE).to(tl.float32)  # transformers rounds to the model dtype before the weight
+    weight = tl.load(norm_w + cols, mask=mask, other=0.0).to(tl.float32)
+    scaled = (weight * normed).to(X_DTYPE).to(tl.float32)  # w · y in the model dtype
+    gate = tl.load(p_z + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(p_head + cols, (scaled * (gate / (1.0 + tl.exp(-gate)))).to(X_DTYPE), mask=mask)
 
 
 if HAS_TRITON:
     _conv_silu_one = triton.jit(_conv_silu_one)
     _rolled_window = triton.jit(_rolled_window)
     _store_window = triton.jit(_store_window)
+    _gated_norm_store = triton.jit(_gated_norm_store)
     _gdn_step_kernel = _LazyJit(_gdn_step_kernel, pdl=True)
 
 
@@ -269,16 +297,21 @@ def gdn_step(
     norm = block_v >= dv
     tiles = triton.cdiv(dv, block_v)
     group = num_v_heads // num_k_heads
+    fold = FOLD_NORM and not norm
     out = torch.empty(batch, 1, num_v_heads, dv, dtype=x.dtype, device=x.device)
-    counters = _counters(x.device, batch * num_k_heads) if group * tiles > 1 else out
+    # counters: (request, key head) for the q/k window, then (request, value head) for the folded norm
+    key_counters = batch * num_k_heads
+    uses_counters = group * tiles > 1 or fold
+    counters = _counters(x.device, key_counters + (batch * num_v_heads if fold else 0)) if uses_counters else out
     _gdn_step_kernel[(tiles, num_v_heads, batch)](
         x, conv_state, conv_weight, conv_bias if conv_bias is not None else conv_weight, a, b, A_log, dt_bias,
         state, z, norm_weight, out, counters,
         x.stride(0), *conv_state.stride(), *conv_weight.stride(), a.stride(0), b.stride(0), *state.stride()[:3],
         z.stride(0), z.stride(2),
-        num_v_heads, group, dk, dv, dk**-0.5, SOFTPLUS_THRESHOLD, norm_eps,
+        num_v_heads, group, dk, dv, dk**-0.5, SOFTPLUS_THRESHOLD, norm_eps, key_counters,
         K=k_taps, BK=triton.next_power_of_2(dk), BV=block_v, BW=triton.next_power_of_2(k_taps),
-        ARRIVALS=group * tiles, HAS_BIAS=conv_bias is not None, NORM=norm, X_DTYPE=tl_dtype(x.dtype),
-        W_DTYPE=tl_dtype(conv_weight.dtype), BETA_DTYPE=tl_dtype(b.dtype), num_warps=warps,
+        BD=triton.next_power_of_2(dv), ARRIVALS=group * tiles, TILES=tiles, HAS_BIAS=conv_bias is not None,
+        NORM=norm, FOLD_NORM=fold, EARLY=pdl.EARLY_READS, X_DTYPE=tl_dtype(x.dtype), W_DTYPE=tl_dtype(conv_weight.dtype),
+        BETA_DTYPE=tl_dtype(b.dtype), num_warps=warps,
     )
-    return out if norm else gated_rms_norm(out, z, norm_weight, norm_eps)
+    return out if norm or fold else gated_rms_norm(out, z, norm_weight, norm_eps)

@@ -177,12 +177,13 @@ def moe_block_reference(
 # kernels
 
 
-def _first_use(ids, slot, S, E, SP: tl.constexpr):
+def _first_use(ids, slot, S, E, SP: tl.constexpr, CACHE: tl.constexpr):
     """(expert int64, live) of pair `slot` of ids [S]: live when the id is a valid expert that no earlier pair names
-    (one program per distinct expert; slot S, the shared expert's if any, reads -1)."""
-    expert = tl.load(ids + slot, mask=slot < S, other=-1).to(tl.int64)
+    (one program per distinct expert; slot S, the shared expert's if any, reads -1). CACHE: the loads' cache
+    modifier (".cg" for a read before the PDL wait, pdl.py)."""
+    expert = tl.load(ids + slot, mask=slot < S, other=-1, cache_modifier=CACHE).to(tl.int64)
     rs = tl.arange(0, SP)
-    earlier = tl.load(ids + rs, mask=rs < slot, other=-1)
+    earlier = tl.load(ids + rs, mask=rs < slot, other=-1, cache_modifier=CACHE)
     live = (tl.sum((earlier == expert).to(tl.int32), 0) == 0) & (expert >= 0) & (expert < E)
     return expert, live
 
@@ -193,7 +194,7 @@ def _program_rows(ids, block_expert, block_pairs, slot, T, S, E,
     work), and per row the token–expert pair whose act row it reads or writes."""
     rm = tl.arange(0, BM)
     if DIRECT:
-        expert, live = _first_use(ids, slot, S, E, SP)
+        expert, live = _first_use(ids, slot, S, E, SP, "")
         rj = tl.arange(0, KP)
         token_ids = tl.load(ids + rm[:, None] * K + rj[None, :], mask=(rm[:, None] < T) & (rj[None, :] < K), other=-1)
         j_first = tl.min(tl.where(token_ids == expert, rj[None, :], KP), 1)  # a token lists an expert once, but
@@ -381,7 +382,7 @@ def _gate_up_decode_kernel(
     i_n = tl.program_id(0)
     i_k = tl.program_id(1)
     slot = tl.program_id(2)
-    expert, live = _first_use(ids, slot, S, E, SP)
+    expert, live = _first_use(ids, slot, S, E, SP, "")
     w_base = w1 + expert * stride_we
     if SHARED:
         is_shared = slot == S
@@ -464,19 +465,21 @@ def _down_decode_kernel(
     stride_we, stride_wn, stride_ot, stride_rt,
     H: tl.constexpr, INTER: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, TP: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, STEPS: tl.constexpr, EVEN_K: tl.constexpr, SHARED: tl.constexpr,
-    RESIDUAL: tl.constexpr,
+    RESIDUAL: tl.constexpr, EARLY: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Program (i_n, slot): BN output columns of the slot's expert, y = down_e act for every token, times the
     token's routing weight of that expert (0 if it did not choose it), to partials [H / BN, slots, TP, BN]; the last
     of the column tile's programs sums the slots in slot order, adds the gated shared expert and the residual, and
-    stores the output."""
-    pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
+    stores the output. EARLY (pdl.EARLY_READS): the routing (the router's, two kernels back) and the first weight
+    tile are read before the PDL wait, so they stream while gate_up ends; act and logit (gate_up's) after it."""
+    if not EARLY:
+        pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
     i_n = tl.program_id(0)
     slot = tl.program_id(1)
     num_slots = S + 1 if SHARED else S
-    expert, live = _first_use(ids, slot, S, E, SP)
-    w_base = w2 + expert * stride_we
+    expert, live = _first_use(ids, slot, S, E, SP, ".cg")
+    w_base = w2 + tl.where(live, expert, 0) * stride_we  # an expert without work reads nothing (masked below)
     is_shared = False
     if SHARED:
         is_shared = slot == S
@@ -487,28 +490,33 @@ def _down_decode_kernel(
     rn = i_n * BN + rb
     rt = tl.arange(0, TP)
     t_ok = rt < T
+    # the token's weight of this expert: Σ_j w[t, j] over the pairs (t, j) naming it (an expert listed twice counts
+    # twice); the shared expert's output stays unweighted (its gate comes in the combine). Loaded with the first
+    # weight tile, so that both are in flight together
+    rj = tl.arange(0, KP)
+    pair = rt[:, None] * K + rj[None, :]
+    pair_ok = t_ok[:, None] & (rj[None, :] < K) & live
+    named = (tl.load(ids + pair, mask=pair_ok, other=-1, cache_modifier=".cg") == expert) & pair_ok & (expert >= 0)
+    coef = tl.sum(tl.load(weights + pair, mask=named, other=0.0, cache_modifier=".cg").to(tl.float32), axis=1)
+    rk = tl.arange(0, BK)
+    p_w = w_base + (rn % H).to(tl.int64)[:, None] * stride_wn + rk[None, :]  # [BN, BK]; rows past H: not stored
+    k_ok = rk < INTER
+    b_w = tl.load(p_w, mask=live & k_ok[None, :], other=0.0)  # the first tile (live: the slot has work)
+    if EARLY:
+        pdl.enter(PDL)  # act and logit (gate_up's) from here on
     acc = tl.zeros([BN, TP], dtype=tl.float32)
     if live:
-        # the token's weight of this expert: Σ_j w[t, j] over the pairs (t, j) naming it (an expert listed twice
-        # counts twice); the shared expert's output stays unweighted (its gate comes in the combine). Loaded
-        # before the weights, so that both are in flight together
-        rj = tl.arange(0, KP)
-        pair = rt[:, None] * K + rj[None, :]
-        pair_ok = t_ok[:, None] & (rj[None, :] < K)
-        named = (tl.load(ids + pair, mask=pair_ok, other=-1) == expert) & pair_ok & (expert >= 0)
-        coef = tl.sum(tl.load(weights + pair, mask=named, other=0.0).to(tl.float32), axis=1)  # [TP]
-        rk = tl.arange(0, BK)
-        p_w = w_base + (rn % H).to(tl.int64)[:, None] * stride_wn + rk[None, :]  # [BN, BK]; rows past H: not stored
         p_a = act + (slot * TP).to(tl.int64) * INTER + rk  # [BK] of token 0
-        for step in range(STEPS):
+        acc = _add_row_products(acc, b_w, p_a, INTER, k_ok, T, TP)
+        for step in range(1, STEPS):
+            p_w += BK
+            p_a += BK
             k_ok = (step * BK + rk) < INTER
             if EVEN_K:
                 b_w = tl.load(p_w)
             else:
                 b_w = tl.load(p_w, mask=k_ok[None, :], other=0.0)
             acc = _add_row_products(acc, b_w, p_a, INTER, k_ok, T, TP)
-            p_w += BK
-            p_a += BK
         acc = acc * tl.where(is_shared, 1.0, coef)[None, :]
     offsets = rt[None, :] * BN + rb[:, None]
     p_part = partials + (i_n * num_slots).to(tl.int64) * (TP * BN) + offsets
@@ -769,7 +777,7 @@ def decode_launches(num_tokens: int, hidden_size: int, inter: int, top_k: int, *
     tiles, steps, _ = _fit_decode(down_tiles or default_down, hidden_size, inter, 1)
     down = Launch((triton.cdiv(hidden_size, tiles.block_n), slots),
                   dict(common, K=top_k, KP=triton.next_power_of_2(top_k), BN=tiles.block_n, BK=tiles.block_k,
-                       STEPS=steps, EVEN_K=inter % tiles.block_k == 0, RESIDUAL=residual),
+                       STEPS=steps, EVEN_K=inter % tiles.block_k == 0, RESIDUAL=residual, EARLY=pdl.EARLY_READS),
                   tiles.num_warps, tiles.num_stages)
     return gate_up, down
 

@@ -14,6 +14,14 @@ next one's programs resident and prefetching their weights. Every program execut
 only after the kernel before it has (kernels further back are then complete too: the chain is transitive), and
 kernels that do not take part (torch's, cuBLAS's) keep plain stream order on both sides.
 
+Early reads (`EARLY_READS`): a kernel starts only after the kernel right before it passed its own wait (a kernel
+that does not take part: after it completed), so every kernel before that one has completed and its writes are in
+global memory. Before `enter` a kernel may therefore also read what those kernels wrote, never what the kernel right
+before it writes, and past L1 (`.cg`: a line cached by an earlier kernel on the same SM could be stale). The MoE
+decode down kernel reads the routing (written by the router, two kernels back: the gate_up kernel is between) and
+streams its first weight tile while gate_up ends; the GDN decoding step loads its state (written by the previous
+step's launch) before waiting for its input projection. False: those reads after `enter` (A/B).
+
 ENABLED switches it (A/B: `--pdl on|off` in the benchmarks); it applies on CUDA devices of compute capability ≥ 9
 only, and never under TRITON_INTERPRET=1 (the CPU tests run the kernels with PDL=False: the same code otherwise).
 Read when a kernel launches, so graphs captured afterwards follow it. On since run 47 on the H200
@@ -35,6 +43,7 @@ except ImportError:  # CPU installs without triton
     triton = tl = gdc_wait = gdc_launch_dependents = None
 
 ENABLED = True
+EARLY_READS = True  # see the module docstring; read when a kernel launches
 
 
 @functools.lru_cache(maxsize=None)
