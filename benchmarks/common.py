@@ -28,6 +28,8 @@ SWITCHES = {
             "programmatic dependent launch of our Triton kernels (Hopper: a kernel starts as the one before ends)"),
     "early-reads": ("hybridspec_hf.kernels.pdl", "EARLY_READS",
                     "reads of what kernels two back wrote before the PDL wait (MoE decode down, GDN step state)"),
+    "wide-direct": ("hybridspec_hf.kernels.moe_triton", "WIDE_DIRECT",
+                    "the MoE direct rows (no sort, shared expert as a slot) up to 64 tokens instead of 16"),
     "gdn-norm-fold": ("hybridspec_hf.kernels.gdn_step_triton", "FOLD_NORM",
                       "the GDN step's gated RMSNorm by the head's last program, no launch of its own"),
 }

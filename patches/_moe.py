@@ -149,7 +149,7 @@ def _one_pass_hooks(block: torch.nn.Module, hidden: torch.Tensor, weights: torch
     ("hybridspec" dispatch, its layout) and nothing on them but routing pre-hooks, and a shared expert of the routed
     experts' width and layout (Qwen3.5-35B-A3B and Qwen3-Next-80B-A3B: I = 512 both)."""
     experts = block.experts
-    if not SHARED_EXPERT_SLOT or hidden.shape[0] > moe_triton.DIRECT_MAX_TOKENS or not hidden.shape[0]:
+    if not SHARED_EXPERT_SLOT or hidden.shape[0] > moe_triton.direct_limit() or not hidden.shape[0]:
         return None
     dispatch = getattr(getattr(experts, "config", None), "_experts_implementation", None)
     if not (_ON_CPU or dispatch == experts_glue.NAME) or not experts_glue.supports(experts):

@@ -174,3 +174,20 @@ def test_wrong_shapes_are_refused_with_the_shapes_seen():
     with pytest.raises(ValueError, match="float32"):
         gdn_step(token["x"], conv_state, params["conv_weight"], None, token["a"], token["b"], params["A_log"],
                  params["dt_bias"], state.double(), token["z"], params["norm_weight"], 1e-6, 2)
+
+
+def test_the_early_state_read_changes_no_bit(monkeypatch):
+    """pdl.EARLY_READS loads the state before the PDL wait (none under the interpreter): the same bits."""
+    from hybridspec_hf.kernels import pdl
+
+    batch, heads, v_heads, dk, dv = dims = SHAPES["pow2"]
+    params = layer_params(7, heads, v_heads, dk, dv, torch.float32, bias=True)
+    conv_state, state = caches(8, *dims, torch.float32)
+    tokens = [token_inputs(40 + i, *dims, torch.float32) for i in range(STEPS)]
+    runs = []
+    for early in (True, False):
+        monkeypatch.setattr(pdl, "EARLY_READS", early)
+        runs.append(run_steps(gdn_step, params, conv_state, state, tokens, block_v=8))
+    for a, b in zip(runs[0][0], runs[1][0]):
+        assert torch.equal(a, b)
+    assert torch.equal(runs[0][1], runs[1][1]) and torch.equal(runs[0][2], runs[1][2])

@@ -70,8 +70,12 @@ def float64_truth(x: dict) -> torch.Tensor:
         (4, 16, 40, 24, 4, 2, torch.bfloat16, "auto"),
         (5, 5, 33, 20, 3, 2, torch.bfloat16, "auto"),
         (6, 5, 33, 20, 3, 2, torch.float32, "sorted"),  # the prefill path at a decode size
-        (7, 40, 33, 20, 5, 3, torch.float32, "auto"),  # > 16 tokens: sorted, several blocks per expert
-        (8, 40, 40, 24, 4, 2, torch.bfloat16, "auto"),
+        (7, 40, 33, 20, 5, 3, torch.float32, "sorted"),  # > 16 tokens sorted: several blocks per expert
+        (8, 40, 40, 24, 4, 2, torch.bfloat16, "auto"),  # 17-64 tokens: the direct rows in one 64-row tile
+        (9, 33, 33, 20, 5, 3, torch.float32, "auto"),  # a 64-row tile, H and I not powers of two
+        (10, 24, 48, 24, 4, 2, torch.float32, "direct"),  # a 32-row tile
+        (11, 64, 40, 24, 6, 2, torch.float32, "auto"),  # the direct rows' limit
+        (12, 65, 40, 24, 6, 2, torch.float32, "auto"),  # past it: sorted
     ],
 )
 def test_matches_reference(seed, tokens, hidden, inter, experts, top_k, dtype, mode):
@@ -134,9 +138,11 @@ def make_block(seed: int, tokens: int, hidden: int, inter: int, experts: int, to
     [
         (21, 1, 40, 24, 4, 2, torch.float32),  # decode
         (22, 5, 33, 20, 5, 3, torch.float32),  # H, I not powers of two (the logit GEMV's and the tiles' masks)
-        (23, 16, 48, 24, 6, 4, torch.float32),  # the direct rows' limit
+        (23, 16, 48, 24, 6, 4, torch.float32),  # one 16-row tile
         (24, 1, 40, 24, 4, 2, torch.bfloat16),
         (25, 16, 40, 24, 6, 3, torch.bfloat16),
+        (29, 48, 40, 24, 6, 2, torch.float32),  # a 64-row tile (a batch of 3-4 rows verifying 16 tokens)
+        (30, 32, 33, 20, 5, 3, torch.bfloat16),  # a 32-row tile
     ],
 )
 @pytest.mark.parametrize("with_residual", [True, False])
@@ -173,7 +179,7 @@ def test_moe_block_errors_name_the_problem():
     with pytest.raises(ValueError, match="routed experts' layout"):
         moe_block_triton(**dict(x, shared_down=x["shared_down"][:, :16]))  # a shared expert of another I
     big = make_block(27, DIRECT_MAX_TOKENS + 1, 40, 24, 4, 2)
-    with pytest.raises(ValueError, match="at most 16 tokens"):
+    with pytest.raises(ValueError, match=f"at most {DIRECT_MAX_TOKENS} tokens"):
         moe_block_triton(**big)
 
 
@@ -351,3 +357,35 @@ def test_unsupported_experts_layout_is_refused():
     x = make_layer(13, 2, 40, 24, 4, 2)
     with pytest.raises(ValueError, match="grouped_mm"):
         hybridspec_experts_forward(experts, x["hidden"], x["top_k_index"], x["top_k_weights"])
+
+
+@pytest.mark.parametrize("wide", [True, False])
+def test_auto_takes_the_direct_rows_up_to_the_limit_of_the_switch(wide, monkeypatch):
+    """WIDE_DIRECT: "auto" gives 17-64 tokens to the direct rows (no sort: align_pairs never runs), else to the
+    sorted blocks as before; the same outputs either way."""
+    monkeypatch.setattr(moe_triton, "WIDE_DIRECT", wide)
+    calls = []
+    monkeypatch.setattr(moe_triton, "align_pairs", lambda *a: calls.append(a) or align_pairs(*a))
+    x = make_layer(13, 32, 40, 24, 6, 2)
+    out = fused_experts_triton(**x)
+    assert bool(calls) != wide
+    assert moe_triton.direct_limit() == (DIRECT_MAX_TOKENS if wide else 16)
+    assert rel(out, float64_truth(x)) < TOL[torch.float32]
+
+
+
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_the_early_reads_of_the_decode_down_kernel_change_no_bit(tokens, monkeypatch):
+    """pdl.EARLY_READS moves the down kernel's routing and first weight tile before the PDL wait (the interpreter
+    has no wait: the same arithmetic either way), with the shared expert, a duplicate expert and a sentinel."""
+    from hybridspec_hf.kernels import pdl
+
+    x = make_block(31, tokens, 40, 24, 6, 3)
+    x["top_k_index"][0, 1] = x["top_k_index"][0, 0]  # the same expert twice: the second slot has no work
+    x["top_k_index"][-1, 2] = 6  # a sentinel (E = 6)
+    outs = []
+    for early in (True, False):
+        monkeypatch.setattr(pdl, "EARLY_READS", early)
+        outs.append(moe_block_triton(**x, mode="decode"))
+    assert torch.equal(outs[0], outs[1])
+    assert rel(outs[0], moe_block_reference(**x)) < TOL[torch.float32]

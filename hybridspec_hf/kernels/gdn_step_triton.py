@@ -138,9 +138,11 @@ def _gdn_step_kernel(
     p_s = state + i_b * stride_sb + i_h * stride_sh + rk[:, None] * stride_sk + rv[None, :]
     # [BK, BV] fp32, issued first: the largest read. EARLY (pdl.EARLY_READS): before the PDL wait, past L1 (the state
     # was written by this layer's previous step, long before the input projection this kernel waits for)
-    b_s = tl.load(p_s, mask=mask_kv, other=0.0, cache_modifier=".cg")
     if EARLY:
+        b_s = tl.load(p_s, mask=mask_kv, other=0.0, cache_modifier=".cg")
         pdl.enter(PDL)  # the conv window and x (the input projection's) from here on
+    else:
+        b_s = tl.load(p_s, mask=mask_kv, other=0.0)
 
     p_c = conv_state + i_b * stride_cb
     p_x = x + i_b * stride_xb

@@ -14,10 +14,11 @@ Three launches, the fused_moe plan (sglang/vLLM) with the align step folded into
   3. sum: out[t] = Σ_j rows[t·k + j] in a fixed order (deterministic, no atomics), cast to the hidden dtype.
 
 Two ways to assign rows to programs, both with a grid sized for the worst case and programs that exit at once:
-  - "direct" (T <= DIRECT_MAX_TOKENS, the decode/verify sizes): slot p is the p-th token–expert pair; the program
-    works only if p is the first pair naming its expert (a scan of <= S ids), and then takes ALL tokens as its rows
-    (one 16-row tile), masked to those that chose the expert. No sort, no extra launch: at T <= 16 the padding rows
-    cost tensor-core work that is free while the weights stream.
+  - "direct" (T <= direct_limit(): 64 tokens, the verify sizes of a batch bucket of up to 4 rows of 16; 16 with
+    WIDE_DIRECT off): slot p is the p-th token–expert pair; the program works only if p is the first pair naming its
+    expert (a scan of <= S ids), and then takes ALL tokens as its rows (one tile of 16, 32 or 64 rows), masked to
+    those that chose the expert. No sort, no extra launch: at these sizes the padding rows cost tensor-core work that
+    is free while the weights stream, and the sort's ≈ 25 torch launches per layer are gone.
   - "sorted" (larger T, prefill): fused_moe's moe_align_block_size in torch ops (sort by expert, pad each expert to
     BM rows; blocks past the padded count carry expert -1 and exit), so compute scales with S, not T · experts.
 Either way one program column per distinct expert streams that expert's weights: bytes = distinct experts × 6 MiB
@@ -67,7 +68,12 @@ else:  # CPU installs without triton keep the reference
     triton = None
     tl = None
 
-DIRECT_MAX_TOKENS = 16  # "direct" rows = all tokens in one 16-row tile; above this the sorted blocks
+DIRECT_MAX_TOKENS = 64  # "direct" rows = all tokens in one tile of up to 64 rows; above this the sorted blocks
+# True: "auto" (and the one-pass MoE block, patches/_moe.py) take the direct rows up to DIRECT_MAX_TOKENS; False: up
+# to 16 tokens, the limit before (A/B). A batch of 2-4 rows verifying 16 tokens each (32-64 tokens per MoE layer)
+# otherwise takes the sorted blocks: the sort in torch ops and the shared expert in its own launches
+WIDE_DIRECT = True
+NARROW_DIRECT_TOKENS = 16
 # "decode" (CUDA-core products) up to 4 tokens: each weight element costs T fp32 FMAs, at T = 4 about a quarter of the
 # H200's FMA rate while the weights stream at 4.25 TB/s; more tokens go to the tensor cores (the direct rows)
 # Measured on the H200 (run 34, `benchmarks/moe_block.py --decode-sweep`, µs per layer at the 35B-A3B shape, best
@@ -80,6 +86,12 @@ DECODE_KERNEL_MAX_TOKENS = 4  # what the decode kernels accept (mode="decode"; t
 DECODE_PATH = True
 MODES = ("auto", "decode", "direct", "sorted")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def direct_limit() -> int:
+    """The most tokens "auto" (and the one-pass MoE block) give the direct rows: DIRECT_MAX_TOKENS, or 16 with
+    WIDE_DIRECT off."""
+    return DIRECT_MAX_TOKENS if WIDE_DIRECT else NARROW_DIRECT_TOKENS
 
 
 @dataclass(frozen=True)
@@ -112,9 +124,11 @@ def default_tiles(num_tokens: int, mode: str) -> tuple[int, Tiles, Tiles]:
             return 2, Tiles(8, 256, 4, 1, split_k=8), Tiles(16, 256, 4, 1)
         return 4, Tiles(16, 128, 4, 1, split_k=16), Tiles(16, 256, 4, 1)
     if mode == "direct":
+        if num_tokens > 16:  # a 32- or 64-row tile: half the K step keeps 4 stages of x and W in shared memory
+            return triton.next_power_of_2(num_tokens), Tiles(32, 64), Tiles(64, 64)
         small = num_tokens <= 4
         return 16, Tiles(16 if small else 32, 128), Tiles(32 if small else 64, 128)
-    if num_tokens <= 2 * DIRECT_MAX_TOKENS:
+    if num_tokens <= 32:
         return 16, Tiles(32, 128), Tiles(64, 128)
     return 64, Tiles(64, 64, 4, 3), Tiles(64, 64, 4, 3)
 
@@ -459,25 +473,49 @@ def _gate_up_decode_kernel(
                 tl.store(counters + tile, 0)  # zero again for the next launch
 
 
-def _down_decode_kernel(
-    act, ids, weights, w2, shared_w2, partials, logit, residual, out, counters,
-    T, S, E,
-    stride_we, stride_wn, stride_ot, stride_rt,
-    H: tl.constexpr, INTER: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, TP: tl.constexpr,
-    BN: tl.constexpr, BK: tl.constexpr, STEPS: tl.constexpr, EVEN_K: tl.constexpr, SHARED: tl.constexpr,
-    RESIDUAL: tl.constexpr, EARLY: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """Program (i_n, slot): BN output columns of the slot's expert, y = down_e act for every token, times the
-    token's routing weight of that expert (0 if it did not choose it), to partials [H / BN, slots, TP, BN]; the last
-    of the column tile's programs sums the slots in slot order, adds the gated shared expert and the residual, and
-    stores the output. EARLY (pdl.EARLY_READS): the routing (the router's, two kernels back) and the first weight
-    tile are read before the PDL wait, so they stream while gate_up ends; act and logit (gate_up's) after it."""
-    if not EARLY:
-        pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
-    i_n = tl.program_id(0)
-    slot = tl.program_id(1)
-    num_slots = S + 1 if SHARED else S
+def _down_decode_rows(act, ids, weights, w2, shared_w2, slot, rn, rt, t_ok, pair, rj, rk, T, S, E, stride_we,
+                      stride_wn, H: tl.constexpr, INTER: tl.constexpr, K: tl.constexpr, SP: tl.constexpr,
+                      TP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STEPS: tl.constexpr,
+                      EVEN_K: tl.constexpr, SHARED: tl.constexpr):
+    """acc [BN, TP] fp32 of program (i_n, slot), every read after the PDL wait: y = down_e act for BN output columns
+    and every token, times the token's routing weight of that expert."""
+    expert, live = _first_use(ids, slot, S, E, SP, "")
+    w_base = w2 + expert * stride_we
+    is_shared = False
+    if SHARED:
+        is_shared = slot == S
+        live = live | is_shared
+        if is_shared:
+            w_base = shared_w2  # the shared expert's down_proj [H, I]
+    acc = tl.zeros([BN, TP], dtype=tl.float32)
+    if live:
+        # the token's weight of this expert: Σ_j w[t, j] over the pairs (t, j) naming it (an expert listed twice
+        # counts twice); the shared expert's output stays unweighted (its gate comes in the combine). Loaded
+        # before the weights, so that both are in flight together
+        pair_ok = t_ok[:, None] & (rj[None, :] < K)
+        named = (tl.load(ids + pair, mask=pair_ok, other=-1) == expert) & pair_ok & (expert >= 0)
+        coef = tl.sum(tl.load(weights + pair, mask=named, other=0.0).to(tl.float32), axis=1)  # [TP]
+        p_w = w_base + (rn % H).to(tl.int64)[:, None] * stride_wn + rk[None, :]  # [BN, BK]; rows past H: not stored
+        p_a = act + (slot * TP).to(tl.int64) * INTER + rk  # [BK] of token 0
+        for step in range(STEPS):
+            k_ok = (step * BK + rk) < INTER
+            if EVEN_K:
+                b_w = tl.load(p_w)
+            else:
+                b_w = tl.load(p_w, mask=k_ok[None, :], other=0.0)
+            acc = _add_row_products(acc, b_w, p_a, INTER, k_ok, T, TP)
+            p_w += BK
+            p_a += BK
+        acc = acc * tl.where(is_shared, 1.0, coef)[None, :]
+    return acc
+
+
+def _down_decode_early(act, ids, weights, w2, shared_w2, slot, rn, rt, t_ok, pair, rj, rk, T, S, E, stride_we,
+                       stride_wn, H: tl.constexpr, INTER: tl.constexpr, K: tl.constexpr, SP: tl.constexpr,
+                       TP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STEPS: tl.constexpr,
+                       EVEN_K: tl.constexpr, SHARED: tl.constexpr, PDL: tl.constexpr):
+    """`_down_decode_rows` with the routing (the router's, two kernels back) and the first weight tile read before
+    the PDL wait, past L1 (pdl.py), so they stream while gate_up ends; act (gate_up's) after it."""
     expert, live = _first_use(ids, slot, S, E, SP, ".cg")
     w_base = w2 + tl.where(live, expert, 0) * stride_we  # an expert without work reads nothing (masked below)
     is_shared = False
@@ -485,25 +523,14 @@ def _down_decode_kernel(
         is_shared = slot == S
         live = live | is_shared
         if is_shared:
-            w_base = shared_w2  # the shared expert's down_proj [H, I]
-    rb = tl.arange(0, BN)
-    rn = i_n * BN + rb
-    rt = tl.arange(0, TP)
-    t_ok = rt < T
-    # the token's weight of this expert: Σ_j w[t, j] over the pairs (t, j) naming it (an expert listed twice counts
-    # twice); the shared expert's output stays unweighted (its gate comes in the combine). Loaded with the first
-    # weight tile, so that both are in flight together
-    rj = tl.arange(0, KP)
-    pair = rt[:, None] * K + rj[None, :]
+            w_base = shared_w2
     pair_ok = t_ok[:, None] & (rj[None, :] < K) & live
     named = (tl.load(ids + pair, mask=pair_ok, other=-1, cache_modifier=".cg") == expert) & pair_ok & (expert >= 0)
     coef = tl.sum(tl.load(weights + pair, mask=named, other=0.0, cache_modifier=".cg").to(tl.float32), axis=1)
-    rk = tl.arange(0, BK)
-    p_w = w_base + (rn % H).to(tl.int64)[:, None] * stride_wn + rk[None, :]  # [BN, BK]; rows past H: not stored
+    p_w = w_base + (rn % H).to(tl.int64)[:, None] * stride_wn + rk[None, :]
     k_ok = rk < INTER
     b_w = tl.load(p_w, mask=live & k_ok[None, :], other=0.0)  # the first tile (live: the slot has work)
-    if EARLY:
-        pdl.enter(PDL)  # act and logit (gate_up's) from here on
+    pdl.enter(PDL)  # act (gate_up's) from here on
     acc = tl.zeros([BN, TP], dtype=tl.float32)
     if live:
         p_a = act + (slot * TP).to(tl.int64) * INTER + rk  # [BK] of token 0
@@ -518,6 +545,40 @@ def _down_decode_kernel(
                 b_w = tl.load(p_w, mask=k_ok[None, :], other=0.0)
             acc = _add_row_products(acc, b_w, p_a, INTER, k_ok, T, TP)
         acc = acc * tl.where(is_shared, 1.0, coef)[None, :]
+    return acc
+
+
+def _down_decode_kernel(
+    act, ids, weights, w2, shared_w2, partials, logit, residual, out, counters,
+    T, S, E,
+    stride_we, stride_wn, stride_ot, stride_rt,
+    H: tl.constexpr, INTER: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, TP: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, STEPS: tl.constexpr, EVEN_K: tl.constexpr, SHARED: tl.constexpr,
+    RESIDUAL: tl.constexpr, EARLY: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Program (i_n, slot): BN output columns of the slot's expert, y = down_e act for every token, times the
+    token's routing weight of that expert (0 if it did not choose it), to partials [H / BN, slots, TP, BN]; the last
+    of the column tile's programs sums the slots in slot order, adds the gated shared expert and the residual, and
+    stores the output. EARLY (pdl.EARLY_READS): the routing (the router's, two kernels back) and the first weight
+    tile are read before the PDL wait, so they stream while gate_up ends; act and logit (gate_up's) after it."""
+    i_n = tl.program_id(0)
+    slot = tl.program_id(1)
+    num_slots = S + 1 if SHARED else S
+    rb = tl.arange(0, BN)
+    rn = i_n * BN + rb
+    rt = tl.arange(0, TP)
+    t_ok = rt < T
+    rj = tl.arange(0, KP)
+    pair = rt[:, None] * K + rj[None, :]
+    rk = tl.arange(0, BK)
+    if EARLY:
+        acc = _down_decode_early(act, ids, weights, w2, shared_w2, slot, rn, rt, t_ok, pair, rj, rk, T, S,
+                                 E, stride_we, stride_wn, H, INTER, K, SP, TP, BN, BK, STEPS, EVEN_K, SHARED, PDL)
+    else:
+        pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
+        acc = _down_decode_rows(act, ids, weights, w2, shared_w2, slot, rn, rt, t_ok, pair, rj, rk, T, S,
+                                E, stride_we, stride_wn, H, INTER, K, SP, TP, BN, BK, STEPS, EVEN_K, SHARED)
     offsets = rt[None, :] * BN + rb[:, None]
     p_part = partials + (i_n * num_slots).to(tl.int64) * (TP * BN) + offsets
     tl.store(p_part + slot * (TP * BN), acc)  # also the zeros of a slot without work: the sum reads every slot
@@ -547,6 +608,8 @@ if HAS_TRITON:
     _shared_slot = triton.jit(_shared_slot)
     _add_gated_shared = triton.jit(_add_gated_shared)
     _add_row_products = triton.jit(_add_row_products)
+    _down_decode_rows = triton.jit(_down_decode_rows)
+    _down_decode_early = triton.jit(_down_decode_early)
     _gate_up_kernel = _LazyJit(_gate_up_kernel, pdl=True)
     _down_kernel = _LazyJit(_down_kernel, pdl=True)
     _sum_kernel = _LazyJit(_sum_kernel, pdl=True)
@@ -601,7 +664,7 @@ def fused_experts_triton(
 ) -> torch.Tensor:
     """Triton `fused_experts_reference`: [T, H] in hidden's dtype, three launches (plus torch's align ops in
     "sorted" mode; two in "decode" mode), no host sync. Shapes as the reference; mode "auto" = "decode" for
-    T <= DECODE_MAX_TOKENS (while DECODE_PATH), "direct" for T <= DIRECT_MAX_TOKENS, else "sorted".
+    T <= DECODE_MAX_TOKENS (while DECODE_PATH), "direct" for T <= direct_limit(), else "sorted".
     Call once before CUDA-graph capture (Triton compiles on the first launch of each shape)."""
     num_tokens = _check_shapes(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj)[0]
     mode = _resolve_mode(mode, num_tokens, gate_up_proj, down_proj)
@@ -672,7 +735,7 @@ def _resolve_mode(mode: str, num_tokens: int, gate_up_proj: torch.Tensor, down_p
         return mode
     if DECODE_PATH and num_tokens <= DECODE_MAX_TOKENS and decode_fits(num_tokens, gate_up_proj, down_proj):
         return "decode"
-    return "direct" if num_tokens <= DIRECT_MAX_TOKENS else "sorted"
+    return "direct" if num_tokens <= direct_limit() else "sorted"
 
 
 def shared_slot_fits(gate_up_proj: torch.Tensor, down_proj: torch.Tensor, shared_gate_up: torch.Tensor,
@@ -707,7 +770,7 @@ def _launch(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, mode, b
     ids = top_k_index.reshape(-1).contiguous()  # [S], pair t·k + j
     weights = top_k_weights.reshape(-1).contiguous()  # [S]
     if mode == "direct":
-        block_m = 16  # all tokens in one tile
+        block_m = default_m  # all tokens in one tile
         block_pairs = block_expert = ids  # unused
         num_slots = pairs
     else:
@@ -721,7 +784,7 @@ def _launch(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, mode, b
     shared_gate_up, shared_down = shared if shared is not None else (gate_up_proj, down_proj)  # unused without
     hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
     common = dict(H=hidden_size, INTER=inter, DIRECT=mode == "direct", K=top_k, KP=triton.next_power_of_2(top_k),
-                  SP=triton.next_power_of_2(DIRECT_MAX_TOKENS * top_k) if mode == "direct" else 1, BM=block_m,
+                  SP=triton.next_power_of_2(block_m * top_k) if mode == "direct" else 1, BM=block_m,
                   DOT_FP32=gate_up_proj.dtype == torch.float32 or bool(triton.knobs.runtime.interpret),
                   SHARED=shared is not None)
     num_slots += 1 if shared is not None else 0

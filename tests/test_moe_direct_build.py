@@ -1,0 +1,48 @@
+"""The MoE direct-row kernels (kernels/moe_triton.py) build for sm_90 on any machine at every tile "auto" gives them
+at the Qwen3.5-35B-A3B shape (16, 32 and 64 rows: up to 4 batch rows verifying 16 tokens), with the launch's
+stages: the interpreter, which the CPU tests run them in, accepts code the GPU compiler refuses. In a fresh process
+(see test_moe_decode_build.py)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+ROOT = Path(__file__).resolve().parents[1]
+BUILD = """
+import json, triton
+from triton.backends.compiler import GPUTarget
+from hybridspec_hf.kernels import moe_triton
+
+pointers = dict(hidden="*bf16", ids="*i64", block_expert="*i32", block_pairs="*i32", w1="*bf16", act="*fp32",
+                shared_w1="*bf16", logit="*fp32", weights="*bf16", w2="*bf16", rows="*fp32", shared_w2="*bf16")
+built = []
+for tokens in (16, 32, 64):
+    block_m, gate_up, down = moe_triton.default_tiles(tokens, "direct")
+    common = dict(H=2048, INTER=512, DIRECT=True, K=8, KP=8, SP=triton.next_power_of_2(block_m * 8), BM=block_m,
+                  DOT_FP32=False, SHARED=True, PDL=True)
+    for name, tiles in (("_gate_up_kernel", gate_up), ("_down_kernel", down)):
+        fn = triton.jit(getattr(moe_triton, name).fn)
+        constexprs = dict(common, BN=tiles.block_n, BK=tiles.block_k)
+        signature = {arg: pointers.get(arg, "i32") for arg in fn.arg_names if arg not in constexprs}
+        signature.update({arg: "constexpr" for arg in constexprs})
+        source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                  options=dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages))
+        built.append([tokens, block_m, name, compiled.metadata.shared])
+print(json.dumps(built))
+"""
+
+
+def test_the_direct_kernels_compile_for_sm90_at_16_32_and_64_rows():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", BUILD], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    built = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [(t, m) for t, m, *_ in built] == [(16, 16), (16, 16), (32, 32), (32, 32), (64, 64), (64, 64)]
+    assert all(0 < shared <= 160 * 1024 for *_, shared in built), built  # fits an H200 SM with room to spare
