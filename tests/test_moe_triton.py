@@ -71,11 +71,11 @@ def float64_truth(x: dict) -> torch.Tensor:
         (5, 5, 33, 20, 3, 2, torch.bfloat16, "auto"),
         (6, 5, 33, 20, 3, 2, torch.float32, "sorted"),  # the prefill path at a decode size
         (7, 40, 33, 20, 5, 3, torch.float32, "sorted"),  # > 16 tokens sorted: several blocks per expert
-        (8, 40, 40, 24, 4, 2, torch.bfloat16, "auto"),  # 17-64 tokens: the direct rows in one 64-row tile
-        (9, 33, 33, 20, 5, 3, torch.float32, "auto"),  # a 64-row tile, H and I not powers of two
-        (10, 24, 48, 24, 4, 2, torch.float32, "direct"),  # a 32-row tile
-        (11, 64, 40, 24, 6, 2, torch.float32, "auto"),  # the direct rows' limit
-        (12, 65, 40, 24, 6, 2, torch.float32, "auto"),  # past it: sorted
+        (8, 40, 40, 24, 4, 2, torch.bfloat16, "direct"),  # 33-64 tokens: the direct rows in one 64-row tile
+        (9, 33, 33, 20, 5, 3, torch.float32, "direct"),  # a 64-row tile, H and I not powers of two
+        (10, 24, 48, 24, 4, 2, torch.float32, "auto"),  # 17-32 tokens: "auto" takes a 32-row tile
+        (11, 64, 40, 24, 6, 2, torch.float32, "direct"),  # the direct rows' limit
+        (12, 33, 40, 24, 6, 2, torch.float32, "auto"),  # past "auto"'s limit: sorted
     ],
 )
 def test_matches_reference(seed, tokens, hidden, inter, experts, top_k, dtype, mode):
@@ -141,8 +141,8 @@ def make_block(seed: int, tokens: int, hidden: int, inter: int, experts: int, to
         (23, 16, 48, 24, 6, 4, torch.float32),  # one 16-row tile
         (24, 1, 40, 24, 4, 2, torch.bfloat16),
         (25, 16, 40, 24, 6, 3, torch.bfloat16),
-        (29, 48, 40, 24, 6, 2, torch.float32),  # a 64-row tile (a batch of 3-4 rows verifying 16 tokens)
-        (30, 32, 33, 20, 5, 3, torch.bfloat16),  # a 32-row tile
+        (29, 48, 40, 24, 6, 2, torch.float32),  # a 64-row tile (mode "auto": direct up to 64 in moe_block_triton)
+        (30, 32, 33, 20, 5, 3, torch.bfloat16),  # a 32-row tile (a batch of 2 rows verifying 16 tokens)
     ],
 )
 @pytest.mark.parametrize("with_residual", [True, False])
@@ -361,7 +361,7 @@ def test_unsupported_experts_layout_is_refused():
 
 @pytest.mark.parametrize("wide", [True, False])
 def test_auto_takes_the_direct_rows_up_to_the_limit_of_the_switch(wide, monkeypatch):
-    """WIDE_DIRECT: "auto" gives 17-64 tokens to the direct rows (no sort: align_pairs never runs), else to the
+    """WIDE_DIRECT: "auto" gives 17-32 tokens to the direct rows (no sort: align_pairs never runs), else to the
     sorted blocks as before; the same outputs either way."""
     monkeypatch.setattr(moe_triton, "WIDE_DIRECT", wide)
     calls = []
@@ -369,7 +369,7 @@ def test_auto_takes_the_direct_rows_up_to_the_limit_of_the_switch(wide, monkeypa
     x = make_layer(13, 32, 40, 24, 6, 2)
     out = fused_experts_triton(**x)
     assert bool(calls) != wide
-    assert moe_triton.direct_limit() == (DIRECT_MAX_TOKENS if wide else 16)
+    assert moe_triton.direct_limit() == (32 if wide else 16)
     assert rel(out, float64_truth(x)) < TOL[torch.float32]
 
 

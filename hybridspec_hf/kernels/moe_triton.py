@@ -14,11 +14,12 @@ Three launches, the fused_moe plan (sglang/vLLM) with the align step folded into
   3. sum: out[t] = Σ_j rows[t·k + j] in a fixed order (deterministic, no atomics), cast to the hidden dtype.
 
 Two ways to assign rows to programs, both with a grid sized for the worst case and programs that exit at once:
-  - "direct" (T <= direct_limit(): 64 tokens, the verify sizes of a batch bucket of up to 4 rows of 16; 16 with
-    WIDE_DIRECT off): slot p is the p-th token–expert pair; the program works only if p is the first pair naming its
-    expert (a scan of <= S ids), and then takes ALL tokens as its rows (one tile of 16, 32 or 64 rows), masked to
-    those that chose the expert. No sort, no extra launch: at these sizes the padding rows cost tensor-core work that
-    is free while the weights stream, and the sort's ≈ 25 torch launches per layer are gone.
+  - "direct" (T <= direct_limit(): 32 tokens, a batch of 2 rows verifying 16 each; 16 with WIDE_DIRECT off; the
+    kernels take up to DIRECT_MAX_TOKENS = 64 with mode="direct"): slot p is the p-th token–expert pair; the program
+    works only if p is the first pair naming its expert (a scan of <= S ids), and then takes ALL tokens as its rows
+    (one tile of 16, 32 or 64 rows), masked to those that chose the expert. No sort, no extra launch: at these sizes
+    the padding rows cost tensor-core work that is free while the weights stream, and the sort's ≈ 25 torch
+    launches per layer are gone.
   - "sorted" (larger T, prefill): fused_moe's moe_align_block_size in torch ops (sort by expert, pad each expert to
     BM rows; blocks past the padded count carry expert -1 and exit), so compute scales with S, not T · experts.
 Either way one program column per distinct expert streams that expert's weights: bytes = distinct experts × 6 MiB
@@ -68,11 +69,14 @@ else:  # CPU installs without triton keep the reference
     triton = None
     tl = None
 
-DIRECT_MAX_TOKENS = 64  # "direct" rows = all tokens in one tile of up to 64 rows; above this the sorted blocks
-# True: "auto" (and the one-pass MoE block, patches/_moe.py) take the direct rows up to DIRECT_MAX_TOKENS; False: up
-# to 16 tokens, the limit before (A/B). A batch of 2-4 rows verifying 16 tokens each (32-64 tokens per MoE layer)
-# otherwise takes the sorted blocks: the sort in torch ops and the shared expert in its own launches
+DIRECT_MAX_TOKENS = 64  # "direct" rows = all tokens in one tile of up to 64 rows (mode="direct")
+# True: "auto" (and the one-pass MoE block, patches/_moe.py) take the direct rows up to WIDE_DIRECT_TOKENS; False: up
+# to NARROW_DIRECT_TOKENS, the limit before (A/B); above, the sorted blocks (the sort in torch ops, the shared
+# expert in its own launches). Measured on the H200 (run 55, benchmarks/results/ab_early_fold_direct_run55.md,
+# vanilla DFlash rounds of 15 tokens per row): batch 2 (32 tokens) 13.79 ms direct against 15.08 sorted; batch 4
+# (64 tokens) 20.57 direct against 19.52 sorted, so "auto" stops at 32
 WIDE_DIRECT = True
+WIDE_DIRECT_TOKENS = 32
 NARROW_DIRECT_TOKENS = 16
 # "decode" (CUDA-core products) up to 4 tokens: each weight element costs T fp32 FMAs, at T = 4 about a quarter of the
 # H200's FMA rate while the weights stream at 4.25 TB/s; more tokens go to the tensor cores (the direct rows)
@@ -89,9 +93,9 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def direct_limit() -> int:
-    """The most tokens "auto" (and the one-pass MoE block) give the direct rows: DIRECT_MAX_TOKENS, or 16 with
-    WIDE_DIRECT off."""
-    return DIRECT_MAX_TOKENS if WIDE_DIRECT else NARROW_DIRECT_TOKENS
+    """The most tokens "auto" (and the one-pass MoE block) give the direct rows: WIDE_DIRECT_TOKENS, or
+    NARROW_DIRECT_TOKENS with WIDE_DIRECT off."""
+    return WIDE_DIRECT_TOKENS if WIDE_DIRECT else NARROW_DIRECT_TOKENS
 
 
 @dataclass(frozen=True)
@@ -698,7 +702,10 @@ def moe_block_triton(
     rows, the shared_expert_gate row), shared_down [H, I] (the shared expert's I must be the routed experts' I; the
     strides of both must be those of one routed expert), residual [T, H] or None; all weights of one dtype."""
     num_tokens, hidden_size, _, inter, _ = _check_shapes(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj)
-    mode = _resolve_mode(mode, num_tokens, gate_up_proj, down_proj)
+    resolved = _resolve_mode(mode, num_tokens, gate_up_proj, down_proj)
+    # "auto": the direct rows up to their kernels' limit (the block has no sorted path; callers that have one, the
+    # one-pass MoE block of patches/_moe.py, stop at direct_limit())
+    mode = "direct" if mode == "auto" and resolved == "sorted" and num_tokens <= DIRECT_MAX_TOKENS else resolved
     if num_tokens > DIRECT_MAX_TOKENS or mode == "sorted":
         raise ValueError(f"moe_block_triton takes at most {DIRECT_MAX_TOKENS} tokens (the direct rows), got "
                          f"T={num_tokens}; use fused_experts_triton and the shared expert's own kernels")
