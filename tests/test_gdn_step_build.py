@@ -2,17 +2,11 @@
 and the early state read (before the PDL wait) on and off, at the Qwen3.5-35B-A3B layer's shape: the interpreter,
 which the CPU tests run it in, accepts code the GPU compiler refuses. In a fresh process (see
 test_moe_decode_build.py)."""
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from _build import build
 
 pytest.importorskip("triton")
 
-ROOT = Path(__file__).resolve().parents[1]
 BUILD = """
 import json, triton
 from triton.backends.compiler import GPUTarget
@@ -40,10 +34,6 @@ print(json.dumps(built))
 
 
 def test_the_step_kernel_compiles_for_sm90_with_the_folded_norm_and_early_reads():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", BUILD], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    built = json.loads(done.stdout.strip().splitlines()[-1])
+    built = build(BUILD)
     # every variant waits (PDL) and the narrow tiles count arrivals (window roll, folded norm)
     assert built == [[16, True, True, True, True], [16, False, False, True, True], [128, False, True, True, True]]

@@ -2,17 +2,11 @@
 at the Qwen3.5-35B-A3B shape (16, 32 and 64 rows: up to 4 batch rows verifying 16 tokens), with the launch's
 stages: the interpreter, which the CPU tests run them in, accepts code the GPU compiler refuses. In a fresh process
 (see test_moe_decode_build.py)."""
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from _build import build
 
 pytest.importorskip("triton")
 
-ROOT = Path(__file__).resolve().parents[1]
 BUILD = """
 import json, triton
 from triton.backends.compiler import GPUTarget
@@ -39,10 +33,6 @@ print(json.dumps(built))
 
 
 def test_the_direct_kernels_compile_for_sm90_at_16_32_and_64_rows():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", BUILD], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    built = json.loads(done.stdout.strip().splitlines()[-1])
+    built = build(BUILD)
     assert [(t, m) for t, m, *_ in built] == [(16, 16), (16, 16), (32, 32), (32, 32), (64, 64), (64, 64)]
     assert all(0 < shared <= 160 * 1024 for *_, shared in built), built  # fits an H200 SM with room to spare

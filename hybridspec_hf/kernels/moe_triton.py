@@ -477,6 +477,17 @@ def _gate_up_decode_kernel(
                 tl.store(counters + tile, 0)  # zero again for the next launch
 
 
+def _down_tile(acc, p_w, p_a, step, rk, T, INTER: tl.constexpr, TP: tl.constexpr, BK: tl.constexpr,
+               EVEN_K: tl.constexpr):
+    """acc plus the products of weight tile `step` (at p_w, [BN, BK]) with act at p_a, every token."""
+    k_ok = (step * BK + rk) < INTER
+    if EVEN_K:
+        b_w = tl.load(p_w)
+    else:
+        b_w = tl.load(p_w, mask=k_ok[None, :], other=0.0)
+    return _add_row_products(acc, b_w, p_a, INTER, k_ok, T, TP)
+
+
 def _down_decode_rows(act, ids, weights, w2, shared_w2, slot, rn, rt, t_ok, pair, rj, rk, T, S, E, stride_we,
                       stride_wn, H: tl.constexpr, INTER: tl.constexpr, K: tl.constexpr, SP: tl.constexpr,
                       TP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STEPS: tl.constexpr,
@@ -502,12 +513,7 @@ def _down_decode_rows(act, ids, weights, w2, shared_w2, slot, rn, rt, t_ok, pair
         p_w = w_base + (rn % H).to(tl.int64)[:, None] * stride_wn + rk[None, :]  # [BN, BK]; rows past H: not stored
         p_a = act + (slot * TP).to(tl.int64) * INTER + rk  # [BK] of token 0
         for step in range(STEPS):
-            k_ok = (step * BK + rk) < INTER
-            if EVEN_K:
-                b_w = tl.load(p_w)
-            else:
-                b_w = tl.load(p_w, mask=k_ok[None, :], other=0.0)
-            acc = _add_row_products(acc, b_w, p_a, INTER, k_ok, T, TP)
+            acc = _down_tile(acc, p_w, p_a, step, rk, T, INTER, TP, BK, EVEN_K)
             p_w += BK
             p_a += BK
         acc = acc * tl.where(is_shared, 1.0, coef)[None, :]
@@ -542,12 +548,7 @@ def _down_decode_early(act, ids, weights, w2, shared_w2, slot, rn, rt, t_ok, pai
         for step in range(1, STEPS):
             p_w += BK
             p_a += BK
-            k_ok = (step * BK + rk) < INTER
-            if EVEN_K:
-                b_w = tl.load(p_w)
-            else:
-                b_w = tl.load(p_w, mask=k_ok[None, :], other=0.0)
-            acc = _add_row_products(acc, b_w, p_a, INTER, k_ok, T, TP)
+            acc = _down_tile(acc, p_w, p_a, step, rk, T, INTER, TP, BK, EVEN_K)
         acc = acc * tl.where(is_shared, 1.0, coef)[None, :]
     return acc
 
@@ -612,6 +613,7 @@ if HAS_TRITON:
     _shared_slot = triton.jit(_shared_slot)
     _add_gated_shared = triton.jit(_add_gated_shared)
     _add_row_products = triton.jit(_add_row_products)
+    _down_tile = triton.jit(_down_tile)
     _down_decode_rows = triton.jit(_down_decode_rows)
     _down_decode_early = triton.jit(_down_decode_early)
     _gate_up_kernel = _LazyJit(_gate_up_kernel, pdl=True)
