@@ -130,7 +130,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--row-stride", type=int, default=37,
                         help="call r of a method replays the profiles from row r × this (AcceptanceProfile.start_row; "
                              "0: every call from row 0, as runs up to 41)")
-    add_switches(parser, "defer-appends", "moe-decode", "trust-drafts", "pdl", "early-reads", "gdn-norm-fold", "wide-direct")
+    add_switches(parser, "defer-appends", "moe-decode", "trust-drafts", "pdl", "early-reads", "gdn-norm-fold",
+                 "wide-direct", "align-kernel")
     args = parser.parse_args(argv)
     apply_switches(args)
     methods = args.methods.split(",")

@@ -245,7 +245,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="only the plain steps: AR's and HybridSpec's (where the two differ, kernel by kernel)")
     parser.add_argument("--attribute", action="store_true",
                         help="also run each part eagerly under the profiler: kernels by (module, aten op)")
-    add_switches(parser, "moe-one-pass", "moe-decode", "defer-appends", "pdl", "early-reads", "gdn-norm-fold", "wide-direct")
+    add_switches(parser, "moe-one-pass", "moe-decode", "defer-appends", "pdl", "early-reads", "gdn-norm-fold",
+                 "wide-direct", "align-kernel")
     args = parser.parse_args(argv)
     apply_switches(args)
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -308,7 +308,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context", type=int, default=256, help="prompt tokens (random ids)")
     parser.add_argument("--with-compile", action="store_true", help="also time generate(cache_implementation='static')")
     parser.add_argument("--name", default=None, help="results stem (default e2e_<model>)")
-    add_switches(parser, "moe-decode", "defer-appends", "pdl", "early-reads", "gdn-norm-fold", "wide-direct")
+    add_switches(parser, "moe-decode", "defer-appends", "pdl", "early-reads", "gdn-norm-fold", "wide-direct",
+                 "align-kernel")
     args = parser.parse_args(argv)
     apply_switches(args)
     device = "cuda" if torch.cuda.is_available() else "cpu"

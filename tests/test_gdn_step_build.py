@@ -20,13 +20,15 @@ floats = {"scale", "threshold", "eps"}
 built = []
 for block_v, fold, early in [(16, True, True), (16, False, False), (128, False, True)]:
     constexprs = dict(K=4, BK=128, BV=block_v, BW=4, BD=128, ARRIVALS=4 * 128 // block_v, TILES=128 // block_v,
-                      HAS_BIAS=False, NORM=block_v == 128, FOLD_NORM=fold, EARLY=early, X_DTYPE=triton.language.bfloat16,
+                      HAS_BIAS=False, NORM=block_v == 128, FOLD_NORM=fold, EARLY=early,
+                      X_DTYPE=triton.language.bfloat16,
                       W_DTYPE=triton.language.bfloat16, BETA_DTYPE=triton.language.bfloat16, PDL=True)
     signature = {arg: pointers.get(arg, "fp32" if arg in floats else "i32") for arg in fn.arg_names
                  if arg not in constexprs}
     signature.update({arg: "constexpr" for arg in constexprs})
     source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=2 if block_v == 16 else 8))
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=2 if block_v == 16 else 8))
     ptx = compiled.asm["ptx"]
     built.append([block_v, fold, early, "griddepcontrol.wait" in ptx, "atom" in ptx])
 print(json.dumps(built))

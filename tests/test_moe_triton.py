@@ -389,3 +389,28 @@ def test_the_early_reads_of_the_decode_down_kernel_change_no_bit(tokens, monkeyp
         outs.append(moe_block_triton(**x, mode="decode"))
     assert torch.equal(outs[0], outs[1])
     assert rel(outs[0], moe_block_reference(**x)) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("tokens, top_k, experts, block_m", [(1, 2, 4, 16), (5, 3, 6, 16), (40, 3, 5, 16),
+                                                             (33, 8, 256, 16), (256, 8, 256, 64), (512, 8, 256, 16)])
+def test_the_align_kernel_equals_align_pairs(tokens, top_k, experts, block_m):
+    """align_pairs_triton (one launch) gives align_pairs' two tensors bit for bit: ids with sentinels (-1 and E),
+    experts repeated across tokens and within one, up to the kernel's 4,096 pairs."""
+    gen = torch.Generator().manual_seed(tokens * 7 + top_k)
+    ids = torch.randint(-1, experts + 1, (tokens, top_k), generator=gen)
+    ids[0, -1] = ids[0, 0]  # one token naming an expert twice
+    expected = align_pairs(ids, experts, block_m)
+    got = moe_triton.align_pairs_triton(ids, experts, block_m)
+    assert all(torch.equal(g, e) for g, e in zip(got, expected))
+
+
+def test_the_sorted_blocks_with_the_align_kernel_equal_those_without(monkeypatch):
+    x = make_layer(14, 70, 40, 24, 6, 3)
+    x["top_k_index"][3, 1] = -1  # a sentinel
+    without = fused_experts_triton(**x, mode="sorted")
+    monkeypatch.setattr(moe_triton, "ALIGN_KERNEL", True)
+    calls = []
+    monkeypatch.setattr(moe_triton, "align_pairs", lambda *a: calls.append(a) or align_pairs(*a))
+    assert torch.equal(fused_experts_triton(**x, mode="sorted"), without) and not calls
+    with pytest.raises(ValueError, match="4096 token–expert pairs"):
+        moe_triton.align_pairs_triton(torch.zeros(513, 8, dtype=torch.long), 256, 16)

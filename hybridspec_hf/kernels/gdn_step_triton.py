@@ -313,7 +313,8 @@ def gdn_step(
         num_v_heads, group, dk, dv, dk**-0.5, SOFTPLUS_THRESHOLD, norm_eps, key_counters,
         K=k_taps, BK=triton.next_power_of_2(dk), BV=block_v, BW=triton.next_power_of_2(k_taps),
         BD=triton.next_power_of_2(dv), ARRIVALS=group * tiles, TILES=tiles, HAS_BIAS=conv_bias is not None,
-        NORM=norm, FOLD_NORM=fold, EARLY=pdl.EARLY_READS, X_DTYPE=tl_dtype(x.dtype), W_DTYPE=tl_dtype(conv_weight.dtype),
+        NORM=norm, FOLD_NORM=fold, EARLY=pdl.EARLY_READS, X_DTYPE=tl_dtype(x.dtype),
+        W_DTYPE=tl_dtype(conv_weight.dtype),
         BETA_DTYPE=tl_dtype(b.dtype), num_warps=warps,
     )
     return out if norm or fold else gated_rms_norm(out, z, norm_weight, norm_eps)

@@ -21,7 +21,8 @@ Two ways to assign rows to programs, both with a grid sized for the worst case a
     the padding rows cost tensor-core work that is free while the weights stream, and the sort's ≈ 25 torch
     launches per layer are gone.
   - "sorted" (larger T, prefill): fused_moe's moe_align_block_size in torch ops (sort by expert, pad each expert to
-    BM rows; blocks past the padded count carry expert -1 and exit), so compute scales with S, not T · experts.
+    BM rows; blocks past the padded count carry expert -1 and exit), so compute scales with S, not T · experts;
+    `align_pairs_triton` does the same in one launch for up to 4,096 pairs (ALIGN_KERNEL, off until measured).
 Either way one program column per distinct expert streams that expert's weights: bytes = distinct experts × 6 MiB
 at the Qwen3.5-35B-A3B shape (E=256, H=2048, I=512, bf16), against a copy per pair in transformers' batched_mm.
 
@@ -656,6 +657,78 @@ def align_pairs(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> tu
     return block_pairs[:spill], block_expert[:num_blocks]
 
 
+# One launch instead of align_pairs' ≈ 25 torch launches (per MoE layer of a batch's speculative round: ≈ 1,000 of a
+# batch-4 round's 2,500 kernels, run 54), for calls of at most ALIGN_KERNEL_MAX_PAIRS token–expert pairs (one
+# program sorts them in registers). Off until measured on a GPU (benchmarks' switch "align-kernel").
+ALIGN_KERNEL = False
+ALIGN_KERNEL_MAX_PAIRS = 4096
+
+
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+def _align_kernel(ids, block_pairs, block_expert, scratch, S, E, NB, ROWS, BM: tl.constexpr, SPP: tl.constexpr,
+                  FILL: tl.constexpr, FILLS: tl.constexpr, PDL: tl.constexpr):
+    """align_pairs in one program: a stable sort of the pairs by expert (key · SPP + pair in registers), each
+    pair's rank within its expert's run and the run's first block from scans over the sorted order, then the
+    scatter. scratch [2 · SPP] int32 carries the sorted keys and the blocks' running sum between the scans."""
+    pdl.enter(PDL)
+    rs = tl.arange(0, SPP)
+    in_call = rs < S
+    raw = tl.load(ids + rs, mask=in_call, other=0)
+    key = tl.where((raw >= 0) & (raw < E), raw, E).to(tl.int32)  # sentinels in bin E, as align_pairs
+    key = tl.where(in_call, key, E + 1)  # lanes past S sort last and are never stored
+    ordered = tl.sort(key * SPP + rs)  # stable: ties by pair index
+    sorted_key = ordered // SPP
+    order = ordered % SPP
+    p_keys = scratch + rs
+    tl.store(p_keys, sorted_key)
+    tl.debug_barrier()
+    before = tl.load(p_keys - 1, mask=rs > 0, other=-1)
+    after = tl.load(p_keys + 1, mask=rs < SPP - 1, other=-1)
+    start = tl.associative_scan(tl.where(sorted_key != before, rs, 0), 0, _max_combine)  # its run's first position
+    rank = rs - start
+    routed = sorted_key < E
+    last = (sorted_key != after) & routed  # the last pair of an expert's run: rank + 1 pairs, so many blocks
+    blocks = tl.cumsum(tl.where(last, (rank + BM) // BM, 0), 0)  # inclusive, in expert order
+    tl.store(scratch + SPP + rs, blocks)
+    tl.debug_barrier()
+    first_block = tl.load(scratch + SPP + start - 1, mask=start > 0, other=0)  # the experts' before this one
+    dest = tl.where(routed, first_block * BM + rank, ROWS)  # sentinels to the spare slot past the rows
+    for i in range(FILLS):  # padding everywhere first (pair id S; expert -1), then the pairs on top
+        rf = i * FILL + tl.arange(0, FILL)
+        tl.store(block_pairs + rf, tl.full([FILL], 0, tl.int32) + S, mask=rf < ROWS + 1)
+        tl.store(block_expert + rf, tl.full([FILL], -1, tl.int32), mask=rf < NB + 1)
+    tl.debug_barrier()
+    tl.store(block_pairs + dest, order.to(tl.int32), mask=sorted_key <= E)
+    tl.store(block_expert + dest // BM, sorted_key, mask=routed)
+
+
+if HAS_TRITON:
+    _max_combine = triton.jit(_max_combine)
+    _align_kernel = _LazyJit(_align_kernel, pdl=True)
+
+
+def align_pairs_triton(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`align_pairs` in one launch (at most ALIGN_KERNEL_MAX_PAIRS pairs): the same two tensors, bit for bit."""
+    ids = top_k_index.reshape(-1).contiguous()
+    pairs = ids.numel()
+    if not 0 < pairs <= ALIGN_KERNEL_MAX_PAIRS:
+        raise ValueError(f"align_pairs_triton takes 1 to {ALIGN_KERNEL_MAX_PAIRS} token–expert pairs, got {pairs}; "
+                         "use align_pairs")
+    num_blocks = triton.cdiv(pairs, block_m) + min(num_experts, pairs)
+    spp = triton.next_power_of_2(pairs)
+    device = ids.device
+    block_pairs = torch.empty(num_blocks * block_m + 1, dtype=torch.int32, device=device)
+    block_expert = torch.empty(num_blocks + 1, dtype=torch.int32, device=device)
+    scratch = torch.empty(2 * spp, dtype=torch.int32, device=device)
+    _align_kernel[(1,)](ids, block_pairs, block_expert, scratch, pairs, num_experts, num_blocks,
+                        num_blocks * block_m, BM=block_m, SPP=spp, FILL=1024,
+                        FILLS=triton.cdiv(num_blocks * block_m + 1, 1024), num_warps=4 if spp <= 1024 else 8)
+    return block_pairs[: num_blocks * block_m], block_expert[:num_blocks]
+
+
 def fused_experts_triton(
     hidden: torch.Tensor,
     top_k_index: torch.Tensor,
@@ -783,7 +856,8 @@ def _launch(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, mode, b
         block_pairs = block_expert = ids  # unused
         num_slots = pairs
     else:
-        block_pairs, block_expert = align_pairs(top_k_index, num_experts, block_m)
+        align = align_pairs_triton if ALIGN_KERNEL and pairs <= ALIGN_KERNEL_MAX_PAIRS else align_pairs
+        block_pairs, block_expert = align(top_k_index, num_experts, block_m)
         num_slots = block_expert.numel()
     # act: SiLU(gate)·up per pair; rows: w · down(act) per pair; the shared expert's T rows after the S pairs'
     extra = num_tokens if shared is not None else 0
