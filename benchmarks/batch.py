@@ -1,4 +1,4 @@
-"""Batched decoding at full size: AR, vanilla DFlash and HybridSpec at batch 1, 2, 4, 8, 16 under three acceptance
+"""Batched decoding at full size: AR, vanilla DFlash and HybridSpec at batch 1, 2, 4, 8, 16 under four acceptance
 profiles, all through generate().
 
     python benchmarks/batch.py                                   # one H200, Qwen3.5-35B-A3B shape (< 9 minutes)
@@ -6,9 +6,10 @@ profiles, all through generate().
 
 The target and drafter are e2e.py's (`build`: random bf16 weights, random router, i.e. uniform routing, a random
 5-layer DFlash drafter, B = 16). Acceptance is replayed from the declared profiles in benchmarks/profiles/ (timing
-mode): "high" = dflash_like (mean accepted length 6.8 at B = 16), "tiny_pair" = tiny_pair_heldout (the real tiny
-pair's held-out traces, 1.6: the lowest of the three), "low" = low (2.0); each batch row replays its own run of the
-profile's first-half rows, and HybridSpec's acceptance estimator is fitted on the other half (e2e.profile_halves).
+mode): "high" = dflash_like (mean accepted length 6.8 at B = 16), "medium" = medium (4.0), "tiny_pair" =
+tiny_pair_heldout (the real tiny pair's held-out traces, 1.6: the lowest), "low" = low (2.0); each batch row replays
+its own run of the profile's first-half rows, and HybridSpec's acceptance estimator is fitted on the other half
+(e2e.profile_halves).
 Every batch is N distinct random prompts of --context tokens (no padding), each row generating --tokens new
 tokens (no EOS): the rows stay in the batch to the end, so tokens/s is N·tokens over the decode loop's wall time (the
 sum of its rounds, prefill excluded). The rounds run GPU-resident in the CUDA graphs of the batch's bucket; at batch
@@ -40,7 +41,7 @@ from hybridspec_hf import HybridSpecConfig  # noqa: E402
 from hybridspec_hf.generation import resident  # noqa: E402
 from hybridspec_hf.generation.calibration import calibrate_latency  # noqa: E402
 
-PROFILES = {"high": "dflash_like", "tiny_pair": "tiny_pair_heldout", "low": "low"}
+PROFILES = {"high": "dflash_like", "medium": "medium", "tiny_pair": "tiny_pair_heldout", "low": "low"}
 METHODS = ["ar", "dflash", "hybridspec"]
 BATCHES = [1, 2, 4, 8, 16]
 

@@ -4,6 +4,7 @@
 
 - dflash_like: mean accepted length 6.8 at B = 16 (reported for Qwen3.5-35B-A3B with a z-lab DFlash drafter on code:
   6.1 on GSM8K, 7.7 on HumanEval);
+- medium: mean accepted length 4.0 (between them: issue 13's batch table asks for high, medium and low);
 - low: mean accepted length 2.0 (where vanilla DFlash is known to lose to AR).
 The real pair's profile is its held-out traces (tiny_pair_heldout.safetensors, written by acceptance_traces.py).
 Routing: `routing_tiny_pair.json`, the excess expert reuse per block position fitted on those traces' router ids
@@ -18,7 +19,7 @@ from safetensors import safe_open
 from hybridspec_hf.selector.profiles import fit_routing_profile, save_profile, synthetic_profile
 
 PROFILES = Path(__file__).resolve().parent / "profiles"
-DECLARED = {"dflash_like": 6.8, "low": 2.0}
+DECLARED = {"dflash_like": 6.8, "medium": 4.0, "low": 2.0}
 
 if __name__ == "__main__":
     for name, tau in DECLARED.items():

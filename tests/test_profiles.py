@@ -32,6 +32,16 @@ def test_profiles_round_trip_and_the_tiny_pair_traces_load(tmp_path):
     assert traces.block_size == 16 and 1.0 < traces.mean_accepted_length < 16.0
 
 
+@pytest.mark.parametrize("name, tau", [("dflash_like", 6.8), ("medium", 4.0), ("low", 2.0)])
+def test_the_committed_declared_profiles_are_what_make_profiles_writes(name, tau):
+    """benchmarks/profiles/{dflash_like,medium,low}.safetensors: the seeded synthetic profiles of their declared
+    mean accepted length (make_profiles.py's DECLARED), row for row."""
+    committed = load_profile(PROFILES / f"{name}.safetensors")
+    made = synthetic_profile(name, tau, block_size=16, rows=8192, seed=0)
+    assert torch.equal(committed.accepted, made.accepted) and torch.equal(committed.top1, made.top1)
+    assert abs(committed.mean_accepted_length - tau) < 0.1
+
+
 def test_timing_mode_replays_the_profile():
     target = make_target("qwen3_5_moe", dtype=torch.float32)
     drafter = make_drafter(target, 8).float()
