@@ -3,7 +3,8 @@
 At batch 1 a resident forward is launch-bound. Per MoE layer transformers launches, around the routed experts, ~7
 kernels in the router (GEMM, softmax, topk + sort, sum, div, cast) and 9 for the shared expert and the combine
 (gate, up, down and shared_expert_gate GEMMs, silu, mul, sigmoid, mul, add). The patched classes launch, with the
-routed experts, 5 per layer ("one pass", T <= 16 tokens: decode and verification; `SHARED_EXPERT_SLOT`):
+routed experts, 5 per layer ("one pass", T <= `moe_triton.direct_limit()` tokens, 32: decode, verification, a batch
+of 2 verifying 16 tokens; `SHARED_EXPERT_SLOT`):
 
     router   GEMM, route_topk                                     (kernels/router_triton.py)
     experts  gate_up, down, sum over the k routed experts + the shared expert as one more slot (its weights from

@@ -190,11 +190,19 @@ def test_patched_block_equals_transformers(name, dtype, calls):
     blocks = patches.moe_blocks(model)
     patches.prepare_fused_moe(blocks)
     gen = torch.Generator().manual_seed(7)
-    inputs = [torch.randn(1, tokens, model.config.hidden_size, generator=gen).to(dtype) for tokens in (1, 5, 17)]
-    inputs.append(inputs[-1][:, :16])  # in one pass up to 16 tokens, around the experts call above
+    limit = moe_triton.direct_limit()  # in one pass up to 32 tokens (the direct rows), around the experts call above
+    inputs = [torch.randn(1, tokens, model.config.hidden_size, generator=gen).to(dtype)
+              for tokens in (1, 5, limit + 1)]
+    inputs.append(inputs[-1][:, :limit])
     for x in inputs:
         for block in blocks:
-            assert_near(fused_forward(block, x), plain_forward(block, x))
+            # a token whose k-th and (k+1)-th router logits are equal may take either expert (route_topk: the lower
+            # id; torch.topk: unspecified), equally probable: compared where the routing is unambiguous
+            logits = F.linear(x.reshape(-1, x.shape[-1]), block.gate.weight).float()
+            top = logits.topk(block.gate.top_k + 1, dim=-1).values
+            clear = top[:, -2] != top[:, -1]
+            assert clear.sum() >= len(clear) - 2
+            assert_near(fused_forward(block, x)[0, clear], plain_forward(block, x)[0, clear])
     assert calls == {"route_topk": 4 * len(blocks), "gated_add": len(blocks), "mask_invalid_routes": 0,
                      "moe_block_triton": 3 * len(blocks)}
 
@@ -297,7 +305,7 @@ def test_resident_rounds_run_the_fused_blocks_and_release_them(calls, strategy):
     settings = hybridspec_hf.HybridSpecConfig(cuda_graphs="on")
     out = run(target, prompt, drafter, strategy, 6, hybridspec_config=settings)
     assert torch.equal(out, ar)
-    assert calls["moe_block_triton"] > 0 and calls["route_topk"] > 0  # in one pass: every call has <= 16 tokens
+    assert calls["moe_block_triton"] > 0 and calls["route_topk"] > 0  # in one pass: every call has <= 32 tokens
     assert (calls["mask_invalid_routes"] > 0) == (strategy != "dflash")  # stage 1 of a chosen length
     blocks = patches.moe_blocks(target)
     assert all(_moe._CACHE in b.__dict__ for b in blocks)
