@@ -29,7 +29,7 @@ SWITCHES = {
     "early-reads": ("hybridspec_hf.kernels.pdl", "EARLY_READS",
                     "reads of what kernels two back wrote before the PDL wait (MoE decode down, GDN step state)"),
     "wide-direct": ("hybridspec_hf.kernels.moe_triton", "WIDE_DIRECT",
-                    "the MoE direct rows (no sort, shared expert as a slot) up to 64 tokens instead of 16"),
+                    "the MoE direct rows (no sort, shared expert as a slot) up to 32 tokens instead of 16"),
     "align-kernel": ("hybridspec_hf.kernels.moe_triton", "ALIGN_KERNEL",
                      "the sorted MoE blocks' alignment in one launch instead of ≈ 25 torch launches"),
     "gdn-norm-fold": ("hybridspec_hf.kernels.gdn_step_triton", "FOLD_NORM",

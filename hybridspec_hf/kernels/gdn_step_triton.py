@@ -41,7 +41,7 @@ from . import pdl
 from .gdn_prologue_triton import SOFTPLUS_THRESHOLD, _softplus, conv_silu_reference, gdn_gates_reference
 from .gdn_torch import commit_conv_state, compute_dtype, gdn_recurrence
 from .gdn_triton import HAS_TRITON, _LazyJit, _last_dim_contiguous, tl, tl_dtype, triton
-from .norm_triton import gated_rms_norm, gated_rms_norm_reference
+from .norm_triton import gated_norm_row, gated_rms_norm, gated_rms_norm_reference
 
 FUSED_STEP = True  # the switch: False keeps the four launches (conv_silu, gdn_gates, gdn_decode_step, gated norm)
 # With narrow tiles (BV < dv) the last of a head's programs to arrive applies the gated RMSNorm to the whole head in
@@ -192,8 +192,8 @@ def _gdn_step_kernel(
 
     p_head = out + (i_b * HV + i_h) * DV
     p_z = z + i_b * stride_zb + i_h * stride_zh
-    if NORM:  # this program holds the whole head: norm_triton's gated RMSNorm in registers
-        _gated_norm_store(b_o.to(tl.float32), rv, mv, p_head, p_z, norm_w, DV, eps, X_DTYPE)
+    if NORM:  # this program holds the whole head: the gated RMSNorm in registers
+        gated_norm_row(tl.where(mv, b_o.to(tl.float32), 0.0), rv, mv, p_head, p_z, norm_w, DV, eps, X_DTYPE)
     else:
         tl.store(p_head + rv, b_o, mask=mv)
         if FOLD_NORM:  # the last of the head's TILES programs to arrive norms the whole head (o in out, in place)
@@ -204,26 +204,14 @@ def _gdn_step_kernel(
                 rd = tl.arange(0, BD)
                 md = rd < DV
                 o = tl.load(p_head + rd, mask=md, other=0.0, cache_modifier=".cg").to(tl.float32)
-                _gated_norm_store(o, rd, md, p_head, p_z, norm_w, DV, eps, X_DTYPE)
+                gated_norm_row(o, rd, md, p_head, p_z, norm_w, DV, eps, X_DTYPE)
                 tl.store(p_count, 0)  # zero again for the next launch
-
-
-def _gated_norm_store(o, cols, mask, p_head, p_z, norm_w, DV, eps, X_DTYPE: tl.constexpr):
-    """norm_triton's gated RMSNorm of one head's o (fp32 holding X_DTYPE values, 0 where masked), stored at p_head:
-    y = (w · (o · rsqrt(mean(o²) + eps))) · silu(z), with transformers' roundings."""
-    rstd = tl.rsqrt(tl.sum(o * o, 0) / DV + eps)
-    normed = (o * rstd).to(X_DTYPE).to(tl.float32)  # transformers rounds to the model dtype before the weight
-    weight = tl.load(norm_w + cols, mask=mask, other=0.0).to(tl.float32)
-    scaled = (weight * normed).to(X_DTYPE).to(tl.float32)  # w · y in the model dtype
-    gate = tl.load(p_z + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(p_head + cols, (scaled * (gate / (1.0 + tl.exp(-gate)))).to(X_DTYPE), mask=mask)
 
 
 if HAS_TRITON:
     _conv_silu_one = triton.jit(_conv_silu_one)
     _rolled_window = triton.jit(_rolled_window)
     _store_window = triton.jit(_store_window)
-    _gated_norm_store = triton.jit(_gated_norm_store)
     _gdn_step_kernel = _LazyJit(_gdn_step_kernel, pdl=True)
 
 
@@ -314,7 +302,6 @@ def gdn_step(
         K=k_taps, BK=triton.next_power_of_2(dk), BV=block_v, BW=triton.next_power_of_2(k_taps),
         BD=triton.next_power_of_2(dv), ARRIVALS=group * tiles, TILES=tiles, HAS_BIAS=conv_bias is not None,
         NORM=norm, FOLD_NORM=fold, EARLY=pdl.EARLY_READS, X_DTYPE=tl_dtype(x.dtype),
-        W_DTYPE=tl_dtype(conv_weight.dtype),
-        BETA_DTYPE=tl_dtype(b.dtype), num_warps=warps,
+        W_DTYPE=tl_dtype(conv_weight.dtype), BETA_DTYPE=tl_dtype(b.dtype), num_warps=warps,
     )
     return out if norm or fold else gated_rms_norm(out, z, norm_weight, norm_eps)

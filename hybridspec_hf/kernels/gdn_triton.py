@@ -95,8 +95,9 @@ def fused_kernels_allowed() -> bool:
 
 class _LazyJit:
     """`triton.jit(fn, **options)`, bound when first launched in the current TRITON_INTERPRET mode (read at launch,
-    not import). `pdl=True`: the kernel takes a `PDL: tl.constexpr` argument and follows `pdl`'s rule (reads only
-    weights before `pdl.enter(PDL)`); each launch passes PDL and the launch option as `pdl.active` says."""
+    not import). `pdl=True`: the kernel takes a `PDL: tl.constexpr` argument and follows `pdl`'s rule (before
+    `pdl.enter(PDL)` it reads only weights, or with EARLY_READS what kernels two back wrote, and writes nothing);
+    each launch passes PDL and the launch option as `pdl.active` says."""
 
     def __init__(self, fn, pdl: bool = False, **options):
         self.fn = fn

@@ -133,7 +133,7 @@ def default_tiles(num_tokens: int, mode: str) -> tuple[int, Tiles, Tiles]:
             return triton.next_power_of_2(num_tokens), Tiles(32, 64), Tiles(64, 64)
         small = num_tokens <= 4
         return 16, Tiles(16 if small else 32, 128), Tiles(32 if small else 64, 128)
-    if num_tokens <= 32:
+    if num_tokens <= 32:  # sorted blocks at verification sizes: 16-row blocks, as the direct rows' narrow tiles
         return 16, Tiles(32, 128), Tiles(64, 128)
     return 64, Tiles(64, 64, 4, 3), Tiles(64, 64, 4, 3)
 

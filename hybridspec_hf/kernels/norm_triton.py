@@ -83,6 +83,18 @@ def _add_rms_norm_kernel(x, r, w, h, y, stride_x, stride_r, stride_h, stride_y, 
     tl.store(y + row * stride_y + cols, (v * rstd * weight).to(OUT_DTYPE), mask=mask)
 
 
+def gated_norm_row(v, cols, mask, p_y, p_z, w, n, eps, OUT_DTYPE: tl.constexpr):
+    """One row's gated RMSNorm in a kernel: v [BLOCK] fp32 (0 where masked), stored at p_y + cols in OUT_DTYPE:
+    y = (w · (v · rsqrt(mean(v²) + eps))) · silu(z), with transformers' roundings (also the GDN step's epilogue)."""
+    rstd = tl.rsqrt(tl.sum(v * v, axis=0) / n + eps)
+    normed = (v * rstd).to(OUT_DTYPE).to(tl.float32)  # transformers rounds to the model dtype before the weight
+    weight = tl.load(w + cols, mask=mask, other=0.0)
+    scaled = (weight.to(tl.float32) * normed).to(OUT_DTYPE).to(tl.float32)  # w · y in the model dtype
+    gate = tl.load(p_z + cols, mask=mask, other=0.0).to(tl.float32)
+    silu = gate / (1.0 + tl.exp(-gate))
+    tl.store(p_y + cols, (scaled * silu).to(OUT_DTYPE), mask=mask)
+
+
 def _gated_rms_norm_kernel(x, z, w, y, stride_x, stride_z_group, stride_z, z_group, stride_y, n, eps,
                            BLOCK: tl.constexpr, OUT_DTYPE: tl.constexpr, PDL: tl.constexpr):
     pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
@@ -90,17 +102,11 @@ def _gated_rms_norm_kernel(x, z, w, y, stride_x, stride_z_group, stride_z, z_gro
     cols = tl.arange(0, BLOCK)
     mask = cols < n
     v = tl.load(x + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(v * v, axis=0) / n + eps)
-    normed = (v * rstd).to(OUT_DTYPE).to(tl.float32)  # transformers rounds to the model dtype before the weight
-    weight = tl.load(w + cols, mask=mask, other=0.0)
-    scaled = (weight.to(tl.float32) * normed).to(OUT_DTYPE).to(tl.float32)  # w · y in the model dtype
     p_z = z + (row // z_group) * stride_z_group + (row % z_group) * stride_z  # gate rows come in groups of z_group
-    gate = tl.load(p_z + cols, mask=mask, other=0.0).to(tl.float32)
-    silu = gate / (1.0 + tl.exp(-gate))
-    tl.store(y + row * stride_y + cols, (scaled * silu).to(OUT_DTYPE), mask=mask)
-
+    gated_norm_row(v, cols, mask, y + row * stride_y, p_z, w, n, eps, OUT_DTYPE)
 
 if HAS_TRITON:
+    gated_norm_row = triton.jit(gated_norm_row)
     _rms_norm_kernel = _LazyJit(_rms_norm_kernel, pdl=True)
     _add_rms_norm_kernel = _LazyJit(_add_rms_norm_kernel, pdl=True)
     _gated_rms_norm_kernel = _LazyJit(_gated_rms_norm_kernel, pdl=True)
