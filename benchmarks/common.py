@@ -24,6 +24,8 @@ SWITCHES = {
                       "plain steps park the drafter's features for the next speculative round"),
     "trust-drafts": ("hybridspec_hf.selector.length_rules", "TRUST_DRAFTS",
                      "HybridSpec's draft decision trusts the drafts' G(w) until emitted tokens confirm it"),
+    "carry-evidence": ("hybridspec_hf.selector.length_rules", "CARRY_EVIDENCE",
+                       "HybridSpec's resident rounds keep the speculative evidence of the calls before"),
     "pdl": ("hybridspec_hf.kernels.pdl", "ENABLED",
             "programmatic dependent launch of our Triton kernels (Hopper: a kernel starts as the one before ends)"),
     "early-reads": ("hybridspec_hf.kernels.pdl", "EARLY_READS",
@@ -37,7 +39,7 @@ SWITCHES = {
 }
 
 # switches the resident rounds' key records (resident._Key): a variant needs no release of the kept rounds
-KEYED = {"defer-appends", "trust-drafts"}
+KEYED = {"defer-appends", "trust-drafts", "carry-evidence"}
 
 
 def add_switches(parser, *flags: str) -> None:

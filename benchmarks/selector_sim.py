@@ -35,6 +35,7 @@ from common import environment, write_results  # noqa: E402
 from e2e import length_choice_bound, profile_halves  # noqa: E402
 
 from hybridspec_hf.selector.latency import LatencyModel  # noqa: E402
+from hybridspec_hf.selector.length import batch_row_tokens  # noqa: E402
 from hybridspec_hf.selector.length_rules import make_selector  # noqa: E402
 
 VARIANTS = {  # name: (strategy, selector options)
@@ -98,34 +99,48 @@ CALL_VARIANTS = {  # name: selector options
 
 
 def simulate_call(selector, latency: LatencyModel, replay, estimator, start_row: int, tokens: int,
-                  rows: int = 1) -> tuple:
+                  rows: int = 1, progress: str = "spread") -> tuple:
     """One call of `rows` batch rows from the profile's row start_row (row b from start_row + b·R/rows, as the
-    resident rounds replay it): (× AR, speculative rounds). A batch shares one w, chosen from the rows' mean survival,
-    and the selector observes the mean tokens per row (RoundStrategy.choose_rows)."""
+    resident rounds replay it): (× AR, speculative rounds). A batch shares one w, chosen from the live rows' mean
+    survival (RoundStrategy.choose_rows); each row makes its own progress, a row that has its `tokens` stops (it takes
+    no profile rows) but the batch's rounds cost C_N(w) until the last row is done, as the resident rounds' inert
+    rows. The selector observes per round `progress`: "spread" (the live rows' mean tokens discounted for their
+    spread, selector.batch_row_tokens: the resident rounds' rule) or "mean" (the mean tokens per live row, the rule
+    before run 56). A selector with evidence from the calls before (HybridSpec.restart) opens with a deciding plain
+    step, as the resident rounds do."""
     cost, cost_ar, block = latency.cost[0].double(), float(latency.cost_ar[0]), latency.block_size
     context = latency.context_lens[:1].long()
     selector.restart(context)
     stride = max(1, replay.accepted.shape[0] // rows)
     row = torch.arange(rows) * stride + start_row
-    made, seconds, spec, draft_next, plain_left = 1, 0.0, 0, True, 0
-    while made < tokens:
+    made = torch.ones(rows)  # each row's tokens so far (the prefill's first)
+    # as the resident rounds: with evidence kept from the calls before, a deciding plain step opens the call
+    draft_next = not bool(selector.informed().all())
+    seconds, spec, plain_left = 0.0, 0, 0
+    while bool((made < tokens).any()):
+        live = made < tokens
         if draft_next:
             i = row % replay.accepted.shape[0]
-            row = row + 1
+            row = row + live.long()
             signals = {k: getattr(replay, k)[i] for k in ("top1", "margin", "entropy")}
-            survival = estimator.survival(signals).mean(0, keepdim=True)
+            weight = live.float().view(-1, 1)
+            survival = (estimator.survival(signals) * weight).sum(0, keepdim=True) / weight.sum()
             w = int(selector.choose(survival, context, torch.tensor([block])).reshape(-1)[0])
             w = max(1, min(w, block))
-            # the rows' mean progress stands for each row's (a batch's rows end at different rounds: not modelled)
-            per_row = float((replay.accepted[i] + 1).clamp(max=w).float().clamp(max=tokens - made).mean())
+            gained = torch.minimum((replay.accepted[i] + 1).clamp(max=w).float(), tokens - made) * live
             draft_next = bool(selector.should_draft(context).reshape(-1)[0])  # before it observes itself
-            selector.observe(torch.tensor([w]), torch.tensor([per_row]), None, True)
-            seconds, made, spec = seconds + float(cost[w - 1]), made + per_row, spec + 1
+            if progress == "mean":
+                observed = float(gained.sum() / live.sum())
+            else:
+                observed = float(batch_row_tokens(gained, live.long(), tokens - made))
+            made = made + gained
+            selector.observe(torch.tensor([w]), torch.tensor([observed]), None, True)
+            seconds, spec = seconds + float(cost[w - 1]), spec + 1
         else:
             plain_left = int(selector.plain_run(context).reshape(-1)[0]) if plain_left == 0 else plain_left - 1
             draft_next = plain_left <= 0
-            seconds, made = seconds + cost_ar, made + 1
-    return (made - 1) * cost_ar / seconds, spec
+            seconds, made = seconds + cost_ar, made + live.float()
+    return (tokens - 1) * cost_ar / seconds, spec
 
 
 def main_calls(args) -> None:

@@ -248,3 +248,75 @@ def test_plain_run_of_the_selector_drafts_again_when_speculation_pays():
     selector.choose((0.97 ** I)[None].float(), 1024)
     selector.observe(torch.full((1,), 16), torch.full((1,), 14.0), torch.tensor([25e-3]), drafted=True)
     assert int(selector.plain_run(1024)[0]) == 0
+
+
+def test_a_batch_round_is_worth_its_mean_discounted_for_the_rows_spread():
+    """batch_row_tokens: one row, or rows that agree, are worth their mean; rows that spread are worth less, and less
+    as the roomiest row's end nears; the discount's c_n is E[max of n standard normals] (Blom), checked by sampling;
+    rows that are not live count for nothing."""
+    from hybridspec_hf.selector.length import batch_row_tokens
+
+    one = batch_row_tokens(torch.tensor([5]), torch.tensor([1]), torch.tensor([100]))
+    assert torch.allclose(one, torch.tensor([5.0]))
+    agree = batch_row_tokens(torch.full((8,), 4), torch.ones(8, dtype=torch.long), torch.full((8,), 100))
+    assert torch.allclose(agree, torch.tensor([4.0]))
+    gained = torch.tensor([1, 7, 1, 7, 1, 7, 1, 7])
+    live = torch.ones(8, dtype=torch.long)
+    far = float(batch_row_tokens(gained, live, torch.full((8,), 120)))
+    near = float(batch_row_tokens(gained, live, torch.full((8,), 6)))
+    n, spread, mean = 8.0, 3.0, 4.0
+    c = float(torch.randn(200_000, 8, generator=torch.Generator().manual_seed(0)).max(1).values.mean())
+    assert abs(far - mean / (1 + c * spread / (120 * mean) ** 0.5)) < 0.02 * mean  # Blom's c_8 within 2 %
+    assert near < far < mean
+    # a row that ended (live 0) neither counts in the mean nor in the spread
+    ended = batch_row_tokens(torch.tensor([4, 4, 15]), torch.tensor([1, 1, 0]), torch.tensor([50, 50, 50]))
+    assert torch.allclose(ended, torch.tensor([4.0]))
+
+
+def test_a_new_call_keeps_the_earlier_calls_evidence_and_decides_its_first_round():
+    """HybridSpec.restart with carry_rounds: the streams keep the speculative rounds' means (at most carry_rounds of
+    weight), so the call's first plain_run decides: drafting that paid before drafts at once (k = 0), drafting that
+    did not waits for its probe; carry_rounds=0 starts without evidence (the first round is drafted unasked)."""
+    survival = (0.95 ** I)[None].float()
+    cost_ar = 6e-3
+    context = torch.tensor([1024])
+
+    def after_a_call(emitted, carry):
+        selector = HybridSpec(latency_model(cost_ar=cost_ar), routing_correction=False, carry_rounds=carry)
+        selector.restart(context)
+        assert not bool(selector.informed()[0])  # the first call knows nothing
+        for _ in range(30):
+            selector.should_draft(context)
+            w = selector.choose(survival, context)
+            selector.observe(w, torch.tensor([emitted]), COST[w - 1].float(), drafted=True)
+        selector.restart(context)
+        return selector
+
+    paid = after_a_call(8.0, 8.0)
+    assert bool(paid.informed()[0]) and float(paid.throughput.spec_weight[0]) <= 8.0 + 1e-4
+    assert int(paid.plain_run(context)[0]) == 0
+    lost = after_a_call(1.0, 8.0)
+    assert bool(lost.informed()[0]) and int(lost.plain_run(context)[0]) > 0
+    fresh = after_a_call(8.0, 0.0)
+    assert not bool(fresh.informed()[0]) and bool(fresh.throughput.forced[0])
+    with pytest.raises(ValueError, match="carry_rounds"):
+        HybridSpec(latency_model(), carry_rounds=-1.0)
+
+
+def test_probes_come_sooner_while_the_drafts_predict_that_drafting_pays():
+    """Rounds whose drafts predict more tokens than a plain step would make in their time (p̂ = 0.95^i) but emit one:
+    plain steps, with probes every hopeful_share-limited stretch ((15 - 6) / (0.04 * 6) -> 38) instead of the
+    probe_share one (150); drafts that predict little (p̂ = 0.02^i) keep the long one."""
+    def stretch(survival_rate, hopeful):
+        selector = HybridSpec(latency_model(cost=COST * 3, cost_ar=6e-3), routing_correction=False,
+                              probe_share=0.01, hopeful_share=hopeful, carry_rounds=0.0)
+        selector.should_draft(1024)
+        survival = (survival_rate ** I)[None].float()
+        w = selector.choose(survival, 1024)
+        selector.observe(w, torch.ones(1), torch.tensor([15e-3]), drafted=True)  # G(4) = 3.7 in 15 ms: > 1 in 6
+        return int(selector.plain_run(1024)[0])
+
+    long, hopeful, unhopeful = stretch(0.95, 0.01), stretch(0.95, 0.04), stretch(0.02, 0.04)
+    assert (long, hopeful, unhopeful) == (150, 38, 150)
+    with pytest.raises(ValueError, match="hopeful_share"):
+        HybridSpec(latency_model(), probe_share=0.01, hopeful_share=2.0)

@@ -70,6 +70,7 @@ from hybridspec_hf.graphs.static_target import StaticTarget
 from hybridspec_hf.kernels import gdn_triton
 from hybridspec_hf.patches._cache import set_rows
 from hybridspec_hf.patches.experts import fused_experts_for
+from hybridspec_hf.selector.length import batch_row_tokens
 
 _CAPACITY_STEP = 512
 MAX_ROUNDS_PER_TARGET = 3  # captured settings kept per target (graphs, static caches): see the module docstring
@@ -376,11 +377,19 @@ class ResidentRounds:
         patches.prepare_linears(self.linears)  # the projections' skinny GEMM (inert until its table names a shape)
 
     def reset_selector(self) -> None:
-        """A new generate() call: the selector's streams restart from its prior, in place (graphs hold them)."""
+        """A new generate() call: the selector's streams restart from its prior, in place (graphs hold them),
+        keeping what earlier calls' speculative rounds taught (HybridSpec.restart). `opens_plain`: the selector has
+        such evidence, so the call opens with a deciding plain step (its `plain_run` drafts next if speculation
+        pays) instead of a draft nobody asked for (read once here, at the call's set-up)."""
         selector = self.strategy.selector
+        self.opens_plain = False
         if selector is not None:
             restart = getattr(selector, "restart", None)
             restart(self._context_len()) if restart is not None else selector.reset()
+            informed = getattr(selector, "informed", None)
+            if informed is not None:
+                with host_syncs():
+                    self.opens_plain = bool(informed().all())
 
     # ------------------------------------------------------------------------------------------ captured functions
     def _context_len(self) -> torch.Tensor:
@@ -594,15 +603,16 @@ class ResidentRounds:
 
     def _commit(self):
         """Keep m = self.count tokens (per row) of the last verification."""
+        room = self.limit - (self.target.length + 1) if self.rows > 1 else None  # before this round's tokens
         self.target.commit(self.pending, self.count)
         with patches.fused_kernels():
             self.context.append(self.features, self.count)
         last = self.target_tokens.gather(1, (self.count - 1).clamp(min=0).view(-1, 1))  # [N, 1]
         self.last_token.copy_(torch.where(self.count.view(-1, 1) > 0, last, self.last_token))
         if self.strategy.selector is not None:
-            # one stream for the batch: tokens per live row (the eager batched loop's rule)
-            emitted = self.count if self.rows == 1 else \
-                (self.count.sum() / self.live.sum().clamp(min=1)).view(1)
+            # one stream for the batch: tokens per live row, discounted for the rows' spread (the eager batched
+            # loop's rule, selector.batch_row_tokens)
+            emitted = self.count if self.rows == 1 else batch_row_tokens(self.count, self.live, room)
             self.strategy.selector.observe(self.round_w.view(1), emitted, None, True)
 
     # ------------------------------------------------------------------------------------------ host side
@@ -780,7 +790,7 @@ class HostEmitter:
 def resident_decode(rounds: ResidentRounds, emitter: HostEmitter, telemetry, predicted_latency) -> None:
     """Rounds until a criterion fires; the caller prefilled and `rounds.start(...)`-ed. Host time per round: one
     replay (two for a speculative round), one wait for the hand-off, and the emission of its tokens."""
-    draft_next = rounds.speculative
+    draft_next = rounds.speculative and not (rounds.decides and rounds.opens_plain)
     plain_left = 0  # plain steps a deciding step ordered before the next draft (they run without selector work)
     predicted = []  # (w, context, drafted) of each round: its calibrated latency is looked up after the loop
     last = time.perf_counter()
@@ -871,7 +881,7 @@ class RowsHost:
 def resident_decode_rows(rounds: ResidentRounds, host: RowsHost, telemetry, predicted_latency) -> None:
     """A batch's rounds until every row ended; the caller prefilled and `rounds.start(...)`-ed. One hand-off per
     round carries every row's tokens, accepted counts, m and whether it still runs."""
-    draft_next = rounds.speculative
+    draft_next = rounds.speculative and not (rounds.decides and rounds.opens_plain)
     plain_left = 0  # plain steps a deciding step ordered before the next draft
     predicted = []  # (w, context, drafted) of each round: its calibrated latency is looked up after the loop
     last = time.perf_counter()

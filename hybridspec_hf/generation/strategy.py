@@ -122,9 +122,10 @@ class RoundStrategy:
             assert name in CALIBRATED_STRATEGIES
             latency = resolve_latency_model(settings, target, drafter).for_batch(batch)
             selector = make_selector(name, {"latency_model": latency})
-            # the module-level defaults a selector read (HybridSpec's trust_tokens) are part of its decisions
-            trust = getattr(getattr(selector, "throughput", None), "trust_tokens", None)
-            identity = (*identity, latency.digest(), trust)
+            # the module-level defaults a selector read (HybridSpec's trust_tokens, carry_rounds) are part of its decisions
+            throughput = getattr(selector, "throughput", None)
+            trust, hopeful = (getattr(throughput, k, None) for k in ("trust_tokens", "hopeful_share"))
+            identity = (*identity, latency.digest(), trust, hopeful, getattr(selector, "carry_rounds", None))
         selector.reset()
         carried = settings.acceptance_estimator is None and getattr(drafter, "acceptance_estimator", None) is not None
         estimator = _estimator(drafter.acceptance_estimator if carried else settings.acceptance_estimator, block_size)

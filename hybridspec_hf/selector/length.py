@@ -78,6 +78,31 @@ def should_draft(spec_gain: torch.Tensor, spec_cost: torch.Tensor, rho: torch.Te
     return spec_gain - rho * spec_cost > 1.0 - rho * cost_ar
 
 
+def batch_row_tokens(gained: torch.Tensor, live: torch.Tensor, room: torch.Tensor) -> torch.Tensor:
+    """What a batch's speculative round is worth, in tokens per row: the live rows' mean gain, discounted for the
+    spread between rows that the call's end pays for. [1] fp32; gained, live, room [N] (tokens each row committed,
+    1/0 live at the round's start, tokens each row could still make before it).
+
+    A batched generate() call ends when its last row does, and a row that ended keeps its place in the rounds. Plain
+    steps move every row alike; speculative rounds give each row its own number of tokens (mean μ, spread σ between
+    rows), so the rows drift apart and the call waits for the slowest. Continuing speculatively over the T tokens the
+    roomiest live row still needs takes about T/μ + c_n·σ·√(T/μ)/μ rounds (c_n = E[max of n standard normals], Blom's
+    approximation Φ⁻¹((n − 0.375)/(n + 0.25)), n live rows), i.e. the call advances at μ / (1 + c_n·σ/√(T·μ)) tokens
+    per round: the mean at one row (c_1 = 0) or with rows that agree, less with rows that spread, and less as the end
+    nears (small T), where a plain step, which moves the straggler as fast as the others, wins. The mean alone chose
+    speculation at batch 8-16 under a medium acceptance (mean accepted length 4) where the straggler made it lose
+    5-8 % to plain decoding (run 56 of benchmarks/results/gpu_rounds_runs.md; selector_sim.py's calls mode with each
+    row's own progress). Pure torch, no host sync."""
+    weight = live.float()
+    n = weight.sum().clamp(min=1.0)
+    gained = gained.float()
+    mean = (gained * weight).sum() / n
+    spread = (((gained - mean) ** 2 * weight).sum() / n).sqrt()
+    left = (room.float() * weight).max().clamp(min=1.0)
+    c = torch.special.ndtri((n - 0.375) / (n + 0.25)).clamp(min=0.0)
+    return (mean / (1.0 + c * spread / (left * mean.clamp(min=1e-6)).sqrt())).view(1)
+
+
 class DinkelbachThroughput:
     """Running Dinkelbach price ρ = Σ tokens / Σ seconds over past rounds, plus the draft / don't-draft decision.
 
@@ -113,7 +138,9 @@ class DinkelbachThroughput:
     """
 
     def __init__(self, forgetting: float = 0.98, draft_forgetting: float = 0.95, probe_every: int = 16,
-                 prior_rounds: float = 4.0, probe_share: float = 0.01, trust_tokens: float = 0.0):
+                 prior_rounds: float = 4.0, probe_share: float = 0.01, trust_tokens: float = 0.0,
+                 hopeful_share: float | None = None):
+        hopeful_share = probe_share if hopeful_share is None else hopeful_share
         for name, value in (("forgetting", forgetting), ("draft_forgetting", draft_forgetting)):
             if not 0.0 < value <= 1.0:
                 raise ValueError(f"{name} must be in (0, 1], got {value}; 1 means no forgetting.")
@@ -122,10 +149,14 @@ class DinkelbachThroughput:
         if not 0.0 < probe_share <= 1.0:
             raise ValueError(f"probe_share must be in (0, 1], got {probe_share}: the most of the plain steps' time "
                              "that a probe's extra cost may take (1 = probe every probe_every steps, whatever it costs).")
+        if not probe_share <= hopeful_share <= 1.0:
+            raise ValueError(f"hopeful_share must be in [probe_share = {probe_share}, 1], got {hopeful_share}: the "
+                             "probes' share of time while the drafts' own predictions say that drafting pays.")
         if trust_tokens < 0:
             raise ValueError(f"trust_tokens must be >= 0 (0: the emitted tokens alone), got {trust_tokens}.")
         self.forgetting, self.draft_forgetting, self.trust_tokens = forgetting, draft_forgetting, trust_tokens
         self.probe_every, self.prior_rounds, self.probe_share = probe_every, prior_rounds, probe_share
+        self.hopeful_share = hopeful_share
         self.tokens = self.latency = None
 
     PLAIN_HORIZON = 256  # plain steps `plain_run` scans ahead
@@ -144,13 +175,23 @@ class DinkelbachThroughput:
         # round is not observed yet
         self.forced = torch.ones(batch, dtype=torch.bool, device=device)
 
-    def restart(self, cost_ar: torch.Tensor) -> None:
-        """`reset` in place, keeping every tensor's address (CUDA graphs hold them). cost_ar: [batch]."""
+    def restart(self, cost_ar: torch.Tensor, carry: float = 0.0) -> None:
+        """`reset` in place, keeping every tensor's address (CUDA graphs hold them). cost_ar: [batch].
+
+        carry > 0 keeps what the speculative rounds so far taught (their tokens, G(w) and latency means), weighed
+        as at most `carry` rounds, so that the new call's own rounds soon outweigh it: the call's first round is then
+        decided from that evidence (`plain_run`) instead of drafted unasked. ρ restarts from the AR prior either way."""
         self.tokens.fill_(float(self.prior_rounds))
         self.latency.copy_(self.prior_rounds * cost_ar.expand_as(self.latency))
-        for stat in (self.spec_tokens, self.spec_expected, self.spec_latency, self.spec_weight, self.ar_streak):
-            stat.zero_()
-        self.forced.fill_(True)
+        self.ar_streak.zero_()
+        if carry > 0:
+            scale = (carry / self.spec_weight.clamp(min=1e-12)).clamp(max=1.0)
+            for stat in (self.spec_tokens, self.spec_expected, self.spec_latency, self.spec_weight):
+                stat.mul_(scale)
+        else:
+            for stat in (self.spec_tokens, self.spec_expected, self.spec_latency, self.spec_weight):
+                stat.zero_()
+        self.forced.copy_(self.spec_weight == 0)
 
     @property
     def rho(self) -> torch.Tensor:
@@ -176,15 +217,26 @@ class DinkelbachThroughput:
         weight = self.spec_weight.clamp(min=1e-12)
         spec_cost = self.spec_latency / weight
         pays = should_draft(self._spec_gain(1.0), spec_cost, self.rho, cost_ar)
-        # a probe once the plain steps since the last speculative round have cost 1/probe_share times its extra time
-        stretch = ((spec_cost - cost_ar).clamp(min=0) / (self.probe_share * cost_ar)).ceil()
-        probe = self.ar_streak >= stretch.clamp(min=self.probe_every)
+        probe = self.ar_streak >= self._stretch(spec_cost, cost_ar)
         # The rounds decide the next round's drafting before they observe their own (the hand-off carries the
         # decision), so when a forced draft (the first, or a probe) is still in flight its tokens are not counted
         # yet: forcing again would draft twice for one observation (each probe cost two speculative rounds).
         forced = ((self.spec_weight == 0) | probe) & ~self.forced
         self.forced.copy_(forced & ~pays)
         return pays | forced
+
+    def _stretch(self, spec_cost: torch.Tensor, cost_ar: torch.Tensor) -> torch.Tensor:
+        """Plain steps since the last speculative round before a probe: at least probe_every, and enough that the
+        probe's extra time (spec_cost - cost_ar) is at most `probe_share` of theirs, or `hopeful_share` while the
+        drafts' own predictions (the recent rounds' mean G(w)) say that a speculative round beats a plain step
+        (G / spec_cost > 1 / cost_ar: the price the plain steps move ρ to) and the emitted tokens disagree: a round or
+        two of bad luck then costs a few probes' worth of plain steps, not the rest of the call (on the H200, batch 1,
+        a medium acceptance: calls that stepped plain after a bad first round stayed plain to their end, 1.0× AR
+        against 1.6× when drafting, run 56 of benchmarks/results/gpu_rounds_runs.md). [batch]."""
+        predicted = self.spec_expected / self.spec_weight.clamp(min=1e-12)
+        hopeful = predicted * cost_ar > spec_cost
+        share = torch.where(hopeful, self.hopeful_share, self.probe_share)
+        return ((spec_cost - cost_ar).clamp(min=0) / (share * cost_ar)).ceil().clamp(min=self.probe_every)
 
     def _spec_gain(self, scale) -> torch.Tensor:
         """Tokens a speculative round is expected to yield: the recent rounds' mean G(w) times the emitted/G ratio,
@@ -235,7 +287,7 @@ class DinkelbachThroughput:
         spec_cost = self.spec_latency / weight  # [batch]: the same at every j
         spec_gain = self._spec_gain(d ** j)  # [batch, J]: the emitted/G ratio moves towards its prior as sums decay
         pays = should_draft(spec_gain, spec_cost[:, None], tokens / latency, cost_ar[:, None])  # [batch, J]
-        stretch = ((spec_cost - cost_ar).clamp(min=0) / (self.probe_share * cost_ar)).ceil().clamp(min=self.probe_every)
+        stretch = self._stretch(spec_cost, cost_ar)  # [batch]: the same at every j
         due = (self.ar_streak[:, None] + j.long()) >= stretch[:, None]  # a probe is due at step j
         never = (self.spec_weight == 0)[:, None]
         # a forced draft still in flight (self.forced) blocks forcing at j = 0 only: j > 0 means no decision fired

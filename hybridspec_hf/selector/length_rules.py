@@ -149,6 +149,14 @@ class PerRoundRatio(_Calibrated):
 # was even or behind on the H200 (runs 42-43 of benchmarks/results/gpu_rounds_runs.md).
 TRUST_TOKENS = 4.0
 TRUST_DRAFTS = False
+# The probes' share of the plain steps' time while the drafts' predicted G(w) says drafting pays but the emitted tokens
+# say it does not (DinkelbachThroughput._stretch); probe_share (1 %) otherwise.
+HOPEFUL_SHARE = 0.04
+# Rounds' worth of speculative evidence a new generate() call of the same GPU-resident rounds keeps from the calls
+# before (HybridSpec.restart): its first round is decided rather than drafted unasked, and one unlucky early round
+# weighs less. 0: each call starts from the prior alone.
+CARRY_ROUNDS = 8.0
+CARRY_EVIDENCE = True  # False: carry_rounds defaults to 0 (the benchmarks' carry-evidence A/B switch)
 
 
 class HybridSpec(_Calibrated):
@@ -156,8 +164,9 @@ class HybridSpec(_Calibrated):
 
     rho_source: "measured" (default; emitted tokens and measured latency feed ρ, predicted C(w) when no latency is
     passed) or "predicted" (G(w) and C(w)). See length.DinkelbachThroughput for forgetting, draft_forgetting,
-    probe_every, prior_rounds, probe_share and trust_tokens (how much the draft decision trusts the estimator's
-    G(w) before the emitted tokens have confirmed it; 0: the emitted tokens alone). allow_ar=False always drafts.
+    probe_every, prior_rounds, probe_share, hopeful_share (at least probe_share) and trust_tokens (how much the draft
+    decision trusts the estimator's G(w) before the emitted tokens have confirmed it; 0: the emitted tokens alone);
+    carry_rounds: the evidence a new call of the resident rounds keeps (`restart`). allow_ar=False always drafts.
     """
 
     name = "hybridspec"
@@ -165,15 +174,20 @@ class HybridSpec(_Calibrated):
     def __init__(self, latency_model: LatencyModel, routing_correction: bool = True, rho_source: str = "measured",
                  forgetting: float = 0.98, draft_forgetting: float = 0.95, probe_every: int = 16,
                  prior_rounds: float = 4.0, allow_ar: bool = True, probe_share: float = 0.01,
-                 trust_tokens: float | None = None):
+                 trust_tokens: float | None = None, hopeful_share: float = HOPEFUL_SHARE,
+                 carry_rounds: float | None = None):
         super().__init__(latency_model)
         trust_tokens = (TRUST_TOKENS if TRUST_DRAFTS else 0.0) if trust_tokens is None else trust_tokens
+        carry_rounds = (CARRY_ROUNDS if CARRY_EVIDENCE else 0.0) if carry_rounds is None else carry_rounds
+        if carry_rounds < 0:
+            raise ValueError(f"carry_rounds must be >= 0 (0: every call starts without evidence), got {carry_rounds}.")
+        self.carry_rounds = carry_rounds
         if rho_source not in ("measured", "predicted"):
             raise ValueError(f"rho_source must be 'measured' or 'predicted', got {rho_source!r}.")
         self.routing_correction, self.rho_source, self.allow_ar = routing_correction, rho_source, allow_ar
         self.name = "hybridspec" if routing_correction else "nominal"
         self.throughput = DinkelbachThroughput(forgetting, draft_forgetting, probe_every, prior_rounds, probe_share,
-                                               trust_tokens)
+                                               trust_tokens, max(hopeful_share, probe_share))
 
     @property
     def rho(self) -> torch.Tensor | None:
@@ -185,13 +199,20 @@ class HybridSpec(_Calibrated):
 
     def restart(self, context_len: torch.Tensor) -> None:
         """A new generation in place: the streams restart from the prior without new tensors (graph-captured rounds
-        hold their addresses); the first call allocates them. context_len: [batch] long on the rounds' device."""
+        hold their addresses), keeping `carry_rounds` rounds' worth of what the previous calls' speculative rounds
+        taught (DinkelbachThroughput.restart); the first call allocates them. context_len: [batch] long on the
+        rounds' device. `informed` then says whether the call's first round can be decided from evidence."""
         if self.throughput.tokens is None or self.throughput.tokens.device != context_len.device:
             self.throughput.tokens = None
             self.should_draft(context_len)  # allocates the streams; the call's first round is still to come
             self.throughput.forced.fill_(True)
             return
-        self.throughput.restart(self._model(context_len.device).cost_ar_for(context_len))
+        self.throughput.restart(self._model(context_len.device).cost_ar_for(context_len), self.carry_rounds)
+
+    def informed(self) -> torch.Tensor:
+        """[batch] bool: whether the streams hold evidence from speculative rounds (after `restart`: from earlier
+        calls), so that a plain step's `plain_run` can decide the first round; False: it is drafted unasked."""
+        return self.throughput.spec_weight > 0
 
     def _ready(self, batch: int, model: LatencyModel, context_len) -> None:
         """(Re)start the streams when the batch or device changes; remember this round's C_ar."""
@@ -254,9 +275,9 @@ class HybridSpec(_Calibrated):
             return
         seconds = predicted_latency if latency is None else on_device(latency, w.device, torch.float32).expand(
             w.shape[0])
-        expected = None  # the emitted tokens alone: no G(w) to compute (a captured round runs no kernel for it)
-        if self.throughput.trust_tokens > 0:
-            expected = expected_tokens(self._survival).gather(1, idx).squeeze(1).to(emitted.device)  # G(w)
+        # G(w): the drafts' own prediction (trust_tokens weighs it against the emitted tokens; the probes' share
+        # grows to hopeful_share while it says drafting pays)
+        expected = expected_tokens(self._survival).gather(1, idx).squeeze(1).to(emitted.device)
         self.throughput.update(emitted.float(), seconds, spec, expected=expected)
 
 
