@@ -171,6 +171,7 @@ class DinkelbachThroughput:
         self.spec_latency = torch.zeros(batch, device=device)
         self.spec_weight = torch.zeros(batch, device=device)
         self.ar_streak = torch.zeros(batch, dtype=torch.long, device=device)
+        self.spec_rounds = torch.zeros(batch, device=device)  # speculative rounds observed (not discounted)
         # a forced draft (the first round of a generation, which the loops draft without asking, or a probe) whose
         # round is not observed yet
         self.forced = torch.ones(batch, dtype=torch.bool, device=device)
@@ -179,8 +180,9 @@ class DinkelbachThroughput:
         """`reset` in place, keeping every tensor's address (CUDA graphs hold them). cost_ar: [batch].
 
         carry > 0 keeps what the speculative rounds so far taught (their tokens, G(w) and latency means), weighed
-        as at most `carry` rounds, so that the new call's own rounds soon outweigh it: the call's first round is then
-        decided from that evidence (`plain_run`) instead of drafted unasked. ρ restarts from the AR prior either way."""
+        as at most `carry` rounds, so that the new call's own rounds soon outweigh it, and the count of speculative
+        rounds observed (HybridSpec.informed: with enough of them the call's first round is decided from that
+        evidence instead of drafted unasked). ρ restarts from the AR prior either way."""
         self.tokens.fill_(float(self.prior_rounds))
         self.latency.copy_(self.prior_rounds * cost_ar.expand_as(self.latency))
         self.ar_streak.zero_()
@@ -189,7 +191,7 @@ class DinkelbachThroughput:
             for stat in (self.spec_tokens, self.spec_expected, self.spec_latency, self.spec_weight):
                 stat.mul_(scale)
         else:
-            for stat in (self.spec_tokens, self.spec_expected, self.spec_latency, self.spec_weight):
+            for stat in (self.spec_tokens, self.spec_expected, self.spec_latency, self.spec_weight, self.spec_rounds):
                 stat.zero_()
         self.forced.copy_(self.spec_weight == 0)
 
@@ -211,6 +213,7 @@ class DinkelbachThroughput:
                             (self.spec_weight, 1.0)):
             stat.mul_(self.draft_forgetting).add_(spec * value)
         self.ar_streak.add_(1).mul_((~drafted).long())
+        self.spec_rounds.add_(spec)
 
     def draft_decision(self, cost_ar: torch.Tensor) -> torch.Tensor:
         """Whether each stream drafts the next round: [batch] bool (see the class docstring)."""

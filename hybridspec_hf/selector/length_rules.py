@@ -156,6 +156,7 @@ HOPEFUL_SHARE = 0.04
 # before (HybridSpec.restart): its first round is decided rather than drafted unasked, and one unlucky early round
 # weighs less. 0: each call starts from the prior alone.
 CARRY_ROUNDS = 8.0
+INFORMED_ROUNDS = 3  # speculative rounds of evidence before a call's first round is decided rather than drafted
 CARRY_EVIDENCE = True  # False: carry_rounds defaults to 0 (the benchmarks' carry-evidence A/B switch)
 
 
@@ -210,9 +211,12 @@ class HybridSpec(_Calibrated):
         self.throughput.restart(self._model(context_len.device).cost_ar_for(context_len), self.carry_rounds)
 
     def informed(self) -> torch.Tensor:
-        """[batch] bool: whether the streams hold evidence from speculative rounds (after `restart`: from earlier
-        calls), so that a plain step's `plain_run` can decide the first round; False: it is drafted unasked."""
-        return self.throughput.spec_weight > 0
+        """[batch] bool: whether the streams hold evidence from at least INFORMED_ROUNDS speculative rounds (after
+        `restart`: from earlier calls), so that a plain step's `plain_run` can decide the call's first round; False:
+        it is drafted unasked. One or two rounds are not enough: a single unlucky round (a block accepts 0 or 15
+        tokens) carried into the next call kept it plain to its end (run 57, high acceptance: the first call of each
+        batch size at 1.0-1.2x AR against 1.6-2.4x for the others)."""
+        return (self.throughput.spec_rounds >= INFORMED_ROUNDS) & (self.throughput.spec_weight > 0)
 
     def _ready(self, batch: int, model: LatencyModel, context_len) -> None:
         """(Re)start the streams when the batch or device changes; remember this round's C_ar."""
