@@ -344,3 +344,27 @@ def test_running_out_of_memory_while_capturing_frees_the_kept_sets_and_retries(m
     monkeypatch.setattr(resident, "ResidentRounds", first_build_runs_out)
     assert_same_as_ar(run(target, prompt, drafter, "hybridspec", 16, hybridspec_config=ON), ar)
     assert len(built) == 2 and len(target.__dict__[resident._KEPT]) == 1  # the dflash set made way, then retried
+
+
+def test_a_later_call_opens_with_a_deciding_plain_step_from_the_calls_before(monkeypatch, fp64_gdn):
+    """HybridSpec's resident rounds keep the earlier calls' speculative evidence (HybridSpec.restart with
+    carry_rounds): once it holds INFORMED_ROUNDS speculative rounds, a call opens with a plain step that decides the
+    next draft, and the output is still AR's; with the carry off (length_rules.CARRY_EVIDENCE) every call's first
+    round is drafted."""
+    from hybridspec_hf.selector import length_rules
+
+    target = make_target("qwen3_5_moe")
+    prompt = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(3))
+    ar = reference(target, prompt, 40)
+    drafter = make_drafter(target, 8, ar.sequences, error_rate=0.1, seed=3)
+    firsts = []
+    for _ in range(3):
+        assert_same_as_ar(run(target, prompt, drafter, "hybridspec", 40, hybridspec_config=ON), ar)
+        rounds = hybridspec_hf.get_telemetry(target).rounds
+        firsts.append(rounds[0].drafted)
+        assert sum(r.drafted for r in rounds) >= length_rules.INFORMED_ROUNDS  # an oracle-like drafter: it drafts
+    assert firsts == [True, False, False]
+    monkeypatch.setattr(length_rules, "CARRY_EVIDENCE", False)
+    for _ in range(2):
+        assert_same_as_ar(run(target, prompt, drafter, "hybridspec", 40, hybridspec_config=ON), ar)
+        assert hybridspec_hf.get_telemetry(target).rounds[0].drafted
