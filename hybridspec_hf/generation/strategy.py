@@ -122,7 +122,7 @@ class RoundStrategy:
             assert name in CALIBRATED_STRATEGIES
             latency = resolve_latency_model(settings, target, drafter).for_batch(batch)
             selector = make_selector(name, {"latency_model": latency})
-            # the module-level defaults a selector read (HybridSpec's trust_tokens, carry_rounds) are part of its decisions
+            # the module-level defaults a selector read (HybridSpec's trust_tokens, carry_rounds): part of its decisions
             throughput = getattr(selector, "throughput", None)
             trust, hopeful = (getattr(throughput, k, None) for k in ("trust_tokens", "hopeful_share"))
             identity = (*identity, latency.digest(), trust, hopeful, getattr(selector, "carry_rounds", None))
