@@ -351,20 +351,24 @@ def test_a_later_call_opens_with_a_deciding_plain_step_from_the_calls_before(mon
     carry_rounds): once it holds INFORMED_ROUNDS speculative rounds, a call opens with a plain step that decides the
     next draft, and the output is still AR's; with the carry off (length_rules.CARRY_EVIDENCE) every call's first
     round is drafted."""
-    from hybridspec_hf.selector import length_rules
+    from hybridspec_hf.selector import LatencyModel, length_rules
 
     target = make_target("qwen3_5_moe")
     prompt = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(3))
     ar = reference(target, prompt, 40)
     drafter = make_drafter(target, 8, ar.sequences, error_rate=0.1, seed=3)
+    # a fixed latency model where drafting pays (not this machine's timings): C(w) = 1.1 + 0.05 w ms, C_ar = 1 ms
+    cost = (1.1 + 0.05 * torch.arange(1, 9, dtype=torch.float32)) * 1e-3
+    latency = LatencyModel(cost=cost[None], cost_ar=torch.tensor([1e-3]), context_lens=torch.tensor([64]))
+    settings = HybridSpecConfig(cuda_graphs="on", latency_model=latency)
     firsts = []
     for _ in range(3):
-        assert_same_as_ar(run(target, prompt, drafter, "hybridspec", 40, hybridspec_config=ON), ar)
+        assert_same_as_ar(run(target, prompt, drafter, "hybridspec", 40, hybridspec_config=settings), ar)
         rounds = hybridspec_hf.get_telemetry(target).rounds
         firsts.append(rounds[0].drafted)
         assert sum(r.drafted for r in rounds) >= length_rules.INFORMED_ROUNDS  # an oracle-like drafter: it drafts
     assert firsts == [True, False, False]
     monkeypatch.setattr(length_rules, "CARRY_EVIDENCE", False)
     for _ in range(2):
-        assert_same_as_ar(run(target, prompt, drafter, "hybridspec", 40, hybridspec_config=ON), ar)
+        assert_same_as_ar(run(target, prompt, drafter, "hybridspec", 40, hybridspec_config=settings), ar)
         assert hybridspec_hf.get_telemetry(target).rounds[0].drafted
