@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (RESULTS, add_switches, apply_switches, environment, method_variant,  # noqa: E402
+from common import (RESULTS, add_switches, apply_switches, environment, method_variant, profile_elsewhere,  # noqa: E402
                     switch_settings, variant_switches, write_results)
 from e2e import build, profile_halves  # noqa: E402
 
@@ -77,16 +77,9 @@ def _run_method(target, drafter, prompt: torch.Tensor, method: str, replay, esti
                   assistant_model=drafter if method != "ar" else None)
     cuda = prompt.is_cuda
     # warm-up: captures the bucket's graphs, compiles; fewer tokens fit the same static cache (capacity steps of 512)
-    # (from another stretch of the profile than the timed call's: HybridSpec keeps the speculative evidence of the
-    # calls before, which must not be the timed call's own rows)
-    start_row = getattr(replay, "start_row", 0) if timed else 0
-    if timed:
-        replay.start_row = start_row + replay.accepted.shape[0] // 2
-    try:
+    # (from another stretch of the profile than the timed call's)
+    with profile_elsewhere(replay if timed else None):
         target.generate(prompt, **{**kwargs, "max_new_tokens": min(tokens, 16)})
-    finally:
-        if timed:
-            replay.start_row = start_row
     capture_s = hybridspec_hf.get_telemetry(target).capture_s
     if cuda:
         torch.cuda.synchronize()

@@ -42,6 +42,22 @@ SWITCHES = {
 KEYED = {"defer-appends", "trust-drafts", "carry-evidence"}
 
 
+@contextlib.contextmanager
+def profile_elsewhere(profile):
+    """Inside: `profile` (an acceptance profile replayed in timing mode, or None) replays the stretch half its rows
+    past the timed call's start row. For warm-up calls: HybridSpec's resident rounds keep the speculative evidence of
+    the calls before (HybridSpec.carry_rounds), which must not come from the timed call's own rows."""
+    if profile is None:
+        yield
+        return
+    start = getattr(profile, "start_row", 0)
+    profile.start_row = start + profile.accepted.shape[0] // 2
+    try:
+        yield
+    finally:
+        profile.start_row = start
+
+
 def add_switches(parser, *flags: str) -> None:
     """--FLAG on|off for each of `flags` (keys of SWITCHES); `apply_switches` sets them."""
     for flag in flags:

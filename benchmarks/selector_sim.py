@@ -14,12 +14,13 @@ ones (named in the output).
     python benchmarks/selector_sim.py --calls 40 --batch-latency benchmarks/results/batch_qwen35_35b_a3b_run40.json
 
 Calls mode: whole generate() calls of --tokens tokens as the GPU-resident rounds take their decisions (the call's
-first round drafts; a speculative round decides the next before it observes itself; a plain stretch is decided at its
-first step by `plain_run`), each call starting the profile at another row (every 37th, as batch.py's repeated calls;
-e2e.py starts every call at row 0, shown as "row 0"), with batch.py's C_N(w) and C_ar,N of each batch size as one
-stream (--rows: the batch's rows, one shared w). Variants
-of the draft decision's evidence (`trust_tokens`: 0 = the emitted tokens alone) and never plain (`allow_ar=False`).
-× AR: the call's time of AR steps over its simulated time.
+first round drafts unless the evidence carried from the calls before decides it; a speculative round decides the
+next before it observes itself; a plain stretch is decided at its first step by `plain_run`), in --calls cells as
+batch.py runs them (fresh rounds, 3 timed calls from every 37th row, each after a 16-token warm-up call on another
+stretch of the profile), with batch.py's C_N(w) and C_ar,N of each batch size as one stream (--rows: the batch's
+rows, each with its own progress, one shared w; the call waits for its last row). Variants of the draft decision:
+the carried evidence off, the rule before run 56 (mean tokens per row, no carry), trust in the drafts' G(w), never
+plain (`allow_ar=False`). × AR: the call's time of AR steps over its simulated time.
 """
 from __future__ import annotations
 
@@ -90,12 +91,15 @@ def latency_from_ms(cost_ms: list[float], cost_ar_ms: float, context: int) -> La
                         context_lens=torch.tensor([context]))
 
 
-CALL_VARIANTS = {  # name: selector options
-    "default (emitted tokens alone, trust_tokens 0)": {},
-    "trust_tokens 4": {"trust_tokens": 4.0},
-    "trust_tokens 8": {"trust_tokens": 8.0},
-    "never plain": {"allow_ar": False},
+CALL_VARIANTS = {  # name: (selector options, what a batch round observes: simulate_call's `progress`)
+    "default": ({}, "spread"),
+    "no carry (carry_rounds 0)": ({"carry_rounds": 0.0}, "spread"),
+    "before run 56 (mean per row, no carry, probe share 1 %)": ({"carry_rounds": 0.0, "hopeful_share": 0.01}, "mean"),
+    "trust_tokens 4": ({"trust_tokens": 4.0}, "spread"),
+    "never plain": ({"allow_ar": False}, "spread"),
 }
+WARMUP_TOKENS = 16  # batch.py's warm-up call before each timed call
+REPEATS = 3  # batch.py --repeats 3: timed calls per cell
 
 
 def simulate_call(selector, latency: LatencyModel, replay, estimator, start_row: int, tokens: int,
@@ -143,50 +147,67 @@ def simulate_call(selector, latency: LatencyModel, replay, estimator, start_row:
     return (tokens - 1) * cost_ar / seconds, spec
 
 
+def simulate_cell(options: dict, progress: str, latency: LatencyModel, replay, estimator, first_row: int,
+                  tokens: int, rows: int) -> list[tuple]:
+    """One batch.py cell: fresh rounds (a new selector), then REPEATS timed calls r from rows first_row + 37·r, each
+    after a WARMUP_TOKENS warm-up call half the profile further on (common.profile_elsewhere): the evidence HybridSpec
+    carries between calls. Returns each timed call's (× AR, speculative rounds)."""
+    selector = make_selector("nominal", {"latency_model": latency, **options})
+    selector.reset()
+    half = replay.accepted.shape[0] // 2
+    calls = []
+    for r in range(REPEATS):
+        start = first_row + 37 * r
+        simulate_call(selector, latency, replay, estimator, start + half, WARMUP_TOKENS, rows, progress)
+        calls.append(simulate_call(selector, latency, replay, estimator, start, tokens, rows, progress))
+    return calls
+
+
 def main_calls(args) -> None:
     source = json.loads(Path(args.batch_latency).read_text())
     tables = source["latency_ms"]
-    report = {"latency_source": args.batch_latency, "tokens": args.tokens, "calls": args.calls, "rows": args.rows,
+    report = {"latency_source": args.batch_latency, "tokens": args.tokens, "cells": args.calls, "rows": args.rows,
               "results": {}}
     how = "its N rows, one shared w" if args.rows else "one stream"
-    lines = [f"{args.calls} calls of {args.tokens} tokens per profile and batch size ({how} with the batch's "
-             f"C_N(w)), from {args.batch_latency}; each cell: mean × AR over calls from every 37th row / at row 0 "
-             "(3 calls), speculative rounds per call.", "",
+    lines = [f"{args.calls} cells of {REPEATS} calls of {args.tokens} tokens per profile and batch size ({how} with "
+             f"the batch's C_N(w)), from {args.batch_latency}; each call after a {WARMUP_TOKENS}-token warm-up call on "
+             "another stretch of the profile, as batch.py; each entry: mean × AR over the timed calls / the cells' "
+             "first calls (min over calls), speculative rounds per call.", "",
              "| batch | profile | " + " | ".join(CALL_VARIANTS) + " |", "|---|---|" + "---|" * len(CALL_VARIANTS)]
     for batch, table in tables.items():
         latency = latency_from_ms(table["cost"], table["cost_ar"], source["context"])
+        rows = int(batch) if args.rows else 1
         for name in args.profiles.split(","):
             _, replay, _, estimator = profile_halves(name)
             cells = {}
-            for variant, options in CALL_VARIANTS.items():
-                selector = make_selector("nominal", {"latency_model": latency, **options})
-                selector.reset()
-                rows = int(batch) if args.rows else 1
-                spread = [simulate_call(selector, latency, replay, estimator, 37 * c, args.tokens, rows)
-                          for c in range(args.calls)]
-                row0 = [simulate_call(selector, latency, replay, estimator, 0, args.tokens, rows) for _ in range(3)]
-                cells[variant] = {"x_ar": sum(r[0] for r in spread) / len(spread),
-                                  "x_ar_min": min(r[0] for r in spread),
-                                  "spec_rounds": sum(r[1] for r in spread) / len(spread),
-                                  "x_ar_row0": sum(r[0] for r in row0) / len(row0)}
+            for variant, (options, progress) in CALL_VARIANTS.items():
+                runs = [simulate_cell(options, progress, latency, replay, estimator, 37 * REPEATS * c, args.tokens,
+                                      rows) for c in range(args.calls)]
+                calls = [call for run in runs for call in run]
+                cells[variant] = {"x_ar": sum(x for x, _ in calls) / len(calls),
+                                  "x_ar_first": sum(run[0][0] for run in runs) / len(runs),
+                                  "x_ar_min": min(x for x, _ in calls),
+                                  "spec_rounds": sum(n for _, n in calls) / len(calls)}
             report["results"][f"{batch} / {name}"] = cells
             lines.append(f"| {batch} | {name} | " + " | ".join(
-                f"{c['x_ar']:.3f} / {c['x_ar_row0']:.3f} ({c['spec_rounds']:.1f})" for c in cells.values()) + " |")
+                f"{c['x_ar']:.3f} / {c['x_ar_first']:.3f} (min {c['x_ar_min']:.2f}; {c['spec_rounds']:.1f})"
+                for c in cells.values()) + " |")
+            print(lines[-1], flush=True)
     payload = {"title": "HybridSpec's draft decision over whole calls, simulated with measured C_N(w)",
-               "environment": environment(), **report, "notes": __doc__.split("\n\n")[3]}
+               "environment": environment(), **report, "notes": __doc__.split("\n\n")[4]}
     write_results(args.name, payload, "\n".join(lines))
-    print("\n".join(lines))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--latency", help="an e2e results JSON (its calibrated latency tables)")
     parser.add_argument("--batch-latency", help="calls mode: a batch.py results JSON (its C_N(w) tables)")
-    parser.add_argument("--calls", type=int, default=0, help="calls mode: calls per profile and batch size")
+    parser.add_argument("--calls", type=int, default=0,
+                        help="calls mode: cells (of 3 timed calls each) per profile and batch size")
     parser.add_argument("--tokens", type=int, default=128, help="calls mode: tokens per call")
     parser.add_argument("--rows", action="store_true",
-                        help="calls mode: a batch size's calls run its rows (each its own profile rows, one shared w "
-                             "from their mean survival, the mean tokens per row observed) instead of one stream")
+                        help="calls mode: a batch size's calls run its rows (each its own profile rows and progress, "
+                             "one shared w from their mean survival) instead of one stream")
     parser.add_argument("--profiles", default="dflash_like,low,tiny_pair_heldout")
     parser.add_argument("--rounds", type=int, default=2000)
     parser.add_argument("--name", default="selector_sim")

@@ -176,13 +176,14 @@ class DinkelbachThroughput:
         # round is not observed yet
         self.forced = torch.ones(batch, dtype=torch.bool, device=device)
 
-    def restart(self, cost_ar: torch.Tensor, carry: float = 0.0) -> None:
+    def restart(self, cost_ar: torch.Tensor, carry: float = 0.0, informed_rounds: int = 1) -> None:
         """`reset` in place, keeping every tensor's address (CUDA graphs hold them). cost_ar: [batch].
 
         carry > 0 keeps what the speculative rounds so far taught (their tokens, G(w) and latency means), weighed
         as at most `carry` rounds, so that the new call's own rounds soon outweigh it, and the count of speculative
-        rounds observed (HybridSpec.informed: with enough of them the call's first round is decided from that
-        evidence instead of drafted unasked). ρ restarts from the AR prior either way."""
+        rounds observed: with `informed_rounds` of them the call's first round is decided from that evidence
+        (`informed`), else it is a forced draft, as every call's first round without a carry. ρ restarts from the AR
+        prior either way."""
         self.tokens.fill_(float(self.prior_rounds))
         self.latency.copy_(self.prior_rounds * cost_ar.expand_as(self.latency))
         self.ar_streak.zero_()
@@ -193,7 +194,11 @@ class DinkelbachThroughput:
         else:
             for stat in (self.spec_tokens, self.spec_expected, self.spec_latency, self.spec_weight, self.spec_rounds):
                 stat.zero_()
-        self.forced.copy_(self.spec_weight == 0)
+        self.forced.copy_(~self.informed(informed_rounds))
+
+    def informed(self, informed_rounds: int) -> torch.Tensor:
+        """[batch] bool: the streams hold evidence from at least informed_rounds speculative rounds."""
+        return (self.spec_rounds >= informed_rounds) & (self.spec_weight > 0)
 
     @property
     def rho(self) -> torch.Tensor:

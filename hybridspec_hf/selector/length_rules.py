@@ -208,7 +208,8 @@ class HybridSpec(_Calibrated):
             self.should_draft(context_len)  # allocates the streams; the call's first round is still to come
             self.throughput.forced.fill_(True)
             return
-        self.throughput.restart(self._model(context_len.device).cost_ar_for(context_len), self.carry_rounds)
+        self.throughput.restart(self._model(context_len.device).cost_ar_for(context_len), self.carry_rounds,
+                                INFORMED_ROUNDS)
 
     def informed(self) -> torch.Tensor:
         """[batch] bool: whether the streams hold evidence from at least INFORMED_ROUNDS speculative rounds (after
@@ -216,7 +217,7 @@ class HybridSpec(_Calibrated):
         it is drafted unasked. One or two rounds are not enough: a single unlucky round (a block accepts 0 or 15
         tokens) carried into the next call kept it plain to its end (run 57, high acceptance: the first call of each
         batch size at 1.0-1.2x AR against 1.6-2.4x for the others)."""
-        return (self.throughput.spec_rounds >= INFORMED_ROUNDS) & (self.throughput.spec_weight > 0)
+        return self.throughput.informed(INFORMED_ROUNDS)
 
     def _ready(self, batch: int, model: LatencyModel, context_len) -> None:
         """(Re)start the streams when the batch or device changes; remember this round's C_ar."""
