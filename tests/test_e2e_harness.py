@@ -141,3 +141,27 @@ def test_method_variants_set_one_or_several_switches_and_put_them_back(monkeypat
     settings = variant_switches("ar-early-reads")
     assert settings["EARLY_READS"] is False and settings["FOLD_NORM"] == before[1]
     assert (pdl.EARLY_READS, gdn_step_triton.FOLD_NORM, pdl.ENABLED) == before
+
+
+def test_a_warm_up_replays_another_stretch_of_the_profile(monkeypatch):
+    """common.profile_elsewhere: inside, the profile starts half its rows past the timed call's start row (the
+    evidence HybridSpec carries into the timed call must not be its own rows); after, even on an error, it is back;
+    None (no profile) passes through."""
+    from pathlib import Path
+
+    import pytest
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from common import profile_elsewhere
+    from e2e import profile_halves
+
+    _, replay, _, _ = profile_halves("low")
+    replay.start_row = 37
+    with profile_elsewhere(replay):
+        assert replay.start_row == 37 + replay.accepted.shape[0] // 2
+    assert replay.start_row == 37
+    with pytest.raises(RuntimeError), profile_elsewhere(replay):
+        raise RuntimeError("a failed warm-up")
+    assert replay.start_row == 37
+    with profile_elsewhere(None):
+        pass
