@@ -1,7 +1,7 @@
 """Batched decoding at full size: AR, vanilla DFlash and HybridSpec at batch 1, 2, 4, 8, 16 under four acceptance
 profiles, all through generate().
 
-    python benchmarks/batch.py                                   # one H200, Qwen3.5-35B-A3B shape (≈ 3.5 min calibration + ≈ 2 min a repeat)
+    python benchmarks/batch.py                    # one H200, 35B-A3B shape (≈ 3.5 min calibration + ≈ 2 min a repeat)
     python benchmarks/batch.py --model tiny                      # the harness itself, on a CPU (< 1 minute)
 
 The target and drafter are e2e.py's (`build`: random bf16 weights, random router, i.e. uniform routing, a random
