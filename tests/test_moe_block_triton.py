@@ -190,7 +190,7 @@ def test_patched_block_equals_transformers(name, dtype, calls):
     blocks = patches.moe_blocks(model)
     patches.prepare_fused_moe(blocks)
     gen = torch.Generator().manual_seed(7)
-    limit = moe_triton.direct_limit()  # in one pass up to 32 tokens (the direct rows), around the experts call above
+    limit = moe_triton.direct_limit()  # in one pass up to the direct rows' limit, around the experts call above
     inputs = [torch.randn(1, tokens, model.config.hidden_size, generator=gen).to(dtype)
               for tokens in (1, 5, limit + 1)]
     inputs.append(inputs[-1][:, :limit])

@@ -361,14 +361,17 @@ def test_unsupported_experts_layout_is_refused():
 
 @pytest.mark.parametrize("wide", [True, False])
 def test_auto_takes_the_direct_rows_up_to_the_limit_of_the_switch(wide, monkeypatch):
-    """WIDE_DIRECT: "auto" gives 17-32 tokens to the direct rows (no sort: align_pairs never runs), else to the
-    sorted blocks as before; the same outputs either way."""
+    """WIDE_DIRECT: "auto" gives 17-32 tokens to the direct rows (no sort: neither alignment runs), else to the
+    sorted blocks (the one-launch alignment with ALIGN_KERNEL on, the default, the torch one without); the same
+    outputs either way."""
     monkeypatch.setattr(moe_triton, "WIDE_DIRECT", wide)
     calls = []
-    monkeypatch.setattr(moe_triton, "align_pairs", lambda *a: calls.append(a) or align_pairs(*a))
+    kernel = moe_triton.align_pairs_triton
+    monkeypatch.setattr(moe_triton, "align_pairs", lambda *a: calls.append("torch") or align_pairs(*a))
+    monkeypatch.setattr(moe_triton, "align_pairs_triton", lambda *a: calls.append("kernel") or kernel(*a))
     x = make_layer(13, 32, 40, 24, 6, 2)
     out = fused_experts_triton(**x)
-    assert bool(calls) != wide
+    assert calls == ([] if wide else ["kernel" if moe_triton.ALIGN_KERNEL else "torch"])
     assert moe_triton.direct_limit() == (32 if wide else 16)
     assert rel(out, float64_truth(x)) < TOL[torch.float32]
 

@@ -14,7 +14,7 @@ Three launches, the fused_moe plan (sglang/vLLM) with the align step folded into
   3. sum: out[t] = Σ_j rows[t·k + j] in a fixed order (deterministic, no atomics), cast to the hidden dtype.
 
 Two ways to assign rows to programs, both with a grid sized for the worst case and programs that exit at once:
-  - "direct" (T <= direct_limit(): 32 tokens, a batch of 2 rows verifying 16 each; 16 with WIDE_DIRECT off; the
+  - "direct" (T <= direct_limit(): 16 tokens, one row's whole block; 32 with WIDE_DIRECT on; the
     kernels take up to DIRECT_MAX_TOKENS = 64 with mode="direct"): slot p is the p-th token–expert pair; the program
     works only if p is the first pair naming its expert (a scan of <= S ids), and then takes ALL tokens as its rows
     (one tile of 16, 32 or 64 rows), masked to those that chose the expert. No sort, no extra launch: at these sizes
@@ -22,7 +22,7 @@ Two ways to assign rows to programs, both with a grid sized for the worst case a
     launches per layer are gone.
   - "sorted" (larger T, prefill): fused_moe's moe_align_block_size in torch ops (sort by expert, pad each expert to
     BM rows; blocks past the padded count carry expert -1 and exit), so compute scales with S, not T · experts;
-    `align_pairs_triton` does the same in one launch for up to 4,096 pairs (ALIGN_KERNEL, off until measured).
+    `align_pairs_triton` does the same in one launch for up to 4,096 pairs (ALIGN_KERNEL, on since run 62).
 Either way one program column per distinct expert streams that expert's weights: bytes = distinct experts × 6 MiB
 at the Qwen3.5-35B-A3B shape (E=256, H=2048, I=512, bf16), against a copy per pair in transformers' batched_mm.
 
@@ -72,11 +72,12 @@ else:  # CPU installs without triton keep the reference
 
 DIRECT_MAX_TOKENS = 64  # "direct" rows = all tokens in one tile of up to 64 rows (mode="direct")
 # True: "auto" (and the one-pass MoE block, patches/_moe.py) take the direct rows up to WIDE_DIRECT_TOKENS; False: up
-# to NARROW_DIRECT_TOKENS, the limit before (A/B); above, the sorted blocks (the sort in torch ops, the shared
-# expert in its own launches). Measured on the H200 (run 55, benchmarks/results/ab_early_fold_direct_run55.md,
-# vanilla DFlash rounds of 15 tokens per row): batch 2 (32 tokens) 13.79 ms direct against 15.08 sorted; batch 4
-# (64 tokens) 20.57 direct against 19.52 sorted, so "auto" stops at 32
-WIDE_DIRECT = True
+# to NARROW_DIRECT_TOKENS (A/B); above, the sorted blocks (the shared expert in its own launches). Measured on the
+# H200, vanilla DFlash rounds of ≈ 15 tokens per row: run 55 (benchmarks/results/ab_early_fold_direct_run55.md, the
+# sort in torch ops) batch 2 (32 tokens) 13.79 ms direct against 15.08 sorted, batch 4 (64) 20.57 against 19.52;
+# run 62 (ab_align_run62.md, the sort in one launch, ALIGN_KERNEL) batch 2 12.13 ms sorted against 14.51 direct,
+# so the direct rows stop at 16 tokens again
+WIDE_DIRECT = False
 WIDE_DIRECT_TOKENS = 32
 NARROW_DIRECT_TOKENS = 16
 # "decode" (CUDA-core products) up to 4 tokens: each weight element costs T fp32 FMAs, at T = 4 about a quarter of the
@@ -659,8 +660,11 @@ def align_pairs(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> tu
 
 # One launch instead of align_pairs' ≈ 25 torch launches (per MoE layer of a batch's speculative round: ≈ 1,000 of a
 # batch-4 round's 2,500 kernels, run 54), for calls of at most ALIGN_KERNEL_MAX_PAIRS token–expert pairs (one
-# program sorts them in registers). Off until measured on a GPU (benchmarks' switch "align-kernel").
-ALIGN_KERNEL = False
+# program sorts them in registers). Measured on the H200 (run 62, benchmarks/results/ab_align_run62.md, vanilla
+# DFlash rounds, the A/B switch "align-kernel"): batch 4 (≈ 60 tokens) 16.97 ms against 20.56, batch 2 with the
+# sorted blocks 12.13 against 14.58, batch 8 / 16 unchanged (31.44 / 38.22 against 31.51 / 38.12: there the one
+# program's sort of 1-2 k pairs costs what the launches did).
+ALIGN_KERNEL = True
 ALIGN_KERNEL_MAX_PAIRS = 4096
 
 
