@@ -36,7 +36,7 @@ from common import environment, write_results  # noqa: E402
 from e2e import length_choice_bound, profile_halves  # noqa: E402
 
 from hybridspec_hf.selector.latency import LatencyModel  # noqa: E402
-from hybridspec_hf.selector.length import batch_row_tokens  # noqa: E402
+from hybridspec_hf.selector.length import batch_row_worth  # noqa: E402
 from hybridspec_hf.selector.length_rules import make_selector  # noqa: E402
 
 VARIANTS = {  # name: (strategy, selector options)
@@ -95,6 +95,7 @@ CALL_VARIANTS = {  # name: (selector options, what a batch round observes: simul
     "default": ({}, "spread"),
     "no carry (carry_rounds 0)": ({"carry_rounds": 0.0}, "spread"),
     "before run 56 (mean per row, no carry, probe share 1 %)": ({"carry_rounds": 0.0, "hopeful_share": 0.01}, "mean"),
+    "G(w) undiscounted (runs 57-61)": ({}, "spread, mean G"),
     "trust_tokens 4": ({"trust_tokens": 4.0}, "spread"),
     "never plain": ({"allow_ar": False}, "spread"),
 }
@@ -109,8 +110,9 @@ def simulate_call(selector, latency: LatencyModel, replay, estimator, start_row:
     survival (RoundStrategy.choose_rows); each row makes its own progress, a row that has its `tokens` stops (it takes
     no profile rows) but the batch's rounds cost C_N(w) until the last row is done, as the resident rounds' inert
     rows. The selector observes per round `progress`: "spread" (the live rows' mean tokens discounted for their
-    spread, selector.batch_row_tokens: the resident rounds' rule) or "mean" (the mean tokens per live row, the rule
-    before run 56). A selector with evidence from the calls before (HybridSpec.restart) opens with a deciding plain
+    spread, selector.batch_row_worth: the resident rounds' rule, the drafts' G(w) with the same discount), "spread,
+    mean G" (the same with G(w) undiscounted, the rule of runs 57-61) or "mean" (the mean tokens per live row, the
+    rule before run 56). A selector with evidence from the calls before (HybridSpec.restart) opens with a deciding plain
     step, as the resident rounds do."""
     cost, cost_ar, block = latency.cost[0].double(), float(latency.cost_ar[0]), latency.block_size
     context = latency.context_lens[:1].long()
@@ -136,9 +138,11 @@ def simulate_call(selector, latency: LatencyModel, replay, estimator, start_row:
             if progress == "mean":
                 observed = float(gained.sum() / live.sum())
             else:
-                observed = float(batch_row_tokens(gained, live.long(), tokens - made))
+                mean, discount = batch_row_worth(gained, live.long(), tokens - made)
+                observed = float(mean * discount)
             made = made + gained
-            selector.observe(torch.tensor([w]), torch.tensor([observed]), None, True)
+            selector.observe(torch.tensor([w]), torch.tensor([observed]), None, True,
+                             float(discount) if progress == "spread" else 1.0)
             seconds, spec = seconds + float(cost[w - 1]), spec + 1
         else:
             plain_left = int(selector.plain_run(context).reshape(-1)[0]) if plain_left == 0 else plain_left - 1

@@ -254,7 +254,7 @@ def test_a_batch_round_is_worth_its_mean_discounted_for_the_rows_spread():
     """batch_row_tokens: one row, or rows that agree, are worth their mean; rows that spread are worth less, and less
     as the roomiest row's end nears; the discount's c_n is E[max of n standard normals] (Blom), checked by sampling;
     rows that are not live count for nothing."""
-    from hybridspec_hf.selector.length import batch_row_tokens
+    from hybridspec_hf.selector.length import batch_row_tokens, batch_row_worth
 
     one = batch_row_tokens(torch.tensor([5]), torch.tensor([1]), torch.tensor([100]))
     assert torch.allclose(one, torch.tensor([5.0]))
@@ -271,6 +271,9 @@ def test_a_batch_round_is_worth_its_mean_discounted_for_the_rows_spread():
     # a row that ended (live 0) neither counts in the mean nor in the spread
     ended = batch_row_tokens(torch.tensor([4, 4, 15]), torch.tensor([1, 1, 0]), torch.tensor([50, 50, 50]))
     assert torch.allclose(ended, torch.tensor([4.0]))
+    # batch_row_worth: the same value in its two factors (the mean, the discount the selector also applies to G)
+    mean_, discount = batch_row_worth(gained, live, torch.full((8,), 120))
+    assert torch.allclose(mean_, torch.tensor([mean])) and torch.allclose(mean_ * discount, torch.tensor([far]))
 
 
 def test_a_new_call_keeps_the_earlier_calls_evidence_and_decides_its_first_round():
@@ -307,16 +310,19 @@ def test_probes_come_sooner_while_the_drafts_predict_that_drafting_pays():
     """Rounds whose drafts predict more tokens than a plain step would make in their time (p̂ = 0.95^i) but emit one:
     plain steps, with probes every hopeful_share-limited stretch ((15 - 6) / (0.04 * 6) -> 38) instead of the
     probe_share one (150); drafts that predict little (p̂ = 0.02^i) keep the long one."""
-    def stretch(survival_rate, hopeful):
+    def stretch(survival_rate, hopeful, discount=1.0):
         selector = HybridSpec(latency_model(cost=COST * 3, cost_ar=6e-3), routing_correction=False,
                               probe_share=0.01, hopeful_share=hopeful, carry_rounds=0.0)
         selector.should_draft(1024)
         survival = (survival_rate ** I)[None].float()
         w = selector.choose(survival, 1024)
-        selector.observe(w, torch.ones(1), torch.tensor([15e-3]), drafted=True)  # G(4) = 3.7 in 15 ms: > 1 in 6
+        # G(4) = 3.7 in 15 ms: > 1 in 6
+        selector.observe(w, torch.ones(1), torch.tensor([15e-3]), drafted=True, discount=discount)
         return int(selector.plain_run(1024)[0])
 
     long, hopeful, unhopeful = stretch(0.95, 0.01), stretch(0.95, 0.04), stretch(0.02, 0.04)
     assert (long, hopeful, unhopeful) == (150, 38, 150)
+    # a batch's rows that spread: the emitted tokens carry the discount, and so does G (0.5 · 3.7 in 15 ms < 1 in 6)
+    assert stretch(0.95, 0.04, discount=0.5) == 150 and stretch(0.95, 0.04, discount=0.9) == 38
     with pytest.raises(ValueError, match="hopeful_share"):
         HybridSpec(latency_model(), probe_share=0.01, hopeful_share=2.0)

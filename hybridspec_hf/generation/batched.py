@@ -52,7 +52,7 @@ from hybridspec_hf.generation.telemetry import RoundRecord
 from hybridspec_hf.graphs.capture import host_syncs
 from hybridspec_hf.generation.target import BatchTargetRunner
 from hybridspec_hf.patches._cache import set_rows
-from hybridspec_hf.selector.length import batch_row_tokens
+from hybridspec_hf.selector.length import batch_row_worth
 
 
 def check_batched_call(streamer, cache, batch: int) -> None:
@@ -282,10 +282,11 @@ def batched_decode(model, input_ids, position_ids, attention_mask, cache, cache_
             runner.commit_rows(session, tokens.shape[1], committed)
             if context is not None:
                 context.append(features, torch.tensor(committed, device=context.length.device))
-            # tokens per row, discounted for the rows' spread (selector.batch_row_tokens; the resident rounds' rule)
+            # tokens per row, discounted for the rows' spread (selector.batch_row_worth; the resident rounds' rule)
             room = torch.tensor([emitter.max_length - length for length in lengths])
-            row_tokens = float(batch_row_tokens(torch.tensor(committed), torch.ones(len(committed)), room))
-            strategy.observe(tokens.shape[1], row_tokens, None, drafted, like=accepted)
+            mean, discount = batch_row_worth(torch.tensor(committed), torch.ones(len(committed)), room)
+            strategy.observe(tokens.shape[1], float(mean * discount), None, drafted, like=accepted,
+                             discount=float(discount))
             draft_next = drafter is not None and bool(torch.as_tensor(next_draft).all())
             telemetry.rounds.append(RoundRecord(
                 tokens.shape[1], sum(counts), sum(committed), sum(committed), time.perf_counter() - round_start,

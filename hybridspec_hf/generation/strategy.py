@@ -253,15 +253,18 @@ class RoundStrategy:
             return float(model.cost_ar_for(context_len).reshape(-1)[0])  # the CPU copy: no device sync
         return float(model.cost_for(context_len).reshape(-1)[w - 1])
 
-    def observe(self, w: int, emitted: int, seconds: float, drafted: bool, like: torch.Tensor) -> None:
-        """Feed the selector. Under tensor parallelism the measured seconds differ between ranks, so ρ uses the
-        calibrated C(w) instead (ranks must take identical decisions)."""
+    def observe(self, w: int, emitted: float, seconds: float, drafted: bool, like: torch.Tensor,
+                discount: float = 1.0) -> None:
+        """Feed the selector (discount: the batch's spread discount that `emitted` carries, LengthSelector.observe).
+        Under tensor parallelism the measured seconds differ between ranks, so ρ uses the calibrated C(w) instead
+        (ranks must take identical decisions)."""
         if self.selector is None:
             return
         device = like.device
         if distributed():
             seconds = None
-        self.selector.observe(torch.tensor([w], device=device), torch.tensor([emitted], device=device), seconds, drafted)
+        self.selector.observe(torch.tensor([w], device=device), torch.tensor([emitted], device=device), seconds, drafted,
+                              discount)
 
 
 def _estimator(value, block_size: int) -> AcceptanceEstimator:

@@ -81,7 +81,8 @@ def should_draft(spec_gain: torch.Tensor, spec_cost: torch.Tensor, rho: torch.Te
 def batch_row_tokens(gained: torch.Tensor, live: torch.Tensor, room: torch.Tensor) -> torch.Tensor:
     """What a batch's speculative round is worth, in tokens per row: the live rows' mean gain, discounted for the
     spread between rows that the call's end pays for. [1] fp32; gained, live, room [N] (tokens each row committed,
-    1/0 live at the round's start, tokens each row could still make before it).
+    1/0 live at the round's start, tokens each row could still make before it). `batch_row_worth` gives the mean
+    and the discount apart.
 
     A batched generate() call ends when its last row does, and a row that ended keeps its place in the rounds. Plain
     steps move every row alike; speculative rounds give each row its own number of tokens (mean μ, spread σ between
@@ -93,6 +94,15 @@ def batch_row_tokens(gained: torch.Tensor, live: torch.Tensor, room: torch.Tenso
     speculation at batch 8-16 under a medium acceptance (mean accepted length 4) where the straggler made it lose
     5-8 % to plain decoding (run 56 of benchmarks/results/gpu_rounds_runs.md; selector_sim.py's calls mode with each
     row's own progress). Pure torch, no host sync."""
+    mean, discount = batch_row_worth(gained, live, room)
+    return mean * discount
+
+
+def batch_row_worth(gained: torch.Tensor, live: torch.Tensor,
+                    room: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`batch_row_tokens` in its two factors: the live rows' mean gain μ and the spread discount
+    1 / (1 + c_n·σ/√(T·μ)) (both [1] fp32). The selector prices the drafts' own prediction G(w) with the same
+    discount, so that prediction and emitted tokens are in one currency (HybridSpec.observe)."""
     weight = live.float()
     n = weight.sum().clamp(min=1.0)
     gained = gained.float()
@@ -100,7 +110,7 @@ def batch_row_tokens(gained: torch.Tensor, live: torch.Tensor, room: torch.Tenso
     spread = (((gained - mean) ** 2 * weight).sum() / n).sqrt()
     left = (room.float() * weight).max().clamp(min=1.0)
     c = torch.special.ndtri((n - 0.375) / (n + 0.25)).clamp(min=0.0)
-    return (mean / (1.0 + c * spread / (left * mean.clamp(min=1e-6)).sqrt())).view(1)
+    return mean.view(1), (1.0 / (1.0 + c * spread / (left * mean.clamp(min=1e-6)).sqrt())).view(1)
 
 
 class DinkelbachThroughput:

@@ -53,9 +53,12 @@ class LengthSelector(abc.ABC):
         return torch.zeros_like(w0, dtype=torch.bool)
 
     def observe(self, w: torch.Tensor, emitted: torch.Tensor, latency: torch.Tensor | float | None = None,
-                drafted: torch.Tensor | bool = True) -> None:
+                drafted: torch.Tensor | bool = True, discount: torch.Tensor | float = 1.0) -> None:
         """After a round: w [batch] long tokens verified, emitted [batch] tokens, latency seconds ([batch] or
-        scalar; None = use the calibrated C), drafted ([batch] bool or bool; False = a plain AR step, w = 1)."""
+        scalar; None = use the calibrated C), drafted ([batch] bool or bool; False = a plain AR step, w = 1),
+        discount ([batch] or scalar): the factor `emitted` already carries (a batch's spread discount,
+        selector.batch_row_worth); selectors that weigh the drafts' prediction against the emitted tokens apply it
+        to the prediction."""
 
     def reset(self) -> None:
         """Forget per-stream state (a new generate call)."""
@@ -265,7 +268,7 @@ class HybridSpec(_Calibrated):
         keep = keep_extra_token(extra_survival(survival, w0), self.throughput.rho, delta)
         return keep if w_max is None else keep & (w0 < on_device(w_max, w0.device))
 
-    def observe(self, w, emitted, latency=None, drafted=True):
+    def observe(self, w, emitted, latency=None, drafted=True, discount=1.0):
         if self.throughput.tokens is None:
             raise RuntimeError("observe() before should_draft()/choose(): the selector has no round to account.")
         if emitted.shape != w.shape:
@@ -281,8 +284,12 @@ class HybridSpec(_Calibrated):
         seconds = predicted_latency if latency is None else on_device(latency, w.device, torch.float32).expand(
             w.shape[0])
         # G(w): the drafts' own prediction (trust_tokens weighs it against the emitted tokens; the probes' share
-        # grows to hopeful_share while it says drafting pays)
+        # grows to hopeful_share while it says drafting pays), in the emitted tokens' currency: at batch > 1 the
+        # rows' mean G discounted as their emitted tokens are (the mean alone kept "hopeful" probes of ≈ 3 batch-16
+        # rounds per call at a medium acceptance, each worth ≈ 1 token to the call's straggler: 0.96× AR, run 61)
         expected = expected_tokens(self._survival).gather(1, idx).squeeze(1).to(emitted.device)
+        if isinstance(discount, torch.Tensor) or discount != 1.0:  # (one row: no kernel in the captured round)
+            expected = expected * on_device(discount, emitted.device, torch.float32)
         self.throughput.update(emitted.float(), seconds, spec, expected=expected)
 
 
