@@ -372,3 +372,44 @@ def test_a_later_call_opens_with_a_deciding_plain_step_from_the_calls_before(mon
     for _ in range(2):
         assert_same_as_ar(run(target, prompt, drafter, "hybridspec", 40, hybridspec_config=settings), ar)
         assert hybridspec_hf.get_telemetry(target).rounds[0].drafted
+
+
+def test_the_capture_warm_up_teaches_the_selector_nothing(monkeypatch, fp64_gdn):
+    """A capture first runs every round function once eagerly (graphs.capture.Replay's warm-up), on whatever the
+    buffers hold; the selector's evidence and the estimator's online correction are restored after it, so the calls
+    take the decisions they take without a warm-up (emulated here on the CPU, where Replay runs eagerly)."""
+    from hybridspec_hf.generation import resident
+    from hybridspec_hf.graphs.capture import Replay
+    from hybridspec_hf.selector import LatencyModel
+
+    class WarmReplay(Replay):  # the CUDA path's warm-up call, then eager calls
+        def __init__(self, fn, device, pool=None, warmup=1, capture=True):
+            super().__init__(fn, device, pool, warmup, capture)
+            for _ in range(warmup):
+                fn()
+
+    target = make_target("qwen3_5_moe")
+    prompt = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(5))
+    ar = reference(target, prompt, 40)
+    drafter = make_drafter(target, 8, ar.sequences, error_rate=0.3, seed=5)
+    cost = (1.1 + 0.05 * torch.arange(1, 9, dtype=torch.float32)) * 1e-3  # a fixed latency model: drafting pays
+    latency = LatencyModel(cost=cost[None], cost_ar=torch.tensor([1e-3]), context_lens=torch.tensor([64]))
+    settings = HybridSpecConfig(cuda_graphs="on", latency_model=latency)
+
+    def decisions():
+        hybridspec_hf.release_graphs(target)
+        seen = []
+        for _ in range(3):
+            assert_same_as_ar(run(target, prompt, drafter, "hybridspec", 40, hybridspec_config=settings), ar)
+            seen.append([(r.drafted, r.w) for r in hybridspec_hf.get_telemetry(target).rounds])
+        return seen
+
+    # the oracle drafter's random errors come from its own generator, from which the warm-up draws too: it restarts
+    # at every call's set-up, so that both runs draft the same blocks
+    start = resident.ResidentRounds.start
+    monkeypatch.setattr(resident.ResidentRounds, "start",
+                        lambda self, *a, **k: (start(self, *a, **k), drafter.generator.manual_seed(5)))
+    plain = decisions()
+    assert any(not drafted for call in plain[1:] for drafted, _ in call)  # decisions the evidence could sway
+    monkeypatch.setattr(resident, "Replay", WarmReplay)
+    assert decisions() == plain

@@ -70,7 +70,7 @@ from hybridspec_hf.graphs.static_target import StaticTarget
 from hybridspec_hf.kernels import gdn_triton
 from hybridspec_hf.patches._cache import set_rows
 from hybridspec_hf.patches.experts import fused_experts_for
-from hybridspec_hf.selector.length import batch_row_tokens
+from hybridspec_hf.selector.length import batch_row_worth
 
 _CAPACITY_STEP = 512
 MAX_ROUNDS_PER_TARGET = 3  # captured settings kept per target (graphs, static caches): see the module docstring
@@ -323,6 +323,7 @@ class ResidentRounds:
         self.decides = self.speculative and strategy.takes_plain_steps()
         self.verifies: dict[int, Replay] = {}
         self.commits: dict[int, Replay] = {}
+        learned = [(tensor, tensor.clone()) for tensor in self._learned_state()]
         try:
             # the fused paths' weight copies (MoE shared expert, GDN input projections): made here, outside capture
             # (a copy made inside would be a graph node replayed every round), refreshed in place by `start`, freed
@@ -353,7 +354,21 @@ class ResidentRounds:
         except BaseException:  # a failed capture (or CUDA OOM) leaves no hooks and no half-built rounds behind
             self.close(release_copies=not model.__dict__.get(_KEPT))  # the copies stay while kept sets read them
             raise
+        for tensor, before in learned:  # what the capture's warm-up runs taught is undone
+            tensor.copy_(before)
         self.capture_s = time.perf_counter() - start
+
+    def _learned_state(self) -> list[torch.Tensor]:
+        """The tensors the rounds' decisions learn into: the selector's streams (its speculative evidence, kept
+        across calls) and the acceptance estimator's online correction. A capture runs every round function once
+        eagerly first (`Replay`'s warm-up, which compiles the Triton kernels), on whatever the buffers hold, and
+        that round must teach them nothing: on the H200 its empty commit (0 tokens) was carried into the calls as
+        one speculative round of evidence, a round the CPU twin never saw (batch 8 medium: 4.3 speculative rounds
+        per call against the twin's 1.7, run 63)."""
+        selector, estimator = self.strategy.selector, self.strategy.estimator
+        holders = [selector, getattr(selector, "throughput", None), estimator]
+        return [value for holder in holders if holder is not None for value in vars(holder).values()
+                if isinstance(value, torch.Tensor)]
 
     def close(self, release_copies: bool = True) -> None:
         """Remove every hook this object put on the model and, with release_copies (no other kept set reads them),
@@ -611,9 +626,13 @@ class ResidentRounds:
         self.last_token.copy_(torch.where(self.count.view(-1, 1) > 0, last, self.last_token))
         if self.strategy.selector is not None:
             # one stream for the batch: tokens per live row, discounted for the rows' spread (the eager batched
-            # loop's rule, selector.batch_row_tokens)
-            emitted = self.count if self.rows == 1 else batch_row_tokens(self.count, self.live, room)
-            self.strategy.selector.observe(self.round_w.view(1), emitted, None, True)
+            # loop's rule, selector.batch_row_worth), the drafts' prediction with the same discount
+            if self.rows == 1:
+                emitted, discount = self.count, 1.0
+            else:
+                mean, discount = batch_row_worth(self.count, self.live, room)
+                emitted = mean * discount
+            self.strategy.selector.observe(self.round_w.view(1), emitted, None, True, discount)
 
     # ------------------------------------------------------------------------------------------ host side
     def restart_profile(self, start_row: int = 0) -> None:
