@@ -362,9 +362,9 @@ class ResidentRounds:
         """The tensors the rounds' decisions learn into: the selector's streams (its speculative evidence, kept
         across calls) and the acceptance estimator's online correction. A capture runs every round function once
         eagerly first (`Replay`'s warm-up, which compiles the Triton kernels), on whatever the buffers hold, and
-        that round must teach them nothing: on the H200 its empty commit (0 tokens) was carried into the calls as
-        one speculative round of evidence, a round the CPU twin never saw (batch 8 medium: 4.3 speculative rounds
-        per call against the twin's 1.7, run 63)."""
+        that round must teach them nothing: its empty commit (0 tokens) was carried into the calls as a speculative
+        round of evidence, which the CPU twin never saw (emulated on the CPU, a fresh set's first call stepped plain
+        at once, where without it it drafts: tests/test_resident.py)."""
         selector, estimator = self.strategy.selector, self.strategy.estimator
         holders = [selector, getattr(selector, "throughput", None), estimator]
         return [value for holder in holders if holder is not None for value in vars(holder).values()
