@@ -36,7 +36,7 @@ from common import environment, write_results  # noqa: E402
 from e2e import length_choice_bound, profile_halves  # noqa: E402
 
 from hybridspec_hf.selector.latency import LatencyModel  # noqa: E402
-from hybridspec_hf.selector.length import batch_row_worth  # noqa: E402
+from hybridspec_hf.selector.length import batch_row_stats, batch_rows_left, spread_discount  # noqa: E402
 from hybridspec_hf.selector.length_rules import make_selector  # noqa: E402
 
 VARIANTS = {  # name: (strategy, selector options)
@@ -95,7 +95,7 @@ CALL_VARIANTS = {  # name: (selector options, what a batch round observes: simul
     "default": ({}, "spread"),
     "no carry (carry_rounds 0)": ({"carry_rounds": 0.0}, "spread"),
     "before run 56 (mean per row, no carry, probe share 1 %)": ({"carry_rounds": 0.0, "hopeful_share": 0.01}, "mean"),
-    "G(w) undiscounted (runs 57-61)": ({}, "spread, mean G"),
+    "discount at the round (runs 57-64)": ({}, "spread at the round"),
     "trust_tokens 4": ({"trust_tokens": 4.0}, "spread"),
     "never plain": ({"allow_ar": False}, "spread"),
 }
@@ -110,10 +110,11 @@ def simulate_call(selector, latency: LatencyModel, replay, estimator, start_row:
     survival (RoundStrategy.choose_rows); each row makes its own progress, a row that has its `tokens` stops (it takes
     no profile rows) but the batch's rounds cost C_N(w) until the last row is done, as the resident rounds' inert
     rows. The selector observes per round `progress`: "spread" (the live rows' mean tokens discounted for their
-    spread, selector.batch_row_worth: the resident rounds' rule, the drafts' G(w) with the same discount), "spread,
-    mean G" (the same with G(w) undiscounted, the rule of runs 57-61) or "mean" (the mean tokens per live row, the
-    rule before run 56). A selector with evidence from the calls before (HybridSpec.restart) opens with a deciding plain
-    step, as the resident rounds do."""
+    spread: selector.batch_row_stats and batch_state, the resident rounds' rule: the selector discounts for the
+    spread at each decision's batch), "spread at the round" (the tokens discounted at the round's own batch and
+    carried so, the rule of runs 57-64, with G(w) undiscounted as in runs 57-61) or "mean" (the mean tokens per live
+    row, the rule before run 56). A selector with evidence from the calls before (HybridSpec.restart) opens with a
+    deciding plain step, as the resident rounds do."""
     cost, cost_ar, block = latency.cost[0].double(), float(latency.cost_ar[0]), latency.block_size
     context = latency.context_lens[:1].long()
     selector.restart(context)
@@ -129,23 +130,31 @@ def simulate_call(selector, latency: LatencyModel, replay, estimator, start_row:
             i = row % replay.accepted.shape[0]
             row = row + live.long()
             signals = {k: getattr(replay, k)[i] for k in ("top1", "margin", "entropy")}
+            if progress == "spread":  # as the resident rounds' _draft: the batch the round's decisions are for
+                selector.batch_state(*batch_rows_left(live.long(), tokens - made))
             weight = live.float().view(-1, 1)
             survival = (estimator.survival(signals) * weight).sum(0, keepdim=True) / weight.sum()
             w = int(selector.choose(survival, context, torch.tensor([block])).reshape(-1)[0])
             w = max(1, min(w, block))
             gained = torch.minimum((replay.accepted[i] + 1).clamp(max=w).float(), tokens - made) * live
             draft_next = bool(selector.should_draft(context).reshape(-1)[0])  # before it observes itself
-            if progress == "mean":
-                observed = float(gained.sum() / live.sum())
-            else:
-                mean, discount = batch_row_worth(gained, live.long(), tokens - made)
-                observed = float(mean * discount)
+            mean, spread = batch_row_stats(gained, live.long())
+            if progress == "spread":
+                selector.observe(torch.tensor([w]), mean, None, True, spread)
+            elif progress == "mean":
+                selector.observe(torch.tensor([w]), mean, None, True)
+            else:  # "spread at the round": discounted at the round's own batch, the rule of runs 57-64
+                at_round = mean * spread_discount(mean, spread, *batch_rows_left(live.long(), tokens - made))
+                selector.observe(torch.tensor([w]), at_round, None, True)
             made = made + gained
-            selector.observe(torch.tensor([w]), torch.tensor([observed]), None, True,
-                             float(discount) if progress == "spread" else 1.0)
             seconds, spec = seconds + float(cost[w - 1]), spec + 1
         else:
-            plain_left = int(selector.plain_run(context).reshape(-1)[0]) if plain_left == 0 else plain_left - 1
+            if plain_left == 0:
+                if progress == "spread":  # the deciding plain step's batch, before its token
+                    selector.batch_state(*batch_rows_left(live.long(), tokens - made))
+                plain_left = int(selector.plain_run(context).reshape(-1)[0])
+            else:
+                plain_left -= 1
             draft_next = plain_left <= 0
             seconds, made = seconds + cost_ar, made + live.float()
     return (tokens - 1) * cost_ar / seconds, spec

@@ -254,7 +254,7 @@ def test_a_batch_round_is_worth_its_mean_discounted_for_the_rows_spread():
     """batch_row_tokens: one row, or rows that agree, are worth their mean; rows that spread are worth less, and less
     as the roomiest row's end nears; the discount's c_n is E[max of n standard normals] (Blom), checked by sampling;
     rows that are not live count for nothing."""
-    from hybridspec_hf.selector.length import batch_row_tokens, batch_row_worth
+    from hybridspec_hf.selector.length import batch_row_stats, batch_row_tokens, batch_rows_left, spread_discount
 
     one = batch_row_tokens(torch.tensor([5]), torch.tensor([1]), torch.tensor([100]))
     assert torch.allclose(one, torch.tensor([5.0]))
@@ -271,9 +271,12 @@ def test_a_batch_round_is_worth_its_mean_discounted_for_the_rows_spread():
     # a row that ended (live 0) neither counts in the mean nor in the spread
     ended = batch_row_tokens(torch.tensor([4, 4, 15]), torch.tensor([1, 1, 0]), torch.tensor([50, 50, 50]))
     assert torch.allclose(ended, torch.tensor([4.0]))
-    # batch_row_worth: the same value in its two factors (the mean, the discount the selector also applies to G)
-    mean_, discount = batch_row_worth(gained, live, torch.full((8,), 120))
-    assert torch.allclose(mean_, torch.tensor([mean])) and torch.allclose(mean_ * discount, torch.tensor([far]))
+    # the same value from its parts, as the selector keeps them: μ and σ of the round, n and T of the decision
+    mean_, spread_ = batch_row_stats(gained, live)
+    rows, left = batch_rows_left(live, torch.full((8,), 120))
+    assert torch.allclose(mean_, torch.tensor([mean])) and torch.allclose(spread_, torch.tensor([spread]))
+    assert (float(rows), float(left)) == (8.0, 120.0)
+    assert torch.allclose(mean_ * spread_discount(mean_, spread_, rows, left), torch.tensor([far]))
 
 
 def test_a_new_call_keeps_the_earlier_calls_evidence_and_decides_its_first_round():
@@ -310,19 +313,52 @@ def test_probes_come_sooner_while_the_drafts_predict_that_drafting_pays():
     """Rounds whose drafts predict more tokens than a plain step would make in their time (p̂ = 0.95^i) but emit one:
     plain steps, with probes every hopeful_share-limited stretch ((15 - 6) / (0.04 * 6) -> 38) instead of the
     probe_share one (150); drafts that predict little (p̂ = 0.02^i) keep the long one."""
-    def stretch(survival_rate, hopeful, discount=1.0):
+    def stretch(survival_rate, hopeful, spread=None):
         selector = HybridSpec(latency_model(cost=COST * 3, cost_ar=6e-3), routing_correction=False,
                               probe_share=0.01, hopeful_share=hopeful, carry_rounds=0.0)
         selector.should_draft(1024)
+        if spread is not None:  # a batch of 8 rows, 10 tokens left to the roomiest
+            selector.batch_state(torch.tensor([8.0]), torch.tensor([10.0]))
         survival = (survival_rate ** I)[None].float()
         w = selector.choose(survival, 1024)
         # G(4) = 3.7 in 15 ms: > 1 in 6
-        selector.observe(w, torch.ones(1), torch.tensor([15e-3]), drafted=True, discount=discount)
+        selector.observe(w, torch.ones(1), torch.tensor([15e-3]), drafted=True,
+                         spread=None if spread is None else torch.tensor([spread]))
         return int(selector.plain_run(1024)[0])
 
     long, hopeful, unhopeful = stretch(0.95, 0.01), stretch(0.95, 0.04), stretch(0.02, 0.04)
     assert (long, hopeful, unhopeful) == (150, 38, 150)
-    # a batch's rows that spread: the emitted tokens carry the discount, and so does G (0.5 · 3.7 in 15 ms < 1 in 6)
-    assert stretch(0.95, 0.04, discount=0.5) == 150 and stretch(0.95, 0.04, discount=0.9) == 38
+    # a batch's rows that spread: G is discounted as the emitted tokens are (σ = 3: 3.7 · 0.59 in 15 ms < 1 in 6;
+    # σ = 0.5: 3.7 · 0.89 > 1 in 6)
+    assert stretch(0.95, 0.04, spread=3.0) == 150 and stretch(0.95, 0.04, spread=0.5) == 38
     with pytest.raises(ValueError, match="hopeful_share"):
         HybridSpec(latency_model(), probe_share=0.01, hopeful_share=2.0)
+
+
+def test_a_batch_discounts_its_rows_spread_at_the_decision_not_at_the_round():
+    """Batch rounds' evidence keeps the rows' mean tokens and spread; the discount for the straggler is taken when
+    deciding, with that moment's live rows and room: rounds observed at a short call's end (T = 6 tokens left) say
+    "draft" to a long call (T = 200), and the same evidence near an end says "plain"; one row is never discounted.
+    ρ counts a batch round's tokens discounted at the round's own batch."""
+    survival = (0.9 ** I)[None].float()
+    cost_ar = 6e-3
+    context = torch.tensor([1024])
+    selector = HybridSpec(latency_model(cost=COST, cost_ar=cost_ar), routing_correction=False, carry_rounds=8.0)
+    selector.restart(context)
+    selector.batch_state(torch.tensor([16.0]), torch.tensor([6.0]))
+    for _ in range(6):  # 8 tokens per row, spread 4, in C(w) ≈ 29 ms (w 9-12): 8 / 29 > 1 / 6 at its mean
+        selector.should_draft(context)
+        w = selector.choose(survival, context)
+        selector.observe(w, torch.tensor([8.0]), COST[w - 1].float(), drafted=True, spread=torch.tensor([4.0]))
+    throughput = selector.throughput
+    assert float(throughput.spec_tokens[0] / throughput.spec_weight[0]) == pytest.approx(8.0)  # μ kept whole
+    # ρ's tokens discounted at the rounds' batch (16 rows, T = 6: 8 · 0.49)
+    assert float(throughput.tokens[0]) < 4.0 + 6 * 8.0 * 0.5
+    selector.restart(context)
+    assert int(selector.plain_run(context)[0]) > 0  # still near an end: the straggler loses
+    selector.restart(context)
+    selector.batch_state(torch.tensor([16.0]), torch.tensor([200.0]))
+    assert int(selector.plain_run(context)[0]) == 0  # a long call ahead: drafting pays
+    selector.restart(context)
+    selector.batch_state(torch.tensor([1.0]), torch.tensor([6.0]))
+    assert int(selector.plain_run(context)[0]) == 0  # one row: no straggler

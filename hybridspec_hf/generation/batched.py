@@ -52,7 +52,7 @@ from hybridspec_hf.generation.telemetry import RoundRecord
 from hybridspec_hf.graphs.capture import host_syncs
 from hybridspec_hf.generation.target import BatchTargetRunner
 from hybridspec_hf.patches._cache import set_rows
-from hybridspec_hf.selector.length import batch_row_worth
+from hybridspec_hf.selector.length import batch_row_stats
 
 
 def check_batched_call(streamer, cache, batch: int) -> None:
@@ -263,10 +263,12 @@ def batched_decode(model, input_ids, position_ids, attention_mask, cache, cache_
                 accepted = greedy_accept(tokens[:, 1:], target_tokens)
             if signals is not None:
                 strategy.estimator.observe(signals, accepted, tokens.shape[1] - 1)
-            next_draft = strategy.should_draft(context_len)  # as in loop.py: before this round is observed
+            # as in loop.py: before this round is observed; for this batch (its rows, the roomiest one's room)
+            lengths = [emitter.length(row) for row in active]  # before this round's tokens
+            strategy.batch_state(len(active), max(emitter.max_length - length for length in lengths), accepted)
+            next_draft = strategy.should_draft(context_len)
 
             # 5. Emit per row, token by token, until its criteria fire; m_b = tokens it emitted.
-            lengths = [emitter.length(row) for row in active]  # before this round's tokens
             counts = accepted.tolist()
             committed = []
             for i, row in enumerate(active):
@@ -282,11 +284,9 @@ def batched_decode(model, input_ids, position_ids, attention_mask, cache, cache_
             runner.commit_rows(session, tokens.shape[1], committed)
             if context is not None:
                 context.append(features, torch.tensor(committed, device=context.length.device))
-            # tokens per row, discounted for the rows' spread (selector.batch_row_worth; the resident rounds' rule)
-            room = torch.tensor([emitter.max_length - length for length in lengths])
-            mean, discount = batch_row_worth(torch.tensor(committed), torch.ones(len(committed)), room)
-            strategy.observe(tokens.shape[1], float(mean * discount), None, drafted, like=accepted,
-                             discount=float(discount))
+            # tokens per row and their spread between rows (selector.batch_row_stats; the resident rounds' rule)
+            mean, spread = batch_row_stats(torch.tensor(committed), torch.ones(len(committed)))
+            strategy.observe(tokens.shape[1], float(mean), None, drafted, like=accepted, spread=float(spread))
             draft_next = drafter is not None and bool(torch.as_tensor(next_draft).all())
             telemetry.rounds.append(RoundRecord(
                 tokens.shape[1], sum(counts), sum(committed), sum(committed), time.perf_counter() - round_start,

@@ -70,7 +70,7 @@ from hybridspec_hf.graphs.static_target import StaticTarget
 from hybridspec_hf.kernels import gdn_triton
 from hybridspec_hf.patches._cache import set_rows
 from hybridspec_hf.patches.experts import fused_experts_for
-from hybridspec_hf.selector.length import batch_row_worth
+from hybridspec_hf.selector.length import batch_row_stats, batch_rows_left
 
 _CAPACITY_STEP = 512
 MAX_ROUNDS_PER_TARGET = 3  # captured settings kept per target (graphs, static caches): see the module docstring
@@ -481,6 +481,8 @@ class ResidentRounds:
         rows must keep their state) the block verify + commit.
         """
         context_len = self._context_len()
+        if decide:  # plain_run below decides for this batch (before this step's token)
+            self._batch_state(self.limit - (self.target.length + 1))
         session = self.target.session(decode_step=gdn_triton.DECODE_STEP and self.rows == 1)
         # not under calibrated routing: one token reads top-k experts whatever ids the profile would give it, and
         # the replay's kernels (≈ 0.15 ms a step at 35B, e2e run 44) would make the plain step dearer than AR's
@@ -539,6 +541,7 @@ class ResidentRounds:
         self.block = torch.cat([self.last_token, drafts[:, : t - 1]], dim=1)  # [N, T]
         room = self.limit - (self.target.length + 1)  # [N] tokens generate() still allows each row
         w_max = (room * self.live).max().view(1).clamp(min=1, max=t)  # [1] the roomiest live row's
+        self._batch_state(room)
         self.choice, signals, self.replayed = None, None, None
         if self.profile is not None:  # timing mode: each row's next profile row: signals and accepted count
             row = self.profile_row % self.profile.accepted.shape[0]
@@ -616,23 +619,25 @@ class ResidentRounds:
             self.window.disarm()
         return session, logits, features
 
+    def _batch_state(self, room: torch.Tensor) -> None:
+        """A batch's selector decides for its live rows and the room of the roomiest (room [N], before the round's
+        or step's tokens): what a speculative round's spread of tokens between rows costs the call
+        (selector.spread_discount). Nothing at one row."""
+        if self.rows > 1 and self.strategy.selector is not None:
+            self.strategy.selector.batch_state(*batch_rows_left(self.live, room))
+
     def _commit(self):
         """Keep m = self.count tokens (per row) of the last verification."""
-        room = self.limit - (self.target.length + 1) if self.rows > 1 else None  # before this round's tokens
         self.target.commit(self.pending, self.count)
         with patches.fused_kernels():
             self.context.append(self.features, self.count)
         last = self.target_tokens.gather(1, (self.count - 1).clamp(min=0).view(-1, 1))  # [N, 1]
         self.last_token.copy_(torch.where(self.count.view(-1, 1) > 0, last, self.last_token))
         if self.strategy.selector is not None:
-            # one stream for the batch: tokens per live row, discounted for the rows' spread (the eager batched
-            # loop's rule, selector.batch_row_worth), the drafts' prediction with the same discount
-            if self.rows == 1:
-                emitted, discount = self.count, 1.0
-            else:
-                mean, discount = batch_row_worth(self.count, self.live, room)
-                emitted = mean * discount
-            self.strategy.selector.observe(self.round_w.view(1), emitted, None, True, discount)
+            # one stream for the batch: tokens per live row and their spread between rows (the eager batched loop's
+            # rule, selector.batch_row_stats), priced at the batch set in `_draft`
+            emitted, spread = (self.count, None) if self.rows == 1 else batch_row_stats(self.count, self.live)
+            self.strategy.selector.observe(self.round_w.view(1), emitted, None, True, spread)
 
     # ------------------------------------------------------------------------------------------ host side
     def restart_profile(self, start_row: int = 0) -> None:

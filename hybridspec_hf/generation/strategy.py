@@ -254,17 +254,25 @@ class RoundStrategy:
         return float(model.cost_for(context_len).reshape(-1)[w - 1])
 
     def observe(self, w: int, emitted: float, seconds: float, drafted: bool, like: torch.Tensor,
-                discount: float = 1.0) -> None:
-        """Feed the selector (discount: the batch's spread discount that `emitted` carries, LengthSelector.observe).
-        Under tensor parallelism the measured seconds differ between ranks, so ρ uses the calibrated C(w) instead
-        (ranks must take identical decisions)."""
+                spread: float | None = None) -> None:
+        """Feed the selector (emitted: tokens per row; spread: a batch round's spread between its rows,
+        LengthSelector.observe). Under tensor parallelism the measured seconds differ between ranks, so ρ uses the
+        calibrated C(w) instead (ranks must take identical decisions)."""
         if self.selector is None:
             return
         device = like.device
         if distributed():
             seconds = None
         self.selector.observe(torch.tensor([w], device=device), torch.tensor([emitted], device=device), seconds, drafted,
-                              discount)
+                              None if spread is None else torch.tensor([spread], device=device))
+
+    def batch_state(self, rows: int, left: int, like: torch.Tensor) -> None:
+        """The batch the next decisions are for (LengthSelector.batch_state): live rows, tokens its roomiest row
+        still needs."""
+        if self.selector is not None:
+            device = like.device
+            self.selector.batch_state(torch.tensor([float(rows)], device=device),
+                                      torch.tensor([float(left)], device=device))
 
 
 def _estimator(value, block_size: int) -> AcceptanceEstimator:

@@ -81,36 +81,48 @@ def should_draft(spec_gain: torch.Tensor, spec_cost: torch.Tensor, rho: torch.Te
 def batch_row_tokens(gained: torch.Tensor, live: torch.Tensor, room: torch.Tensor) -> torch.Tensor:
     """What a batch's speculative round is worth, in tokens per row: the live rows' mean gain, discounted for the
     spread between rows that the call's end pays for. [1] fp32; gained, live, room [N] (tokens each row committed,
-    1/0 live at the round's start, tokens each row could still make before it). `batch_row_worth` gives the mean
-    and the discount apart.
+    1/0 live at the round's start, tokens each row could still make before it).
 
     A batched generate() call ends when its last row does, and a row that ended keeps its place in the rounds. Plain
     steps move every row alike; speculative rounds give each row its own number of tokens (mean μ, spread σ between
     rows), so the rows drift apart and the call waits for the slowest. Continuing speculatively over the T tokens the
     roomiest live row still needs takes about T/μ + c_n·σ·√(T/μ)/μ rounds (c_n = E[max of n standard normals], Blom's
     approximation Φ⁻¹((n − 0.375)/(n + 0.25)), n live rows), i.e. the call advances at μ / (1 + c_n·σ/√(T·μ)) tokens
-    per round: the mean at one row (c_1 = 0) or with rows that agree, less with rows that spread, and less as the end
-    nears (small T), where a plain step, which moves the straggler as fast as the others, wins. The mean alone chose
-    speculation at batch 8-16 under a medium acceptance (mean accepted length 4) where the straggler made it lose
-    5-8 % to plain decoding (run 56 of benchmarks/results/gpu_rounds_runs.md; selector_sim.py's calls mode with each
-    row's own progress). Pure torch, no host sync."""
-    mean, discount = batch_row_worth(gained, live, room)
-    return mean * discount
+    per round (`spread_discount`): the mean at one row (c_1 = 0) or with rows that agree, less with rows that spread,
+    and less as the end nears (small T), where a plain step, which moves the straggler as fast as the others, wins.
+    The mean alone chose speculation at batch 8-16 under a medium acceptance (mean accepted length 4) where the
+    straggler made it lose 5-8 % to plain decoding (run 56 of benchmarks/results/gpu_rounds_runs.md; selector_sim.py's
+    calls mode with each row's own progress). The selector keeps μ and σ apart (`batch_row_stats`) and discounts at
+    the moment it decides, with that moment's n and T: a round's T belongs to its call (a short call's last rounds are
+    discounted hard), its μ and σ carry over to the next. Pure torch, no host sync."""
+    mean, spread = batch_row_stats(gained, live)
+    rows, left = batch_rows_left(live, room)
+    return mean * spread_discount(mean, spread, rows, left)
 
 
-def batch_row_worth(gained: torch.Tensor, live: torch.Tensor,
-                    room: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`batch_row_tokens` in its two factors: the live rows' mean gain μ and the spread discount
-    1 / (1 + c_n·σ/√(T·μ)) (both [1] fp32). The selector prices the drafts' own prediction G(w) with the same
-    discount, so that prediction and emitted tokens are in one currency (HybridSpec.observe)."""
+def batch_row_stats(gained: torch.Tensor, live: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The live rows' mean gain μ and its spread σ between rows ([1] fp32 each; gained, live [N])."""
     weight = live.float()
     n = weight.sum().clamp(min=1.0)
     gained = gained.float()
     mean = (gained * weight).sum() / n
     spread = (((gained - mean) ** 2 * weight).sum() / n).sqrt()
-    left = (room.float() * weight).max().clamp(min=1.0)
+    return mean.view(1), spread.view(1)
+
+
+def batch_rows_left(live: torch.Tensor, room: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The live rows n and the tokens T the roomiest of them still needs ([1] fp32 each; live, room [N])."""
+    weight = live.float()
+    return weight.sum().view(1), (room.float() * weight).max().view(1)
+
+
+def spread_discount(mean: torch.Tensor, spread: torch.Tensor, rows: torch.Tensor,
+                    left: torch.Tensor) -> torch.Tensor:
+    """1 / (1 + c_n·σ/√(T·μ)): the share of the rows' mean gain μ a call of n rows (T tokens left to its roomiest
+    row) makes per speculative round when the rows spread by σ (see `batch_row_tokens`). Broadcasts; 1 at n = 1."""
+    n = rows.float().clamp(min=1.0)
     c = torch.special.ndtri((n - 0.375) / (n + 0.25)).clamp(min=0.0)
-    return mean.view(1), (1.0 / (1.0 + c * spread / (left * mean.clamp(min=1e-6)).sqrt())).view(1)
+    return 1.0 / (1.0 + c * spread / (left.float().clamp(min=1.0) * mean.clamp(min=1e-6)).sqrt())
 
 
 class DinkelbachThroughput:
@@ -182,6 +194,10 @@ class DinkelbachThroughput:
         self.spec_weight = torch.zeros(batch, device=device)
         self.ar_streak = torch.zeros(batch, dtype=torch.long, device=device)
         self.spec_rounds = torch.zeros(batch, device=device)  # speculative rounds observed (not discounted)
+        self.spec_spread = torch.zeros(batch, device=device)  # the rows' spread σ of a batch's rounds (0: one row)
+        # the batch at the next decision (`set_batch`): live rows n and the tokens T its roomiest row still needs
+        self.live_rows = torch.ones(batch, device=device)
+        self.rows_left = torch.ones(batch, device=device)
         # a forced draft (the first round of a generation, which the loops draft without asking, or a probe) whose
         # round is not observed yet
         self.forced = torch.ones(batch, dtype=torch.bool, device=device)
@@ -199,12 +215,33 @@ class DinkelbachThroughput:
         self.ar_streak.zero_()
         if carry > 0:
             scale = (carry / self.spec_weight.clamp(min=1e-12)).clamp(max=1.0)
-            for stat in (self.spec_tokens, self.spec_expected, self.spec_latency, self.spec_weight):
+            for stat in self._spec_sums():
                 stat.mul_(scale)
         else:
-            for stat in (self.spec_tokens, self.spec_expected, self.spec_latency, self.spec_weight, self.spec_rounds):
+            for stat in (*self._spec_sums(), self.spec_rounds):
                 stat.zero_()
         self.forced.copy_(~self.informed(informed_rounds))
+
+    def _spec_sums(self) -> tuple[torch.Tensor, ...]:
+        """The speculative rounds' discounted sums (one decay for all: their means keep their value)."""
+        return self.spec_tokens, self.spec_expected, self.spec_latency, self.spec_spread, self.spec_weight
+
+    def set_batch(self, rows: torch.Tensor, left: torch.Tensor) -> None:
+        """The batch the next decisions are for: rows [batch] live rows n, left [batch] the tokens T the roomiest
+        of them still needs (in place). A batch's speculative round is worth its rows' mean tokens discounted for
+        their spread at this n and T (`spread_discount`); one row (the default) is worth its tokens."""
+        self.live_rows.copy_(rows.float().expand_as(self.live_rows))
+        self.rows_left.copy_(left.float().expand_as(self.rows_left))
+
+    def _discount(self, gain: torch.Tensor, left: torch.Tensor) -> torch.Tensor:
+        """spread_discount of a speculative round expected to yield `gain` tokens per row, at the batch's n and T =
+        left ([batch] or [batch, J]), with the rounds' mean spread."""
+        spread = self.spec_spread / self.spec_weight.clamp(min=1e-12)
+        if gain.dim() == 2:
+            spread, rows = spread[:, None], self.live_rows[:, None]
+        else:
+            rows = self.live_rows
+        return spread_discount(gain, spread, rows, left)
 
     def informed(self, informed_rounds: int) -> torch.Tensor:
         """[batch] bool: the streams hold evidence from at least informed_rounds speculative rounds."""
@@ -216,16 +253,20 @@ class DinkelbachThroughput:
         return self.tokens / self.latency
 
     def update(self, tokens: torch.Tensor, latency: torch.Tensor, drafted: torch.Tensor,
-               expected: torch.Tensor | None = None) -> None:
-        """Account one round: tokens emitted, latency seconds, drafted (False = plain AR step), all [batch];
-        expected: a speculative round's G(w), the tokens its drafts' signals predicted (None: the emitted ones)."""
+               expected: torch.Tensor | None = None, spread: torch.Tensor | None = None) -> None:
+        """Account one round: tokens emitted (per row), latency seconds, drafted (False = plain AR step), all
+        [batch]; expected: a speculative round's G(w), the tokens its drafts' signals predicted (None: the emitted
+        ones); spread: a batch round's spread σ of tokens between its rows (None: one row). ρ counts a batch round's
+        tokens discounted for the spread at the batch set by `set_batch`; the speculative means keep μ and σ."""
         tokens, latency = tokens.float(), latency.float()
         expected = tokens if expected is None else expected.float()
+        spread = torch.zeros_like(tokens) if spread is None else spread.float().expand_as(tokens)
         spec = drafted.float()  # [batch]
-        self.tokens.mul_(self.forgetting).add_(tokens)
+        self.tokens.mul_(self.forgetting).add_(tokens * spread_discount(tokens, spread, self.live_rows,
+                                                                        self.rows_left))
         self.latency.mul_(self.forgetting).add_(latency)
         for stat, value in ((self.spec_tokens, tokens), (self.spec_expected, expected), (self.spec_latency, latency),
-                            (self.spec_weight, 1.0)):
+                            (self.spec_spread, spread), (self.spec_weight, 1.0)):
             stat.mul_(self.draft_forgetting).add_(spec * value)
         self.ar_streak.add_(1).mul_((~drafted).long())
         self.spec_rounds.add_(spec)
@@ -234,7 +275,8 @@ class DinkelbachThroughput:
         """Whether each stream drafts the next round: [batch] bool (see the class docstring)."""
         weight = self.spec_weight.clamp(min=1e-12)
         spec_cost = self.spec_latency / weight
-        pays = should_draft(self._spec_gain(1.0), spec_cost, self.rho, cost_ar)
+        gain = self._spec_gain(1.0)
+        pays = should_draft(gain * self._discount(gain, self.rows_left), spec_cost, self.rho, cost_ar)
         probe = self.ar_streak >= self._stretch(spec_cost, cost_ar)
         # The rounds decide the next round's drafting before they observe their own (the hand-off carries the
         # decision), so when a forced draft (the first, or a probe) is still in flight its tokens are not counted
@@ -252,7 +294,7 @@ class DinkelbachThroughput:
         a medium acceptance: calls that stepped plain after a bad first round stayed plain to their end, 1.0× AR
         against 1.6× when drafting, run 56 of benchmarks/results/gpu_rounds_runs.md). [batch]."""
         predicted = self.spec_expected / self.spec_weight.clamp(min=1e-12)
-        hopeful = predicted * cost_ar > spec_cost
+        hopeful = predicted * self._discount(predicted, self.rows_left) * cost_ar > spec_cost
         share = torch.where(hopeful, self.hopeful_share, self.probe_share)
         return ((spec_cost - cost_ar).clamp(min=0) / (share * cost_ar)).ceil().clamp(min=self.probe_every)
 
@@ -304,6 +346,8 @@ class DinkelbachThroughput:
         weight = self.spec_weight.clamp(min=1e-12)
         spec_cost = self.spec_latency / weight  # [batch]: the same at every j
         spec_gain = self._spec_gain(d ** j)  # [batch, J]: the emitted/G ratio moves towards its prior as sums decay
+        # a batch's rows: each plain step brings the roomiest row's end one token nearer
+        spec_gain = spec_gain * self._discount(spec_gain, (self.rows_left[:, None] - j - 1).clamp(min=1.0))
         pays = should_draft(spec_gain, spec_cost[:, None], tokens / latency, cost_ar[:, None])  # [batch, J]
         stretch = self._stretch(spec_cost, cost_ar)  # [batch]: the same at every j
         due = (self.ar_streak[:, None] + j.long()) >= stretch[:, None]  # a probe is due at step j
@@ -313,7 +357,9 @@ class DinkelbachThroughput:
         free[:, 0] = ~self.forced
         fires = pays | ((never | due) & free)  # [batch, J]
         first = torch.where(fires, j.long(), self.PLAIN_HORIZON).min(-1).values  # [batch]
-        beyond_pays = should_draft(self._spec_gain(0.0), spec_cost, 1.0 / cost_ar, cost_ar)  # ρ and ratio at limits
+        limit_gain = self._spec_gain(0.0)  # ρ and ratio at their limits, the batch's end PLAIN_HORIZON steps nearer
+        limit_gain = limit_gain * self._discount(limit_gain, (self.rows_left - self.PLAIN_HORIZON).clamp(min=1.0))
+        beyond_pays = should_draft(limit_gain, spec_cost, 1.0 / cost_ar, cost_ar)
         probe_at = (stretch.long() - self.ar_streak).clamp(min=1)  # the probe's step when none fired in the scan
         beyond = torch.where(beyond_pays, torch.full_like(probe_at, self.PLAIN_HORIZON), probe_at)
         k = torch.where(first < self.PLAIN_HORIZON, first, beyond.clamp(min=self.PLAIN_HORIZON))
@@ -327,7 +373,7 @@ class DinkelbachThroughput:
         self.tokens.mul_(decay_n).add_(partial_n)
         self.latency.mul_(decay_n).add_(partial_n * cost_ar)
         spec_decay = d ** n
-        for stat in (self.spec_tokens, self.spec_expected, self.spec_latency, self.spec_weight):
+        for stat in self._spec_sums():
             stat.mul_(spec_decay)
         self.ar_streak.add_(k + 1)
         return k

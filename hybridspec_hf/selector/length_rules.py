@@ -53,12 +53,16 @@ class LengthSelector(abc.ABC):
         return torch.zeros_like(w0, dtype=torch.bool)
 
     def observe(self, w: torch.Tensor, emitted: torch.Tensor, latency: torch.Tensor | float | None = None,
-                drafted: torch.Tensor | bool = True, discount: torch.Tensor | float = 1.0) -> None:
-        """After a round: w [batch] long tokens verified, emitted [batch] tokens, latency seconds ([batch] or
-        scalar; None = use the calibrated C), drafted ([batch] bool or bool; False = a plain AR step, w = 1),
-        discount ([batch] or scalar): the factor `emitted` already carries (a batch's spread discount,
-        selector.batch_row_worth); selectors that weigh the drafts' prediction against the emitted tokens apply it
-        to the prediction."""
+                drafted: torch.Tensor | bool = True, spread: torch.Tensor | None = None) -> None:
+        """After a round: w [batch] long tokens verified, emitted [batch] tokens (per row: a batch's live rows'
+        mean), latency seconds ([batch] or scalar; None = use the calibrated C), drafted ([batch] bool or bool;
+        False = a plain AR step, w = 1), spread: a batch round's spread of tokens between its rows ([batch]; None:
+        one row; selector.batch_row_stats)."""
+
+    def batch_state(self, rows: torch.Tensor, left: torch.Tensor) -> None:
+        """The batch the next decisions are for: live rows and the tokens its roomiest row still needs ([1] or
+        [batch] each; selector.batch_rows_left). For selectors that price the rows' spread (HybridSpec); the
+        others draft every round whatever the batch."""
 
     def reset(self) -> None:
         """Forget per-stream state (a new generate call)."""
@@ -192,6 +196,7 @@ class HybridSpec(_Calibrated):
         self.name = "hybridspec" if routing_correction else "nominal"
         self.throughput = DinkelbachThroughput(forgetting, draft_forgetting, probe_every, prior_rounds, probe_share,
                                                trust_tokens, max(hopeful_share, probe_share))
+        self._batch = None  # a batch_state() before the streams exist
 
     @property
     def rho(self) -> torch.Tensor | None:
@@ -200,6 +205,7 @@ class HybridSpec(_Calibrated):
 
     def reset(self) -> None:
         self.throughput.tokens = None
+        self._batch = None
 
     def restart(self, context_len: torch.Tensor) -> None:
         """A new generation in place: the streams restart from the prior without new tensors (graph-captured rounds
@@ -230,6 +236,9 @@ class HybridSpec(_Calibrated):
             self.throughput.reset(cost_ar, batch, cost_ar.device)
             self._survival = torch.zeros(batch, model.block_size - 1, device=cost_ar.device)  # last round's p̂
             self._cost = model.cost_for(context_len).expand(batch, -1)  # last round's C(w)
+            if self._batch is not None:  # a batch_state() that came before the streams
+                self.throughput.set_batch(*(on_device(v, cost_ar.device) for v in self._batch))
+                self._batch = None
         self._cost_ar = cost_ar
 
     def should_draft(self, context_len):
@@ -268,7 +277,13 @@ class HybridSpec(_Calibrated):
         keep = keep_extra_token(extra_survival(survival, w0), self.throughput.rho, delta)
         return keep if w_max is None else keep & (w0 < on_device(w_max, w0.device))
 
-    def observe(self, w, emitted, latency=None, drafted=True, discount=1.0):
+    def batch_state(self, rows, left):
+        if self.throughput.tokens is None:  # held until the first decision makes the streams (`_ready`)
+            self._batch = (rows, left)
+            return
+        self.throughput.set_batch(rows, left)
+
+    def observe(self, w, emitted, latency=None, drafted=True, spread=None):
         if self.throughput.tokens is None:
             raise RuntimeError("observe() before should_draft()/choose(): the selector has no round to account.")
         if emitted.shape != w.shape:
@@ -284,13 +299,9 @@ class HybridSpec(_Calibrated):
         seconds = predicted_latency if latency is None else on_device(latency, w.device, torch.float32).expand(
             w.shape[0])
         # G(w): the drafts' own prediction (trust_tokens weighs it against the emitted tokens; the probes' share
-        # grows to hopeful_share while it says drafting pays), in the emitted tokens' currency: at batch > 1 the
-        # rows' mean G discounted as their emitted tokens are (the mean alone kept "hopeful" probes of ≈ 3 batch-16
-        # rounds per call at a medium acceptance, each worth ≈ 1 token to the call's straggler: 0.96× AR, run 61)
+        # grows to hopeful_share while it says drafting pays); a batch's rows' mean, as the emitted tokens
         expected = expected_tokens(self._survival).gather(1, idx).squeeze(1).to(emitted.device)
-        if isinstance(discount, torch.Tensor) or discount != 1.0:  # (one row: no kernel in the captured round)
-            expected = expected * on_device(discount, emitted.device, torch.float32)
-        self.throughput.update(emitted.float(), seconds, spec, expected=expected)
+        self.throughput.update(emitted.float(), seconds, spec, expected=expected, spread=spread)
 
 
 _STRATEGIES = {
