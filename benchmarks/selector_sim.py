@@ -182,7 +182,12 @@ def main_calls(args) -> None:
     report = {"latency_source": args.batch_latency, "tokens": args.tokens, "cells": args.calls, "rows": args.rows,
               "results": {}}
     how = "its N rows, one shared w" if args.rows else "one stream"
-    lines = [f"{args.calls} cells of {REPEATS} calls of {args.tokens} tokens per profile and batch size ({how} with "
+    measured = (f"measured on the {source.get('environment', {}).get('gpu', 'GPU')} ({args.batch_latency}: "
+                f"{source.get('weights', '?')} weights, {source.get('routing', '?')} routing)")
+    lines = [f"Simulated on a CPU: no model, no GPU. Acceptance: the declared profiles' rows replayed (the estimator "
+             f"fitted on each profile's other half); round costs: C_N(w) and C_ar,N {measured}; HybridSpec's plain "
+             "step priced as AR's. Predictions for the batch table, not measurements.", "",
+             f"{args.calls} cells of {REPEATS} calls of {args.tokens} tokens per profile and batch size ({how} with "
              f"the batch's C_N(w)), from {args.batch_latency}; each call after a {WARMUP_TOKENS}-token warm-up call on "
              "another stretch of the profile, as batch.py; each entry: mean × AR over the timed calls / the cells' "
              "first calls (min over calls), speculative rounds per call.", "",
