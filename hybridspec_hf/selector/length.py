@@ -198,6 +198,7 @@ class DinkelbachThroughput:
         # the batch at the next decision (`set_batch`): live rows n and the tokens T its roomiest row still needs
         self.live_rows = torch.ones(batch, device=device)
         self.rows_left = torch.ones(batch, device=device)
+        self.batched = False  # set_batch called: the decisions price the rows' spread (one row: no kernels for it)
         # a forced draft (the first round of a generation, which the loops draft without asking, or a probe) whose
         # round is not observed yet
         self.forced = torch.ones(batch, dtype=torch.bool, device=device)
@@ -223,8 +224,10 @@ class DinkelbachThroughput:
         self.forced.copy_(~self.informed(informed_rounds))
 
     def _spec_sums(self) -> tuple[torch.Tensor, ...]:
-        """The speculative rounds' discounted sums (one decay for all: their means keep their value)."""
-        return self.spec_tokens, self.spec_expected, self.spec_latency, self.spec_spread, self.spec_weight
+        """The speculative rounds' discounted sums (one decay for all: their means keep their value); the rows'
+        spread only for a batch."""
+        sums = (self.spec_tokens, self.spec_expected, self.spec_latency, self.spec_weight)
+        return (*sums, self.spec_spread) if self.batched else sums
 
     def set_batch(self, rows: torch.Tensor, left: torch.Tensor) -> None:
         """The batch the next decisions are for: rows [batch] live rows n, left [batch] the tokens T the roomiest
@@ -232,16 +235,20 @@ class DinkelbachThroughput:
         their spread at this n and T (`spread_discount`); one row (the default) is worth its tokens."""
         self.live_rows.copy_(rows.float().expand_as(self.live_rows))
         self.rows_left.copy_(left.float().expand_as(self.rows_left))
+        self.batched = True
 
-    def _discount(self, gain: torch.Tensor, left: torch.Tensor) -> torch.Tensor:
-        """spread_discount of a speculative round expected to yield `gain` tokens per row, at the batch's n and T =
-        left ([batch] or [batch, J]), with the rounds' mean spread."""
+    def _worth(self, gain: torch.Tensor, left: torch.Tensor) -> torch.Tensor:
+        """What a speculative round expected to yield `gain` tokens per row is worth to the call: gain times the
+        spread_discount at the batch's n and T = left ([batch] or [batch, J]), with the rounds' mean spread; the
+        gain itself for one row (no set_batch: no kernels in its captured rounds)."""
+        if not self.batched:
+            return gain
         spread = self.spec_spread / self.spec_weight.clamp(min=1e-12)
         if gain.dim() == 2:
             spread, rows = spread[:, None], self.live_rows[:, None]
         else:
             rows = self.live_rows
-        return spread_discount(gain, spread, rows, left)
+        return gain * spread_discount(gain, spread, rows, left)
 
     def informed(self, informed_rounds: int) -> torch.Tensor:
         """[batch] bool: the streams hold evidence from at least informed_rounds speculative rounds."""
@@ -260,14 +267,22 @@ class DinkelbachThroughput:
         tokens discounted for the spread at the batch set by `set_batch`; the speculative means keep μ and σ."""
         tokens, latency = tokens.float(), latency.float()
         expected = tokens if expected is None else expected.float()
-        spread = torch.zeros_like(tokens) if spread is None else spread.float().expand_as(tokens)
         spec = drafted.float()  # [batch]
-        self.tokens.mul_(self.forgetting).add_(tokens * spread_discount(tokens, spread, self.live_rows,
-                                                                        self.rows_left))
+        worth = tokens
+        if spread is not None:
+            spread = spread.float().expand_as(tokens)
+            worth = tokens * spread_discount(tokens, spread, self.live_rows, self.rows_left)
+        self.tokens.mul_(self.forgetting).add_(worth)
         self.latency.mul_(self.forgetting).add_(latency)
         for stat, value in ((self.spec_tokens, tokens), (self.spec_expected, expected), (self.spec_latency, latency),
-                            (self.spec_spread, spread), (self.spec_weight, 1.0)):
+                            (self.spec_weight, 1.0)):
             stat.mul_(self.draft_forgetting).add_(spec * value)
+        if spread is not None:
+            self.batched = True
+        if self.batched:  # (one row: no kernels for it)
+            self.spec_spread.mul_(self.draft_forgetting)
+            if spread is not None:
+                self.spec_spread.add_(spec * spread)
         self.ar_streak.add_(1).mul_((~drafted).long())
         self.spec_rounds.add_(spec)
 
@@ -275,8 +290,7 @@ class DinkelbachThroughput:
         """Whether each stream drafts the next round: [batch] bool (see the class docstring)."""
         weight = self.spec_weight.clamp(min=1e-12)
         spec_cost = self.spec_latency / weight
-        gain = self._spec_gain(1.0)
-        pays = should_draft(gain * self._discount(gain, self.rows_left), spec_cost, self.rho, cost_ar)
+        pays = should_draft(self._worth(self._spec_gain(1.0), self.rows_left), spec_cost, self.rho, cost_ar)
         probe = self.ar_streak >= self._stretch(spec_cost, cost_ar)
         # The rounds decide the next round's drafting before they observe their own (the hand-off carries the
         # decision), so when a forced draft (the first, or a probe) is still in flight its tokens are not counted
@@ -294,7 +308,7 @@ class DinkelbachThroughput:
         a medium acceptance: calls that stepped plain after a bad first round stayed plain to their end, 1.0× AR
         against 1.6× when drafting, run 56 of benchmarks/results/gpu_rounds_runs.md). [batch]."""
         predicted = self.spec_expected / self.spec_weight.clamp(min=1e-12)
-        hopeful = predicted * self._discount(predicted, self.rows_left) * cost_ar > spec_cost
+        hopeful = self._worth(predicted, self.rows_left) * cost_ar > spec_cost
         share = torch.where(hopeful, self.hopeful_share, self.probe_share)
         return ((spec_cost - cost_ar).clamp(min=0) / (share * cost_ar)).ceil().clamp(min=self.probe_every)
 
@@ -347,7 +361,7 @@ class DinkelbachThroughput:
         spec_cost = self.spec_latency / weight  # [batch]: the same at every j
         spec_gain = self._spec_gain(d ** j)  # [batch, J]: the emitted/G ratio moves towards its prior as sums decay
         # a batch's rows: each plain step brings the roomiest row's end one token nearer
-        spec_gain = spec_gain * self._discount(spec_gain, (self.rows_left[:, None] - j - 1).clamp(min=1.0))
+        spec_gain = self._worth(spec_gain, (self.rows_left[:, None] - j - 1).clamp(min=1.0))
         pays = should_draft(spec_gain, spec_cost[:, None], tokens / latency, cost_ar[:, None])  # [batch, J]
         stretch = self._stretch(spec_cost, cost_ar)  # [batch]: the same at every j
         due = (self.ar_streak[:, None] + j.long()) >= stretch[:, None]  # a probe is due at step j
@@ -358,7 +372,7 @@ class DinkelbachThroughput:
         fires = pays | ((never | due) & free)  # [batch, J]
         first = torch.where(fires, j.long(), self.PLAIN_HORIZON).min(-1).values  # [batch]
         limit_gain = self._spec_gain(0.0)  # ρ and ratio at their limits, the batch's end PLAIN_HORIZON steps nearer
-        limit_gain = limit_gain * self._discount(limit_gain, (self.rows_left - self.PLAIN_HORIZON).clamp(min=1.0))
+        limit_gain = self._worth(limit_gain, (self.rows_left - self.PLAIN_HORIZON).clamp(min=1.0))
         beyond_pays = should_draft(limit_gain, spec_cost, 1.0 / cost_ar, cost_ar)
         probe_at = (stretch.long() - self.ar_streak).clamp(min=1)  # the probe's step when none fired in the scan
         beyond = torch.where(beyond_pays, torch.full_like(probe_at, self.PLAIN_HORIZON), probe_at)
