@@ -131,7 +131,7 @@ def test_one_unlucky_round_does_not_switch_off_drafting_that_the_drafts_say_pays
     survival = (0.95 ** I)[None].float()
 
     def drafts_after(trust, emitted_tokens):
-        selector = HybridSpec(latency_model(cost_ar=6e-3), routing_correction=False, trust_tokens=trust)
+        selector = HybridSpec(latency_model(cost_ar=20e-3), routing_correction=False, trust_tokens=trust)
         for emitted in emitted_tokens:
             selector.should_draft(1024)
             w = selector.choose(survival, 1024)

@@ -73,7 +73,8 @@ def should_draft(spec_gain: torch.Tensor, spec_cost: torch.Tensor, rho: torch.Te
     A speculative round is expected to yield spec_gain tokens in spec_cost seconds (running averages of recent
     speculative rounds); an AR step yields 1 token in cost_ar seconds (no drafting). The Dinkelbach value of each is
     tokens - ρ·seconds, so: draft iff spec_gain - ρ·spec_cost > 1 - ρ·cost_ar. At the two fixed points this is the
-    intuitive rule (all-speculative: draft iff spec_gain/spec_cost > 1/cost_ar). All [batch] -> [batch] bool.
+    intuitive rule (all-speculative: draft iff spec_gain/spec_cost > 1/cost_ar), which is the rule at ρ = 1/cost_ar,
+    the price `DinkelbachThroughput` decides at. All [batch] -> [batch] bool.
     """
     return spec_gain - rho * spec_cost > 1.0 - rho * cost_ar
 
@@ -144,7 +145,12 @@ class DinkelbachThroughput:
     but near break-even a 10-round memory (0.9) switched to plain steps on noise: on the low-acceptance profile with the
     H200's C(w) it stepped plain in 35–87 of ≈ 270 rounds and fell 4–8 % behind the per-round-ratio selector, which a
     20-round memory closes in simulation — benchmarks/results/selector_sim.md), compared by
-    `should_draft`. While AR is chosen nothing new is learnt about speculation, so after a stretch of consecutive AR
+    `should_draft` at the plain step's rate 1/C_ar: speculating beats stepping plain iff its rate does. Not at ρ:
+    ρ is the pooled rate of the rounds so far, and where it is above both options' rates (after lucky rounds, or in
+    a batch whose speculative rounds are worth less as its end nears) the Dinkelbach comparison picks the shorter
+    action, a plain step, though speculation still beats it (simulated with runs 63-64's C_N(w), the high profile:
+    batch 8 1.19 → 1.22× AR, batch 16 1.44 → 1.46×, batch 4 medium 1.31 → 1.33×, the rest unchanged; ρ still
+    prices the choice of w). While AR is chosen nothing new is learnt about speculation, so after a stretch of consecutive AR
     rounds one round is speculative anyway (a probe); since the speculative averages are discounted every round, a
     probe after a long AR stretch dominates them and can switch drafting back on at once. The stretch is at least
     `probe_every` rounds, and long enough that a probe's extra time (a speculative round's recent cost over a plain
@@ -290,7 +296,7 @@ class DinkelbachThroughput:
         """Whether each stream drafts the next round: [batch] bool (see the class docstring)."""
         weight = self.spec_weight.clamp(min=1e-12)
         spec_cost = self.spec_latency / weight
-        pays = should_draft(self._worth(self._spec_gain(1.0), self.rows_left), spec_cost, self.rho, cost_ar)
+        pays = should_draft(self._worth(self._spec_gain(1.0), self.rows_left), spec_cost, 1.0 / cost_ar, cost_ar)
         probe = self.ar_streak >= self._stretch(spec_cost, cost_ar)
         # The rounds decide the next round's drafting before they observe their own (the hand-off carries the
         # decision), so when a forced draft (the first, or a probe) is still in flight its tokens are not counted
@@ -340,29 +346,24 @@ class DinkelbachThroughput:
 
         Plain steps teach nothing about speculation, and their update is fixed (one token in cost_ar seconds), so
         the decisions `draft_decision` followed by `update` would take over the coming steps are known now: after
-        j more plain steps the discounted sums are T_j = f^j·T + S_j and L_j = f^j·L + S_j·C_ar (S_j = Σ_{i<j} f^i),
-        the speculative means keep their value (every sum scales by the same draft_forgetting^j; the emitted/G
-        ratio of `_spec_gain` moves towards its prior, computed per j), and the streak grows by j. k is the first j
-        at which `draft_decision` of that state drafts (it pays, or a probe is due);
-        j is scanned up to PLAIN_HORIZON, beyond which ρ_j has moved to within f^256 < 0.6 % of its limit 1/C_ar:
-        then k is the probe's step, or PLAIN_HORIZON when drafting pays at the limit. Equal to calling
-        `draft_decision` and `update` once per step (test), at one decision per stretch instead of one per step:
-        the steps in between run no selector work (the rounds replay AR's plain step). cost_ar: [batch].
+        j more plain steps the speculative means keep their value (every sum scales by the same draft_forgetting^j;
+        the emitted/G ratio of `_spec_gain` moves towards its prior, computed per j; a batch's roomiest row is j
+        tokens nearer its end) and the streak grows by j. k is the first j at which `draft_decision` of that state
+        drafts (it pays, or a probe is due); j is scanned up to PLAIN_HORIZON, beyond which k is the probe's step,
+        or PLAIN_HORIZON when drafting pays at the limit. Equal to calling `draft_decision` and `update` once per
+        step (test), at one decision per stretch instead of one per step: the steps in between run no selector work
+        (the rounds replay AR's plain step). cost_ar: [batch].
         """
         device = self.tokens.device
         f, d = self.forgetting, self.draft_forgetting
         cost_ar = cost_ar.float()
         j = torch.arange(self.PLAIN_HORIZON, device=device, dtype=torch.float32)  # [J]
-        decay = f ** j  # [J]
-        partial = j if f == 1.0 else (1.0 - decay) / (1.0 - f)  # S_j
-        tokens = decay * self.tokens[:, None] + partial  # [batch, J]
-        latency = decay * self.latency[:, None] + partial * cost_ar[:, None]
         weight = self.spec_weight.clamp(min=1e-12)
         spec_cost = self.spec_latency / weight  # [batch]: the same at every j
         spec_gain = self._spec_gain(d ** j)  # [batch, J]: the emitted/G ratio moves towards its prior as sums decay
         # a batch's rows: each plain step brings the roomiest row's end one token nearer
         spec_gain = self._worth(spec_gain, (self.rows_left[:, None] - j - 1).clamp(min=1.0))
-        pays = should_draft(spec_gain, spec_cost[:, None], tokens / latency, cost_ar[:, None])  # [batch, J]
+        pays = should_draft(spec_gain, spec_cost[:, None], 1.0 / cost_ar[:, None], cost_ar[:, None])  # [batch, J]
         stretch = self._stretch(spec_cost, cost_ar)  # [batch]: the same at every j
         due = (self.ar_streak[:, None] + j.long()) >= stretch[:, None]  # a probe is due at step j
         never = (self.spec_weight == 0)[:, None]
@@ -371,7 +372,7 @@ class DinkelbachThroughput:
         free[:, 0] = ~self.forced
         fires = pays | ((never | due) & free)  # [batch, J]
         first = torch.where(fires, j.long(), self.PLAIN_HORIZON).min(-1).values  # [batch]
-        limit_gain = self._spec_gain(0.0)  # ρ and ratio at their limits, the batch's end PLAIN_HORIZON steps nearer
+        limit_gain = self._spec_gain(0.0)  # the ratio at its limit, the batch's end PLAIN_HORIZON steps nearer
         limit_gain = self._worth(limit_gain, (self.rows_left - self.PLAIN_HORIZON).clamp(min=1.0))
         beyond_pays = should_draft(limit_gain, spec_cost, 1.0 / cost_ar, cost_ar)
         probe_at = (stretch.long() - self.ar_streak).clamp(min=1)  # the probe's step when none fired in the scan
