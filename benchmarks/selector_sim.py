@@ -19,8 +19,9 @@ next before it observes itself; a plain stretch is decided at its first step by 
 batch.py runs them (fresh rounds, 3 timed calls from every 37th row, each after a 16-token warm-up call on another
 stretch of the profile), with batch.py's C_N(w) and C_ar,N of each batch size as one stream (--rows: the batch's
 rows, each with its own progress, one shared w; the call waits for its last row). Variants of the draft decision:
-the carried evidence off, the rule before run 56 (mean tokens per row, no carry), trust in the drafts' G(w), never
-plain (`allow_ar=False`). × AR: the call's time of AR steps over its simulated time.
+the carried evidence off, the rule before run 56 (mean tokens per row, no carry), the rows' spread discounted at the
+round (runs 57-64), trust in the drafts' G(w), never plain (`allow_ar=False`); all of them decide at the plain step's
+rate (the current rule). × AR: the call's time of AR steps over its simulated time.
 """
 from __future__ import annotations
 
