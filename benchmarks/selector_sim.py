@@ -37,7 +37,7 @@ from common import environment, write_results  # noqa: E402
 from e2e import length_choice_bound, profile_halves  # noqa: E402
 
 from hybridspec_hf.selector.latency import LatencyModel  # noqa: E402
-from hybridspec_hf.selector.length import batch_row_stats, batch_rows_left, spread_discount  # noqa: E402
+from hybridspec_hf.selector.length import batch_row_stats, batch_row_tokens, batch_rows_left  # noqa: E402
 from hybridspec_hf.selector.length_rules import make_selector  # noqa: E402
 
 VARIANTS = {  # name: (strategy, selector options)
@@ -145,8 +145,7 @@ def simulate_call(selector, latency: LatencyModel, replay, estimator, start_row:
             elif progress == "mean":
                 selector.observe(torch.tensor([w]), mean, None, True)
             else:  # "spread at the round": discounted at the round's own batch, the rule of runs 57-64
-                at_round = mean * spread_discount(mean, spread, *batch_rows_left(live.long(), tokens - made))
-                selector.observe(torch.tensor([w]), at_round, None, True)
+                selector.observe(torch.tensor([w]), batch_row_tokens(gained, live.long(), tokens - made), None, True)
             made = made + gained
             seconds, spec = seconds + float(cost[w - 1]), spec + 1
         else:
