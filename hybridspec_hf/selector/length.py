@@ -235,6 +235,22 @@ class DinkelbachThroughput:
         sums = (self.spec_tokens, self.spec_expected, self.spec_latency, self.spec_weight)
         return (*sums, self.spec_spread) if self.batched else sums
 
+    # The least weight the speculative sums decay to (in rounds): their means keep their value, and one new round
+    # outweighs them a million to one. Without it a long plain stretch (≈ 540 steps at draft_forgetting 0.95) took the
+    # weight below the divisions' 1e-12 clamp, and the means read from it were the sums' scaled down: the spread
+    # discount (not homogeneous in them) then vanished, and a batch call drafted rounds its evidence said lose
+    # (selector_sim, batch 16 medium: warm-up and timed calls opened with 2-4 such rounds).
+    EVIDENCE_FLOOR = 1e-6
+
+    def _decay_spec(self, factor) -> None:
+        """Decay the speculative sums by factor (a number or [batch]), none below EVIDENCE_FLOOR rounds of weight
+        (a stream without evidence keeps none)."""
+        weight = self.spec_weight
+        kept = torch.maximum(weight * factor, weight.clamp(max=self.EVIDENCE_FLOOR))
+        scale = torch.where(weight > 0, kept / weight.clamp(min=1e-30), torch.ones_like(weight))
+        for stat in self._spec_sums():
+            stat.mul_(scale)
+
     def set_batch(self, rows: torch.Tensor, left: torch.Tensor) -> None:
         """The batch the next decisions are for: rows [batch] live rows n, left [batch] the tokens T the roomiest
         of them still needs (in place). A batch's speculative round is worth its rows' mean tokens discounted for
@@ -280,15 +296,14 @@ class DinkelbachThroughput:
             worth = tokens * spread_discount(tokens, spread, self.live_rows, self.rows_left)
         self.tokens.mul_(self.forgetting).add_(worth)
         self.latency.mul_(self.forgetting).add_(latency)
-        for stat, value in ((self.spec_tokens, tokens), (self.spec_expected, expected), (self.spec_latency, latency),
-                            (self.spec_weight, 1.0)):
-            stat.mul_(self.draft_forgetting).add_(spec * value)
         if spread is not None:
             self.batched = True
-        if self.batched:  # (one row: no kernels for it)
-            self.spec_spread.mul_(self.draft_forgetting)
-            if spread is not None:
-                self.spec_spread.add_(spec * spread)
+        self._decay_spec(self.draft_forgetting)
+        for stat, value in ((self.spec_tokens, tokens), (self.spec_expected, expected), (self.spec_latency, latency),
+                            (self.spec_weight, 1.0)):
+            stat.add_(spec * value)
+        if spread is not None:
+            self.spec_spread.add_(spec * spread)
         self.ar_streak.add_(1).mul_((~drafted).long())
         self.spec_rounds.add_(spec)
 
@@ -387,8 +402,6 @@ class DinkelbachThroughput:
         partial_n = n if f == 1.0 else (1.0 - decay_n) / (1.0 - f)
         self.tokens.mul_(decay_n).add_(partial_n)
         self.latency.mul_(decay_n).add_(partial_n * cost_ar)
-        spec_decay = d ** n
-        for stat in self._spec_sums():
-            stat.mul_(spec_decay)
+        self._decay_spec(d ** n)
         self.ar_streak.add_(k + 1)
         return k
