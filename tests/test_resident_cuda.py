@@ -39,7 +39,7 @@ def _pair(name="qwen3_5_moe", reference=None, seed=0):
 def test_whole_calls_run_captured_without_syncs(strategy, do_sample, sync_errors):
     torch.cuda.set_sync_debug_mode(0)
     target, _ = _pair()
-    prompt = torch.randint(0, VOCAB, (1, 12), device="cuda")
+    prompt = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(0)).cuda()
     ar = target.generate(prompt, do_sample=False, max_new_tokens=40)
     target, drafter = _pair(reference=ar.cpu())
     kwargs = dict(do_sample=do_sample, max_new_tokens=40, assistant_model=drafter, generation_strategy=strategy,
@@ -48,6 +48,7 @@ def test_whole_calls_run_captured_without_syncs(strategy, do_sample, sync_errors
         kwargs.update(temperature=0.7, top_p=0.9)
     torch.cuda.set_sync_debug_mode("error")
     target.generate(prompt, **kwargs)  # first call: captures
+    first = hybridspec_hf.get_telemetry(target)
     out = target.generate(prompt, **kwargs)  # second call: replays the same graphs
     torch.cuda.set_sync_debug_mode(0)
     telemetry = hybridspec_hf.get_telemetry(target)
@@ -55,7 +56,12 @@ def test_whole_calls_run_captured_without_syncs(strategy, do_sample, sync_errors
     assert out.shape[1] == 52
     if not do_sample:
         assert torch.equal(out, ar), "fp32 greedy output differs from AR"
-    if strategy != "ar" and not do_sample:
+    if strategy in ("hybridspec", "nominal"):
+        # the call's first round drafts; later ones may step plain where a tiny fp32 model's plain step is cheaper
+        # than a speculative round (the selector's choice, priced by the rounds' own timing), so acceptance is not
+        # asserted for these
+        assert first.rounds[0].drafted
+    elif strategy != "ar" and not do_sample:
         assert max(r.accepted for r in telemetry.rounds) > 0
 
 

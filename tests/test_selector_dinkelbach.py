@@ -362,3 +362,40 @@ def test_a_batch_discounts_its_rows_spread_at_the_decision_not_at_the_round():
     selector.restart(context)
     selector.batch_state(torch.tensor([1.0]), torch.tensor([6.0]))
     assert int(selector.plain_run(context)[0]) == 0  # one row: no straggler
+
+
+@pytest.mark.parametrize("floor", [True, False])
+def test_evidence_after_a_long_plain_stretch_keeps_its_means_and_its_decision(floor, monkeypatch):
+    """The speculative sums decay over plain steps (draft_forgetting) but not below EVIDENCE_FLOOR rounds of weight:
+    their means, and the draft decision read from them, are what they were. Without the floor (the weight under the
+    divisions' 1e-12 clamp after ≈ 600 plain steps) the batch's spread discount vanished and a new call drafted
+    rounds its evidence said lose (selector_sim, batch 16 medium)."""
+    from hybridspec_hf.selector.length import DinkelbachThroughput
+
+    if not floor:
+        monkeypatch.setattr(DinkelbachThroughput, "EVIDENCE_FLOOR", 0.0)
+    cost_ar, spec_cost = torch.tensor([11.5e-3]), torch.tensor([38.4e-3])
+    rows, left = torch.tensor([16.0]), torch.tensor([127.0])
+    state = DinkelbachThroughput()
+    state.reset(cost_ar, 1, "cpu")
+    state.set_batch(rows, left)
+    for _ in range(4):  # 3.6 tokens per row, σ = 3: above a plain step's 3.34 undiscounted, below it discounted
+        state.update(torch.tensor([3.6]), spec_cost, torch.tensor([True]), spread=torch.tensor([3.0]))
+    state.draft_decision(cost_ar)  # (clears the first round's forced flag)
+    before = bool(state.draft_decision(cost_ar)[0])
+    for _ in range(700):
+        state.update(torch.tensor([1.0]), cost_ar, torch.tensor([False]))
+    weight = float(state.spec_weight[0])
+    state.restart(cost_ar, carry=8.0, informed_rounds=3)  # a new call: the probe's streak starts again
+    state.set_batch(rows, left)
+    k = int(state.plain_run(cost_ar)[0])
+    state.restart(cost_ar, carry=8.0, informed_rounds=3)
+    state.set_batch(rows, left)
+    after = bool(state.draft_decision(cost_ar)[0])
+    assert not before
+    if floor:
+        assert weight == pytest.approx(DinkelbachThroughput.EVIDENCE_FLOOR, rel=1e-3)
+        assert float(state.spec_tokens[0] / state.spec_weight[0]) == pytest.approx(3.6, rel=1e-3)
+        assert not after and k > 0
+    else:  # the bug the floor removes
+        assert weight < 1e-12 and after and k == 0
