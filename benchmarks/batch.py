@@ -24,6 +24,7 @@ benchmarks/results/batch_<model>.{json,md,png}.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -113,8 +114,42 @@ def _run_method(target, drafter, prompt: torch.Tensor, method: str, replay, esti
     }
 
 
+def merge(sources: list[str], name: str) -> dict:
+    """One table from runs split over several device calls (e.g. `--batches 2,4,8` and `--batches 1,16`): their
+    batch sizes in order, each from the last source that has it; the environment is the first source's (its GPU and
+    versions: every source must have run on the same GPU, torch, transformers and switches), with the merge's command,
+    and every source's file, date and command in the JSON and the markdown. Measures nothing."""
+    reports = [json.loads(Path(path).read_text()) for path in sources]
+    keys = ("gpu", "torch", "transformers", "triton")
+    for path, other in zip(sources[1:], reports[1:]):
+        same = {k: (reports[0]["environment"].get(k), other["environment"].get(k)) for k in keys}
+        if any(a != b for a, b in same.values()) or other.get("switches") != reports[0].get("switches"):
+            raise SystemExit(f"--merge: {path} ran elsewhere or with other switches than {sources[0]} ({same}); "
+                             "merge only runs of one machine and one code.")
+    report = {k: v for k, v in reports[0].items() if k not in ("title", "environment", "notes")}
+    batches = {b: row for r in reports for b, row in r["batches"].items()}
+    latency = {b: row for r in reports for b, row in r.get("latency_ms", {}).items()}
+    report["batches"] = {b: batches[b] for b in sorted(batches, key=int)}
+    report["latency_ms"] = {b: latency[b] for b in sorted(latency, key=int)}
+    report["elapsed_s"] = sum(r.get("elapsed_s", 0) for r in reports)
+    report["calibration_s"] = sum(r.get("calibration_s", 0) for r in reports)
+    report["merged_from"] = [{"file": path, "date": r["environment"]["date"], "command": r["environment"]["command"],
+                              "batches": list(r["batches"])} for path, r in zip(sources, reports)]
+    environment_ = dict(reports[0]["environment"])
+    environment_["merged by"] = environment()["command"]
+    environment_["command"] = "; ".join(f"{r['environment']['command']} ({r['environment']['date']})" for r in reports)
+    payload = {"title": f"Batched decoding, timing mode ({report['model']}, {report['device']}; merged runs)",
+               "environment": environment_, **report, "notes": __doc__.split("\n\n")[2]}
+    write_results(name, payload, markdown(report))
+    plot(report, RESULTS / name)
+    return report
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--merge", default=None,
+                        help="comma-separated results JSONs of batch.py runs to merge into one table (--name), "
+                             "measuring nothing: the batch sizes of runs split over device calls")
     parser.add_argument("--model", default="qwen35_35b_a3b", choices=["qwen35_35b_a3b", "tiny"])
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)), help="batch sizes (comma-separated)")
     parser.add_argument("--profiles", default=",".join(PROFILES), help=f"subset of {','.join(PROFILES)}")
@@ -136,6 +171,10 @@ def main(argv: list[str] | None = None) -> dict:
     add_switches(parser, "defer-appends", "moe-decode", "trust-drafts", "pdl", "early-reads", "gdn-norm-fold",
                  "wide-direct", "align-kernel")
     args = parser.parse_args(argv)
+    if args.merge:
+        if not args.name:
+            raise SystemExit("--merge needs --name (the merged table's results stem).")
+        return merge(args.merge.split(","), args.name)
     apply_switches(args)
     methods = args.methods.split(",")
     # every method's rounds stay captured between its interleaved calls (a variant's are kept beside its base's)

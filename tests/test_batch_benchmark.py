@@ -36,3 +36,30 @@ def test_every_method_batch_and_profile_is_measured_and_written(batch_benchmark,
     text = stem.with_suffix(".md").read_text()
     assert "HybridSpec over vanilla DFlash" in text and "| 3 | low" in text
     assert stem.with_suffix(".png").exists()
+
+
+def test_runs_split_over_calls_merge_into_one_table_and_other_machines_do_not(batch_benchmark, tmp_path, cpu_only):
+    stems = [tmp_path / "split_a", tmp_path / "split_b"]
+    for stem, batches in zip(stems, ("2", "1")):
+        batch_benchmark.main(["--model", "tiny", "--batches", batches, "--profiles", "low", "--methods", "ar,dflash",
+                              "--tokens", "4", "--context", "8", "--name", str(stem)])
+    merged = tmp_path / "merged"
+    sources = ",".join(str(s.with_suffix(".json")) for s in stems)
+    batch_benchmark.main(["--merge", sources, "--name", str(merged)])
+    report = json.loads(merged.with_suffix(".json").read_text())
+    assert list(report["batches"]) == ["1", "2"] and list(report["latency_ms"]) == ["1", "2"]
+    for batch, stem in (("2", stems[0]), ("1", stems[1])):
+        source = json.loads(stem.with_suffix(".json").read_text())
+        assert report["batches"][batch] == source["batches"][batch]
+    assert [m["batches"] for m in report["merged_from"]] == [["2"], ["1"]]
+    assert [m["file"] for m in report["merged_from"]] == sources.split(",")
+    assert report["environment"]["command"].count(";") == 1  # both sources' commands (with their dates)
+    text = merged.with_suffix(".md").read_text()
+    assert "| 1 | low" in text and "| 2 | low" in text and merged.with_suffix(".png").exists()
+    other = json.loads(stems[1].with_suffix(".json").read_text())
+    other["environment"]["torch"] = "0.0"
+    stems[1].with_suffix(".json").write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match="ran elsewhere"):
+        batch_benchmark.main(["--merge", sources, "--name", str(tmp_path / "refused")])
+    with pytest.raises(SystemExit, match="needs --name"):
+        batch_benchmark.main(["--merge", sources])
