@@ -34,6 +34,8 @@ SWITCHES = {
                     "the MoE direct rows (no sort, shared expert as a slot) up to 32 tokens instead of 16"),
     "align-kernel": ("hybridspec_hf.kernels.moe_triton", "ALIGN_KERNEL",
                      "the sorted MoE blocks' alignment in one launch instead of ≈ 25 torch launches"),
+    "whole-slice": ("hybridspec_hf.kernels.gemv_triton", "WHOLE_SLICE",
+                    "our skinny GEMM loads a program's whole weight slice (≤ 32 KB) before the PDL wait"),
     "gdn-norm-fold": ("hybridspec_hf.kernels.gdn_step_triton", "FOLD_NORM",
                       "the GDN step's gated RMSNorm by the head's last program, no launch of its own"),
 }

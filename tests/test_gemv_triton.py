@@ -92,6 +92,35 @@ def test_gemv_dtypes_bias_uneven_k_and_leading_dims(dtype):
         assert_close_to_truth(gemv(x[:2], weight, bias, config), x[:2], weight, bias)  # FMAs: 2 rows
 
 
+@pytest.mark.parametrize("rows", [1, 5])
+def test_whole_slice_loads_each_program_slice_in_one_tile_and_stays_within_the_bound(rows, monkeypatch):
+    """WHOLE_SLICE: a program's [BLOCK_N, K / SPLIT_K] slice as one tile (STEPS = 1) where it fits WHOLE_SLICE_BYTES
+    (and, uneven K, its masked tail); a slice too large keeps its BLOCK_K tiles. Both within the bound."""
+    launches = []
+    kernel = gemv_triton._gemv_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **meta):
+                launches.append((meta["BLOCK_K"], meta["STEPS"]))
+                return kernel[grid](*args, **meta)
+            return launch
+
+    monkeypatch.setattr(gemv_triton, "_gemv_kernel", Spy())
+    monkeypatch.setattr(gemv_triton, "WHOLE_SLICE", True)
+    x, weight, _ = inputs(rows, 96, 1024, torch.bfloat16, seed=rows)
+    assert_close_to_truth(gemv(x, weight, None, GemvConfig(32, 64, 4)), x, weight)  # 32 x 256 bf16: 16 KB
+    assert_close_to_truth(gemv(x, weight, None, GemvConfig(32, 64, 1)), x, weight)  # 32 x 1024: 64 KB, too large
+    x, weight, _ = inputs(rows, 40, 200, torch.bfloat16, seed=7)
+    assert_close_to_truth(gemv(x, weight, None, GemvConfig(16, 32, 2)), x, weight)  # slices of 128, the last masked
+    x, weight, _ = inputs(rows, 40, 328, torch.bfloat16, seed=8)
+    assert_close_to_truth(gemv(x, weight, None, GemvConfig(16, 32, 4)), x, weight)  # slices of 96: not a power of 2
+    assert launches == [(256, 1), (64, 16), (128, 1), (32, 3)]
+    monkeypatch.setattr(gemv_triton, "WHOLE_SLICE", False)
+    gemv(x, weight, None, GemvConfig(16, 64, 4))
+    assert launches[-1] == (64, 2)
+
+
 def test_split_k_is_deterministic_and_leaves_the_counters_zero():
     x, weight, _ = inputs(5, 96, 1024, torch.float32, seed=9)
     config = GemvConfig(16, 64, 16)

@@ -39,6 +39,12 @@ from . import pdl
 from .gdn_triton import HAS_TRITON, _LazyJit, select_backend, tl, tl_dtype, triton
 
 MAX_ROWS = 16  # rows of x (tokens) the kernel takes: one 16-row tile
+# A program loads its whole slice of W ([BLOCK_N, K / SPLIT_K], one tile: STEPS = 1) before the PDL wait when the
+# slice is at most WHOLE_SLICE_BYTES and a power of two wide, instead of its first BLOCK_K tile: its weight then
+# streams while the kernel before it ends (GDN out_proj / attention o_proj after the GDN step or attention: 32 KB per
+# program at (32, 128, split 8)). An A/B switch (`--whole-slice` in the benchmarks) until measured on the H200.
+WHOLE_SLICE = False
+WHOLE_SLICE_BYTES = 32 * 1024
 COUNTERS = 4096  # row blocks of one split-K launch (N / BLOCK_N); beyond it a launch does not split K
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -254,6 +260,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, confi
     config = fit_config(config, m, n, k)
     steps = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k)
     k_per_split = steps * config.block_k
+    if WHOLE_SLICE and steps > 1 and config.block_n * k_per_split * x.element_size() <= WHOLE_SLICE_BYTES and \
+            k_per_split & (k_per_split - 1) == 0:  # one tile of the slice's width (tl.arange: a power of two)
+        config = GemvConfig(config.block_n, k_per_split, config.split_k, config.num_warps, 1, config.dot)
+        steps = 1
     split_k = triton.cdiv(k, k_per_split)  # no slice without columns
     partials = counters = out  # unused without a split
     if split_k > 1:
