@@ -244,10 +244,9 @@ class DinkelbachThroughput:
 
     def _decay_spec(self, factor) -> None:
         """Decay the speculative sums by factor (a number or [batch]), none below EVIDENCE_FLOOR rounds of weight
-        (a stream without evidence keeps none)."""
-        weight = self.spec_weight
-        kept = torch.maximum(weight * factor, weight.clamp(max=self.EVIDENCE_FLOOR))
-        scale = torch.where(weight > 0, kept / weight.clamp(min=1e-30), torch.ones_like(weight))
+        (a stream without evidence keeps none: its scale is 1, its sums 0)."""
+        least = (self.EVIDENCE_FLOOR / self.spec_weight.clamp(min=1e-30)).clamp(max=1.0)  # the scale to the floor
+        scale = torch.maximum(least, factor) if isinstance(factor, torch.Tensor) else least.clamp(min=factor)
         for stat in self._spec_sums():
             stat.mul_(scale)
 
