@@ -42,7 +42,8 @@ MAX_ROWS = 16  # rows of x (tokens) the kernel takes: one 16-row tile
 # A program loads its whole slice of W ([BLOCK_N, K / SPLIT_K], one tile: STEPS = 1) before the PDL wait when the
 # slice is at most WHOLE_SLICE_BYTES and a power of two wide, instead of its first BLOCK_K tile: its weight then
 # streams while the kernel before it ends (GDN out_proj / attention o_proj after the GDN step or attention: 32 KB per
-# program at (32, 128, split 8)). An A/B switch (method variants `ar+whole-slice` etc. in the benchmarks) until measured on the H200.
+# program at (32, 128, split 8)). An A/B switch (method variants such as `ar+whole-slice` in the benchmarks) until
+# measured on the H200.
 WHOLE_SLICE = False
 WHOLE_SLICE_BYTES = 32 * 1024
 COUNTERS = 4096  # row blocks of one split-K launch (N / BLOCK_N); beyond it a launch does not split K
