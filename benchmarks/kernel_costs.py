@@ -1,0 +1,191 @@
+"""What each kind of kernel costs the captured AR step where it runs: every launch of one kernel doubled.
+
+A profiler trace of the resident AR step (breakdown.py) says how long each kernel ran, but with programmatic
+dependent launch (kernels/pdl.py) a kernel's traced time includes the time it sat waiting for the one before, and
+without PDL the step is another step. This benchmark asks the graph itself: for each of our Triton kernels, every
+launch of that kernel is issued twice in a row (the same arguments; the kernels are pure functions of their inputs
+or update state the step owns, so the second launch recomputes or advances it and the step's work stays finite and
+the routing uniform), the step is captured again, and
+
+    in-situ cost per launch = (wall of the step with that kernel doubled - wall of the plain step) / launches
+
+which is what that kernel adds to the chain as it stands, its start-up, its dependency on the kernel before and its
+bytes included (a second read of a weight that fits the L2 is cheaper: small GEMMs read low). Set beside the bytes a
+launch must move, it says where the step loses its time against the roofline.
+
+Each variant's rounds are captured afresh (the doubled launches are in the graph), and the plain step is measured
+first and last (its spread is the noise floor). `--variants` adds A/B switches (common.SWITCHES) as rows of their
+own: "+whole-slice" measures the step with that switch on, "gemv+whole-slice" the doubled GEMV under it.
+Random bf16 weights; the AR step at batch 1 (the static cache of `--context` prompt tokens).
+Writes benchmarks/results/<name>.{json,md}.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from breakdown import parts_of, summarize, wall_ms  # noqa: E402
+from common import SWITCHES, environment, method_variant, switch_settings, traced_kernels, write_results  # noqa: E402
+from e2e import HBM_TBPS, build  # noqa: E402
+
+import hybridspec_hf  # noqa: E402
+from hybridspec_hf import HybridSpecConfig  # noqa: E402
+from hybridspec_hf.selector.latency import LatencyModel  # noqa: E402
+
+# kernel name -> the module holding its launcher (`_LazyJit`), for the kernels of the AR step
+KERNELS = {
+    "_gemv_kernel": "hybridspec_hf.kernels.gemv_triton",
+    "_gate_up_decode_kernel": "hybridspec_hf.kernels.moe_triton",
+    "_down_decode_kernel": "hybridspec_hf.kernels.moe_triton",
+    "_gdn_step_kernel": "hybridspec_hf.kernels.gdn_step_triton",
+    "_add_rms_norm_kernel": "hybridspec_hf.kernels.norm_triton",
+    "_rms_norm_kernel": "hybridspec_hf.kernels.norm_triton",
+    "_route_topk_kernel": "hybridspec_hf.kernels.router_triton",
+    "_attention_kernel": "hybridspec_hf.kernels.attention_triton",
+    "_combine_kernel": "hybridspec_hf.kernels.attention_triton",
+    "_qk_prologue_kernel": "hybridspec_hf.kernels.attention_prologue_triton",
+}
+SHORT = {name.strip("_").removesuffix("_kernel"): name for name in KERNELS}
+
+
+class Doubled:
+    """A `_LazyJit` whose every launch runs twice with the same arguments."""
+
+    def __init__(self, lazy):
+        self.lazy = lazy
+
+    def __getitem__(self, grid):
+        launch = self.lazy[grid]
+
+        def twice(*args, **kwargs):
+            launch(*args, **kwargs)
+            return launch(*args, **kwargs)
+        return twice
+
+
+@contextlib.contextmanager
+def doubled(kernel: str | None):
+    """Inside: every launch of `kernel` (a key of KERNELS; None: none) runs twice."""
+    if kernel is None:
+        yield
+        return
+    module = importlib.import_module(KERNELS[kernel])
+    lazy = getattr(module, kernel)
+    setattr(module, kernel, Doubled(lazy))
+    try:
+        yield
+    finally:
+        setattr(module, kernel, lazy)
+
+
+def parse_variant(variant: str) -> tuple[str | None, str]:
+    """"gemv+whole-slice" -> ("_gemv_kernel", "ar+whole-slice"); "plain" -> (None, "ar"); "+whole-slice" -> (None,
+    "ar+whole-slice")."""
+    head, flags = variant, ""
+    for index, char in enumerate(variant):
+        if char in "+-" and any(variant[index + 1:].startswith(flag) for flag in SWITCHES):
+            head, flags = variant[:index], variant[index:]
+            break
+    kernel = None if head in ("", "plain") else SHORT.get(head)
+    if head not in ("", "plain") and kernel is None:
+        raise SystemExit(f"unknown variant {variant!r}: a kernel of {sorted(SHORT)} or 'plain', then +FLAG/-FLAG "
+                         f"switches of {sorted(SWITCHES)}")
+    return kernel, "ar" + flags
+
+
+def measure(target, prompt: torch.Tensor, variant: str, replays: int, capacity: int) -> dict:
+    """The AR step's wall (median of `replays`) and its traced kernels, captured afresh under `variant`."""
+    kernel, method = parse_variant(variant)
+    context = prompt.shape[-1]
+    latency = LatencyModel(cost=torch.linspace(7e-3, 10e-3, 16)[None], cost_ar=torch.tensor([5e-3]),
+                           context_lens=torch.tensor([context]))
+    settings = HybridSpecConfig(cuda_graphs="on", latency_model=latency)
+    kwargs = dict(generation_strategy="ar", hybridspec_config=settings, attention_mask=torch.ones_like(prompt),
+                  do_sample=False, pad_token_id=0)
+    hybridspec_hf.release_graphs(target)
+    with method_variant(method, target), doubled(kernel):
+        target.generate(prompt, max_new_tokens=capacity, **kwargs)  # captures the step (with the doubled launches)
+        target.generate(prompt, max_new_tokens=8, **kwargs)  # leaves the cache near the prompt
+        rounds = target.__dict__.get("_hybridspec_resident")
+        part = next(iter(parts_of(rounds, "ar", "exact", []).values()))
+        traced = summarize(traced_kernels(part.replay, 5), 5)
+        wall = [wall_ms(part.replay, replays) for _ in range(3)]
+        settings_used = switch_settings()
+    hybridspec_hf.release_graphs(target)
+    return {"variant": variant, "kernel": kernel, "method": method, "wall_ms": sorted(wall)[1], "wall_ms_all": wall,
+            "kernels": traced["kernels"], "all_kernels": traced["all_kernels"], "switches": settings_used}
+
+
+def report(rows: list[dict], base_ms: float) -> str:
+    base = rows[0]
+    lines = ["| variant | kernels / step | wall ms | Δ wall µs | launches doubled | µs per launch in situ | "
+             "traced µs per launch |", "|---|---|---|---|---|---|---|"]
+    for row in rows:
+        delta = (row["wall_ms"] - base_ms) * 1e3
+        if row["kernel"] is not None:
+            entry = base["all_kernels"].get(row["kernel"], {"kernels": 0.0, "us": 0.0})
+            launches = entry["kernels"]
+            per = f"{delta / launches:.2f}" if launches else "n/a"
+            traced = f"{entry['us'] / launches:.2f}" if launches else "n/a"
+            extra = f"{launches:.0f}"
+        else:
+            per = traced = extra = "-"
+        lines.append(f"| {row['variant']} | {row['kernels']:.0f} | {row['wall_ms']:.3f} | {delta:+.1f} | {extra} | "
+                     f"{per} | {traced} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen35_35b_a3b")
+    parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--replays", type=int, default=30, help="replays per wall measurement (3 measurements)")
+    parser.add_argument("--variants", default=",".join(["plain", *SHORT, "plain"]),
+                        help="comma-separated: 'plain', a kernel (" + ", ".join(SHORT) + ") to double, either "
+                             "followed by +FLAG / -FLAG switches (" + ", ".join(SWITCHES) + ")")
+    parser.add_argument("--name", default="kernel_costs")
+    args = parser.parse_args(argv)
+    variants = args.variants.split(",")
+    for variant in variants:
+        parse_variant(variant)  # unknown names fail before the model is built
+    if variants[0] != "plain":
+        raise SystemExit("the first variant must be 'plain' (the step every other row is compared with)")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    target, _ = build(args.model, args.layers, device)
+    vocab = target.config.get_text_config().vocab_size
+    prompt = torch.randint(0, vocab, (1, args.context), generator=torch.Generator().manual_seed(0)).to(device)
+    capacity = 3 * args.replays + 5 * 2 + 32  # every replay commits one token into the static cache
+    rows = []
+    for variant in variants:
+        row = measure(target, prompt, variant, args.replays, capacity)
+        rows.append(row)
+        print(f"{variant:28s} {row['kernels']:5.0f} kernels  wall {row['wall_ms']:.3f} ms  "
+              f"({', '.join(f'{w:.3f}' for w in row['wall_ms_all'])})", flush=True)
+    plains = [row["wall_ms"] for row in rows if row["variant"] == "plain"]
+    base_ms = sum(plains) / len(plains)
+    table = report(rows, base_ms)
+    config = target.config.get_text_config()
+    notes = (f"{args.model}, {config.num_hidden_layers} layers, random bf16 weights; the resident AR step at batch 1 "
+             f"after a {args.context}-token prompt, captured afresh per variant; wall = median over 3 × "
+             f"{args.replays} replays (CUDA events). Δ wall against the mean of the plain rows ({base_ms:.3f} ms; "
+             f"their spread {max(plains) - min(plains):.3f} ms is the noise). Doubling a kernel issues each of its "
+             f"launches twice with the same arguments: the in-situ µs per launch is what one more such launch adds "
+             f"to the chain (a second read of weights that fit the {HBM_TBPS} TB/s HBM's L2 reads low). Traced µs: "
+             f"the plain step's profiler durations (with PDL they include waiting for the kernel before).")
+    payload = {"title": f"In-situ cost of each kernel in the resident AR step ({args.model})",
+               "environment": environment(), "notes": notes, "rows": rows, "base_ms": base_ms,
+               "switches": switch_settings()}
+    print(table, flush=True)
+    write_results(args.name, payload, table)
+    return payload
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""benchmarks/kernel_costs.py: the doubled launches, the variant names, and a run through on a tiny model on the CPU
+(no Triton kernels there: timings only)."""
+import json
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture
+def kernel_costs(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import kernel_costs
+
+    return kernel_costs
+
+
+def test_a_doubled_kernel_launches_twice_with_the_same_arguments(kernel_costs):
+    calls = []
+
+    class Lazy:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append((grid, args, kwargs)) or len(calls)
+
+    assert kernel_costs.Doubled(Lazy())[(3, 1)](1, x=2) == 2
+    assert calls == [((3, 1), (1,), {"x": 2})] * 2
+
+
+def test_doubling_swaps_the_launcher_only_inside(kernel_costs):
+    from hybridspec_hf.kernels import gemv_triton
+
+    before = gemv_triton._gemv_kernel
+    with kernel_costs.doubled("_gemv_kernel"):
+        assert isinstance(gemv_triton._gemv_kernel, kernel_costs.Doubled)
+        assert gemv_triton._gemv_kernel.lazy is before
+    assert gemv_triton._gemv_kernel is before
+
+
+def test_variant_names(kernel_costs):
+    assert kernel_costs.parse_variant("plain") == (None, "ar")
+    assert kernel_costs.parse_variant("+whole-slice") == (None, "ar+whole-slice")
+    assert kernel_costs.parse_variant("gemv+whole-slice") == ("_gemv_kernel", "ar+whole-slice")
+    assert kernel_costs.parse_variant("gate_up_decode-pdl") == ("_gate_up_decode_kernel", "ar-pdl")
+    with pytest.raises(SystemExit, match="unknown variant 'gemm'"):
+        kernel_costs.parse_variant("gemm")
+
+
+def test_runs_through_on_a_tiny_model(kernel_costs, tmp_path, cpu_only):
+    stem = tmp_path / "costs"
+    kernel_costs.main(["--model", "tiny", "--context", "8", "--replays", "2",
+                       "--variants", "plain,gemv,+whole-slice,plain", "--name", str(stem)])
+    report = json.loads(stem.with_suffix(".json").read_text())
+    assert [row["variant"] for row in report["rows"]] == ["plain", "gemv", "+whole-slice", "plain"]
+    assert all(row["wall_ms"] > 0 for row in report["rows"])
+    assert report["rows"][2]["switches"]["WHOLE_SLICE"] is True and report["switches"]["WHOLE_SLICE"] is False
+    assert "µs per launch in situ" in stem.with_suffix(".md").read_text()
+    with pytest.raises(SystemExit, match="first variant must be 'plain'"):
+        kernel_costs.main(["--model", "tiny", "--variants", "gemv", "--name", str(stem)])
