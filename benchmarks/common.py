@@ -36,6 +36,8 @@ SWITCHES = {
                      "the sorted MoE blocks' alignment in one launch instead of ≈ 25 torch launches"),
     "whole-slice": ("hybridspec_hf.kernels.gemv_triton", "WHOLE_SLICE",
                     "our skinny GEMM loads a program's whole weight slice (≤ 32 KB) before the PDL wait"),
+    "pdl-shapes": ("hybridspec_hf.kernels.gemv_triton", "PDL_SHAPES",
+                   "our skinny GEMM (PDL) also where it only ties cuBLAS alone (the attention's q|k|v copy)"),
     "gdn-norm-fold": ("hybridspec_hf.kernels.gdn_step_triton", "FOLD_NORM",
                       "the GDN step's gated RMSNorm by the head's last program, no launch of its own"),
 }
@@ -188,7 +190,7 @@ def time_graph(graph: torch.cuda.CUDAGraph, per_replay: int, replays: int = 40) 
 
 
 def traced_kernels(replay, n: int) -> list[dict]:
-    """Kernels (and memcpy/memset) traced while replay() runs n times: [{name, us}]."""
+    """Kernels (and memcpy/memset) traced while replay() runs n times: [{name, us, ts}] (ts: start, µs)."""
     from torch.profiler import ProfilerActivity, profile
 
     if not torch.cuda.is_available():  # the CPU twin runs eagerly: nothing to trace (the harness's own check)
@@ -203,5 +205,5 @@ def traced_kernels(replay, n: int) -> list[dict]:
     with tempfile.NamedTemporaryFile(suffix=".json") as handle:
         prof.export_chrome_trace(handle.name)
         events = json.loads(Path(handle.name).read_text())["traceEvents"]
-    return [{"name": e["name"], "us": float(e.get("dur", 0.0))} for e in events
+    return [{"name": e["name"], "us": float(e.get("dur", 0.0)), "ts": float(e.get("ts", 0.0))} for e in events
             if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]

@@ -22,8 +22,10 @@ Writes benchmarks/results/<name>.{json,md}.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import importlib
+import re
 import sys
 from pathlib import Path
 
@@ -114,12 +116,36 @@ def measure(target, prompt: torch.Tensor, variant: str, replays: int, capacity: 
         target.generate(prompt, max_new_tokens=8, **kwargs)  # leaves the cache near the prompt
         rounds = target.__dict__.get("_hybridspec_resident")
         part = next(iter(parts_of(rounds, "ar", "exact", []).values()))
-        traced = summarize(traced_kernels(part.replay, 5), 5)
+        kernels = traced_kernels(part.replay, 5)
+        traced = summarize(kernels, 5)
         wall = [wall_ms(part.replay, replays) for _ in range(3)]
         settings_used = switch_settings()
     hybridspec_hf.release_graphs(target)
     return {"variant": variant, "kernel": kernel, "method": method, "wall_ms": sorted(wall)[1], "wall_ms_all": wall,
-            "kernels": traced["kernels"], "all_kernels": traced["all_kernels"], "switches": settings_used}
+            "kernels": traced["kernels"], "all_kernels": traced["all_kernels"], "switches": settings_used,
+            "timeline": timeline(kernels, 5)}
+
+
+def timeline(kernels: list[dict], n: int) -> dict:
+    """The middle one of n traced replays in launch order: [name, start µs from the replay's first kernel, µs], and
+    the spans outside our kernels (before the first, after the last: the step's bookkeeping and the LM head), the
+    other kernels between them by name. Empty on a CPU (nothing traced)."""
+    if not kernels:
+        return {"kernels": [], "head_us": 0.0, "tail_us": 0.0, "between": {}}
+    per = len(kernels) // n
+    replay = sorted(kernels, key=lambda k: k["ts"])[(n // 2) * per: (n // 2 + 1) * per]
+    start = replay[0]["ts"]
+    rows = [[k["name"][:80], round(k["ts"] - start, 2), round(k["us"], 2)] for k in replay]
+    ours = [i for i, k in enumerate(replay) if re.fullmatch(r"_\w+_kernel", k["name"])]
+    if not ours:
+        return {"kernels": rows, "head_us": 0.0, "tail_us": 0.0, "between": {}}
+    first, last = ours[0], ours[-1]
+    end = max(k["ts"] + k["us"] for k in replay)
+    between = collections.Counter(k["name"][:80] for k in replay[first:last] if not re.fullmatch(r"_\w+_kernel",
+                                                                                              k["name"]))
+    return {"kernels": rows, "head_us": replay[first]["ts"] - start, "head_kernels": first,
+            "tail_us": end - (replay[last]["ts"] + replay[last]["us"]), "tail_kernels": len(replay) - 1 - last,
+            "between": dict(between)}
 
 
 def report(rows: list[dict], base_ms: float) -> str:
@@ -139,6 +165,16 @@ def report(rows: list[dict], base_ms: float) -> str:
         lines.append(f"| {row['variant']} | {row['kernels']:.0f} | {row['wall_ms']:.3f} | {delta:+.1f} | {extra} | "
                      f"{per} | {traced} |")
     return "\n".join(lines)
+
+
+def timeline_line(t: dict) -> str:
+    """The plain step's spans outside our kernels, in words."""
+    if not t["kernels"]:
+        return "No kernels traced (CPU): no timeline."
+    between = ", ".join(f"{name} ×{count}" for name, count in sorted(t["between"].items(), key=lambda kv: -kv[1]))
+    return (f"The plain step's timeline (its middle traced replay, in the JSON): {t['head_us']:.1f} µs and "
+            f"{t['head_kernels']} kernels before our first kernel, {t['tail_us']:.1f} µs and {t['tail_kernels']} "
+            f"kernels after our last (the LM head among them); other kernels between ours: {between or 'none'}.")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -182,6 +218,8 @@ def main(argv: list[str] | None = None) -> dict:
     payload = {"title": f"In-situ cost of each kernel in the resident AR step ({args.model})",
                "environment": environment(), "notes": notes, "rows": rows, "base_ms": base_ms,
                "switches": switch_settings()}
+    line = timeline_line(rows[0]["timeline"])
+    table += "\n\n" + line
     print(table, flush=True)
     write_results(args.name, payload, table)
     return payload

@@ -157,6 +157,25 @@ def test_linear_takes_the_kernel_only_where_the_table_names_the_shape(monkeypatc
     assert [m_bucket(m) for m in range(1, 17)] == [1, 4, 4, 4, 8, 8, 8, 8] + [16] * 8
 
 
+def test_pdl_shapes_are_taken_only_with_the_switch_on(monkeypatch):
+    """PDL_TABLE's shapes run F.linear unless PDL_SHAPES is on; TABLE's entry wins where both name a shape."""
+    assert all(key[2] in (1, 4, 8, 16) and key not in gemv_triton.TABLE for key in gemv_triton.PDL_TABLE)
+    calls = []
+    monkeypatch.setattr(gemv_triton, "gemv", lambda *args: calls.append(args[3]) or F.linear(*args[:3]))
+    monkeypatch.setattr(gemv_triton, "PDL_TABLE", {(48, 64, 1): GemvConfig(16, 32), (48, 64, 4): GemvConfig(16, 64)})
+    monkeypatch.setattr(gemv_triton, "PDL_SHAPES", False)
+    x, weight, _ = inputs(3, 48, 64, torch.float32, seed=2)
+    with torch.no_grad():
+        linear(x[:1], weight)
+        assert not calls
+        monkeypatch.setattr(gemv_triton, "PDL_SHAPES", True)
+        linear(x[:1], weight)
+        assert calls == [GemvConfig(16, 32)]
+        monkeypatch.setitem(gemv_triton.TABLE, (48, 64, 4), GemvConfig(32, 32))
+        assert torch.allclose(linear(x, weight), F.linear(x, weight))
+    assert calls == [GemvConfig(16, 32), GemvConfig(32, 32)]
+
+
 def test_routed_linears_are_installed_inert_outside_the_flag_and_released(monkeypatch):
     model = make_target("qwen3_5_moe", seed=2, dtype=torch.float32)
     linears = patches.decoder_linears(model)

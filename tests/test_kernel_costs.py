@@ -55,3 +55,15 @@ def test_runs_through_on_a_tiny_model(kernel_costs, tmp_path, cpu_only):
     assert "µs per launch in situ" in stem.with_suffix(".md").read_text()
     with pytest.raises(SystemExit, match="first variant must be 'plain'"):
         kernel_costs.main(["--model", "tiny", "--variants", "gemv", "--name", str(stem)])
+
+
+def test_the_timeline_splits_the_middle_replay_around_our_kernels(kernel_costs):
+    replay = [("elementwise", 0, 2), ("_rms_norm_kernel", 3, 1), ("Memcpy DtoD", 5, 1), ("_gemv_kernel", 7, 4),
+              ("nvjet_gemm", 12, 5), ("argmax", 18, 2)]
+    kernels = [{"name": name, "ts": 100.0 * r + ts, "us": us} for r in range(3) for name, ts, us in replay]
+    t = kernel_costs.timeline(kernels, 3)
+    assert [row[0] for row in t["kernels"]] == [name for name, _, _ in replay]
+    assert t["kernels"][1][1] == 3.0  # from the middle replay's first kernel
+    assert (t["head_us"], t["head_kernels"], t["tail_us"], t["tail_kernels"]) == (3.0, 1, 9.0, 2)
+    assert t["between"] == {"Memcpy DtoD": 1}
+    assert "3.0 µs and 1 kernels before" in kernel_costs.timeline_line(t)

@@ -115,6 +115,19 @@ TABLE: dict[tuple[int, int, int], GemvConfig] = {
     (64, 2048, 16): GemvConfig(16, 256, 8, 4, 3, True),  # 3.8 µs (F.linear 5.3)
 }
 
+# Shapes where our kernel only ties cuBLAS on its own (within 3 %, benchmarks/results/gemv_run25.md) but takes part in
+# PDL (kernels/pdl.py), which a cuBLAS launch does not: the kernel after a cuBLAS GEMM can neither start early nor
+# prefetch its weights, and the GEMM cannot start before the kernel ahead of it ends. PDL_SHAPES on: `linear` takes
+# them too (the attention's one q|k|v copy at the 35B-A3B shape, 10 per AR step). An A/B switch (`ar+pdl-shapes`)
+# until measured in the step on the H200.
+PDL_SHAPES = False
+PDL_TABLE: dict[tuple[int, int, int], GemvConfig] = {
+    (9216, 2048, 1): GemvConfig(64, 128, 1, 4, 4, True),  # 11.64 µs (F.linear 11.75)
+    (9216, 2048, 4): GemvConfig(64, 128, 1, 4, 4, True),  # 11.82 µs (F.linear 11.75)
+    (9216, 2048, 8): GemvConfig(64, 128, 1, 4, 4, True),  # 11.94 µs (F.linear 11.83)
+    (9216, 2048, 16): GemvConfig(64, 128, 1, 4, 4, True),  # 12.17 µs (F.linear 11.94)
+}
+
 _FORCE: GemvConfig | None = None  # tests only: this config (fitted to each shape) for every shape, whatever TABLE says
 
 
@@ -287,10 +300,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, confi
 
 
 def choose_config(rows: int, n: int, k: int) -> GemvConfig | None:
-    """TABLE's config for (N, K, M bucket), or None: F.linear."""
+    """TABLE's config for (N, K, M bucket) (or PDL_TABLE's, with PDL_SHAPES on), or None: F.linear."""
     if _FORCE is not None:
         return _FORCE
-    return TABLE.get((n, k, m_bucket(rows)))
+    key = (n, k, m_bucket(rows))
+    return TABLE.get(key, PDL_TABLE.get(key) if PDL_SHAPES else None)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
