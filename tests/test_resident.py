@@ -8,6 +8,7 @@ from transformers import StaticCache
 
 import hybridspec_hf
 from hybridspec_hf import HybridSpecConfig
+from hybridspec_hf.graphs.static_target import _attention_layers
 
 ON = HybridSpecConfig(cuda_graphs="on")
 
@@ -86,6 +87,12 @@ def test_returned_cache_equals_ar_and_rounds_are_reused(cache_implementation, fp
     for mine, theirs in zip(cache_tensors(output_cache(ours)), cache_tensors(output_cache(ar)), strict=True):
         torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-12)
     rounds = target.__dict__["_hybridspec_resident"]
+    # one row: the attention layers' cumulative_length are views into one buffer, set to the length at each commit
+    static = rounds.target
+    attention = _attention_layers(static.cache)
+    assert attention and all(layer.cumulative_length.data_ptr() == static.attention_lengths[i].data_ptr()
+                             for i, layer in enumerate(attention))
+    assert torch.equal(static.attention_lengths, static.length.expand(len(attention)))
     # a second call with the same settings reuses the rounds; continuing from the returned cache stays exact
     ar2 = target.generate(ar.sequences, past_key_values=output_cache(ar), do_sample=False, max_new_tokens=9)
     ours2 = run(target, ours.sequences, drafter, "hybridspec", 9, past_key_values=output_cache(ours),

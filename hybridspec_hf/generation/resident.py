@@ -299,6 +299,10 @@ class ResidentRounds:
         self.profile = _profile_on(strategy.profile, self.device, self.block_size)  # timing mode (or None)
         self.profile_row = torch.zeros(rows, **long)  # each row replays its own run of the profile's rows
         self.one = torch.ones(1, **long)
+        # constants the graphs read (never written): a step's hand-off fields and token columns without a launch each
+        self.zero = torch.zeros(1, **long)
+        self.zero_rows = torch.zeros(rows, **long)
+        self.columns = torch.arange(self.verify_tokens, **long).view(1, -1)
         pinned = self.device.type == "cuda"
         # hand-off: [target tokens (N·T), a (N), m (N, device_commit), live after the round (N), w, kept, n_new,
         # draft_next]: `unpack` reads it
@@ -498,13 +502,11 @@ class ResidentRounds:
         self.target.commit(session, self.count)
         self.last_token.copy_(torch.where(self.count.view(-1, 1) > 0, token.view(-1, 1), self.last_token))
         # the plain steps before the next draft (decide), else nothing: the host knows
-        draft_next = self.strategy.plain_run(context_len).reshape(-1)[:1].to(self.device) if decide else \
-            torch.zeros(1, dtype=torch.long, device=self.device)
-        tokens = torch.cat([token.view(-1, 1), token.new_zeros(self.rows, self.verify_tokens - 1)], dim=1)
-        committed = torch.arange(self.verify_tokens, device=self.device).view(1, -1) < self.count.view(-1, 1)
+        draft_next = self.strategy.plain_run(context_len).reshape(-1)[:1].to(self.device) if decide else self.zero
+        tokens = torch.nn.functional.pad(token.view(-1, 1), (0, self.verify_tokens - 1))  # the block's layout
+        committed = self.columns < self.count.view(-1, 1)
         live = self._end_rows(committed, tokens)
-        nothing = torch.zeros_like(self.one)
-        self._write_handoff(tokens, torch.zeros_like(self.count), live, self.one, nothing, nothing, draft_next)
+        self._write_handoff(tokens, self.zero_rows, live, self.one, self.zero, self.zero, draft_next)
 
     def _defer(self, features: torch.Tensor) -> None:
         """Park a plain step's features [N, 1, F] in column `deferred_count` of each row and count them by m: a
@@ -589,8 +591,8 @@ class ResidentRounds:
         if self.strategy.mode != "fixed":
             self.strategy.observe_acceptance(choice, accepted)
         draft_next = self._flag(self.strategy.should_draft(self.round_context_len))
-        keep = choice.keep.long() if choice is not None else torch.zeros_like(self.one)
-        n_new = choice.n_new if choice is not None else torch.zeros_like(self.one)
+        keep = choice.keep.long() if choice is not None else self.zero
+        n_new = choice.n_new if choice is not None else self.zero
         self.pending, self.features, self.target_tokens = session, features, target_tokens
         live = self.live
         if self.device_commit:  # m = a + 1, cut after the first EOS among the emitted tokens and at the row's room

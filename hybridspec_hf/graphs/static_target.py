@@ -5,8 +5,8 @@ One `StaticTarget` per (model, capacity, block size) lives across generate() cal
 
 - `length` [N] long: tokens in the cache (committed) of each of the N batch rows (N = 1 but for batched resident
   rounds); a verification writes row b's T keys at slots length[b] .. length[b]+T-1. With one row every attention
-  layer's `cumulative_length` is set to it after each commit (transformers' update writes there); with several,
-  the layers' `update` writes each row at its own length (`_write_rows`);
+  layer's `cumulative_length` (views into one buffer) is set to it after each commit (transformers' update writes
+  there); with several, the layers' `update` writes each row at its own length (`_write_rows`);
 - `next_position` [R, N, 1] long: the position id of each row's next token (R = rows of mRoPE position ids, or 1);
 - masks built on the device from `length` (a mask dict, so transformers' mask code, which syncs on 5.17, never
   runs), per row. On CUDA the attention layers of the resident forwards ignore them and read `length` itself
@@ -119,9 +119,16 @@ class StaticTarget:
         with torch.no_grad():
             self.model(input_ids=ids, position_ids=self._position_ids(positions), use_cache=True,
                        logits_to_keep=1, attention_mask=self.mask(2), **{self.cache_kwarg: self.cache})
+        attention = _attention_layers(self.cache)
         if self.rows > 1:
-            for layer in _attention_layers(self.cache):
+            for layer in attention:
                 layer.update = functools.partial(_write_rows, layer, self.length)
+        # one row: every attention layer's `cumulative_length` a view into one buffer, so that `advance` sets all of
+        # them in one launch (they stay 0-d long tensors that transformers' update advances in place)
+        self.attention_lengths = torch.zeros(len(attention), dtype=torch.long, device=self.device)
+        if self.rows == 1:
+            for index, layer in enumerate(attention):
+                layer.cumulative_length = self.attention_lengths[index]
         self.reset()
 
     def reset(self) -> None:
@@ -139,7 +146,7 @@ class StaticTarget:
     def mask(self, num_tokens: int) -> dict:
         """The mask dict for T new tokens at cache positions length .. length+T-1 of each row (causal over the static
         cache): [N, 1, T, capacity]."""
-        query = self.length.view(-1, 1) + torch.arange(num_tokens, device=self.device)  # [N, T]
+        query = self.length.view(-1, 1) + self.key_positions[:num_tokens]  # [N, T]
         visible = self.key_positions.view(1, 1, -1) <= query[..., None]  # [N, T, capacity]
         if self.attn_impl == "eager":
             visible = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill(
@@ -154,7 +161,7 @@ class StaticTarget:
         With a session: GDN layers verify without writing their state; attention writes T keys past `length`.
         """
         num_tokens = tokens.shape[1]
-        positions = self.next_position + torch.arange(num_tokens, device=self.device).view(1, 1, -1)
+        positions = self.next_position + self.key_positions[:num_tokens].view(1, 1, -1)
         if verify is not None:
             for layer in self.gdn_layers:
                 layer._hybridspec_verify = verify
@@ -179,9 +186,8 @@ class StaticTarget:
         (with several rows their `cumulative_length` is unused: `_write_rows` reads `length`)."""
         self.length.add_(count)
         self.next_position.add_(count.view(1, -1, 1))
-        if self.rows == 1:
-            for layer in _attention_layers(self.cache):
-                layer.cumulative_length.copy_(self.length.view(()))
+        if self.rows == 1:  # the attention layers' cumulative_length (views into attention_lengths)
+            self.attention_lengths.copy_(self.length.expand_as(self.attention_lengths))
 
     def session(self, valid: torch.Tensor | None = None, decode_step: bool = False) -> patches.VerifySession:
         """A verification session over the static cache (valid: [N] long device tensor, or None: all tokens).
