@@ -38,6 +38,8 @@ SWITCHES = {
                     "our skinny GEMM loads a program's whole weight slice (≤ 32 KB) before the PDL wait"),
     "pdl-shapes": ("hybridspec_hf.kernels.gemv_triton", "PDL_SHAPES",
                    "our skinny GEMM (PDL) also where it only ties cuBLAS alone (the attention's q|k|v copy)"),
+    "gdn-loads-first": ("hybridspec_hf.kernels.gdn_step_triton", "LOADS_FIRST",
+                        "the GDN step loads the gates' inputs with the conv's, reads the window counter after the math"),
     "gdn-norm-fold": ("hybridspec_hf.kernels.gdn_step_triton", "FOLD_NORM",
                       "the GDN step's gated RMSNorm by the head's last program, no launch of its own"),
 }

@@ -18,9 +18,10 @@ pointers = dict(x="*bf16", conv_state="*bf16", conv_w="*bf16", conv_bias="*bf16"
                 counters="*i32")
 floats = {"scale", "threshold", "eps"}
 built = []
-for block_v, fold, early in [(16, True, True), (16, False, False), (128, False, True)]:
+for block_v, fold, early, loads_first in [(16, True, True, True), (16, True, True, False), (16, False, False, True),
+                                         (128, False, True, True)]:
     constexprs = dict(K=4, BK=128, BV=block_v, BW=4, BD=128, ARRIVALS=4 * 128 // block_v, TILES=128 // block_v,
-                      HAS_BIAS=False, NORM=block_v == 128, FOLD_NORM=fold, EARLY=early,
+                      HAS_BIAS=False, NORM=block_v == 128, FOLD_NORM=fold, EARLY=early, LOADS_FIRST=loads_first,
                       X_DTYPE=triton.language.bfloat16,
                       W_DTYPE=triton.language.bfloat16, BETA_DTYPE=triton.language.bfloat16, PDL=True)
     signature = {arg: pointers.get(arg, "fp32" if arg in floats else "i32") for arg in fn.arg_names
@@ -35,7 +36,8 @@ print(json.dumps(built))
 """
 
 
-def test_the_step_kernel_compiles_for_sm90_with_the_folded_norm_and_early_reads():
+def test_the_step_kernel_compiles_for_sm90_with_the_folded_norm_early_reads_and_loads_first():
     built = build(BUILD)
     # every variant waits (PDL) and the narrow tiles count arrivals (window roll, folded norm)
-    assert built == [[16, True, True, True, True], [16, False, False, True, True], [128, False, True, True, True]]
+    assert built == [[16, True, True, True, True], [16, True, True, True, True], [16, False, False, True, True],
+                     [128, False, True, True, True]]

@@ -98,15 +98,19 @@ SHAPES = {  # (batch, key heads, value heads, dk, dv): odd sizes mask every bloc
 }
 
 
+@pytest.mark.parametrize("loads_first", [True, False], ids=["loads-first", "gates-after-counter"])
 @pytest.mark.parametrize("fold", [True, False], ids=["fold", "norm-launch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape,block_v,bias", [("odd", None, True), ("odd", 4, False), ("pow2", None, False),
                                                 ("pow2", 8, True)])
-def test_step_equals_the_four_launches_and_the_reference(shape, block_v, bias, dtype, fold, monkeypatch):
+def test_step_equals_the_four_launches_and_the_reference(shape, block_v, bias, dtype, fold, loads_first,
+                                                         monkeypatch):
     """block_v None: one program per head, norm in the kernel; 4 / 8: dv split over programs (the q/k window rolled
     by the last of them), then the norm: by the head's last program to arrive (fold) or its own launch. Three steps
-    in a row carry the state and the conv window; with and without the conv bias."""
+    in a row carry the state and the conv window; with and without the conv bias; the gates' inputs loaded with
+    the conv's (the window counter read after the math) or after the counter."""
     monkeypatch.setattr(gdn_step_triton, "FOLD_NORM", fold)
+    monkeypatch.setattr(gdn_step_triton, "LOADS_FIRST", loads_first)
     batch, heads, v_heads, dk, dv = SHAPES[shape]
     dims = (batch, heads, v_heads, dk, dv)
     params = layer_params(1, heads, v_heads, dk, dv, dtype, bias)

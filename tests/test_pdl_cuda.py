@@ -85,7 +85,7 @@ def test_resident_calls_with_pdl_equal_those_without(strategy, rows, pdl_switch)
 
 
 @pytest.mark.parametrize("rows", [1, 3])
-@pytest.mark.parametrize("switch", ["early_reads", "fold_norm"])
+@pytest.mark.parametrize("switch", ["early_reads", "fold_norm", "loads_first"])
 def test_early_reads_and_the_folded_norm_keep_the_tokens(switch, rows, monkeypatch):
     """Reads before the PDL wait (pdl.EARLY_READS: the MoE decode down kernel's routing and first weight tile, the
     GDN step's state) and the GDN step's norm by the head's last program (gdn_step_triton.FOLD_NORM) give the same
@@ -95,7 +95,8 @@ def test_early_reads_and_the_folded_norm_keep_the_tokens(switch, rows, monkeypat
 
     from hybridspec_hf.kernels import gdn_step_triton
 
-    owner, attribute = (pdl, "EARLY_READS") if switch == "early_reads" else (gdn_step_triton, "FOLD_NORM")
+    owner, attribute = {"early_reads": (pdl, "EARLY_READS"), "fold_norm": (gdn_step_triton, "FOLD_NORM"),
+                        "loads_first": (gdn_step_triton, "LOADS_FIRST")}[switch]
     assert pdl.active(False)
     target = make_target("qwen3_5_moe", dtype=torch.bfloat16)
     if hasattr(target, "set_experts_implementation"):
@@ -118,13 +119,14 @@ def test_early_reads_and_the_folded_norm_keep_the_tokens(switch, rows, monkeypat
     assert torch.equal(outputs[True], outputs[False])
 
 
-def _step_chain(h, layers, early: bool, fold: bool, monkeypatch):
+def _step_chain(h, layers, early: bool, fold: bool, monkeypatch, loads_first: bool = True):
     """Per layer: the input projection (gemv, the kernel right before the step) → the GDN step (state and window in
     place) → out projection, as a resident plain step runs them."""
     from hybridspec_hf.kernels import gdn_step_triton
 
     monkeypatch.setattr(pdl, "EARLY_READS", early)
     monkeypatch.setattr(gdn_step_triton, "FOLD_NORM", fold)
+    monkeypatch.setattr(gdn_step_triton, "LOADS_FIRST", loads_first)
     out = h
     for p in layers:
         mixed = gemv_triton.gemv(out, p["w_in"], None, gemv_triton.GemvConfig(64, 128, 1, 4, 4, True))  # [1, 1, W]
@@ -139,7 +141,8 @@ def _step_chain(h, layers, early: bool, fold: bool, monkeypatch):
 def test_the_gdn_step_reads_early_and_folds_its_norm_without_changing_bits(monkeypatch):
     """At the 35B-A3B layer shape (16 key / 32 value heads of 128, BV = 16: 256 programs) in a captured chain with
     PDL: the state read before the wait gives the same bits as after it, over 6 replays that each update the states
-    in place; the folded norm equals the norm's own launch to one bf16 rounding."""
+    in place, and so do the gates' inputs loaded before the window counter (LOADS_FIRST); the folded norm equals the
+    norm's own launch to one bf16 rounding."""
     torch.manual_seed(0)
     hidden, dk, heads, v_heads = 2048, 128, 16, 32
     channels = 2 * heads * dk + v_heads * dk
@@ -155,19 +158,22 @@ def test_the_gdn_step_reads_early_and_folds_its_norm_without_changing_bits(monke
                 for _ in range(4)]
     h = torch.randn(1, 1, hidden, device="cuda").bfloat16()
     runs = {}
-    for early, fold in ((False, False), (True, False), (True, True)):
+    for early, fold, first in ((False, False, True), (True, False, True), (True, True, True), (True, True, False)):
         layers = make_layers()
-        _step_chain(h, make_layers(), early, fold, monkeypatch)  # compiles outside the capture (other caches)
+        _step_chain(h, make_layers(), early, fold, monkeypatch, first)  # compiles outside the capture (other caches)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = _step_chain(h, layers, early, fold, monkeypatch)
+            out = _step_chain(h, layers, early, fold, monkeypatch, first)
         outs = []
         for _ in range(6):
             graph.replay()
             outs.append(out.clone())
-        runs[early, fold] = (torch.stack(outs), torch.stack([p["state"] for p in layers]))
-    assert torch.equal(runs[True, False][0], runs[False, False][0])
-    assert torch.equal(runs[True, False][1], runs[False, False][1])
-    folded, separate = runs[True, True][0].float(), runs[True, False][0].float()
-    assert runs[True, False][0].abs().sum() > 0
+        runs[early, fold, first] = (torch.stack(outs), torch.stack([p["state"] for p in layers]))
+    assert torch.equal(runs[True, False, True][0], runs[False, False, True][0])
+    assert torch.equal(runs[True, False, True][1], runs[False, False, True][1])
+    # the gates' inputs loaded first (the window counter read after the math): the same bits as after the counter
+    assert torch.equal(runs[True, True, True][0], runs[True, True, False][0])
+    assert torch.equal(runs[True, True, True][1], runs[True, True, False][1])
+    folded, separate = runs[True, True, True][0].float(), runs[True, False, True][0].float()
+    assert runs[True, False, True][0].abs().sum() > 0
     torch.testing.assert_close(folded, separate, rtol=2 ** -7, atol=2 ** -7 * separate.abs().max().item())

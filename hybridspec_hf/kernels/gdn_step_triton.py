@@ -47,6 +47,10 @@ FUSED_STEP = True  # the switch: False keeps the four launches (conv_silu, gdn_g
 # With narrow tiles (BV < dv) the last of a head's programs to arrive applies the gated RMSNorm to the whole head in
 # the same launch; False: the norm's own launch after the step (A/B)
 FOLD_NORM = True
+# True: every input of a program (the conv's, the gates') is loaded in one round trip after the PDL wait, the q/k
+# window's counter is bumped before the step's math and read after it (its round trip overlaps the math); False:
+# the gates' inputs after the counter's round trip, which the window roll waited for (A/B, `ar-gdn-loads-first`)
+LOADS_FIRST = True
 
 
 def gdn_step_reference(x: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tensor,
@@ -112,6 +116,12 @@ def _store_window(p_state, window, channels, mask, stride_sc, stride_sk, K: tl.c
              mask=(rj < K)[:, None] & mask[None, :])
 
 
+def _gate_inputs(a, b, dt_bias, i_b, i_h, stride_ab, stride_bb):
+    """(a + dt_bias, b) of one (request, value head), fp32."""
+    b_a = tl.load(a + i_b * stride_ab + i_h).to(tl.float32) + tl.load(dt_bias + i_h).to(tl.float32)
+    return b_a, tl.load(b + i_b * stride_bb + i_h).to(tl.float32)
+
+
 def _gdn_step_kernel(
     x, conv_state, conv_w, conv_bias, a, b, A_log, dt_bias, state, z, norm_w, out, counters,
     stride_xb, stride_cb, stride_cc, stride_ck, stride_wc, stride_wk, stride_ab, stride_bb,
@@ -119,8 +129,8 @@ def _gdn_step_kernel(
     HV, GROUP, DK, DV, scale, threshold, eps, HEAD_COUNTERS,
     K: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr,
     ARRIVALS: tl.constexpr, TILES: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
-    FOLD_NORM: tl.constexpr, EARLY: tl.constexpr, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr,
-    BETA_DTYPE: tl.constexpr,
+    FOLD_NORM: tl.constexpr, EARLY: tl.constexpr, LOADS_FIRST: tl.constexpr, X_DTYPE: tl.constexpr,
+    W_DTYPE: tl.constexpr, BETA_DTYPE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     if not EARLY:
@@ -136,6 +146,7 @@ def _gdn_step_kernel(
     mv = rv < DV
     mask_kv = mk[:, None] & mv[None, :]
     p_s = state + i_b * stride_sb + i_h * stride_sh + rk[:, None] * stride_sk + rv[None, :]
+    b_alog = tl.load(A_log + i_h).to(tl.float32)  # a weight: before the PDL wait when EARLY
     # [BK, BV] fp32, issued first: the largest read. EARLY (pdl.EARLY_READS): before the PDL wait, past L1 (the state
     # was written by this layer's previous step, long before the input projection this kernel waits for)
     if EARLY:
@@ -159,24 +170,27 @@ def _gdn_step_kernel(
     w_q = _rolled_window(p_c, p_x, cq, mk, stride_cc, stride_ck, K, BW)
     w_k = _rolled_window(p_c, p_x, ck, mk, stride_cc, stride_ck, K, BW)
     w_v = _rolled_window(p_c, p_x, cv, mv, stride_cc, stride_ck, K, BW)
+    if LOADS_FIRST:  # the gates' inputs in the same round trip as the conv's
+        b_a, b_b = _gate_inputs(a, b, dt_bias, i_b, i_h, stride_ab, stride_bb)
     tl.debug_barrier()  # every thread of this program has read its columns before any is overwritten
     _store_window(p_c, w_v, cv, mv, stride_cc, stride_ck, K, BW)  # this program's own value channels
     if ARRIVALS > 1:  # q/k channels shared: the last program of their key head writes them (the barrier above
         # orders this program's reads before the signal, the acq_rel atomic releases them)
         p_count = counters + i_b * (HV // GROUP) + i_hk
         arrived = tl.atomic_add(p_count, 1, sem="acq_rel")
-        if arrived == ARRIVALS - 1:
-            _store_window(p_c, w_q, cq, mk, stride_cc, stride_ck, K, BW)
-            _store_window(p_c, w_k, ck, mk, stride_cc, stride_ck, K, BW)
-            tl.store(p_count, 0)  # zero again for the next launch
+        if not LOADS_FIRST:
+            if arrived == ARRIVALS - 1:
+                _store_window(p_c, w_q, cq, mk, stride_cc, stride_ck, K, BW)
+                _store_window(p_c, w_k, ck, mk, stride_cc, stride_ck, K, BW)
+                tl.store(p_count, 0)  # zero again for the next launch
     else:
         _store_window(p_c, w_q, cq, mk, stride_cc, stride_ck, K, BW)
         _store_window(p_c, w_k, ck, mk, stride_cc, stride_ck, K, BW)
+    if not LOADS_FIRST:
+        b_a, b_b = _gate_inputs(a, b, dt_bias, i_b, i_h, stride_ab, stride_bb)
 
     # gates of this (request, value head)
-    b_a = tl.load(a + i_b * stride_ab + i_h).to(tl.float32) + tl.load(dt_bias + i_h).to(tl.float32)
-    b_g = -tl.exp(tl.load(A_log + i_h).to(tl.float32)) * _softplus(b_a, threshold)
-    b_b = tl.load(b + i_b * stride_bb + i_h).to(tl.float32)
+    b_g = -tl.exp(b_alog) * _softplus(b_a, threshold)
     b_beta = (1.0 / (1.0 + tl.exp(-b_b))).to(BETA_DTYPE).to(tl.float32)
 
     # the recurrent step on the [dk, BV] tile (default_verifier's, T = 1)
@@ -189,6 +203,11 @@ def _gdn_step_kernel(
     b_s = b_s + b_k[:, None] * b_z[None, :]
     tl.store(p_s, b_s, mask=mask_kv)
     b_o = (b_sq + tl.sum(b_q * b_k, 0) * b_z).to(X_DTYPE)  # the recurrence's output in v's dtype
+    if LOADS_FIRST and ARRIVALS > 1:  # the window's counter, read only now: its round trip overlapped the math
+        if arrived == ARRIVALS - 1:
+            _store_window(p_c, w_q, cq, mk, stride_cc, stride_ck, K, BW)
+            _store_window(p_c, w_k, ck, mk, stride_cc, stride_ck, K, BW)
+            tl.store(p_count, 0)  # zero again for the next launch
 
     p_head = out + (i_b * HV + i_h) * DV
     p_z = z + i_b * stride_zb + i_h * stride_zh
@@ -212,6 +231,7 @@ if HAS_TRITON:
     _conv_silu_one = triton.jit(_conv_silu_one)
     _rolled_window = triton.jit(_rolled_window)
     _store_window = triton.jit(_store_window)
+    _gate_inputs = triton.jit(_gate_inputs)
     _gdn_step_kernel = _LazyJit(_gdn_step_kernel, pdl=True)
 
 
@@ -301,7 +321,7 @@ def gdn_step(
         num_v_heads, group, dk, dv, dk**-0.5, SOFTPLUS_THRESHOLD, norm_eps, key_counters,
         K=k_taps, BK=triton.next_power_of_2(dk), BV=block_v, BW=triton.next_power_of_2(k_taps),
         BD=triton.next_power_of_2(dv), ARRIVALS=group * tiles, TILES=tiles, HAS_BIAS=conv_bias is not None,
-        NORM=norm, FOLD_NORM=fold, EARLY=pdl.EARLY_READS, X_DTYPE=tl_dtype(x.dtype),
+        NORM=norm, FOLD_NORM=fold, EARLY=pdl.EARLY_READS, LOADS_FIRST=LOADS_FIRST, X_DTYPE=tl_dtype(x.dtype),
         W_DTYPE=tl_dtype(conv_weight.dtype), BETA_DTYPE=tl_dtype(b.dtype), num_warps=warps,
     )
     return out if norm or fold else gated_rms_norm(out, z, norm_weight, norm_eps)
