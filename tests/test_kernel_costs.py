@@ -47,11 +47,11 @@ def test_variant_names(kernel_costs):
 def test_runs_through_on_a_tiny_model(kernel_costs, tmp_path, cpu_only):
     stem = tmp_path / "costs"
     kernel_costs.main(["--model", "tiny", "--context", "8", "--replays", "2",
-                       "--variants", "plain,gemv,+whole-slice,plain", "--name", str(stem)])
+                       "--variants", "plain,gemv,-whole-slice,plain", "--name", str(stem)])
     report = json.loads(stem.with_suffix(".json").read_text())
-    assert [row["variant"] for row in report["rows"]] == ["plain", "gemv", "+whole-slice", "plain"]
+    assert [row["variant"] for row in report["rows"]] == ["plain", "gemv", "-whole-slice", "plain"]
     assert all(row["wall_ms"] > 0 for row in report["rows"])
-    assert report["rows"][2]["switches"]["WHOLE_SLICE"] is True and report["switches"]["WHOLE_SLICE"] is False
+    assert report["rows"][2]["switches"]["WHOLE_SLICE"] is False and report["switches"]["WHOLE_SLICE"] is True
     assert "µs per launch in situ" in stem.with_suffix(".md").read_text()
     with pytest.raises(SystemExit, match="first variant must be 'plain'"):
         kernel_costs.main(["--model", "tiny", "--variants", "gemv", "--name", str(stem)])
@@ -67,3 +67,14 @@ def test_the_timeline_splits_the_middle_replay_around_our_kernels(kernel_costs):
     assert (t["head_us"], t["head_kernels"], t["tail_us"], t["tail_kernels"]) == (3.0, 1, 9.0, 2)
     assert t["between"] == {"Memcpy DtoD": 1}
     assert "3.0 µs and 1 kernels before" in kernel_costs.timeline_line(t)
+
+
+def test_the_frontier_charges_each_microsecond_once(kernel_costs):
+    t = {"kernels": [["a", 0.0, 2.0], ["b", 1.0, 4.0], ["c", 2.0, 1.0], ["b", 6.0, 1.0]]}
+    f = kernel_costs.frontier(t)
+    # a: 0-2 (2); b: ends 5 (3 past a); c ends 3, inside b (0); b again: 6-7 (2: the gap and its µs)
+    assert f["by_kernel"] == {"b": {"kernels": 2, "us": 5.0}, "a": {"kernels": 1, "us": 2.0},
+                              "c": {"kernels": 1, "us": 0.0}}
+    assert f["total"] == 7.0
+    rows = [{"variant": "plain", "frontier": f}, {"variant": "x", "frontier": kernel_costs.frontier(t)}]
+    assert "| plain | 7.0 | 5 | 2 | 0 | 0 |" in kernel_costs.frontier_table(rows)

@@ -42,9 +42,11 @@ MAX_ROWS = 16  # rows of x (tokens) the kernel takes: one 16-row tile
 # A program loads its whole slice of W ([BLOCK_N, K / SPLIT_K], one tile: STEPS = 1) before the PDL wait when the
 # slice is at most WHOLE_SLICE_BYTES and a power of two wide, instead of its first BLOCK_K tile: its weight then
 # streams while the kernel before it ends (GDN out_proj / attention o_proj after the GDN step or attention: 32 KB per
-# program at (32, 128, split 8)). An A/B switch (method variants such as `ar+whole-slice` in the benchmarks) until
-# measured on the H200.
-WHOLE_SLICE = False
+# program at (32, 128, split 8); M = 1 only at the current TABLE). On since run 69 (H200,
+# benchmarks/results/kernel_costs_run69.md, the AR step's traced span): the GEMVs' share of the step 855 -> 756 µs,
+# the GDN step's 215 -> 272 (the out_proj's reads now share the bandwidth with it), the step -17 µs; with
+# PDL_SHAPES -38 / -43 µs (two captures). False: the first BLOCK_K tile only (A/B, `ar-whole-slice`).
+WHOLE_SLICE = True
 WHOLE_SLICE_BYTES = 32 * 1024
 COUNTERS = 4096  # row blocks of one split-K launch (N / BLOCK_N); beyond it a launch does not split K
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -118,14 +120,12 @@ TABLE: dict[tuple[int, int, int], GemvConfig] = {
 # Shapes where our kernel only ties cuBLAS on its own (within 3 %, benchmarks/results/gemv_run25.md) but takes part in
 # PDL (kernels/pdl.py), which a cuBLAS launch does not: the kernel after a cuBLAS GEMM can neither start early nor
 # prefetch its weights, and the GEMM cannot start before the kernel ahead of it ends. PDL_SHAPES on: `linear` takes
-# them too (the attention's one q|k|v copy at the 35B-A3B shape, 10 per AR step). An A/B switch (`ar+pdl-shapes`)
-# until measured in the step on the H200.
-PDL_SHAPES = False
+# them too. The attention's one q|k|v copy at the 35B-A3B shape, 10 per AR step: measured in the step at M = 1 only
+# (run 69, kernel_costs_run69.md: the step's traced span -10 µs alone, -38 / -43 µs with WHOLE_SLICE); the M > 1
+# buckets stay cuBLAS until measured in a verification. False: cuBLAS (A/B, `ar-pdl-shapes`).
+PDL_SHAPES = True
 PDL_TABLE: dict[tuple[int, int, int], GemvConfig] = {
-    (9216, 2048, 1): GemvConfig(64, 128, 1, 4, 4, True),  # 11.64 µs (F.linear 11.75)
-    (9216, 2048, 4): GemvConfig(64, 128, 1, 4, 4, True),  # 11.82 µs (F.linear 11.75)
-    (9216, 2048, 8): GemvConfig(64, 128, 1, 4, 4, True),  # 11.94 µs (F.linear 11.83)
-    (9216, 2048, 16): GemvConfig(64, 128, 1, 4, 4, True),  # 12.17 µs (F.linear 11.94)
+    (9216, 2048, 1): GemvConfig(64, 128, 1, 4, 4, True),  # 11.64 µs alone (F.linear 11.75)
 }
 
 _FORCE: GemvConfig | None = None  # tests only: this config (fitted to each shape) for every shape, whatever TABLE says
