@@ -40,6 +40,8 @@ SWITCHES = {
                    "our skinny GEMM (PDL) also where it only ties cuBLAS alone (the attention's q|k|v copy)"),
     "gdn-loads-first": ("hybridspec_hf.kernels.gdn_step_triton", "LOADS_FIRST",
                         "the GDN step loads the gates' inputs with the conv's, reads the window counter after the math"),
+    "moe-fused-route": ("hybridspec_hf.patches._moe", "FUSED_ROUTE",
+                        "the decoder's residual add, post-attention norm, MoE router GEMM and top-k in one launch"),
     "gdn-norm-fold": ("hybridspec_hf.kernels.gdn_step_triton", "FOLD_NORM",
                       "the GDN step's gated RMSNorm by the head's last program, no launch of its own"),
 }

@@ -35,7 +35,7 @@ import torch
 from hybridspec_hf.kernels import fused_kernels_active
 from hybridspec_hf.kernels.norm_triton import add_rms_norm
 
-from ._moe import moe_block_add
+from ._moe import moe_block_add, norm_route_block_add
 from ._weight_copies import hooked
 
 __all__ = ["LAYOUTS", "decoder_fusion_allowed", "patch_decoder_layer"]
@@ -141,7 +141,12 @@ def _fused_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, argument
                                            position_ids=arguments.get("position_ids"), **{attention_cache: cache},
                                            position_embeddings=arguments["position_embeddings"], **rest)
     norm = layer.post_attention_layernorm
+    moe = moe_block_cls is not None and isinstance(layer.mlp, moe_block_cls)
+    if moe:  # the add, the norm and the MoE router in one launch where it applies
+        out = norm_route_block_add(layer.mlp, hidden_states, residual, norm)
+        if out is not None:
+            return out
     residual, hidden_states = add_rms_norm(hidden_states, residual, norm.weight, norm.eps)
-    if moe_block_cls is not None and isinstance(layer.mlp, moe_block_cls):
+    if moe:
         return moe_block_add(layer.mlp, hidden_states, residual)
     return residual + layer.mlp(hidden_states)

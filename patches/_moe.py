@@ -53,7 +53,8 @@ from hybridspec_hf.kernels.gemv_triton import linear
 from . import experts as experts_glue
 from ._weight_copies import current_copy, hooked, refresh_copy
 
-__all__ = ["moe_block_add", "patch_moe_classes", "prepare_fused_moe", "release_fused_moe", "routing_pre_hook"]
+__all__ = ["moe_block_add", "norm_route_block_add", "patch_moe_classes", "prepare_fused_moe", "release_fused_moe",
+           "routing_pre_hook"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _CACHE = "_hybridspec_shared_weights"  # a WeightCopy of [gate_proj; up_proj; shared_expert_gate; zero rows] [R, H]
@@ -64,7 +65,12 @@ _ON_CPU = False  # tests only: take the fused route on CPU tensors too (with the
 # ≈ 170 µs (w = 16) more than run 21's separate launches did: to be A/B'ed in one breakdown before this default is
 # final (the end-to-end figures of run 27 were measured with it on)
 SHARED_EXPERT_SLOT = True
+# The decoder layer's residual add, post_attention_layernorm, the router GEMM and its top-k in one launch
+# (`norm_route_block_add`, router_triton.add_norm_route) up to `moe_triton.direct_limit()` tokens; False: add_rms_norm,
+# the GEMM and route_topk (three launches; A/B, `ar-moe-fused-route`)
+FUSED_ROUTE = True
 _ROUTING_PRE_HOOK = "_hybridspec_routing_pre_hook"
+_NORMALIZES: dict[type, Callable[[torch.nn.Module], bool]] = {}  # patched router class -> renormalises its top-k
 
 
 def _active(x: torch.Tensor) -> bool:
@@ -84,6 +90,7 @@ def patch_moe_classes(router_cls: type | None, block_cls: type | None, normalize
     probabilities) and sparse MoE block (shared expert and combine) (idempotent)."""
     if router_cls is not None and "_hybridspec_original_forward" not in router_cls.__dict__:
         original_router = router_cls.forward
+        _NORMALIZES[router_cls] = normalizes
 
         def router_forward(self, hidden_states):
             if not _active(hidden_states) or self.num_experts > router_triton.MAX_EXPERTS:
@@ -109,15 +116,17 @@ def patch_moe_classes(router_cls: type | None, block_cls: type | None, normalize
 
 
 def _fused_block_forward(block: torch.nn.Module, hidden_states: torch.Tensor, weights: torch.Tensor,
-                         residual: torch.Tensor | None = None) -> torch.Tensor:
+                         residual: torch.Tensor | None = None, routing: tuple | None = None) -> torch.Tensor:
     """transformers' SparseMoeBlock.forward (+ `residual` when given) with the shared expert and the combine fused:
-    in one pass with the routed experts where `_one_pass_hooks` allows, else around the experts module's call."""
+    in one pass with the routed experts where `_one_pass_hooks` allows, else around the experts module's call.
+    `routing`: the router's output (logits, scores, ids) already computed (`norm_route_block_add`), else the
+    router is called."""
     batch_size, sequence_length, hidden_dim = hidden_states.shape
     hidden = hidden_states.view(-1, hidden_dim)
     mlp = block.shared_expert
     routing_hooks = _one_pass_hooks(block, hidden, weights)
     if routing_hooks is not None:
-        _, routing_weights, selected_experts = block.gate(hidden)
+        _, routing_weights, selected_experts = block.gate(hidden) if routing is None else routing
         args = (hidden, selected_experts, routing_weights)
         for hook in routing_hooks:  # as torch's Module.__call__ runs forward pre-hooks
             result = hook(block.experts, args)
@@ -130,7 +139,7 @@ def _fused_block_forward(block: torch.nn.Module, hidden_states: torch.Tensor, we
         return out.reshape(batch_size, sequence_length, hidden_dim)
     shared, gate_logit = shared_expert_triton.shared_expert(hidden, weights, mlp.down_proj.weight,
                                                             mlp.gate_proj.out_features)
-    _, routing_weights, selected_experts = block.gate(hidden)
+    _, routing_weights, selected_experts = block.gate(hidden) if routing is None else routing
     routed = block.experts(hidden, selected_experts, routing_weights)
     out = shared_expert_triton.gated_add(routed, gate_logit, shared).reshape(batch_size, sequence_length, hidden_dim)
     return out if residual is None else residual + out
@@ -232,3 +241,47 @@ def moe_block_add(block: torch.nn.Module, hidden_states: torch.Tensor, residual:
         if weights is not None:
             return _fused_block_forward(block, hidden_states, weights, residual)
     return residual + block(hidden_states)
+
+
+def norm_route_block_add(block: torch.nn.Module, hidden_states: torch.Tensor, residual: torch.Tensor,
+                         norm: torch.nn.Module) -> torch.Tensor | None:
+    """A decoder layer's `h = residual + hidden_states`, `h + block(norm(h))` ([B, T, H]) with the add, the norm, the
+    router GEMM and its top-k in one launch (router_triton.add_norm_route), then the experts as `moe_block_add`
+    runs them; None where that route does not apply (the caller runs add_rms_norm and `moe_block_add`): the switch
+    off, more than `moe_triton.direct_limit()` tokens, no fused block route, or a router whose call would run more
+    than its class forward and plain forward hooks. Its forward hooks (RoutingReplay, VerifyWindow's, users') run
+    as a module call would run them, on the normed rows and the (logits, scores, ids) the call would return."""
+    gate = getattr(block, "gate", None)
+    normalizes = _NORMALIZES.get(type(gate))
+    tokens = hidden_states.numel() // max(hidden_states.shape[-1], 1)
+    if (not FUSED_ROUTE or normalizes is None or not 0 < tokens <= moe_triton.direct_limit()
+            or "_hybridspec_original_forward" not in type(block).__dict__ or hooked([block])
+            or residual.shape != hidden_states.shape or residual.dtype != hidden_states.dtype
+            or residual.device != hidden_states.device or not _active(hidden_states)):
+        return None
+    hooks = _router_forward_hooks(gate)
+    weight = getattr(gate, "weight", None)
+    if (hooks is None or not isinstance(weight, torch.Tensor) or weight.dtype != hidden_states.dtype
+            or weight.device != hidden_states.device or gate.num_experts > router_triton.MAX_EXPERTS):
+        return None
+    weights = _current_weights(block, hidden_states)
+    if weights is None:
+        return None
+    h, normed, logits, scores, ids = router_triton.add_norm_route(hidden_states, residual, norm.weight, norm.eps,
+                                                                  weight, gate.top_k, normalizes(gate))
+    output = (logits, scores, ids)
+    args = (normed.reshape(-1, normed.shape[-1]),)  # what the block hands its router
+    for hook in hooks:  # as torch's Module.__call__ runs forward hooks
+        result = hook(gate, args, output)
+        if result is not None:
+            output = result
+    return _fused_block_forward(block, normed, weights, h, routing=output)
+
+
+def _router_forward_hooks(gate: torch.nn.Module) -> list[Callable] | None:
+    """The router's plain forward hooks (module, args, output), or None if its call would run anything else (pre-hooks,
+    hooks taking kwargs, global hooks, a replaced forward)."""
+    if (gate._forward_pre_hooks or gate._forward_pre_hooks_with_kwargs or gate._forward_hooks_with_kwargs
+            or "forward" in gate.__dict__ or nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks):
+        return None
+    return list(gate._forward_hooks.values())

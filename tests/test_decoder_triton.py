@@ -98,6 +98,32 @@ def test_fused_layers_equal_transformers(name, dtype, calls):
         assert all("forward" not in getattr(a, n).__dict__ for n in _attention.QKV_PROJECTIONS)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["qwen3_5_moe", "qwen3_next"])
+def test_moe_layers_add_norm_and_route_in_one_launch(name, dtype, calls, monkeypatch):
+    """With the fused MoE route on (the block's shared-expert copy made), every MoE layer runs its residual add,
+    post_attention_layernorm and router in one launch (`_moe.norm_route_block_add`) up to 16 tokens and
+    add_rms_norm + the router beyond; the logits and hidden states stay transformers'."""
+    from hybridspec_hf.kernels import router_triton
+    from hybridspec_hf.patches import _moe
+
+    monkeypatch.setattr(_moe, "_ON_CPU", True)
+    launched = []
+    fused = router_triton.add_norm_route
+    monkeypatch.setattr(router_triton, "add_norm_route", lambda *a: launched.append(1) or fused(*a))
+    model = prepared(name, dtype)
+    moe = patches.moe_blocks(model)
+    patches.prepare_fused_moe(moe)
+    gen = torch.Generator().manual_seed(8)
+    for tokens in (1, 5, 16, 17):
+        ids = torch.randint(0, VOCAB, (1, tokens), generator=gen)
+        for fused_out, plain in zip(forward(model, ids, True), forward(model, ids, False)):
+            assert_near(fused_out, plain)
+    layers = len(layers_of(model))
+    assert moe and len(launched) == 3 * len(moe)
+    assert calls["add_rms_norm"] == 3 * (layers - len(moe)) + layers  # the dense layers, and all at 17 tokens
+
+
 @pytest.mark.parametrize("name", ["qwen3_5_moe", "qwen3_next", "qwen3_5_dense"])
 def test_fused_layers_pass_the_cache_as_transformers_does(name, calls):
     """Prefill then two decoding steps on a cache: the GDN and attention layers get the cache under the name this

@@ -144,3 +144,61 @@ def test_the_decode_kernels_match_the_torch_steps_and_repeat_bit_for_bit(dtype):
         for _ in range(20):
             assert torch.equal(moe_triton.moe_block_triton(*args, mode="decode"), out)
     patches.release_fused_moe([block])
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
+def test_the_add_norm_and_router_in_one_launch_match_transformers_and_replay(family):
+    """`norm_route_block_add` (the decoder layer's residual add, post_attention_layernorm and router in one compiled
+    launch, then the one-pass block) at full width in fp32: h + block(norm(h)) eagerly and from a captured graph
+    (PDL on where the GPU has it); in bf16 the router's ids are route_topk's on the launch's own logits."""
+    from hybridspec_hf.kernels import router_triton
+    from hybridspec_hf.patches import _moe
+
+    block = full_width_block(family, torch.float32)
+    norm_cls = (modeling_qwen3_5_moe.Qwen3_5MoeRMSNorm if family == "qwen3_5_moe"
+                else modeling_qwen3_next.Qwen3NextRMSNorm)
+    norm = norm_cls(2048, eps=1e-6).cuda()
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(2048, device="cuda") * 0.3)
+    patches.prepare_fused_moe([block])
+
+    def expected(x, residual):
+        h = residual + x
+        return h + plain(block, plain(norm, h))
+
+    with fused_experts_for([block]):
+        for tokens in (1, 5, 16):
+            x, residual = torch.randn(2, 1, tokens, 2048, device="cuda")
+            with torch.no_grad(), patches.fused_kernels():
+                out = _moe.norm_route_block_add(block, x, residual, norm)
+            assert rel(out, expected(x, residual)) < 1e-5
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.no_grad(), patches.fused_kernels():
+            _moe.norm_route_block_add(block, x, residual, norm)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph), torch.no_grad(), patches.fused_kernels():
+            out = _moe.norm_route_block_add(block, x, residual, norm)
+        for _ in range(3):
+            x.copy_(torch.randn_like(x))
+            graph.replay()
+            assert rel(out, expected(x, residual)) < 1e-5
+    patches.release_fused_moe([block])
+    gate = block.gate.bfloat16()
+    x, residual = torch.randn(2, 16, 2048, device="cuda").bfloat16()
+    normalize = family == "qwen3_next"
+    h, normed, logits, scores, ids = router_triton.add_norm_route(x, residual, norm.weight.bfloat16(), 1e-6,
+                                                                  gate.weight, gate.top_k, normalize)
+    ref_h, ref_normed = patches_norms_reference(x, residual, norm.weight.bfloat16())
+    assert torch.equal(h, ref_h)
+    torch.testing.assert_close(normed, ref_normed, rtol=2**-7, atol=2**-7)
+    own_scores, own_ids = router_triton.route_topk(logits, gate.top_k, normalize)
+    assert torch.equal(scores, own_scores) and torch.equal(ids, own_ids)
+    assert_routing_matches(logits.cpu(), scores.cpu(), ids.cpu(), gate.top_k, normalize)
+
+
+def patches_norms_reference(x, residual, weight):
+    from hybridspec_hf.kernels.norm_triton import add_rms_norm_reference
+
+    return add_rms_norm_reference(x, residual, weight, 1e-6)

@@ -121,6 +121,50 @@ def test_route_topk_ties_take_the_lowest_expert_id(normalize):
     assert_routing_matches(logits, scores, ids, 3, normalize)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens, hidden, experts, top_k, normalize", [(1, 64, 256, 8, True), (3, 48, 60, 4, False),
+                                                                      (5, 96, 7, 2, True)])
+def test_add_norm_route_equals_the_add_the_norm_and_the_router(tokens, hidden, experts, top_k, normalize, dtype):
+    """One launch for the residual add, the RMSNorm, the router GEMM and its top-k: h and the normed rows as
+    `add_rms_norm` (fp32 sums in another order: one rounding), the logits as F.linear's, and the routing of those
+    logits exactly as `route_topk`'s (the same kernel code on the stored logits). Odd H and E mask every block; the
+    counters are zero again after the launch (and a second launch gives the same result)."""
+    from hybridspec_hf.kernels import gemv_triton, norm_triton
+
+    gen = torch.Generator().manual_seed(tokens * hidden + experts)
+    x = torch.randn(1, tokens, hidden, generator=gen).to(dtype)
+    residual = torch.randn(1, tokens, hidden, generator=gen).to(dtype)
+    norm_weight = (torch.randn(hidden, generator=gen) * 0.2).to(dtype)
+    router_weight = (torch.randn(experts, hidden, generator=gen) * hidden**-0.5).to(dtype)
+    h, normed, logits, scores, ids = router_triton.add_norm_route(x, residual, norm_weight, 1e-6, router_weight, top_k,
+                                                                  normalize)
+    ref_h, ref_normed = norm_triton.add_rms_norm(x, residual, norm_weight, 1e-6)
+    assert torch.equal(h, ref_h) and h.shape == x.shape
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2**-7, atol=2**-7)
+    torch.testing.assert_close(normed, ref_normed, **tol)
+    exact = F.linear(normed.reshape(tokens, hidden).double(), router_weight.double())
+    assert logits.shape == (tokens, experts) and logits.dtype == dtype
+    torch.testing.assert_close(logits.double(), exact, **tol)
+    own_scores, own_ids = route_topk(logits, top_k, normalize)
+    assert torch.equal(scores, own_scores) and torch.equal(ids, own_ids)
+    assert_routing_matches(logits, scores, ids, top_k, normalize)
+    # transformers' steps (the interpreter truncates fp32 -> bf16 casts where torch rounds: one rounding)
+    ref = router_triton.add_norm_route_reference(x, residual, norm_weight, 1e-6, router_weight, top_k, normalize)
+    torch.testing.assert_close(h, ref[0], **tol)
+    torch.testing.assert_close(normed, ref[1], rtol=2 * tol["rtol"], atol=2 * tol["atol"])
+    assert (gemv_triton.split_counters(x.device) == 0).all()
+    again = router_triton.add_norm_route(x, residual, norm_weight, 1e-6, router_weight, top_k, normalize)
+    assert all(torch.equal(a, b) for a, b in zip(again, (h, normed, logits, scores, ids)))
+
+
+def test_add_norm_route_refuses_what_it_cannot_take():
+    x = torch.randn(2, 16)
+    with pytest.raises(ValueError, match="router weight"):
+        router_triton.add_norm_route(x, x, torch.ones(16), 1e-6, torch.randn(8, 12), 2, True)
+    with pytest.raises(ValueError, match="top_k=9"):
+        router_triton.add_norm_route(x, x, torch.ones(16), 1e-6, torch.randn(8, 16), 9, True)
+
+
 def router_configs():
     return [
         (modeling_qwen3_5_moe.Qwen3_5MoeTopKRouter, Qwen3_5MoeTextConfig(hidden_size=48, num_experts=256,
@@ -357,6 +401,54 @@ def test_moe_block_add_folds_the_residual_into_the_one_pass_block(family, dtype,
     assert calls["moe_block_triton"] == 5  # the block's own (fused) forward inside
     with torch.no_grad():
         assert torch.equal(patches.moe_block_add(block, x, residual), residual + block(x))  # outside: plain
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
+def test_norm_route_block_add_equals_the_add_the_norm_and_the_block(family, dtype, calls, monkeypatch):
+    """The decoder layer's add, post_attention_layernorm and MoE block with the add, the norm and the router in one
+    launch: h + block(norm(h)) at 1-16 tokens; more tokens, a pre-hook on the router or the switch off give way
+    (None); the router's forward hooks fire on the normed rows and what they return is the routing used."""
+    launched = []
+    fused = router_triton.add_norm_route
+    monkeypatch.setattr(router_triton, "add_norm_route", lambda *a: launched.append(1) or fused(*a))
+    block = tiny_block(family, dtype)
+    norm_cls = (modeling_qwen3_5_moe.Qwen3_5MoeRMSNorm if family == "qwen3_5_moe"
+                else modeling_qwen3_next.Qwen3NextRMSNorm)
+    norm = norm_cls(40, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(40, generator=torch.Generator().manual_seed(3)) * 0.3)
+    gen = torch.Generator().manual_seed(12)
+
+    def both(tokens):
+        x = torch.randn(1, tokens, 40, generator=gen).to(dtype)
+        residual = torch.randn(1, tokens, 40, generator=gen).mul(4).to(dtype)
+        with torch.no_grad(), patches.fused_kernels():
+            out = _moe.norm_route_block_add(block, x, residual, norm)
+        h = residual + x
+        return out, h + plain_forward(block, plain_forward(norm, h))
+
+    for tokens in (1, 2, 7, 16):
+        out, expected = both(tokens)
+        assert_near(out, expected)
+    assert len(launched) == 4 and calls["route_topk"] == 0
+    assert both(17)[0] is None  # past the direct rows
+    seen = []
+
+    def first_expert(module, args, output):  # a forward hook that rewrites the routing
+        seen.append(args[0].shape)
+        return output[0], output[1], torch.zeros_like(output[2])
+
+    handle = block.gate.register_forward_hook(first_expert)
+    out, expected = both(3)  # the plain block's router call runs the same hook
+    handle.remove()
+    assert_near(out, expected)
+    assert seen == [torch.Size([3, 40])] * 2
+    handle = block.gate.register_forward_pre_hook(lambda m, a: None)
+    assert both(3)[0] is None
+    handle.remove()
+    monkeypatch.setattr(_moe, "FUSED_ROUTE", False)
+    assert both(3)[0] is None and len(launched) == 5
 
 
 def test_the_verify_window_masks_routes_in_the_one_pass_block(calls):

@@ -25,10 +25,16 @@ from __future__ import annotations
 
 import torch
 
+import torch.nn.functional as F
+
 from . import pdl
 from .gdn_triton import HAS_TRITON, _LazyJit, tl, tl_dtype, triton
+from .gemv_triton import COUNTERS, split_counters
+from .norm_triton import _rows, add_rms_norm_reference
 
 MAX_EXPERTS = 4096  # one row in registers
+ROUTE_BLOCK_N = 4  # router rows per program of `add_norm_route` (E = 256: 64 programs, 16 KB of weight each)
+MAX_ROUTE_HIDDEN = 8192  # ROUTE_BLOCK_N rows of H in registers
 
 
 def route_topk_reference(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,13 +46,10 @@ def route_topk_reference(logits: torch.Tensor, top_k: int, normalize: bool) -> t
     return scores.to(logits.dtype), ids
 
 
-def _route_topk_kernel(logits, scores, ids, stride_l, stride_s, stride_i, E, K: tl.constexpr, KP: tl.constexpr,
-                       BLOCK_E: tl.constexpr, NORMALIZE: tl.constexpr, OUT_DTYPE: tl.constexpr, PDL: tl.constexpr):
-    pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_E)
-    valid = cols < E
-    x = tl.load(logits + row * stride_l + cols, mask=valid, other=float("-inf")).to(tl.float32)
+def _topk_row(x, cols, valid, p_scores, p_ids, K: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr,
+              NORMALIZE: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """One token's routing from its fp32 logits x [BLOCK_E] (-inf where not valid): scores and ids stored at p_scores
+    / p_ids (k of each)."""
     row_max = tl.max(x, axis=0)
     total = tl.sum(tl.where(valid, tl.exp(x - row_max), 0.0), axis=0)  # softmax denominator
     slots = tl.arange(0, KP)
@@ -62,8 +65,71 @@ def _route_topk_kernel(logits, scores, ids, stride_l, stride_s, stride_i, E, K: 
     if NORMALIZE:
         top_p = top_p / tl.sum(top_p, axis=0)  # padding slots hold 0
     keep = slots < K
-    tl.store(scores + row * stride_s + slots, top_p.to(OUT_DTYPE), mask=keep)
-    tl.store(ids + row * stride_i + slots, top_i, mask=keep)
+    tl.store(p_scores + slots, top_p.to(OUT_DTYPE), mask=keep)
+    tl.store(p_ids + slots, top_i, mask=keep)
+
+
+def _route_topk_kernel(logits, scores, ids, stride_l, stride_s, stride_i, E, K: tl.constexpr, KP: tl.constexpr,
+                       BLOCK_E: tl.constexpr, NORMALIZE: tl.constexpr, OUT_DTYPE: tl.constexpr, PDL: tl.constexpr):
+    pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_E)
+    valid = cols < E
+    x = tl.load(logits + row * stride_l + cols, mask=valid, other=float("-inf")).to(tl.float32)
+    _topk_row(x, cols, valid, scores + row * stride_s, ids + row * stride_i, K, KP, BLOCK_E, NORMALIZE, OUT_DTYPE)
+
+
+def _add_norm_route_kernel(x, r, norm_w, router_w, h, y, logits, scores, ids, counters,
+                           stride_x, stride_r, stride_h, stride_y, stride_wr, stride_l, stride_s, stride_i,
+                           n, E, eps, OFFSET: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_E: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, NORMALIZE: tl.constexpr,
+                           OUT_DTYPE: tl.constexpr, PDL: tl.constexpr):
+    i_n = tl.program_id(0)  # BLOCK_N router rows
+    row = tl.program_id(1).to(tl.int64)  # a token
+    cols = tl.arange(0, BLOCK_H)
+    mask = cols < n
+    rn = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mn = rn < E
+    # weights before the PDL wait: this program's router rows [BLOCK_N, H] and the norm's weight
+    b_w = tl.load(router_w + rn[:, None] * stride_wr + cols[None, :], mask=mn[:, None] & mask[None, :], other=0.0)
+    weight = tl.load(norm_w + cols, mask=mask, other=0.0).to(tl.float32)
+    if OFFSET:
+        weight = weight + 1.0
+    pdl.enter(PDL)
+    # the residual add and the RMSNorm, as `_add_rms_norm_kernel` (every program computes them; program 0 stores)
+    a = tl.load(x + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(r + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+    total = (b + a).to(OUT_DTYPE)
+    v = total.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(v * v, axis=0) / n + eps)
+    normed = (v * rstd * weight).to(OUT_DTYPE)
+    if i_n == 0:
+        tl.store(h + row * stride_h + cols, total, mask=mask)
+        tl.store(y + row * stride_y + cols, normed, mask=mask)
+    # the router GEMM's rows (fp32 products and sum, rounded to the model dtype as F.linear's output)
+    dots = tl.sum(b_w.to(tl.float32) * normed.to(tl.float32)[None, :], axis=1)
+    tl.store(logits + row * stride_l + rn, dots.to(OUT_DTYPE), mask=mn)
+    # the last program of the token to arrive routes it (a barrier, then an acq_rel atomic: gemv_triton's split-K)
+    tl.debug_barrier()
+    p_count = counters + row
+    arrived = tl.atomic_add(p_count, 1, sem="acq_rel")
+    if arrived == tl.num_programs(0) - 1:
+        e = tl.arange(0, BLOCK_E)
+        valid = e < E
+        lg = tl.load(logits + row * stride_l + e, mask=valid, other=float("-inf"), cache_modifier=".cg")
+        _topk_row(lg.to(tl.float32), e, valid, scores + row * stride_s, ids + row * stride_i, K, KP, BLOCK_E,
+                  NORMALIZE, OUT_DTYPE)
+        tl.store(p_count, 0)  # zero again for the next launch
+
+
+def add_norm_route_reference(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                             router_weight: torch.Tensor, top_k: int, normalize: bool, offset: bool = True):
+    """The truth for `add_norm_route`: a decoder layer's residual add and post_attention_layernorm, then its MoE
+    router on the normed rows, in transformers' steps: (h, normed) [..., H], logits [T, E], (scores [T, k], ids [T, k])."""
+    h, normed = add_rms_norm_reference(x, residual, norm_weight, eps, offset)
+    logits = F.linear(normed.reshape(-1, normed.shape[-1]), router_weight)
+    scores, ids = route_topk_reference(logits, top_k, normalize)
+    return h, normed, logits, scores, ids
 
 
 def mask_invalid_routes_reference(ids: torch.Tensor, weights: torch.Tensor, valid: torch.Tensor):
@@ -91,7 +157,9 @@ def _mask_routes_kernel(ids, weights, out_ids, out_weights, valid, stride_i, str
 
 
 if HAS_TRITON:
+    _topk_row = triton.jit(_topk_row)
     _route_topk_kernel = _LazyJit(_route_topk_kernel, pdl=True)
+    _add_norm_route_kernel = _LazyJit(_add_norm_route_kernel, pdl=True)
     _mask_routes_kernel = _LazyJit(_mask_routes_kernel, pdl=True)
 
 
@@ -131,3 +199,43 @@ def route_topk(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch
                                       NORMALIZE=normalize, OUT_DTYPE=tl_dtype(logits.dtype),
                                       num_warps=1 if block <= 512 else 4)
     return scores, ids
+
+
+def add_norm_route(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                   router_weight: torch.Tensor, top_k: int, normalize: bool, offset: bool = True):
+    """Triton `add_norm_route_reference` in one launch, where transformers runs the residual add, the RMSNorm, the
+    router GEMM, softmax and top-k (our unfused route: add_rms_norm, the GEMM, route_topk). Grid (E / ROUTE_BLOCK_N,
+    T): each program loads its router rows before the PDL wait, then computes the add and the norm of its token
+    (every program; the first stores h and the normed row), its rows' logits (fp32 sums, rounded to the model dtype
+    as F.linear's output), and the token's last program to arrive (a counter of gemv_triton's split-K kind) routes
+    it from the stored logits as `route_topk`. x, residual [..., H] of one dtype; norm_weight [H]; router_weight
+    [E, H] (last dim contiguous); returns (h, normed) shaped as x, logits [T, E], scores [T, k], ids [T, k] long."""
+    hidden = x.shape[-1]
+    num_experts = router_weight.shape[0]
+    if (residual.shape != x.shape or residual.dtype != x.dtype or norm_weight.shape != (hidden,)
+            or router_weight.shape != (num_experts, hidden) or router_weight.dtype != x.dtype
+            or router_weight.stride(-1) != 1 or not 0 < top_k <= num_experts <= MAX_EXPERTS
+            or hidden > MAX_ROUTE_HIDDEN or x.numel() // max(hidden, 1) > COUNTERS):
+        raise ValueError(
+            f"add_norm_route takes x and residual [..., H] of one dtype (at most {COUNTERS} rows, H <= "
+            f"{MAX_ROUTE_HIDDEN}), a norm weight [H] and a router weight [E, H] in x's dtype, last dim contiguous, "
+            f"with 0 < top_k <= E <= {MAX_EXPERTS}; got x {tuple(x.shape)} {x.dtype}, residual "
+            f"{tuple(residual.shape)} {residual.dtype}, norm weight {tuple(norm_weight.shape)}, router weight "
+            f"{tuple(router_weight.shape)} {router_weight.dtype}, top_k={top_k}")
+
+    rows, residual_rows = _rows(x), _rows(residual)
+    tokens = rows.shape[0]
+    h, normed = torch.empty_like(rows), torch.empty_like(rows)
+    logits = torch.empty(tokens, num_experts, dtype=x.dtype, device=x.device)
+    scores = torch.empty(tokens, top_k, dtype=x.dtype, device=x.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.long, device=x.device)
+    if tokens:
+        block_n = min(ROUTE_BLOCK_N, triton.next_power_of_2(num_experts))
+        _add_norm_route_kernel[(triton.cdiv(num_experts, block_n), tokens)](
+            rows, residual_rows, norm_weight, router_weight, h, normed, logits, scores, ids,
+            split_counters(x.device), rows.stride(0), residual_rows.stride(0), h.stride(0), normed.stride(0),
+            router_weight.stride(0), logits.stride(0), scores.stride(0), ids.stride(0), hidden, num_experts, eps,
+            OFFSET=offset, BLOCK_H=triton.next_power_of_2(hidden), BLOCK_N=block_n,
+            BLOCK_E=triton.next_power_of_2(num_experts), K=top_k, KP=triton.next_power_of_2(top_k),
+            NORMALIZE=normalize, OUT_DTYPE=tl_dtype(x.dtype), num_warps=4)
+    return h.view(x.shape), normed.view(x.shape), logits, scores, ids
