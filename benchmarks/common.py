@@ -42,6 +42,8 @@ SWITCHES = {
                         "the GDN step loads the gates' inputs with the conv's, reads the window counter after the math"),
     "moe-fused-route": ("hybridspec_hf.patches._moe", "FUSED_ROUTE",
                         "the decoder's residual add, post-attention norm, MoE router GEMM and top-k in one launch"),
+    "route-one-warp": ("hybridspec_hf.kernels.router_triton", "ROUTE_ONE_WARP",
+                       "the one-launch add, norm and router: 2 router rows and one warp per program (else 4 and 4)"),
     "gdn-norm-fold": ("hybridspec_hf.kernels.gdn_step_triton", "FOLD_NORM",
                       "the GDN step's gated RMSNorm by the head's last program, no launch of its own"),
 }

@@ -124,13 +124,16 @@ def test_route_topk_ties_take_the_lowest_expert_id(normalize):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens, hidden, experts, top_k, normalize", [(1, 64, 256, 8, True), (3, 48, 60, 4, False),
                                                                       (5, 96, 7, 2, True)])
-def test_add_norm_route_equals_the_add_the_norm_and_the_router(tokens, hidden, experts, top_k, normalize, dtype):
+@pytest.mark.parametrize("one_warp", [True, False], ids=["2-rows-1-warp", "4-rows-4-warps"])
+def test_add_norm_route_equals_the_add_the_norm_and_the_router(tokens, hidden, experts, top_k, normalize, dtype,
+                                                               one_warp, monkeypatch):
     """One launch for the residual add, the RMSNorm, the router GEMM and its top-k: h and the normed rows as
     `add_rms_norm` (fp32 sums in another order: one rounding), the logits as F.linear's, and the routing of those
     logits exactly as `route_topk`'s (the same kernel code on the stored logits). Odd H and E mask every block; the
     counters are zero again after the launch (and a second launch gives the same result)."""
     from hybridspec_hf.kernels import gemv_triton, norm_triton
 
+    monkeypatch.setattr(router_triton, "ROUTE_ONE_WARP", one_warp)
     gen = torch.Generator().manual_seed(tokens * hidden + experts)
     x = torch.randn(1, tokens, hidden, generator=gen).to(dtype)
     residual = torch.randn(1, tokens, hidden, generator=gen).to(dtype)

@@ -33,7 +33,12 @@ from .gemv_triton import COUNTERS, split_counters
 from .norm_triton import _rows, add_rms_norm_reference
 
 MAX_EXPERTS = 4096  # one row in registers
-ROUTE_BLOCK_N = 4  # router rows per program of `add_norm_route` (E = 256: 64 programs, 16 KB of weight each)
+# `add_norm_route`'s programs: True: 2 router rows and one warp each (E = 256: 128 programs of 8 KB of weight), so the
+# token's last program routes it with warp shuffles only, as `route_topk`; False: 4 rows and 4 warps (64 programs of
+# 16 KB; the top-k's 2k + 2 reductions then cross warps through shared memory). Run 70 (H200, 4 rows / 4 warps):
+# the one launch took 5.6 µs per MoE layer of the AR step's traced span against ≈ 6.1 for add_rms_norm, the router
+# GEMM and route_topk (the step −14 / −27 µs traced / wall). A/B switch `route-one-warp`.
+ROUTE_ONE_WARP = True
 MAX_ROUTE_HIDDEN = 8192  # ROUTE_BLOCK_N rows of H in registers
 
 
@@ -204,8 +209,8 @@ def route_topk(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch
 def add_norm_route(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                    router_weight: torch.Tensor, top_k: int, normalize: bool, offset: bool = True):
     """Triton `add_norm_route_reference` in one launch, where transformers runs the residual add, the RMSNorm, the
-    router GEMM, softmax and top-k (our unfused route: add_rms_norm, the GEMM, route_topk). Grid (E / ROUTE_BLOCK_N,
-    T): each program loads its router rows before the PDL wait, then computes the add and the norm of its token
+    router GEMM, softmax and top-k (our unfused route: add_rms_norm, the GEMM, route_topk). Grid (E / 2 or E / 4
+    (`ROUTE_ONE_WARP`), T): each program loads its router rows before the PDL wait, then computes the add and the norm of its token
     (every program; the first stores h and the normed row), its rows' logits (fp32 sums, rounded to the model dtype
     as F.linear's output), and the token's last program to arrive (a counter of gemv_triton's split-K kind) routes
     it from the stored logits as `route_topk`. x, residual [..., H] of one dtype; norm_weight [H]; router_weight
@@ -230,12 +235,13 @@ def add_norm_route(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.T
     scores = torch.empty(tokens, top_k, dtype=x.dtype, device=x.device)
     ids = torch.empty(tokens, top_k, dtype=torch.long, device=x.device)
     if tokens:
-        block_n = min(ROUTE_BLOCK_N, triton.next_power_of_2(num_experts))
+        block_n, warps = (2, 1) if ROUTE_ONE_WARP else (4, 4)
+        block_n = min(block_n, triton.next_power_of_2(num_experts))
         _add_norm_route_kernel[(triton.cdiv(num_experts, block_n), tokens)](
             rows, residual_rows, norm_weight, router_weight, h, normed, logits, scores, ids,
             split_counters(x.device), rows.stride(0), residual_rows.stride(0), h.stride(0), normed.stride(0),
             router_weight.stride(0), logits.stride(0), scores.stride(0), ids.stride(0), hidden, num_experts, eps,
             OFFSET=offset, BLOCK_H=triton.next_power_of_2(hidden), BLOCK_N=block_n,
             BLOCK_E=triton.next_power_of_2(num_experts), K=top_k, KP=triton.next_power_of_2(top_k),
-            NORMALIZE=normalize, OUT_DTYPE=tl_dtype(x.dtype), num_warps=4)
+            NORMALIZE=normalize, OUT_DTYPE=tl_dtype(x.dtype), num_warps=warps)
     return h.view(x.shape), normed.view(x.shape), logits, scores, ids
