@@ -491,8 +491,11 @@ class ResidentRounds:
         # not under calibrated routing: one token reads top-k experts whatever ids the profile would give it, and
         # the replay's kernels (≈ 0.15 ms a step at 35B, e2e run 44) would make the plain step dearer than AR's
         logits, features = self.target.forward(self.last_token, verify=session)
-        scores = self._scores(logits.float())[:, 0]  # [N, V]
-        token = sample_tokens(scores.softmax(-1)) if self.do_sample else scores.argmax(-1)  # [N]
+        if self.do_sample or len(self.logits_processor):
+            scores = self._scores(logits.float())[:, 0]  # [N, V]
+            token = sample_tokens(scores.softmax(-1)) if self.do_sample else scores.argmax(-1)  # [N]
+        else:  # greedy on raw logits: the fp32 copy changes no value nor order (and argmax takes the first maximum)
+            token = logits[:, 0].argmax(-1)
         self.count.copy_(self.live)  # m = 1 per live row
         if self.defers:
             self._defer(features)
