@@ -25,6 +25,7 @@ import argparse
 import collections
 import contextlib
 import importlib
+import json
 import re
 import sys
 from pathlib import Path
@@ -207,6 +208,49 @@ def timeline_line(t: dict) -> str:
             f"kernels after our last (the LM head among them); other kernels between ours: {between or 'none'}.")
 
 
+def compare(sources: list[str], name: str) -> dict:
+    """Before and after: the plain rows of kernel_costs results (JSON files, each with timelines) side by side, per
+    kernel name: launches per step and µs of the traced span it held (the mean over each source's plain rows), with
+    the step's kernels, wall and span. Measures nothing; writes <name>.{json,md}."""
+    columns = []
+    for source in sources:
+        report = json.loads(Path(source).read_text())
+        plains = [row for row in report["rows"] if row["variant"] == "plain" and row["timeline"]["kernels"]]
+        if not plains:
+            raise SystemExit(f"{source}: no plain row with a timeline (kernel_costs.py from 2026-12-03 on writes them)")
+        by_kernel = collections.defaultdict(lambda: [0.0, 0.0])
+        for row in plains:
+            for kernel, entry in frontier(row["timeline"])["by_kernel"].items():
+                by_kernel[kernel][0] += entry["kernels"] / len(plains)
+                by_kernel[kernel][1] += entry["us"] / len(plains)
+        columns.append({"source": source, "date": report["environment"]["date"], "by_kernel": dict(by_kernel),
+                        "kernels": sum(r["kernels"] for r in plains) / len(plains),
+                        "wall_ms": [r["wall_ms"] for r in plains],
+                        "span_us": sum(frontier(r["timeline"])["total"] for r in plains) / len(plains)})
+    names = sorted({k for c in columns for k in c["by_kernel"]},
+                   key=lambda k: -max(c["by_kernel"].get(k, [0, 0])[1] for c in columns))
+    head = " | ".join(f"{Path(c['source']).stem}: launches | µs" for c in columns)
+    lines = [f"| kernel | {head} |", "|---|" + "---|---|" * len(columns)]
+    for kernel in names:
+        cells = " | ".join(f"{c['by_kernel'].get(kernel, [0, 0])[0]:.0f} | {c['by_kernel'].get(kernel, [0, 0])[1]:.0f}"
+                           for c in columns)
+        lines.append(f"| {kernel} | {cells} |")
+    lines.append("| **step** | " + " | ".join(f"**{c['kernels']:.0f}** | **{c['span_us']:.0f}**" for c in columns)
+                 + " |")
+    walls = "; ".join(f"{Path(c['source']).stem}: wall {', '.join(f'{w:.3f}' for w in c['wall_ms'])} ms"
+                      for c in columns)
+    table = "\n".join(lines) + f"\n\n{walls}."
+    notes = ("The plain AR step's traced span by the kernel each µs waited for (`frontier`: a kernel's end less the "
+             "latest end before it), the mean over each source's plain rows; launches per step. Sources (each with its "
+             "own command, GPU and versions in its file): " + ", ".join(f"{c['source']} ({c['date']})"
+                                                                      for c in columns) + ".")
+    payload = {"title": "The resident AR step, kernel by kernel: " + " against ".join(Path(c["source"]).stem
+                                                                                     for c in columns),
+               "environment": environment(), "notes": notes, "columns": columns}
+    write_results(name, payload, table)
+    return payload
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen35_35b_a3b")
@@ -217,7 +261,11 @@ def main(argv: list[str] | None = None) -> dict:
                         help="comma-separated: 'plain', a kernel (" + ", ".join(SHORT) + ") to double, either "
                              "followed by +FLAG / -FLAG switches (" + ", ".join(SWITCHES) + ")")
     parser.add_argument("--name", default="kernel_costs")
+    parser.add_argument("--compare", default=None,
+                        help="A.json,B.json,...: set earlier results' plain steps side by side (measures nothing)")
     args = parser.parse_args(argv)
+    if args.compare:
+        return compare(args.compare.split(","), args.name)
     variants = args.variants.split(",")
     for variant in variants:
         parse_variant(variant)  # unknown names fail before the model is built

@@ -78,3 +78,25 @@ def test_the_frontier_charges_each_microsecond_once(kernel_costs):
     assert f["total"] == 7.0
     rows = [{"variant": "plain", "frontier": f}, {"variant": "x", "frontier": kernel_costs.frontier(t)}]
     assert "| plain | 7.0 | 5 | 2 | 0 | 0 |" in kernel_costs.frontier_table(rows)
+
+
+def test_compare_sets_plain_steps_side_by_side(kernel_costs, tmp_path):
+    def source(path, kernels, wall):
+        rows = [{"variant": "plain", "wall_ms": wall, "kernels": len(kernels), "timeline": {"kernels": kernels}},
+                {"variant": "gemv", "wall_ms": 9.0, "kernels": 1, "timeline": {"kernels": [["x", 0.0, 99.0]]}}]
+        path.write_text(json.dumps({"environment": {"date": "d"}, "rows": rows}))
+        return str(path)
+
+    a = source(tmp_path / "a.json", [["_gemv_kernel", 0.0, 4.0], ["argmax", 4.0, 2.0]], 0.01)
+    b = source(tmp_path / "b.json", [["_gemv_kernel", 0.0, 3.0], ["_gemv_kernel", 3.0, 1.0]], 0.008)
+    report = kernel_costs.compare([a, b], str(tmp_path / "cmp"))
+    first, second = report["columns"]
+    assert first["by_kernel"] == {"_gemv_kernel": [1.0, 4.0], "argmax": [1.0, 2.0]} and first["span_us"] == 6.0
+    assert second["by_kernel"] == {"_gemv_kernel": [2.0, 4.0]} and second["span_us"] == 4.0
+    table = (tmp_path / "cmp.md").read_text()
+    assert "| _gemv_kernel | 1 | 4 | 2 | 4 |" in table and "| argmax | 1 | 2 | 0 | 0 |" in table
+    empty = tmp_path / "e.json"
+    empty.write_text(json.dumps({"environment": {"date": "d"}, "rows": [{"variant": "plain", "wall_ms": 1.0,
+                                                                          "kernels": 0, "timeline": {"kernels": []}}]}))
+    with pytest.raises(SystemExit, match="no plain row with a timeline"):
+        kernel_costs.compare([str(empty)], str(tmp_path / "x"))
