@@ -6,7 +6,9 @@ kernels in the router (GEMM, softmax, topk + sort, sum, div, cast) and 9 for the
 routed experts, 5 per layer ("one pass", T <= `moe_triton.direct_limit()` tokens, 32: decode, verification, a batch
 of 2 verifying 16 tokens; `SHARED_EXPERT_SLOT`):
 
-    router   GEMM, route_topk                                     (kernels/router_triton.py)
+    router   GEMM, route_topk                                     (kernels/router_triton.py; in the fused decoder
+             layers, patches/_decoder.py, one launch with the residual add and the norm before it:
+             `norm_route_block_add`, router_triton.add_norm_route)
     experts  gate_up, down, sum over the k routed experts + the shared expert as one more slot (its weights from
              the concatenated copy; its gate logit computed in the gate_up launch); the sum adds
              sigmoid(logit) · shared and, through `moe_block_add`, the decoder layer's residual

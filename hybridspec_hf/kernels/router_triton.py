@@ -1,4 +1,6 @@
-"""Top-k routing of a softmax MoE router in one launch after the router GEMM; `route_topk_reference` is the truth.
+"""Top-k routing of a softmax MoE router in one launch after the router GEMM (`route_topk`), or with the decoder
+layer's residual add, post_attention_layernorm and the router GEMM in the same launch (`add_norm_route`, what the
+fused decoder layers run, patches/_moe.py `norm_route_block_add`); the `*_reference` functions are the truth.
 
 transformers' Qwen3.5-MoE / Qwen3-Next routers (`*TopKRouter.forward`, 5.17 and 5.24 alike) run, after
 `logits = F.linear(x, W)`, on CUDA: softmax (fp32), topk (+ its sort of the k values), sum, div and the cast back to
@@ -24,7 +26,6 @@ compiles on the first launch of each (E, k) shape: call once before CUDA-graph c
 from __future__ import annotations
 
 import torch
-
 import torch.nn.functional as F
 
 from . import pdl
@@ -39,7 +40,7 @@ MAX_EXPERTS = 4096  # one row in registers
 # the one launch took 5.6 µs per MoE layer of the AR step's traced span against ≈ 6.1 for add_rms_norm, the router
 # GEMM and route_topk (the step −14 / −27 µs traced / wall). A/B switch `route-one-warp`.
 ROUTE_ONE_WARP = True
-MAX_ROUTE_HIDDEN = 8192  # ROUTE_BLOCK_N rows of H in registers
+MAX_ROUTE_HIDDEN = 8192  # a program holds its router rows [2 or 4, H] in registers
 
 
 def route_topk_reference(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
