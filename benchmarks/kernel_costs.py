@@ -16,6 +16,10 @@ launch must move, it says where the step loses its time against the roofline.
 Each variant's rounds are captured afresh (the doubled launches are in the graph), and the plain step is measured
 first and last (its spread is the noise floor). `--variants` adds A/B switches (common.SWITCHES) as rows of their
 own: "+whole-slice" measures the step with that switch on, "gemv+whole-slice" the doubled GEMV under it.
+Tiles can be set per variant for a sweep inside the step (a kernel's tiles timed alone read its weights from a warm
+L2 and see no neighbours): "plain@gate_up=32x256s8w8@down=16x256w4@gdn=32w4@gemv:2048x4096=32x128s8w4t4" sets the
+MoE decode kernels' tiles at one token (BLOCK_N x BLOCK_K, s: split-K, w: warps), the GDN step's (BV, warps) and
+our GEMV's config for one (N x K) shape at M = 1 (t: stages).
 Random bf16 weights; the AR step at batch 1 (the static cache of `--context` prompt tokens).
 Writes benchmarks/results/<name>.{json,md}.
 """
@@ -87,9 +91,65 @@ def doubled(kernel: str | None):
         setattr(module, kernel, lazy)
 
 
+def parse_tiles(spec: str) -> dict:
+    """"gate_up=32x256s8w8", "down=16x256w4", "gdn=32w4", "gemv:2048x4096=32x128s8w4t4" -> {what: numbers}: the
+    tile overrides of one variant (`tiles_set`); a clear SystemExit for anything else."""
+    patterns = {"gate_up": r"(\d+)x(\d+)s(\d+)w(\d+)", "down": r"(\d+)x(\d+)w(\d+)", "gdn": r"(\d+)w(\d+)",
+                "gemv": r"(\d+)x(\d+)s(\d+)w(\d+)t(\d+)"}
+    what, _, value = spec.partition("=")
+    kind, _, shape = what.partition(":")
+    match = re.fullmatch(patterns.get(kind, "(?!)"), value)
+    shape_match = re.fullmatch(r"(\d+)x(\d+)", shape) if kind == "gemv" else not shape
+    if match is None or not shape_match:
+        raise SystemExit(f"unknown tiles {spec!r}: gate_up=BNxBKsSPLITwWARPS, down=BNxBKwWARPS, gdn=BVwWARPS or "
+                         f"gemv:NxK=BNxBKsSPLITwWARPStSTAGES")
+    numbers = tuple(int(g) for g in match.groups())
+    key = what if kind != "gemv" else (kind, int(shape_match.group(1)), int(shape_match.group(2)))
+    return {key: numbers}
+
+
+@contextlib.contextmanager
+def tiles_set(tiles: dict):
+    """Inside: the MoE decode kernels at one token, the GDN step and our GEMV at M = 1 take `tiles` (parse_tiles)."""
+    from hybridspec_hf.kernels import gdn_step_triton, gemv_triton, moe_triton
+
+    saved = [(moe_triton, "default_tiles", moe_triton.default_tiles),
+             (gdn_step_triton, "step_config", gdn_step_triton.step_config)]
+    table = dict(gemv_triton.TABLE)
+    if "gate_up" in tiles or "down" in tiles:
+        original = moe_triton.default_tiles
+
+        def default_tiles(num_tokens, mode):
+            block_m, gate_up, down = original(num_tokens, mode)
+            if mode == "decode" and num_tokens == 1:
+                if "gate_up" in tiles:
+                    bn, bk, split, warps = tiles["gate_up"]
+                    gate_up = moe_triton.Tiles(bn, bk, warps, 1, split_k=split)
+                if "down" in tiles:
+                    bn, bk, warps = tiles["down"]
+                    down = moe_triton.Tiles(bn, bk, warps, 1)
+            return block_m, gate_up, down
+        moe_triton.default_tiles = default_tiles
+    if "gdn" in tiles:
+        original_step = gdn_step_triton.step_config
+        gdn_step_triton.step_config = lambda dv, rows, block_v=None, num_warps=None: original_step(
+            dv, rows, block_v or tiles["gdn"][0], num_warps or tiles["gdn"][1])
+    for key, numbers in tiles.items():
+        if isinstance(key, tuple):  # ("gemv", N, K): (BN, BK, split, warps, stages) at M = 1
+            gemv_triton.TABLE[(key[1], key[2], 1)] = gemv_triton.GemvConfig(*numbers, True)
+    try:
+        yield
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+        gemv_triton.TABLE.clear()
+        gemv_triton.TABLE.update(table)
+
+
 def parse_variant(variant: str) -> tuple[str | None, str]:
     """"gemv+whole-slice" -> ("_gemv_kernel", "ar+whole-slice"); "plain" -> (None, "ar"); "+whole-slice" -> (None,
     "ar+whole-slice")."""
+    variant = variant.split("@")[0]
     head, flags = variant, ""
     for index, char in enumerate(variant):
         if char in "+-" and any(variant[index + 1:].startswith(flag) for flag in SWITCHES):
@@ -105,6 +165,7 @@ def parse_variant(variant: str) -> tuple[str | None, str]:
 def measure(target, prompt: torch.Tensor, variant: str, replays: int, capacity: int) -> dict:
     """The AR step's wall (median of `replays`) and its traced kernels, captured afresh under `variant`."""
     kernel, method = parse_variant(variant)
+    tiles = {k: v for spec in variant.split("@")[1:] for k, v in parse_tiles(spec).items()}
     context = prompt.shape[-1]
     latency = LatencyModel(cost=torch.linspace(7e-3, 10e-3, 16)[None], cost_ar=torch.tensor([5e-3]),
                            context_lens=torch.tensor([context]))
@@ -112,7 +173,7 @@ def measure(target, prompt: torch.Tensor, variant: str, replays: int, capacity: 
     kwargs = dict(generation_strategy="ar", hybridspec_config=settings, attention_mask=torch.ones_like(prompt),
                   do_sample=False, pad_token_id=0)
     hybridspec_hf.release_graphs(target)
-    with method_variant(method, target), doubled(kernel):
+    with method_variant(method, target), doubled(kernel), tiles_set(tiles):
         target.generate(prompt, max_new_tokens=capacity, **kwargs)  # captures the step (with the doubled launches)
         target.generate(prompt, max_new_tokens=8, **kwargs)  # leaves the cache near the prompt
         rounds = target.__dict__.get("_hybridspec_resident")
@@ -267,8 +328,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.compare:
         return compare(args.compare.split(","), args.name)
     variants = args.variants.split(",")
-    for variant in variants:
-        parse_variant(variant)  # unknown names fail before the model is built
+    for variant in variants:  # unknown names fail before the model is built
+        parse_variant(variant)
+        for spec in variant.split("@")[1:]:
+            parse_tiles(spec)
     if variants[0] != "plain":
         raise SystemExit("the first variant must be 'plain' (the step every other row is compared with)")
     device = "cuda" if torch.cuda.is_available() else "cpu"

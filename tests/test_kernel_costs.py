@@ -100,3 +100,26 @@ def test_compare_sets_plain_steps_side_by_side(kernel_costs, tmp_path):
                                                                           "kernels": 0, "timeline": {"kernels": []}}]}))
     with pytest.raises(SystemExit, match="no plain row with a timeline"):
         kernel_costs.compare([str(empty)], str(tmp_path / "x"))
+
+
+def test_tiles_set_overrides_the_one_token_tiles_only_inside(kernel_costs):
+    from hybridspec_hf.kernels import gdn_step_triton, gemv_triton, moe_triton
+
+    assert kernel_costs.parse_tiles("gate_up=16x128s4w4") == {"gate_up": (16, 128, 4, 4)}
+    assert kernel_costs.parse_tiles("gemv:2048x4096=32x128s8w4t4") == {("gemv", 2048, 4096): (32, 128, 8, 4, 4)}
+    for bad in ("gate_up=16x128", "gemv=32x128s8w4t4", "route=4w1", "gdn=16"):
+        with pytest.raises(SystemExit, match="unknown tiles"):
+            kernel_costs.parse_tiles(bad)
+    before = moe_triton.default_tiles(1, "decode"), moe_triton.default_tiles(2, "decode")
+    table = dict(gemv_triton.TABLE)
+    tiles = {**kernel_costs.parse_tiles("gate_up=16x128s4w4"), **kernel_costs.parse_tiles("down=32x128w8"),
+             **kernel_costs.parse_tiles("gdn=32w4"), **kernel_costs.parse_tiles("gemv:48x64=16x32s2w4t3")}
+    with kernel_costs.tiles_set(tiles):
+        _, gate_up, down = moe_triton.default_tiles(1, "decode")
+        assert gate_up == moe_triton.Tiles(16, 128, 4, 1, split_k=4) and down == moe_triton.Tiles(32, 128, 8, 1)
+        assert moe_triton.default_tiles(2, "decode") == before[1]  # other token counts keep theirs
+        assert gdn_step_triton.step_config(128, 32) == (32, 4)
+        assert gemv_triton.choose_config(1, 48, 64) == gemv_triton.GemvConfig(16, 32, 2, 4, 3, True)
+    assert moe_triton.default_tiles(1, "decode") == before[0] and gemv_triton.TABLE == table
+    assert gdn_step_triton.step_config(128, 32) == (16, 2)
+    assert kernel_costs.parse_variant("gemv-pdl@gdn=32w4") == ("_gemv_kernel", "ar-pdl")
