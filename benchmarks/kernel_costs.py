@@ -54,6 +54,7 @@ KERNELS = {
     "_add_rms_norm_kernel": "hybridspec_hf.kernels.norm_triton",
     "_rms_norm_kernel": "hybridspec_hf.kernels.norm_triton",
     "_route_topk_kernel": "hybridspec_hf.kernels.router_triton",
+    "_add_norm_route_kernel": "hybridspec_hf.kernels.router_triton",
     "_attention_kernel": "hybridspec_hf.kernels.attention_triton",
     "_combine_kernel": "hybridspec_hf.kernels.attention_triton",
     "_qk_prologue_kernel": "hybridspec_hf.kernels.attention_prologue_triton",
