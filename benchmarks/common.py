@@ -39,7 +39,7 @@ SWITCHES = {
     "pdl-shapes": ("hybridspec_hf.kernels.gemv_triton", "PDL_SHAPES",
                    "our skinny GEMM (PDL) also where it only ties cuBLAS alone (the attention's q|k|v copy)"),
     "gdn-loads-first": ("hybridspec_hf.kernels.gdn_step_triton", "LOADS_FIRST",
-                        "the GDN step loads the gates' inputs with the conv's, reads the window counter after the math"),
+                        "the GDN step loads the gates' inputs with the conv's, reads the window counter late"),
     "moe-fused-route": ("hybridspec_hf.patches._moe", "FUSED_ROUTE",
                         "the decoder's residual add, post-attention norm, MoE router GEMM and top-k in one launch"),
     "route-one-warp": ("hybridspec_hf.kernels.router_triton", "ROUTE_ONE_WARP",

@@ -242,7 +242,8 @@ def frontier(t: dict) -> dict:
         table[name][0] += 1
         table[name][1] += max(0.0, end - (start if front is None else front))
         front = end if front is None else max(front, end)
-    rows = {name: {"kernels": c, "us": round(us, 2)} for name, (c, us) in sorted(table.items(), key=lambda kv: -kv[1][1])}
+    ordered = sorted(table.items(), key=lambda kv: -kv[1][1])
+    rows = {name: {"kernels": c, "us": round(us, 2)} for name, (c, us) in ordered}
     return {"by_kernel": rows, "total": round(sum(r["us"] for r in rows.values()), 2)}
 
 

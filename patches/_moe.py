@@ -250,9 +250,10 @@ def norm_route_block_add(block: torch.nn.Module, hidden_states: torch.Tensor, re
     """A decoder layer's `h = residual + hidden_states`, `h + block(norm(h))` ([B, T, H]) with the add, the norm, the
     router GEMM and its top-k in one launch (router_triton.add_norm_route), then the experts as `moe_block_add`
     runs them; None where that route does not apply (the caller runs add_rms_norm and `moe_block_add`): the switch
-    off, more than `moe_triton.direct_limit()` tokens, no fused block route, or a router whose call would run more
-    than its class forward and plain forward hooks. Its forward hooks (RoutingReplay, VerifyWindow's, users') run
-    as a module call would run them, on the normed rows and the (logits, scores, ids) the call would return."""
+    off, more than `moe_triton.direct_limit()` tokens, no fused block route, a router weight that is not a plain
+    tensor (a DTensor shard), or a router whose call would run more than its class forward and plain forward hooks.
+    Its forward hooks (RoutingReplay, VerifyWindow's, users') run as a module call would run them, on the normed
+    rows and the (logits, scores, ids) the call would return."""
     gate = getattr(block, "gate", None)
     normalizes = _NORMALIZES.get(type(gate))
     tokens = hidden_states.numel() // max(hidden_states.shape[-1], 1)
@@ -263,7 +264,7 @@ def norm_route_block_add(block: torch.nn.Module, hidden_states: torch.Tensor, re
         return None
     hooks = _router_forward_hooks(gate)
     weight = getattr(gate, "weight", None)
-    if (hooks is None or not isinstance(weight, torch.Tensor) or weight.dtype != hidden_states.dtype
+    if (hooks is None or type(weight) not in (torch.Tensor, torch.nn.Parameter) or weight.dtype != hidden_states.dtype
             or weight.device != hidden_states.device or gate.num_experts > router_triton.MAX_EXPERTS):
         return None
     weights = _current_weights(block, hidden_states)

@@ -131,7 +131,8 @@ def _add_norm_route_kernel(x, r, norm_w, router_w, h, y, logits, scores, ids, co
 def add_norm_route_reference(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                              router_weight: torch.Tensor, top_k: int, normalize: bool, offset: bool = True):
     """The truth for `add_norm_route`: a decoder layer's residual add and post_attention_layernorm, then its MoE
-    router on the normed rows, in transformers' steps: (h, normed) [..., H], logits [T, E], (scores [T, k], ids [T, k])."""
+    router on the normed rows, in transformers' steps: (h, normed) [..., H], logits [T, E], scores [T, k],
+    ids [T, k]."""
     h, normed = add_rms_norm_reference(x, residual, norm_weight, eps, offset)
     logits = F.linear(normed.reshape(-1, normed.shape[-1]), router_weight)
     scores, ids = route_topk_reference(logits, top_k, normalize)
@@ -211,10 +212,10 @@ def add_norm_route(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.T
                    router_weight: torch.Tensor, top_k: int, normalize: bool, offset: bool = True):
     """Triton `add_norm_route_reference` in one launch, where transformers runs the residual add, the RMSNorm, the
     router GEMM, softmax and top-k (our unfused route: add_rms_norm, the GEMM, route_topk). Grid (E / 2 or E / 4
-    (`ROUTE_ONE_WARP`), T): each program loads its router rows before the PDL wait, then computes the add and the norm of its token
-    (every program; the first stores h and the normed row), its rows' logits (fp32 sums, rounded to the model dtype
-    as F.linear's output), and the token's last program to arrive (a counter of gemv_triton's split-K kind) routes
-    it from the stored logits as `route_topk`. x, residual [..., H] of one dtype; norm_weight [H]; router_weight
+    (`ROUTE_ONE_WARP`), T): each program loads its router rows before the PDL wait, then computes the add and the
+    norm of its token (every program; the first stores h and the normed row), its rows' logits (fp32 sums, rounded
+    to the model dtype as F.linear's output), and the token's last program to arrive (a counter of gemv_triton's
+    split-K kind) routes it from the stored logits as `route_topk`. x, residual [..., H] of one dtype; norm_weight [H]; router_weight
     [E, H] (last dim contiguous); returns (h, normed) shaped as x, logits [T, E], scores [T, k], ids [T, k] long."""
     hidden = x.shape[-1]
     num_experts = router_weight.shape[0]
