@@ -10,11 +10,11 @@ hidden_states`, post_attention_layernorm, the MLP or MoE block, `residual + hidd
 
 one launch fewer per layer (40 per step at Qwen3.5-35B-A3B's shape, at every verified length). In a layer with a
 sparse MoE block the add, the norm and the block's router (GEMM, softmax top-k) run in one launch up to 16
-tokens (patches/_moe.py `norm_route_block_add`: two launches fewer again; the router's forward hooks still run). The layer's output is
-the same tensor transformers computes (same sums, same roundings), returned by the layer's module call, so forward
-hooks on the layer (our FeatureCapture, transformers' output capturing of `hidden_states`) see what they saw.
-post_attention_layernorm is skipped: a hook on it (or a replaced forward, another norm class) keeps transformers'
-forward.
+tokens (patches/_moe.py `norm_route_block_add`: two launches fewer again; the router's forward hooks still run).
+The layer's output is the same tensor transformers computes (same sums, same roundings), returned by the layer's
+module call, so forward hooks on the layer (our FeatureCapture, transformers' output capturing of `hidden_states`)
+see what they saw. post_attention_layernorm is skipped: a hook on it (or a replaced forward, another norm class)
+keeps transformers' forward.
 
 The patch is inert unless `fused_kernels()` is active, grad is off and the input is on CUDA (or `_ON_CPU`, tests) in
 a float dtype the kernel takes, so plain generate(), training and every CPU path run transformers' code unchanged.

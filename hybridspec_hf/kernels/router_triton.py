@@ -215,8 +215,9 @@ def add_norm_route(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.T
     (`ROUTE_ONE_WARP`), T): each program loads its router rows before the PDL wait, then computes the add and the
     norm of its token (every program; the first stores h and the normed row), its rows' logits (fp32 sums, rounded
     to the model dtype as F.linear's output), and the token's last program to arrive (a counter of gemv_triton's
-    split-K kind) routes it from the stored logits as `route_topk`. x, residual [..., H] of one dtype; norm_weight [H]; router_weight
-    [E, H] (last dim contiguous); returns (h, normed) shaped as x, logits [T, E], scores [T, k], ids [T, k] long."""
+    split-K kind) routes it from the stored logits as `route_topk`. x, residual [..., H] of one dtype; norm_weight
+    [H]; router_weight [E, H] (last dim contiguous); returns (h, normed) shaped as x, logits [T, E], scores [T, k],
+    ids [T, k] long."""
     hidden = x.shape[-1]
     num_experts = router_weight.shape[0]
     if (residual.shape != x.shape or residual.dtype != x.dtype or norm_weight.shape != (hidden,)
