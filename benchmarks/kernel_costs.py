@@ -304,7 +304,8 @@ def compare(sources: list[str], name: str) -> dict:
                       for c in columns)
     table = "\n".join(lines) + f"\n\n{walls}."
     notes = ("The plain AR step's traced span by the kernel each µs waited for (`frontier`: a kernel's end less the "
-             "latest end before it), the mean over each source's plain rows; launches per step. Sources (each with its "
+             "latest end before it), the mean over each source's plain rows; launches per step. Random bf16 weights "
+             "(kernel_costs.py builds e2e.py's model), AR steps: no drafts, no acceptance. Sources (each with its "
              "own command, GPU and versions in its file): " + ", ".join(f"{c['source']} ({c['date']})"
                                                                       for c in columns) + ".")
     payload = {"title": "The resident AR step, kernel by kernel: " + " against ".join(Path(c["source"]).stem

@@ -236,13 +236,22 @@ def moe_block_add(block: torch.nn.Module, hidden_states: torch.Tensor, residual:
     """`residual + block(hidden_states)` ([B, T, H], the decoder layer's post-MLP add): on the fused route the add is
     folded into the experts' sum kernel (one launch fewer per layer); otherwise the plain expression (the block's
     hooks fire, transformers' code outside resident forwards)."""
-    patched = "_hybridspec_original_forward" in type(block).__dict__
-    same = residual.shape == hidden_states.shape and residual.dtype == hidden_states.dtype
-    if patched and same and _active(hidden_states) and residual.device == hidden_states.device and not hooked([block]):
-        weights = _current_weights(block, hidden_states)
-        if weights is not None:
-            return _fused_block_forward(block, hidden_states, weights, residual)
+    weights = _fused_add_weights(block, hidden_states, residual)
+    if weights is not None:
+        return _fused_block_forward(block, hidden_states, weights, residual)
     return residual + block(hidden_states)
+
+
+def _fused_add_weights(block: torch.nn.Module, hidden_states: torch.Tensor,
+                       residual: torch.Tensor) -> torch.Tensor | None:
+    """The block's concatenated weight where `residual + block(hidden_states)` may take the fused route (a patched,
+    unhooked block inside resident forwards, a residual like hidden_states, a current copy), else None."""
+    patched = "_hybridspec_original_forward" in type(block).__dict__
+    same = (residual.shape == hidden_states.shape and residual.dtype == hidden_states.dtype
+            and residual.device == hidden_states.device)
+    if patched and same and _active(hidden_states) and not hooked([block]):
+        return _current_weights(block, hidden_states)
+    return None
 
 
 def norm_route_block_add(block: torch.nn.Module, hidden_states: torch.Tensor, residual: torch.Tensor,
@@ -257,17 +266,14 @@ def norm_route_block_add(block: torch.nn.Module, hidden_states: torch.Tensor, re
     gate = getattr(block, "gate", None)
     normalizes = _NORMALIZES.get(type(gate))
     tokens = hidden_states.numel() // max(hidden_states.shape[-1], 1)
-    if (not FUSED_ROUTE or normalizes is None or not 0 < tokens <= moe_triton.direct_limit()
-            or "_hybridspec_original_forward" not in type(block).__dict__ or hooked([block])
-            or residual.shape != hidden_states.shape or residual.dtype != hidden_states.dtype
-            or residual.device != hidden_states.device or not _active(hidden_states)):
+    if not FUSED_ROUTE or normalizes is None or not 0 < tokens <= moe_triton.direct_limit():
         return None
     hooks = _router_forward_hooks(gate)
     weight = getattr(gate, "weight", None)
     if (hooks is None or type(weight) not in (torch.Tensor, torch.nn.Parameter) or weight.dtype != hidden_states.dtype
             or weight.device != hidden_states.device or gate.num_experts > router_triton.MAX_EXPERTS):
         return None
-    weights = _current_weights(block, hidden_states)
+    weights = _fused_add_weights(block, hidden_states, residual)
     if weights is None:
         return None
     h, normed, logits, scores, ids = router_triton.add_norm_route(hidden_states, residual, norm.weight, norm.eps,
