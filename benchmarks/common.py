@@ -44,6 +44,10 @@ SWITCHES = {
                         "the decoder's residual add, post-attention norm, MoE router GEMM and top-k in one launch"),
     "route-one-warp": ("hybridspec_hf.kernels.router_triton", "ROUTE_ONE_WARP",
                        "the one-launch add, norm and router: 2 router rows and one warp per program (else 4 and 4)"),
+    "shared-first": ("hybridspec_hf.kernels.moe_triton", "SHARED_FIRST",
+                     "the MoE decode gate_up's shared-expert programs first, their weights loaded before the PDL wait"),
+    "norm-prologue": ("hybridspec_hf.kernels.gemv_triton", "NORM_PROLOGUE",
+                      "the decoder's input RMSNorm in the prologue of the GDN / q|k|v projection GEMM"),
     "gdn-norm-fold": ("hybridspec_hf.kernels.gdn_step_triton", "FOLD_NORM",
                       "the GDN step's gated RMSNorm by the head's last program, no launch of its own"),
 }

@@ -11,7 +11,9 @@ for one model file), sharing the library's registrations, whose "sdpa" and "eage
 Anything else runs transformers' own function unchanged: plain generate(), prefill, training, the vision tower,
 CPU tensors. The dense mask is ignored on the kernel path: the kernel derives the visibility `StaticTarget.mask`
 encodes (key j visible to new token i iff j <= length + i) from the same `length` tensor, so the read stops at the
-live keys instead of the whole static capacity.
+live keys instead of the whole static capacity. So the static target may announce the mask as a function instead
+of building it (`static_cache_length(length, mask)`, its layers then get None): the first layer that runs
+transformers' function calls it, once per forward, and a forward whose layers all take the kernel builds none.
 
 Inside the same forwards the attention's q_proj, k_proj and v_proj (one input) run as ONE GEMM over a concatenated
 copy of their weights (`prepare_attention_projections`, made by the resident rounds before capture and refreshed in
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -36,6 +39,7 @@ from hybridspec_hf.kernels.gemv_triton import linear
 
 from ._attention_layer import fused_attention_forward
 from ._decoder import decoder_fusion_allowed
+from ._norms import normed, take_input_norm
 from ._weight_copies import (
     WeightCopy,
     concatenate_rows,
@@ -47,18 +51,21 @@ from ._weight_copies import (
 )
 
 _length: torch.Tensor | None = None  # the static target's [1] long length, while its resident forward runs
+_mask: Callable[[], torch.Tensor] | None = None  # its dense mask on demand (layers given None), while it runs
 
 
 @contextlib.contextmanager
-def static_cache_length(length: torch.Tensor):
+def static_cache_length(length: torch.Tensor, mask: Callable[[], torch.Tensor] | None = None):
     """Announce the static cache's committed length ([1] long, device) to the attention layers of one resident
-    forward: their T new keys sit at slots length .. length+T-1 of the cache tensors they read."""
-    global _length
-    previous, _length = _length, length
+    forward: their T new keys sit at slots length .. length+T-1 of the cache tensors they read. `mask`: the
+    forward passed its attention layers None for their mask; transformers' attention function gets mask() instead
+    (the caller memoises it: one build per forward)."""
+    global _length, _mask
+    previous, _length, _mask = (_length, _mask), length, mask
     try:
         yield
     finally:
-        _length = previous
+        _length, _mask = previous
 
 
 class _StaticCacheAttention(AttentionInterface):
@@ -86,6 +93,8 @@ def _route(chosen, attention_class: type):
                 and not dropout and routed(query, key, value)):
             scale = module.scaling if scaling is None else scaling
             return static_attention(query, key, value, _length, scale, causal=True), None
+        if attention_mask is None and _mask is not None and isinstance(module, attention_class):
+            attention_mask = _mask()  # the static target's mask, built for the layers that need it
         return chosen(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
     return attention
@@ -97,6 +106,12 @@ def patch_attention(modeling: ModuleType, attention_class: type) -> None:
     if shared is None or isinstance(shared, _StaticCacheAttention):
         return
     modeling.ALL_ATTENTION_FUNCTIONS = _StaticCacheAttention(shared, attention_class)
+
+
+def routes_attention(modeling: ModuleType) -> bool:
+    """Whether a family's attention layers pick their function through `_route` (`patch_attention` installed it),
+    so that a resident forward may give them None for their mask (`static_cache_length`'s `mask`)."""
+    return isinstance(getattr(modeling, "ALL_ATTENTION_FUNCTIONS", None), _StaticCacheAttention)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -177,12 +192,14 @@ def patch_attention_projections(attention_class: type) -> None:
 
     @functools.wraps(original)
     def forward(self, hidden_states, *args, **kwargs):
+        norm = take_input_norm(self)  # the decoder's input norm, if it left it to this layer
         copy = _current_qkv(self, hidden_states)
         if _length is not None:  # a resident forward: the whole layer in four launches when it can
             fused = fused_attention_forward(self, original, None if copy is None else copy.weight, _length,
-                                            hidden_states, args, kwargs)
+                                            hidden_states, args, kwargs, norm)
             if fused is not None:
                 return fused
+        hidden_states = normed(norm, hidden_states)
         if copy is None:
             return original(self, hidden_states, *args, **kwargs)
         with _projections_given(self, hidden_states, copy.weight):

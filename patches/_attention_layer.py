@@ -30,6 +30,7 @@ from hybridspec_hf.kernels.attention_prologue_triton import qk_prologue
 from hybridspec_hf.kernels.attention_triton import routed, static_attention
 from hybridspec_hf.kernels.gemv_triton import linear
 
+from ._norms import normed
 from ._weight_copies import hooked
 
 ENABLED = True  # False: resident forwards run transformers' attention forward (with our attention function)
@@ -62,11 +63,13 @@ def _static_layer(cache, layer_idx: int):
 
 
 def fused_attention_forward(attention: torch.nn.Module, original, qkv_weight: torch.Tensor | None,
-                            length: torch.Tensor | None, hidden_states: torch.Tensor, args: tuple, kwargs: dict):
+                            length: torch.Tensor | None, hidden_states: torch.Tensor, args: tuple, kwargs: dict,
+                            input_norm: torch.nn.Module | None = None):
     """(attn_output, None) of `attention`'s forward called as original(attention, hidden_states, *args, **kwargs),
     computed by the fused kernels, or None when this call must run transformers' forward (module docstring).
     qkv_weight: the layer's [q_proj; k_proj; v_proj] weight copy when current (else the three modules run);
-    length: the static cache's committed length announced by the resident forward (None: not inside one)."""
+    length: the static cache's committed length announced by the resident forward (None: not inside one);
+    input_norm: the decoder's input norm still to apply to hidden_states (in the q|k|v GEMM's prologue), or None."""
     if not ENABLED or length is None or attention.training or kwargs.get("output_attentions"):
         return None
     if not getattr(attention, "is_causal", True) or getattr(attention, "sliding_window", None) is not None:
@@ -91,8 +94,9 @@ def fused_attention_forward(attention: torch.nn.Module, original, qkv_weight: to
     if qkv_weight is not None:
         q_width = attention.q_proj.out_features
         kv_width = attention.k_proj.out_features
-        q_gate, k, v = linear(hidden_states, qkv_weight).split([q_width, kv_width, kv_width], dim=-1)
+        q_gate, k, v = linear(hidden_states, qkv_weight, norm=input_norm).split([q_width, kv_width, kv_width], dim=-1)
     else:
+        hidden_states = normed(input_norm, hidden_states)
         q_gate, k, v = attention.q_proj(hidden_states), attention.k_proj(hidden_states), attention.v_proj(hidden_states)
     q_gate = q_gate.view(batch, tokens, -1, 2 * dim)
     query, gate = q_gate[..., :dim], q_gate[..., dim:]  # [B, T, Hq, D] each, strided (transformers' torch.chunk)

@@ -34,10 +34,11 @@ import os
 
 import torch
 
-from hybridspec_hf.kernels import fused_kernels_active
+from hybridspec_hf.kernels import fused_kernels_active, gemv_triton
 from hybridspec_hf.kernels.norm_triton import add_rms_norm
 
 from ._moe import moe_block_add, norm_route_block_add
+from ._norms import INPUT_NORM
 from ._weight_copies import hooked
 
 __all__ = ["LAYOUTS", "decoder_fusion_allowed", "patch_decoder_layer"]
@@ -112,6 +113,15 @@ def _fusable(layer: torch.nn.Module, hidden_states: torch.Tensor, norm_cls: type
             and norm.weight.device == hidden_states.device)
 
 
+def _defers_input_norm(layer: torch.nn.Module, mixer: torch.nn.Module) -> bool:
+    """Whether the layer leaves its input norm to the token mixer (`gemv_triton.NORM_PROLOGUE` on): the norm is of
+    the family's class with nothing else to run (as post_attention_layernorm, `_fusable`), and the mixer's call runs
+    our patch of its class forward first (no hooks, no replaced forward, not a subclass), which takes the norm."""
+    norm = layer.input_layernorm
+    return (gemv_triton.NORM_PROLOGUE and type(norm) is type(layer.post_attention_layernorm)
+            and "_hybridspec_original_forward" in type(mixer).__dict__ and not hooked([norm, mixer]))
+
+
 def _bind(names: tuple[str, ...], args: tuple, kwargs: dict) -> tuple[dict, dict] | None:
     """(the layer's named arguments, the remaining **kwargs) of a call, or None for a call the original forward
     must judge: too many positional arguments, one given twice, position_embeddings missing, or a cache under the
@@ -134,14 +144,23 @@ def _fused_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, argument
     cache = arguments.get("cache", arguments.get("past_key_values"))
     attention_mask = arguments.get("attention_mask")
     residual = hidden_states
-    hidden_states = layer.input_layernorm(hidden_states)
-    if layer.block_type == "linear_attention":
-        hidden_states = layer.linear_attn(hidden_states=hidden_states, attention_mask=attention_mask,
-                                          **{gdn_cache: cache}, **rest)
+    linear = layer.block_type == "linear_attention"
+    mixer = layer.linear_attn if linear else layer.self_attn
+    deferred = _defers_input_norm(layer, mixer)
+    if deferred:  # the mixer applies it in its projection's prologue (patches/_norms.py)
+        mixer.__dict__[INPUT_NORM] = layer.input_layernorm
     else:
-        hidden_states, _ = layer.self_attn(hidden_states=hidden_states, attention_mask=attention_mask,
-                                           position_ids=arguments.get("position_ids"), **{attention_cache: cache},
-                                           position_embeddings=arguments["position_embeddings"], **rest)
+        hidden_states = layer.input_layernorm(hidden_states)
+    try:
+        if linear:
+            hidden_states = mixer(hidden_states=hidden_states, attention_mask=attention_mask, **{gdn_cache: cache},
+                                  **rest)
+        else:
+            hidden_states, _ = mixer(hidden_states=hidden_states, attention_mask=attention_mask,
+                                     position_ids=arguments.get("position_ids"), **{attention_cache: cache},
+                                     position_embeddings=arguments["position_embeddings"], **rest)
+    finally:
+        mixer.__dict__.pop(INPUT_NORM, None)  # taken by the mixer's forward; gone even if it raised first
     norm = layer.post_attention_layernorm
     moe = moe_block_cls is not None and isinstance(layer.mlp, moe_block_cls)
     if moe:  # the add, the norm and the MoE router in one launch where it applies

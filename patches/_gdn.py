@@ -45,6 +45,7 @@ from hybridspec_hf.kernels import gdn_step_triton
 from hybridspec_hf.kernels.gdn_step_triton import gdn_step
 from hybridspec_hf.kernels.gemv_triton import linear
 
+from ._norms import normed, take_input_norm
 from ._weight_copies import (
     WeightCopy,
     concatenate_rows,
@@ -55,8 +56,10 @@ from ._weight_copies import (
     refresh_copy,
 )
 
-# (layer, hidden_states [B, T, H]) -> mixed_qkv [B, T, C] (pre-conv), z [B, T, HV, dv], b [B, T, HV], a [B, T, HV]
-ProjectFn = Callable[[torch.nn.Module, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+# (layer, hidden_states [B, T, H], the decoder's input norm still to apply or None) -> mixed_qkv [B, T, C] (pre-conv),
+# z [B, T, HV, dv], b [B, T, HV], a [B, T, HV]
+ProjectFn = Callable[[torch.nn.Module, torch.Tensor, torch.nn.Module | None],
+                     tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 @dataclass
@@ -110,16 +113,18 @@ def check_verified(session: VerifySession, gdn_layers: list[torch.nn.Module]) ->
         )
 
 
-def project_separate(layer: torch.nn.Module, hidden_states: torch.Tensor):
+def project_separate(layer: torch.nn.Module, hidden_states: torch.Tensor, norm: torch.nn.Module | None = None):
     """Qwen3.5 layout: separate in_proj_qkv / in_proj_z / in_proj_b / in_proj_a; inside resident forwards one GEMM
-    over their concatenated weight while `prepare_gdn_projections`' copy is current (outputs are column slices)."""
+    over their concatenated weight while `prepare_gdn_projections`' copy is current (outputs are column slices),
+    the decoder's input `norm` (if left to this layer) in its prologue."""
     batch, seq_len, _ = hidden_states.shape
     modules = _projections(layer)
     copy = _current_projection_copy(layer, modules) if fused_kernels_active() else None
     if copy is not None:
         sizes = [m.out_features for m in modules]
-        mixed_qkv, z, b, a = linear(hidden_states, copy.weight).split(sizes, dim=-1)
+        mixed_qkv, z, b, a = linear(hidden_states, copy.weight, norm=norm).split(sizes, dim=-1)
     else:
+        hidden_states = normed(norm, hidden_states)
         mixed_qkv, z, b, a = (getattr(layer, name)(hidden_states) for name in SEPARATE_PROJECTIONS)
     return mixed_qkv, z.reshape(batch, seq_len, -1, layer.head_v_dim), b, a
 
@@ -193,9 +198,11 @@ def _one_launch_step(layer: torch.nn.Module, mixed_qkv: torch.Tensor, state: tor
             and weight.dtype == mixed_qkv.dtype and not hooked([norm]))
 
 
-def verify_forward(layer: torch.nn.Module, session: VerifySession, hidden_states: torch.Tensor, project: ProjectFn):
+def verify_forward(layer: torch.nn.Module, session: VerifySession, hidden_states: torch.Tensor, project: ProjectFn,
+                   input_norm: torch.nn.Module | None = None):
     """The GDN layer's output for w tokens from the committed state, without writing the cache (a decoding step
-    on the fused route writes it: see `VerifySession.decode_step`)."""
+    on the fused route writes it: see `VerifySession.decode_step`). input_norm: the decoder's input norm, left to
+    the projection (patches/_norms.py)."""
     batch, seq_len, _ = hidden_states.shape
     cache_layer = session.cache.layers[layer.layer_idx]
     conv_state = cache_layer.conv_states[0]  # [B, C, K]
@@ -203,7 +210,7 @@ def verify_forward(layer: torch.nn.Module, session: VerifySession, hidden_states
     if conv_state is None or state is None:
         raise RuntimeError("HybridSpec verification needs a prefilled cache (GDN layer %d is empty)." % layer.layer_idx)
 
-    mixed_qkv, z, b, a = project(layer, hidden_states)
+    mixed_qkv, z, b, a = project(layer, hidden_states, input_norm)
     conv_input = mixed_qkv.transpose(1, 2)  # [B, C, T]
     activation = _activation(layer.activation)
     weight = layer.conv1d.weight.squeeze(1)  # [C, K]
@@ -255,10 +262,11 @@ def patch_gdn_class(cls: type, project: ProjectFn) -> None:
     original = cls.forward
 
     def forward(self, hidden_states, *args, **kwargs):
+        norm = take_input_norm(self)
         session = self.__dict__.get("_hybridspec_verify")
         if session is None:
-            return original(self, hidden_states, *args, **kwargs)
-        return verify_forward(self, session, hidden_states, project)
+            return original(self, normed(norm, hidden_states), *args, **kwargs)
+        return verify_forward(self, session, hidden_states, project, norm)
 
     forward.__doc__ = original.__doc__
     forward.__wrapped__ = original

@@ -124,6 +124,35 @@ def test_moe_layers_add_norm_and_route_in_one_launch(name, dtype, calls, monkeyp
     assert calls["add_rms_norm"] == 3 * (layers - len(moe)) + layers  # the dense layers, and all at 17 tokens
 
 
+@pytest.mark.parametrize("name", ["qwen3_5_moe", "qwen3_next"])
+def test_the_input_norm_is_left_to_the_mixer_only_where_nothing_sees_the_raw_rows(name, calls, monkeypatch):
+    """The fused layer leaves input_layernorm to its token mixer (applied in the projection's prologue or by the
+    module, once, first thing in the mixer's forward) only while the switch is on and the norm and the mixer have
+    nothing else to run: a pre-hook on a mixer sees the normed rows, as in transformers; the parked norm never
+    outlives the call; the outputs stay transformers'."""
+    from hybridspec_hf.kernels import gemv_triton
+    from hybridspec_hf.patches._norms import INPUT_NORM
+
+    model = prepared(name, torch.float32)
+    layers = layers_of(model)
+    mixers = [layer.linear_attn if layer.block_type == "linear_attention" else layer.self_attn for layer in layers]
+    assert all(_decoder._defers_input_norm(layer, mixer) for layer, mixer in zip(layers, mixers))
+    seen = []
+    handle = mixers[0].register_forward_pre_hook(lambda module, args, kwargs: seen.append(kwargs["hidden_states"]),
+                                                 with_kwargs=True)
+    assert not _decoder._defers_input_norm(layers[0], mixers[0]) and _decoder._defers_input_norm(layers[1], mixers[1])
+    normed = []
+    layers[0].input_layernorm.register_forward_hook(lambda module, args, output: normed.append(output))
+    ids = torch.randint(0, VOCAB, (1, 3), generator=torch.Generator().manual_seed(4))
+    for fused, plain in zip(forward(model, ids, True), forward(model, ids, False)):
+        assert_near(fused, plain)
+    assert len(seen) == 2 and torch.equal(seen[0], normed[0])  # the fused forward's: the norm's output
+    handle.remove()
+    assert not any(INPUT_NORM in mixer.__dict__ for mixer in mixers)
+    monkeypatch.setattr(gemv_triton, "NORM_PROLOGUE", False)
+    assert not any(_decoder._defers_input_norm(layer, mixer) for layer, mixer in zip(layers, mixers))
+
+
 @pytest.mark.parametrize("name", ["qwen3_5_moe", "qwen3_next", "qwen3_5_dense"])
 def test_fused_layers_pass_the_cache_as_transformers_does(name, calls):
     """Prefill then two decoding steps on a cache: the GDN and attention layers get the cache under the name this

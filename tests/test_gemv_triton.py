@@ -28,7 +28,7 @@ import hybridspec_hf  # noqa: E402,F401  (installs the patches)
 from hybridspec_hf import patches  # noqa: E402
 from hybridspec_hf.kernels import gemv_triton  # noqa: E402
 from hybridspec_hf.kernels.gemv_triton import GemvConfig, fit_config, gemv, linear, m_bucket  # noqa: E402
-from hybridspec_hf.patches import _linear, _moe  # noqa: E402
+from hybridspec_hf.patches import _decoder, _linear, _moe  # noqa: E402
 from hybridspec_hf.patches._weight_copies import hooked  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("triton_interpreter")
@@ -121,6 +121,68 @@ def test_whole_slice_loads_each_program_slice_in_one_tile_and_stays_within_the_b
     assert launches[-1] == (64, 2)
 
 
+def normed_truth(x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The RMSNorm (1 + w) of x's rows in float64 (what transformers' Qwen norms compute, before their rounding)."""
+    x = x.double()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + norm_weight.double())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_norm_prologue_is_the_gemm_of_the_normed_rows(rows, dtype, monkeypatch):
+    """`gemv(..., norm=RowNorm)` against the float64 GEMM of the float64 normed rows: the bound of the module
+    docstring plus one rounding of each normed input (the kernel rounds them to x's dtype, as the norm's launch
+    would; fp32: a few ulps of rsqrt and the sum's order). Tiles with several K steps and with one (whole slice),
+    K in uneven slices, the sum of squares in several chunks (NORM_TILE small) and in one, FMAs and dots."""
+    gen = torch.Generator().manual_seed(rows)
+    for k, chunks in ((96, 4096), (328, 64)):
+        monkeypatch.setattr(gemv_triton, "NORM_TILE", chunks)
+        x = (torch.randn(rows, k, generator=gen) * 3).to(dtype)
+        weight = (torch.randn(40, k, generator=gen) * k**-0.5).to(dtype)
+        norm = gemv_triton.RowNorm((torch.randn(k, generator=gen) * 0.3).to(dtype), 1e-6)
+        exact_in = normed_truth(x, norm.weight, norm.eps)
+        exact = exact_in @ weight.double().T
+        magnitude = exact_in.abs() @ weight.double().abs().T
+        limit = (ULP[dtype] or 2.0**-20) * (exact.abs() + magnitude) + (k + 1) * 2.0**-24 * magnitude
+        for whole in (True, False):
+            monkeypatch.setattr(gemv_triton, "WHOLE_SLICE", whole)
+            for config in (GemvConfig(16, 32, 2), GemvConfig(32, 64, 1, dot=False)):
+                y = gemv(x, weight, None, config, norm)
+                assert y.dtype == dtype and y.shape == (rows, 40)
+                excess = (y.double() - exact).abs() - limit
+                assert bool((excess <= 0).all()), f"k {k} whole {whole} {config}: max excess {excess.max()}"
+
+
+@torch.no_grad()  # the kernel runs without grad
+def test_linear_with_a_norm_takes_the_prologue_or_calls_the_module(monkeypatch):
+    """`linear(x, W, norm=module)`: the prologue where the kernel takes the call (same output as the module's norm
+    followed by the kernel, within one rounding of the normed input), else the module, then F.linear: the switch
+    off, a norm weight of another dtype, or a shape the table does not name."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
+
+    calls = []
+    module = Qwen3_5RMSNorm(64, eps=1e-6)
+    module.weight.normal_(0, 0.3, generator=torch.Generator().manual_seed(3))
+    module.register_forward_hook(lambda *args: calls.append(1))
+    x, weight, _ = inputs(2, 48, 64, torch.float32, seed=11)
+    expected = F.linear(module(x), weight)
+    calls.clear()
+    monkeypatch.setattr(gemv_triton, "_FORCE", GemvConfig(16, 32, 2))
+    torch.testing.assert_close(linear(x, weight, norm=module), expected, rtol=1e-5, atol=1e-5)
+    assert calls == []  # in the prologue
+    monkeypatch.setattr(gemv_triton, "NORM_PROLOGUE", False)
+    torch.testing.assert_close(linear(x, weight, norm=module), expected, rtol=1e-5, atol=1e-5)
+    assert calls == [1]
+    monkeypatch.setattr(gemv_triton, "NORM_PROLOGUE", True)
+    module.to(torch.float64)  # weight of another dtype: the module
+    linear(x, weight, norm=module)
+    assert calls == [1, 1]
+    monkeypatch.setattr(gemv_triton, "_FORCE", None)
+    module.to(torch.float32)
+    torch.testing.assert_close(linear(x, weight, norm=module), expected)  # not in the table: module + F.linear
+    assert calls == [1, 1, 1]
+
+
 def test_split_k_is_deterministic_and_leaves_the_counters_zero():
     x, weight, _ = inputs(5, 96, 1024, torch.float32, seed=9)
     config = GemvConfig(16, 64, 16)
@@ -211,19 +273,30 @@ def test_resident_generate_with_the_kernel_on_every_projection_equals_ar(name, m
     with torch.no_grad():
         ar = target.generate(prompt, do_sample=False, max_new_tokens=6)
     drafter = make_drafter(target, 4, ar, error_rate=0.3).to(torch.float32)
-    seen = set()  # weights the kernel read, by address
+    seen, normed = set(), set()  # weights the kernel read, by address; those it read with the norm prologue
     launch = gemv_triton.gemv
 
-    def counted(x, weight, bias, config):
+    def counted(x, weight, bias, config, norm=None):
         seen.add(weight.data_ptr())
-        return launch(x, weight, bias, config)
+        if norm is not None:
+            normed.add(weight.data_ptr())
+        return launch(x, weight, bias, config, norm)
 
     monkeypatch.setattr(gemv_triton, "gemv", counted)
     monkeypatch.setattr(gemv_triton, "_FORCE", GemvConfig(16, 16, 2))  # every shape, K in two slices
     monkeypatch.setattr(_moe, "_ON_CPU", True)  # the fused router and shared expert on CPU tensors too
+    monkeypatch.setattr(_decoder, "_ON_CPU", True)  # and the fused decoder layer, which leaves its input norm
     out = run(target, prompt, drafter, "dflash", 6, hybridspec_config=hybridspec_hf.HybridSpecConfig(cuda_graphs="on"))
     assert torch.equal(out, ar)
-    assert seen >= projection_weights(target)
+    routers = {block.gate.weight.data_ptr() for block in patches.moe_blocks(target)}  # the fused route reads them
+    assert seen >= projection_weights(target) - routers
+    # the decoder's input norms in the prologue of the GDN copies' GEMMs (Qwen3-Next's GDN projections are modules;
+    # the attention's q|k|v copy takes it where the fused attention layer runs: CUDA, tests/test_resident_cuda.py)
+    from hybridspec_hf.patches import _gdn
+
+    copies = {layer.__dict__[_gdn._COPY].weight.data_ptr() for layer in patches.gdn_layers(target)
+              if _gdn._COPY in layer.__dict__}
+    assert normed == copies and bool(copies) == (name == "qwen3_5_moe")
     hybridspec_hf.release_graphs(target)
     assert not any(_linear.is_routed(m) for m in patches.decoder_linears(target))
 

@@ -221,6 +221,23 @@ def test_decode_matches_reference(hidden, inter, experts, top_k, gate_up_tiles, 
     assert rel(fused_experts_triton(**routed, mode="decode", **tiles), fused_experts_reference(**routed)) < TOL[dtype]
 
 
+@pytest.mark.parametrize("tokens", [1, 2])
+@pytest.mark.parametrize("hidden, inter, experts, top_k, gate_up_tiles, down_tiles", DECODE_CASES[1:])
+def test_decode_shared_expert_first_gives_the_same_bits(hidden, inter, experts, top_k, gate_up_tiles, down_tiles,
+                                                        tokens, monkeypatch):
+    """SHARED_FIRST (the shared expert's gate_up programs first in the grid, their first tiles loaded before the PDL
+    wait) moves programs, not sums: the same bits as the shared expert's programs last (uneven K slices: the early
+    tiles' masked tail; several K steps: only the first tile loaded early)."""
+    x = make_block(50 + tokens, tokens, hidden, inter, experts, top_k, torch.bfloat16)
+    tiles = dict(gate_up_tiles=gate_up_tiles, down_tiles=down_tiles)
+    outs = []
+    for first in (True, False):
+        monkeypatch.setattr(moe_triton, "SHARED_FIRST", first)
+        outs.append(moe_block_triton(**x, mode="decode", **tiles))
+    assert torch.equal(outs[0], outs[1])
+    assert rel(outs[0], moe_block_reference(**x)) < TOL[torch.bfloat16]
+
+
 def test_decode_duplicates_sentinels_and_zero_weights():
     """An expert listed twice by one token counts twice, ids outside [0, E) count nothing, zero weights give exactly
     the shared expert + residual; the same as the direct rows make of them."""

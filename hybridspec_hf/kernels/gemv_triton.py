@@ -48,6 +48,12 @@ MAX_ROWS = 16  # rows of x (tokens) the kernel takes: one 16-row tile
 # PDL_SHAPES -38 / -43 µs (two captures). False: the first BLOCK_K tile only (A/B, `ar-whole-slice`).
 WHOLE_SLICE = True
 WHOLE_SLICE_BYTES = 32 * 1024
+# The decoder layer's input RMSNorm in the prologue of the projection after it (`linear(..., norm=)`): each program
+# sums its rows' squares over all of K (x from L2) and scales its x tiles, so the norm needs no launch of its own
+# (the GDN input projection's and the attention's q|k|v copies: 40 launches fewer per AR step at 35B-A3B). False:
+# the norm module runs first (A/B, `ar-norm-prologue`).
+NORM_PROLOGUE = True
+NORM_TILE = 4096  # values of x per load of the prologue's sum of squares ([BLOCK_M, NORM_TILE / BLOCK_M])
 COUNTERS = 4096  # row blocks of one split-K launch (N / BLOCK_N); beyond it a launch does not split K
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -73,7 +79,10 @@ class GemvConfig:
 # 5120 x 2048 stayed within 3 % of cuBLAS, so they run F.linear). GemvConfig(block_n, block_k, split_k, num_warps,
 # num_stages, dot)
 TABLE: dict[tuple[int, int, int], GemvConfig] = {
-    (2048, 4096, 1): GemvConfig(32, 128, 8, 4, 4, True),  # 7.7 µs (F.linear 8.6)
+    # M = 1, the GDN out_proj and attention o_proj: 64-row blocks (64 KB slices, past WHOLE_SLICE_BYTES) measured
+    # in the AR step (run 74, benchmarks/results/sweep_b_run74.md): wall -20 µs against (32, 128, 8) (7.7 µs alone,
+    # F.linear 8.6), whose whole-slice prefetch slowed the GDN step before it
+    (2048, 4096, 1): GemvConfig(64, 128, 8, 4, 4, True),
     (2048, 4096, 4): GemvConfig(32, 128, 4, 4, 6, True),  # 8.0 µs (F.linear 8.7)
     (2048, 4096, 8): GemvConfig(32, 128, 4, 4, 6, True),  # 8.0 µs (F.linear 8.6)
     (2048, 4096, 16): GemvConfig(32, 128, 4, 4, 6, True),  # 8.1 µs (F.linear 8.8)
@@ -128,6 +137,14 @@ PDL_TABLE: dict[tuple[int, int, int], GemvConfig] = {
     (9216, 2048, 1): GemvConfig(64, 128, 1, 4, 4, True),  # 11.64 µs alone (F.linear 11.75)
 }
 
+@dataclass(frozen=True)
+class RowNorm:
+    """An RMSNorm of the (1 + w) convention applied to x's rows in the GEMM's prologue: weight [K], eps."""
+
+    weight: torch.Tensor
+    eps: float
+
+
 _FORCE: GemvConfig | None = None  # tests only: this config (fitted to each shape) for every shape, whatever TABLE says
 
 
@@ -163,12 +180,22 @@ def _gemv_tile(acc, b_w, b_x, DOT: tl.constexpr, DOT_FP32: tl.constexpr):
     return acc
 
 
+def _normed_tile(b_x, rstd, norm_w, cols, k_ok, NORM: tl.constexpr):
+    """x tile [BLOCK_M, BLOCK_K] as the RMSNorm (1 + w) before the GEMM returns it (`norm_triton._rms_norm_kernel`'s
+    products and rounding): x · rstd · (1 + w), in x's dtype; b_x itself without NORM."""
+    if NORM:
+        weight = tl.load(norm_w + cols, mask=k_ok, other=0.0).to(tl.float32) + 1.0
+        b_x = (b_x.to(tl.float32) * rstd[:, None] * weight[None, :]).to(b_x.dtype)
+    return b_x
+
+
 def _gemv_kernel(
-    x, w, bias, y, partials, counters,
-    M, N, K, stride_xm, stride_wn, stride_ym,
+    x, w, bias, y, partials, counters, norm_w,
+    M, N, K, stride_xm, stride_wn, stride_ym, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STEPS: tl.constexpr, SPLIT_K: tl.constexpr,
     DOT: tl.constexpr, DOT_FP32: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    OUT_DTYPE: tl.constexpr, PDL: tl.constexpr,
+    NORM: tl.constexpr, NORM_CHUNK: tl.constexpr, NORM_STEPS: tl.constexpr, OUT_DTYPE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -185,18 +212,31 @@ def _gemv_kernel(
     k_ok = (k_start + rk) < K
     b_w = tl.load(p_w) if EVEN_K else tl.load(p_w, mask=k_ok[None, :], other=0.0)
     pdl.enter(PDL)
+    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if NORM:  # x is the RMSNorm's input: each program sums its rows' squares over all of K (L2 reads)
+        rc = tl.arange(0, NORM_CHUNK)
+        squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for c in tl.static_range(NORM_STEPS):
+            chunk = c * NORM_CHUNK + rc
+            v = tl.load(x + rm[:, None] * stride_xm + chunk[None, :], mask=row_ok[:, None] & (chunk < K)[None, :],
+                        other=0.0).to(tl.float32)
+            squares += tl.sum(v * v, axis=1)
+        rstd = tl.rsqrt(squares / K + eps)
     b_x = tl.load(p_x, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+    b_x = _normed_tile(b_x, rstd, norm_w, k_start + rk, k_ok, NORM)
     acc = _gemv_tile(tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), b_w, b_x, DOT, DOT_FP32)
     for step in range(1, STEPS):  # y block, transposed: W's rows are the long side
         p_w += BLOCK_K
         p_x += BLOCK_K
+        cols = k_start + step * BLOCK_K + rk
+        k_ok = cols < K
         if EVEN_K:
             b_w = tl.load(p_w)
             b_x = tl.load(p_x, mask=row_ok[:, None], other=0.0)
         else:
-            k_ok = (k_start + step * BLOCK_K + rk) < K
             b_w = tl.load(p_w, mask=k_ok[None, :], other=0.0)
             b_x = tl.load(p_x, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b_x = _normed_tile(b_x, rstd, norm_w, cols, k_ok, NORM)
         acc = _gemv_tile(acc, b_w, b_x, DOT, DOT_FP32)
 
     out_ok = (rn < N)[:, None] & row_ok[None, :]
@@ -219,6 +259,7 @@ def _gemv_kernel(
 
 if HAS_TRITON:
     _gemv_tile = triton.jit(_gemv_tile)
+    _normed_tile = triton.jit(_normed_tile)
     _gemv_kernel = _LazyJit(_gemv_kernel, pdl=True, do_not_specialize=["M"])  # one compile for every M of a config
 
 
@@ -253,16 +294,20 @@ def fit_config(config: GemvConfig, rows: int, n: int, k: int) -> GemvConfig:
     return GemvConfig(block_n, block_k, split_k, config.num_warps, config.num_stages, dot)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig,
+         norm: RowNorm | None = None) -> torch.Tensor:
     """Triton `linear_reference` in one launch: x [..., K] with ≤ MAX_ROWS rows, weight [N, K] (K contiguous),
-    bias [N] or None, all of one float dtype -> [..., N] in x's dtype. `config` is fitted to the shape."""
+    bias [N] or None, all of one float dtype -> [..., N] in x's dtype. `config` is fitted to the shape. With `norm`
+    the GEMM's input is the RMSNorm (1 + w) of x's rows (`linear_reference(rms_norm_reference(x, ...), ...)`)."""
     n, k = weight.shape
     if x.shape[-1] != k or weight.stride(-1) != 1 or x.dtype != weight.dtype or x.dtype not in _DTYPES or \
-            (bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype)):
-        raise ValueError(f"gemv takes x [..., K], weight [N, K] with K contiguous and bias [N] or None, all of one "
-                         f"dtype (float32/bfloat16/float16); got x {tuple(x.shape)} {x.dtype}, weight "
-                         f"{tuple(weight.shape)} {weight.dtype} strides {weight.stride()}, bias "
-                         f"{None if bias is None else (tuple(bias.shape), bias.dtype)}")
+            (bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype)) or \
+            (norm is not None and (norm.weight.shape != (k,) or norm.weight.dtype != x.dtype)):
+        raise ValueError(f"gemv takes x [..., K], weight [N, K] with K contiguous, bias [N] or None and a norm "
+                         f"weight [K] or None, all of one dtype (float32/bfloat16/float16); got x {tuple(x.shape)} "
+                         f"{x.dtype}, weight {tuple(weight.shape)} {weight.dtype} strides {weight.stride()}, bias "
+                         f"{None if bias is None else (tuple(bias.shape), bias.dtype)}, norm weight "
+                         f"{None if norm is None else (tuple(norm.weight.shape), norm.weight.dtype)}")
     rows = x.reshape(-1, k)
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
     m = rows.shape[0]
@@ -284,12 +329,16 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, confi
         partials = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
         counters = split_counters(x.device)
     interpret = bool(triton.knobs.runtime.interpret)
+    block_m = 16 if config.dot else triton.next_power_of_2(m)
+    norm_chunk = min(triton.next_power_of_2(k), max(16, NORM_TILE // block_m))  # [block_m, chunk]: ≤ 4096 values
     _gemv_kernel[(triton.cdiv(n, config.block_n), split_k)](
         rows, weight, bias if bias is not None else weight, out, partials, counters,
-        m, n, k, rows.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_M=16 if config.dot else triton.next_power_of_2(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        norm.weight if norm is not None else weight,
+        m, n, k, rows.stride(0), weight.stride(0), out.stride(0), norm.eps if norm is not None else 0.0,
+        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         STEPS=steps, SPLIT_K=split_k, DOT=config.dot, DOT_FP32=x.dtype == torch.float32 or interpret,
-        EVEN_K=k % k_per_split == 0, HAS_BIAS=bias is not None, OUT_DTYPE=tl_dtype(x.dtype),
+        EVEN_K=k % k_per_split == 0, HAS_BIAS=bias is not None, NORM=norm is not None, NORM_CHUNK=norm_chunk,
+        NORM_STEPS=triton.cdiv(k, norm_chunk), OUT_DTYPE=tl_dtype(x.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out.view(*x.shape[:-1], n)
@@ -307,15 +356,30 @@ def choose_config(rows: int, n: int, k: int) -> GemvConfig | None:
     return TABLE.get(key, PDL_TABLE.get(key) if PDL_SHAPES else None)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           norm: torch.nn.Module | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias), by `gemv` where TABLE names a config for the shape and the tensors suit it (≤ 16
-    rows, one float dtype, on CUDA or under the interpreter), else by F.linear itself."""
+    rows, one float dtype, on CUDA or under the interpreter), else by F.linear itself. `norm`: an RMSNorm module of
+    the (1 + w) convention (weight [K], `eps` or `variance_epsilon`) to apply to x first: in the GEMM's prologue
+    while NORM_PROLOGUE is on and `gemv` takes the call, else by calling the module."""
     if weight.dim() == 2 and x.dim() >= 1 and x.shape[-1] == weight.shape[1] and x.numel() > 0:
         rows = x.numel() // x.shape[-1]
         config = choose_config(rows, *weight.shape) if rows <= MAX_ROWS else None
         if config is not None and _suits(x, weight, bias):
-            return gemv(x, weight, bias, config)
-    return F.linear(x, weight, bias)
+            row_norm = None if norm is None else _row_norm(norm, x)
+            if norm is None or row_norm is not None:
+                return gemv(x, weight, bias, config, row_norm)
+    return F.linear(x if norm is None else norm(x), weight, bias)
+
+
+def _row_norm(norm: torch.nn.Module, x: torch.Tensor) -> RowNorm | None:
+    """The module's weight and epsilon for the GEMM's prologue (NORM_PROLOGUE on, a plain weight [K] in x's dtype),
+    else None."""
+    weight = getattr(norm, "weight", None)
+    eps = getattr(norm, "eps", getattr(norm, "variance_epsilon", None))
+    if not NORM_PROLOGUE or type(weight) not in (torch.Tensor, torch.nn.Parameter) or not isinstance(eps, float):
+        return None
+    return RowNorm(weight, eps) if weight.shape == (x.shape[-1],) and weight.dtype == x.dtype else None
 
 
 def _suits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

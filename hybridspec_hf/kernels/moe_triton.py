@@ -90,6 +90,11 @@ DECODE_KERNEL_MAX_TOKENS = 4  # what the decode kernels accept (mode="decode"; t
 # True: "auto" takes the decode kernels for T <= DECODE_MAX_TOKENS; False: the direct rows (A/B: our AR step 2.97
 # ms/token with them against 3.50 without, run 34).
 DECODE_PATH = True
+# The decode gate_up kernel's shared-expert programs first in its grid, their first weight tiles loaded before the
+# PDL wait (every other expert is known only once the router's ids are): the AR step's gate_up had 15.5 µs a layer
+# against 8.9 of bytes, none of them in flight while the router ran (run 71). False: the shared expert's programs
+# last, every load after the wait (A/B, `ar-shared-first`).
+SHARED_FIRST = True
 MODES = ("auto", "decode", "direct", "sorted")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -394,14 +399,28 @@ def _gate_up_decode_kernel(
     stride_ht, stride_we, stride_wn,
     H: tl.constexpr, INTER: tl.constexpr, SP: tl.constexpr, TP: tl.constexpr, BN: tl.constexpr,
     BK: tl.constexpr, STEPS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, SHARED: tl.constexpr,
-    PDL: tl.constexpr,
+    SHARED_FIRST: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (i_n, i_k, slot): BN gate and BN up rows of the slot's expert over K slice i_k, for every token;
-    the last of the SPLIT programs of (slot, i_n) sums their partials in slice order and stores SiLU(gate)·up."""
-    pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
+    the last of the SPLIT programs of (slot, i_n) sums their partials in slice order and stores SiLU(gate)·up.
+    With SHARED_FIRST the shared expert's programs come first in the grid (z = 0, resident first) and load their
+    first tiles before the PDL wait: the only weights known before the router's ids are."""
     i_n = tl.program_id(0)
     i_k = tl.program_id(1)
     slot = tl.program_id(2)
+    if SHARED and SHARED_FIRST:
+        slot = tl.where(slot == 0, S, slot - 1)
+    rb = tl.arange(0, BN)
+    rn = i_n * BN + rb
+    rk = tl.arange(0, BK)
+    k_start = i_k * (STEPS * BK)
+    # rows past I read row rn mod I (valid memory: the W loads need no row mask) and are never stored
+    rows = (rn % INTER).to(tl.int64)[:, None] * stride_wn + (k_start + rk)[None, :]  # [BN, BK]
+    early = SHARED & SHARED_FIRST & (slot == S)  # this program's first gate and up tiles, loaded already
+    early_ok = early & ((k_start + rk) < H)[None, :]
+    early_gate = tl.load(shared_w1 + rows, mask=early_ok, other=0.0)
+    early_up = tl.load(shared_w1 + INTER * stride_wn + rows, mask=early_ok, other=0.0)
+    pdl.enter(PDL)  # PDL: nothing but weights read before the kernel before this one completed
     expert, live = _first_use(ids, slot, S, E, SP, "")
     w_base = w1 + expert * stride_we
     if SHARED:
@@ -410,26 +429,24 @@ def _gate_up_decode_kernel(
         if is_shared:
             w_base = shared_w1  # [gate_proj; up_proj; shared_expert_gate; padding]
     if live:
-        rb = tl.arange(0, BN)
-        rn = i_n * BN + rb
         rt = tl.arange(0, TP)
-        rk = tl.arange(0, BK)
         t_ok = rt < T
-        k_start = i_k * (STEPS * BK)
-        # rows past I read row rn mod I (valid memory: the W loads need no row mask) and are never stored
-        p_gate = w_base + (rn % INTER).to(tl.int64)[:, None] * stride_wn + (k_start + rk)[None, :]  # [BN, BK]
+        p_gate = w_base + rows
         p_up = p_gate + INTER * stride_wn
         p_x = hidden + k_start + rk  # [BK] of token 0
         acc_gate = tl.zeros([BN, TP], dtype=tl.float32)
         acc_up = tl.zeros([BN, TP], dtype=tl.float32)
         for step in range(STEPS):
             k_ok = (k_start + step * BK + rk) < H
+            loaded = early & (step == 0)
             if EVEN_K:
-                b_gate = tl.load(p_gate)
-                b_up = tl.load(p_up)
+                b_gate = tl.load(p_gate, mask=~loaded, other=0.0)
+                b_up = tl.load(p_up, mask=~loaded, other=0.0)
             else:
-                b_gate = tl.load(p_gate, mask=k_ok[None, :], other=0.0)
-                b_up = tl.load(p_up, mask=k_ok[None, :], other=0.0)
+                b_gate = tl.load(p_gate, mask=k_ok[None, :] & ~loaded, other=0.0)
+                b_up = tl.load(p_up, mask=k_ok[None, :] & ~loaded, other=0.0)
+            b_gate = tl.where(loaded, early_gate, b_gate)
+            b_up = tl.where(loaded, early_up, b_up)
             acc_gate = _add_row_products(acc_gate, b_gate, p_x, stride_ht, k_ok, T, TP)
             acc_up = _add_row_products(acc_up, b_up, p_x, stride_ht, k_ok, T, TP)
             p_gate += BK
@@ -923,7 +940,8 @@ def decode_launches(num_tokens: int, hidden_size: int, inter: int, top_k: int, *
     tiles, steps, split = _fit_decode(gate_up_tiles or default_gate_up, inter, hidden_size, slots)
     gate_up = Launch((triton.cdiv(inter, tiles.block_n), split, slots),
                      dict(common, BN=tiles.block_n, BK=tiles.block_k, STEPS=steps, SPLIT=split,
-                          EVEN_K=hidden_size % (steps * tiles.block_k) == 0), tiles.num_warps, tiles.num_stages)
+                          EVEN_K=hidden_size % (steps * tiles.block_k) == 0, SHARED_FIRST=SHARED_FIRST),
+                     tiles.num_warps, tiles.num_stages)
     tiles, steps, _ = _fit_decode(down_tiles or default_down, hidden_size, inter, 1)
     down = Launch((triton.cdiv(hidden_size, tiles.block_n), slots),
                   dict(common, K=top_k, KP=triton.next_power_of_2(top_k), BN=tiles.block_n, BK=tiles.block_k,
