@@ -50,6 +50,12 @@ SWITCHES = {
                       "the decoder's input RMSNorm in the prologue of the GDN / q|k|v projection GEMM"),
     "gdn-norm-fold": ("hybridspec_hf.kernels.gdn_step_triton", "FOLD_NORM",
                       "the GDN step's gated RMSNorm by the head's last program, no launch of its own"),
+    "rope-table": ("hybridspec_hf.patches._rope", "TABLE",
+                   "cos/sin gathered from the static target's RoPE table (one launch instead of ≈ 14)"),
+    "mask-on-demand": ("hybridspec_hf.graphs.static_target", "MASK_ON_DEMAND",
+                       "the dense attention mask only for layers that run transformers' attention function"),
+    "step-tail": ("hybridspec_hf.generation.resident", "FUSED_STEP_TAIL",
+                  "a plain step's bookkeeping after its token in one launch instead of ≈ 20 torch launches"),
 }
 
 # switches the resident rounds' key records (resident._Key): a variant needs no release of the kept rounds

@@ -1,7 +1,7 @@
 """Model-family patches (shipped as `hybridspec_hf.patches`): one file per family, nothing else imports internals.
 
-Each family module exposes NAME, GDN_CLASS, ATTENTION_CLASS, DECODER_LAYER_CLASS, MODEL_CLASSES, MOE_BLOCK_CLASS,
-ROUTER_CLASS, `router_normalizes` (None for dense families) and `project_gdn_inputs`.
+Each family module exposes NAME, GDN_CLASS, ATTENTION_CLASS, DECODER_LAYER_CLASS, ROTARY_CLASS, MODEL_CLASSES,
+MOE_BLOCK_CLASS, ROUTER_CLASS, `router_normalizes` (None for dense families) and `project_gdn_inputs`.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from ._attention import (
     patch_attention_projections,
     prepare_attention_projections,
     release_attention_projections,
+    routes_attention,
     static_cache_length,
 )
 from ._cache import is_linear_cache_layer
@@ -39,7 +40,7 @@ from ._moe import (
     routing_pre_hook,
 )
 from ._norms import fused_kernels, patch_norm_classes
-from ._rope import patch_rope
+from ._rope import RopeTable, patch_rope, patch_rotary_embedding, rope_slots
 from .experts import register_experts_implementation
 
 
@@ -66,16 +67,17 @@ def family_of(model: torch.nn.Module) -> ModuleType:
 
 
 def install() -> None:
-    """Patch every family's GDN layer with verify mode, its RMSNorms, RoPE, attention function and q|k|v
-    projections, decoder layers (residual add + RMSNorm) and MoE blocks (router, shared expert) with the fused paths
-    (all inert outside HybridSpec's resident forwards), route CPU tensors of transformers' GDN kernel functions to
-    their torch references (fla crashes on CPU tensors), and register experts_implementation="hybridspec"
-    (idempotent)."""
+    """Patch every family's GDN layer with verify mode, its RMSNorms, RoPE (rotation; cos/sin by table), attention
+    function and q|k|v projections, decoder layers (residual add + RMSNorm) and MoE blocks (router, shared expert)
+    with the fused paths (all inert outside HybridSpec's resident forwards), route CPU tensors of transformers' GDN
+    kernel functions to their torch references (fla crashes on CPU tensors), and register
+    experts_implementation="hybridspec" (idempotent)."""
     for family in _families():
         patch_gdn_class(family.GDN_CLASS, family.project_gdn_inputs)
         route_cpu_to_torch(family.modeling)
         patch_norm_classes(family.RMS_NORM_CLASS, family.GATED_NORM_CLASS)
         patch_rope(family.modeling)
+        patch_rotary_embedding(family.ROTARY_CLASS)
         patch_attention(family.modeling, family.ATTENTION_CLASS)
         patch_attention_projections(family.ATTENTION_CLASS)
         patch_decoder_layer(family.DECODER_LAYER_CLASS, family.RMS_NORM_CLASS, family.MOE_BLOCK_CLASS)
@@ -139,6 +141,8 @@ __all__ = [
     "prepare_fused_moe",
     "prepare_gdn_projections",
     "prepare_linears",
+    "RopeTable",
+    "rope_slots",
     "register_experts_implementation",
     "mask_invalid_routes",
     "release_attention_projections",
@@ -147,6 +151,7 @@ __all__ = [
     "release_gdn_projections",
     "release_linears",
     "route_cpu_to_torch",
+    "routes_attention",
     "static_cache_length",
     "supported_classes",
     "text_model",

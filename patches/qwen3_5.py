@@ -9,6 +9,7 @@ GATED_NORM_CLASS = modeling.Qwen3_5RMSNormGated
 GDN_CLASS = modeling.Qwen3_5GatedDeltaNet
 ATTENTION_CLASS = modeling.Qwen3_5Attention  # the text model's (gated) full attention
 DECODER_LAYER_CLASS = modeling.Qwen3_5DecoderLayer  # norm, mixer, add, norm, MLP, add
+ROTARY_CLASS = modeling.Qwen3_5TextRotaryEmbedding  # cos/sin: looked up in resident forwards (_rope.py)
 MODEL_CLASSES = (modeling.Qwen3_5ForCausalLM, modeling.Qwen3_5ForConditionalGeneration)
 MOE_BLOCK_CLASS = None  # dense MLPs: no router, no routing correction
 ROUTER_CLASS = None

@@ -9,6 +9,7 @@ GATED_NORM_CLASS = modeling.Qwen3_5MoeRMSNormGated
 GDN_CLASS = modeling.Qwen3_5MoeGatedDeltaNet
 ATTENTION_CLASS = modeling.Qwen3_5MoeAttention  # the text model's (gated) full attention
 DECODER_LAYER_CLASS = modeling.Qwen3_5MoeDecoderLayer  # norm, mixer, add, norm, MLP, add
+ROTARY_CLASS = modeling.Qwen3_5MoeTextRotaryEmbedding  # cos/sin: looked up in resident forwards (_rope.py)
 MODEL_CLASSES = (modeling.Qwen3_5MoeForCausalLM, modeling.Qwen3_5MoeForConditionalGeneration)
 MOE_BLOCK_CLASS = modeling.Qwen3_5MoeSparseMoeBlock  # .gate (router -> logits, scores, top-k ids) and .experts
 ROUTER_CLASS = modeling.Qwen3_5MoeTopKRouter

@@ -67,7 +67,8 @@ from hybridspec_hf.generation.strategy import Choice
 from hybridspec_hf.generation.telemetry import RoundRecord
 from hybridspec_hf.graphs.capture import Replay, host_syncs
 from hybridspec_hf.graphs.static_target import StaticTarget
-from hybridspec_hf.kernels import gdn_triton
+from hybridspec_hf.kernels import gdn_triton, step_tail_triton
+from hybridspec_hf.kernels.step_tail_triton import rows_ended, step_tail
 from hybridspec_hf.patches._cache import set_rows
 from hybridspec_hf.patches.experts import fused_experts_for
 from hybridspec_hf.selector.length import batch_row_stats, batch_rows_left
@@ -80,6 +81,10 @@ MAX_ROUNDS_PER_TARGET = 3  # captured settings kept per target (graphs, static c
 # 11.70 against 11.90 ms (AR 11.63); the speculative rounds then still appended the buffer before drafting (the
 # high profile lost up to 1 %), which the stretch's own appends have replaced since. `--defer-appends` is the A/B.
 DEFER_CONTEXT_APPENDS = True
+# True: a plain step's bookkeeping after its token (count, lengths, anchor, rows that end, hand-off values) is one
+# launch on CUDA (kernels/step_tail_triton.py) instead of ≈ 20 torch launches; False: the torch ops
+# (A/B: `--variants plain,-step-tail`)
+FUSED_STEP_TAIL = True
 _ACTIVE = "_hybridspec_resident"  # the target's most recently used rounds
 _KEPT = "_hybridspec_resident_kept"  # every rounds the target keeps, least recently used first
 
@@ -307,6 +312,7 @@ class ResidentRounds:
         # hand-off: [target tokens (N·T), a (N), m (N, device_commit), live after the round (N), w, kept, n_new,
         # draft_next]: `unpack` reads it
         self.handoff = torch.zeros(rows * (self.verify_tokens + 3) + 4, dtype=torch.long, pin_memory=pinned)
+        self.handoff_values = torch.zeros(self.handoff.shape, **long)  # a plain step's, by `step_tail`
         self.handoff_ready = torch.cuda.Event() if pinned else None
         self.pending: patches.VerifySession | None = None
         self.waited_s = 0.0  # host time spent waiting for hand-offs (telemetry: host time = wall - wait)
@@ -466,9 +472,7 @@ class ResidentRounds:
         positions of tokens [N, T]) or reached its limit. Only with device_commit (else the host decides)."""
         if not self.device_commit:
             return self.live
-        eos = ((tokens[..., None] == self.eos_ids.view(1, 1, -1)).any(-1) & emitted).any(-1)  # [N]
-        ended = eos | (self.target.length + 1 >= self.limit)
-        self.live.mul_((~ended).long())
+        self.live.mul_((~rows_ended(tokens, emitted, self.eos_ids, self.target.length, self.limit)).long())
         return self.live
 
     def _step(self, decide: bool = False):
@@ -484,8 +488,8 @@ class ResidentRounds:
         measured in run 24 of benchmarks/results/gpu_rounds_runs.md); otherwise (and for a batch, whose finished
         rows must keep their state) the block verify + commit.
         """
-        context_len = self._context_len()
         if decide:  # plain_run below decides for this batch (before this step's token)
+            context_len = self._context_len()
             self._batch_state(self.limit - (self.target.length + 1))
         session = self.target.session(decode_step=gdn_triton.DECODE_STEP and self.rows == 1)
         # not under calibrated routing: one token reads top-k experts whatever ids the profile would give it, and
@@ -496,16 +500,32 @@ class ResidentRounds:
             token = sample_tokens(scores.softmax(-1)) if self.do_sample else scores.argmax(-1)  # [N]
         else:  # greedy on raw logits: the fp32 copy changes no value nor order (and argmax takes the first maximum)
             token = logits[:, 0].argmax(-1)
-        self.count.copy_(self.live)  # m = 1 per live row
+        # the plain steps before the next draft (decide), else nothing: the host knows
+        draft_next = self.zero
+        if decide:
+            draft_next = self.strategy.plain_run(context_len).reshape(-1)[:1].to(self.device, torch.long)
+        self._commit_step(session, token, draft_next)
         if self.defers:
             self._defer(features)
         elif self.context is not None:
             with patches.fused_kernels():  # the drafter's K/V of the new features: its k-norm and RoPE fused
                 self.context.append(features, self.count if self.rows > 1 else 1)
-        self.target.commit(session, self.count)
+
+    def _commit_step(self, session: patches.VerifySession, token: torch.Tensor, draft_next: torch.Tensor) -> None:
+        """A plain step's commit of its token [N] (m = 1 per live row): count, GDN states, lengths, the anchor, the
+        rows that end, the hand-off. With FUSED_STEP_TAIL on CUDA all but the GDN commit (none after a decoding
+        step) and the hand-off copy are one launch (kernels/step_tail_triton.py, the same updates)."""
+        target = self.target
+        if FUSED_STEP_TAIL and step_tail_triton.applies(self.device):
+            step_tail(token.view(-1), self.live, self.count, target.length, target.next_position,
+                      target.attention_lengths if self.rows == 1 else None, self.last_token, self.eos_ids,
+                      self.limit, draft_next, self.handoff_values, self.device_commit)
+            target.commit_states(session, self.count)
+            self.handoff.copy_(self.handoff_values, non_blocking=True)
+            return
+        self.count.copy_(self.live)  # m = 1 per live row
+        target.commit(session, self.count)
         self.last_token.copy_(torch.where(self.count.view(-1, 1) > 0, token.view(-1, 1), self.last_token))
-        # the plain steps before the next draft (decide), else nothing: the host knows
-        draft_next = self.strategy.plain_run(context_len).reshape(-1)[:1].to(self.device) if decide else self.zero
         tokens = torch.nn.functional.pad(token.view(-1, 1), (0, self.verify_tokens - 1))  # the block's layout
         committed = self.columns < self.count.view(-1, 1)
         live = self._end_rows(committed, tokens)

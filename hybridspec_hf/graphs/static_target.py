@@ -11,7 +11,10 @@ One `StaticTarget` per (model, capacity, block size) lives across generate() cal
 - masks built on the device from `length` (a mask dict, so transformers' mask code, which syncs on 5.17, never
   runs), per row. On CUDA the attention layers of the resident forwards ignore them and read `length` itself
   (patches/_attention.py, kernels/attention_triton.py): keys past the live ones are never read, so a round's
-  attention no longer costs the whole capacity.
+  attention no longer costs the whole capacity. So the mask is built on demand (MASK_ON_DEMAND): by the first
+  layer that runs transformers' attention function, and on the kernel path not at all;
+- `rope`: the rotary embedding's cos/sin of every cache slot (patches.RopeTable, refilled by `load` and `reset`),
+  which the resident forwards gather by slot instead of computing them.
 
 A batch is held without padding: `load` copies row b's real prompt tokens (its attention_mask ones) to slots
 0 .. n_b-1, so each row's cache is the one its own generate() would hold, and rows differ only in their lengths.
@@ -29,6 +32,10 @@ import torch
 
 from hybridspec_hf import patches
 from hybridspec_hf.patches._cache import row_snapshot
+
+# True: the dense mask is built only for attention layers that run transformers' function (module docstring);
+# False: every forward builds it (A/B: `--variants plain,-mask-on-demand`)
+MASK_ON_DEMAND = True
 
 
 class FeatureCapture:
@@ -100,6 +107,8 @@ class StaticTarget:
                 f"model uses {self.attn_impl!r}. Load it with attn_implementation='sdpa' or pass "
                 "HybridSpecConfig(cuda_graphs='off')."
             )
+        # the attention layers take None for their mask and ask for it (patches.static_cache_length)
+        self.mask_on_demand = patches.routes_attention(patches.family_of(model).modeling)
         self._initialise()
         self.verifier = verifier
         self.state_buffer = None  # [GDN layers, 1, max_tokens, HV, dk, dv] fp32 for the "per_token_state" verifier
@@ -129,6 +138,11 @@ class StaticTarget:
         if self.rows == 1:
             for index, layer in enumerate(attention):
                 layer.cumulative_length = self.attention_lengths[index]
+        rotary = getattr(patches.text_model(self.model), "rotary_emb", None)
+        self.rope = None  # a table only for the family's rotary embedding (its class is patched to read it)
+        if isinstance(rotary, patches.family_of(self.model).ROTARY_CLASS):
+            self.rope = patches.RopeTable.build(rotary, self._position_ids(self.next_position), self.capacity,
+                                                self.dtype)
         self.reset()
 
     def reset(self) -> None:
@@ -137,21 +151,37 @@ class StaticTarget:
         self.next_position.zero_()
         for layer in _attention_layers(self.cache):
             layer.cumulative_length.zero_()
+        self._fill_rope()
+
+    def _fill_rope(self) -> None:
+        """Refill the RoPE table (eager) for the position ids next_position - length + slot that the slots of each
+        row hold from now on (positions and lengths advance together)."""
+        if self.rope is not None:
+            self.rope.fill(self._position_ids(self.next_position - self.length.view(1, -1, 1)))
 
     def _position_ids(self, positions: torch.Tensor) -> torch.Tensor:
         """[R, N, T] -> what the model takes: [N, T] for plain RoPE, [R, N, T] for mRoPE."""
         return positions[0] if positions.shape[0] == 1 else positions
 
     # ------------------------------------------------------------------------------------------------ masks
-    def mask(self, num_tokens: int) -> dict:
-        """The mask dict for T new tokens at cache positions length .. length+T-1 of each row (causal over the static
-        cache): [N, 1, T, capacity]."""
-        query = self.length.view(-1, 1) + self.key_positions[:num_tokens]  # [N, T]
-        visible = self.key_positions.view(1, 1, -1) <= query[..., None]  # [N, T, capacity]
+    def _slots(self, num_tokens: int) -> torch.Tensor:
+        """[N, T] long: the cache slots length .. length+T-1 of each row's T new tokens (at T = 1 a view of
+        `length`: no launch)."""
+        if num_tokens == 1:
+            return self.length.view(-1, 1)
+        return self.length.view(-1, 1) + self.key_positions[:num_tokens]
+
+    def _dense_mask(self, slots: torch.Tensor) -> torch.Tensor:
+        """[N, 1, T, capacity]: key j visible to the token at slot i iff j <= i (causal over the static cache)."""
+        visible = self.key_positions.view(1, 1, -1) <= slots[..., None]  # [N, T, capacity]
         if self.attn_impl == "eager":
             visible = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill(
                 ~visible, torch.finfo(self.dtype).min)
-        return {"full_attention": visible[:, None], "linear_attention": None}
+        return visible[:, None]
+
+    def mask(self, num_tokens: int) -> dict:
+        """The mask dict for T new tokens at cache positions length .. length+T-1 of each row: [N, 1, T, capacity]."""
+        return {"full_attention": self._dense_mask(self._slots(num_tokens)), "linear_attention": None}
 
     # ------------------------------------------------------------------------------------------------ forwards
     def forward(self, tokens: torch.Tensor, verify: patches.VerifySession | None = None):
@@ -161,17 +191,27 @@ class StaticTarget:
         With a session: GDN layers verify without writing their state; attention writes T keys past `length`.
         """
         num_tokens = tokens.shape[1]
-        positions = self.next_position + self.key_positions[:num_tokens].view(1, 1, -1)
+        slots = self._slots(num_tokens)
+        positions = self.next_position  # one token: the buffer itself (+ 0 would be a launch)
+        if num_tokens > 1:
+            positions = positions + self.key_positions[:num_tokens].view(1, 1, -1)
+        masks, mask = {"full_attention": None, "linear_attention": None}, None
+        if MASK_ON_DEMAND and self.mask_on_demand:  # built once, by the first layer that reads it
+            mask = functools.cache(functools.partial(self._dense_mask, slots))
+        else:
+            masks["full_attention"] = self._dense_mask(slots)
         if verify is not None:
             for layer in self.gdn_layers:
                 layer._hybridspec_verify = verify
         capture = FeatureCapture(self.decoder_layers, self.feature_layer_ids)  # only for this forward
         try:
-            # attention layers read `length` on the device (our static-cache kernel, on CUDA) or the mask (SDPA)
-            with patches.fused_kernels(), patches.static_cache_length(self.length):
+            # attention layers read `length` on the device (our static-cache kernel, on CUDA) or the mask (SDPA);
+            # the rotary embedding its tokens' rows of the RoPE table
+            with (patches.fused_kernels(), patches.static_cache_length(self.length, mask),
+                  patches.rope_slots(self.rope, slots)):
                 outputs = self.model(input_ids=tokens, position_ids=self._position_ids(positions),
-                                     attention_mask=self.mask(num_tokens), use_cache=True,
-                                     logits_to_keep=num_tokens, **{self.cache_kwarg: self.cache})
+                                     attention_mask=masks, use_cache=True, logits_to_keep=num_tokens,
+                                     **{self.cache_kwarg: self.cache})
             features = capture.take()
         finally:
             capture.remove()
@@ -198,8 +238,14 @@ class StaticTarget:
     def commit(self, session: patches.VerifySession, count: torch.Tensor) -> None:
         """Keep `count` ([N] long, 0 ≤ count ≤ T, per row) of a verification's tokens: S_m and conv windows of every
         GDN layer in one launch, then the lengths (attention keys past the new length are masked from now on)."""
-        patches.commit_session(session, count.to(torch.int32))
+        self.commit_states(session, count)
         self.advance(count)
+
+    def commit_states(self, session: patches.VerifySession, count: torch.Tensor) -> None:
+        """S_m and conv windows of every GDN layer (count [N] long) in one launch; none after a decoding step whose
+        layers all updated their state in place (nothing pending)."""
+        if session.pending:
+            patches.commit_session(session, count.to(torch.int32))
 
     # ------------------------------------------------------------------------------------------------ caller's cache
     def load(self, cache, position: torch.Tensor, real: torch.Tensor | None = None) -> None:
@@ -237,6 +283,7 @@ class StaticTarget:
         if self.rows == 1:
             for layer in _attention_layers(self.cache):
                 layer.cumulative_length.fill_(counts[0])
+        self._fill_rope()
 
     def row_snapshot(self, row: int, length: int) -> list:
         """Copies of row `row`'s committed state (`length` tokens, known on the host), in `patches.row_snapshot`'s
