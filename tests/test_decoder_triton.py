@@ -133,6 +133,7 @@ def test_the_input_norm_is_left_to_the_mixer_only_where_nothing_sees_the_raw_row
     from hybridspec_hf.kernels import gemv_triton
     from hybridspec_hf.patches._norms import INPUT_NORM
 
+    monkeypatch.setattr(gemv_triton, "NORM_PROLOGUE", True)  # (A/B switch, off by default)
     model = prepared(name, torch.float32)
     layers = layers_of(model)
     mixers = [layer.linear_attn if layer.block_type == "linear_attention" else layer.self_attn for layer in layers]

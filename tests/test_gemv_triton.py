@@ -168,6 +168,7 @@ def test_linear_with_a_norm_takes_the_prologue_or_calls_the_module(monkeypatch):
     expected = F.linear(module(x), weight)
     calls.clear()
     monkeypatch.setattr(gemv_triton, "_FORCE", GemvConfig(16, 32, 2))
+    monkeypatch.setattr(gemv_triton, "NORM_PROLOGUE", True)
     torch.testing.assert_close(linear(x, weight, norm=module), expected, rtol=1e-5, atol=1e-5)
     assert calls == []  # in the prologue
     monkeypatch.setattr(gemv_triton, "NORM_PROLOGUE", False)
@@ -286,6 +287,7 @@ def test_resident_generate_with_the_kernel_on_every_projection_equals_ar(name, m
     monkeypatch.setattr(gemv_triton, "_FORCE", GemvConfig(16, 16, 2))  # every shape, K in two slices
     monkeypatch.setattr(_moe, "_ON_CPU", True)  # the fused router and shared expert on CPU tensors too
     monkeypatch.setattr(_decoder, "_ON_CPU", True)  # and the fused decoder layer, which leaves its input norm
+    monkeypatch.setattr(gemv_triton, "NORM_PROLOGUE", True)  # (A/B switch, off by default)
     out = run(target, prompt, drafter, "dflash", 6, hybridspec_config=hybridspec_hf.HybridSpecConfig(cuda_graphs="on"))
     assert torch.equal(out, ar)
     routers = {block.gate.weight.data_ptr() for block in patches.moe_blocks(target)}  # the fused route reads them

@@ -50,9 +50,11 @@ WHOLE_SLICE = True
 WHOLE_SLICE_BYTES = 32 * 1024
 # The decoder layer's input RMSNorm in the prologue of the projection after it (`linear(..., norm=)`): each program
 # sums its rows' squares over all of K (x from L2) and scales its x tiles, so the norm needs no launch of its own
-# (the GDN input projection's and the attention's q|k|v copies: 40 launches fewer per AR step at 35B-A3B). False:
-# the norm module runs first (A/B, `ar-norm-prologue`).
-NORM_PROLOGUE = True
+# (the GDN input projection's and the attention's q|k|v copies: 40 launches fewer per AR step at 35B-A3B). Off: on
+# the H200 (run 75, benchmarks/results/kernel_costs_run75.md) the AR step took 2.853 ms with it against 2.619 without
+# (the GEMVs' share of the traced step 1119 against 840 µs: the prologue's [16, 256] masked loads and the per-tile
+# scaling cost each program more than the norm's own launch saves). True: A/B (`ar+norm-prologue`).
+NORM_PROLOGUE = False
 NORM_TILE = 4096  # values of x per load of the prologue's sum of squares ([BLOCK_M, NORM_TILE / BLOCK_M])
 COUNTERS = 4096  # row blocks of one split-K launch (N / BLOCK_N); beyond it a launch does not split K
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
