@@ -92,9 +92,10 @@ DECODE_KERNEL_MAX_TOKENS = 4  # what the decode kernels accept (mode="decode"; t
 DECODE_PATH = True
 # The decode gate_up kernel's shared-expert programs first in its grid, their first weight tiles loaded before the
 # PDL wait (every other expert is known only once the router's ids are): the AR step's gate_up had 15.5 µs a layer
-# against 8.9 of bytes, none of them in flight while the router ran (run 71). False: the shared expert's programs
-# last, every load after the wait (A/B, `ar-shared-first`).
-SHARED_FIRST = True
+# against 8.9 of bytes, none of them in flight while the router ran (run 71). Off: on the H200 the step's traced span
+# was 60-72 µs longer with it (runs 75-76, kernel_costs_run75/76.md: the fused router's share and gate_up's both
+# grew; the walls -4 / +20 µs, within those machines' noise). True: A/B (`ar+shared-first`).
+SHARED_FIRST = False
 MODES = ("auto", "decode", "direct", "sorted")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
