@@ -13,10 +13,10 @@ its TABLE names the shape, else F.linear; reference `linear_reference`; used by 
 `attention_triton` is the attention of a few queries over a static KV cache with a device-side length
 (`static_attention`, reference `attention_reference`), for the target's attention layers (patches/_attention.py) and
 the drafter's `draft_static`. `dflash_triton` is the drafter's fused resident layer pieces (`qk_norm_rope_store`,
-`add_rms_norm`, references beside them; used by drafter/fused.py). `signals_triton` is the drafter's per-position signals in one launch.
-`step_tail_triton` is a resident plain step's bookkeeping after its token in one launch (`step_tail`, reference
-`step_tail_reference`; used by generation/resident.py). `fused_kernels()`
-is the flag that routes patched modules to these kernels inside GPU-resident forwards.
+`add_rms_norm`, references beside them; used by drafter/fused.py). `signals_triton` is the drafter's per-position
+signals in one launch. `step_tail_triton` is a resident plain step's bookkeeping after its token in one launch
+(`step_tail`, reference `step_tail_reference`; used by generation/resident.py). `fused_kernels()` is the flag that
+routes patched modules to these kernels inside GPU-resident forwards.
 """
 from .gdn_torch import (
     GDNVerifyResult,
