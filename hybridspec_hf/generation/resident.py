@@ -68,7 +68,7 @@ from hybridspec_hf.generation.telemetry import RoundRecord
 from hybridspec_hf.graphs.capture import Replay, host_syncs
 from hybridspec_hf.graphs.static_target import StaticTarget
 from hybridspec_hf.kernels import gdn_triton, step_tail_triton
-from hybridspec_hf.kernels.step_tail_triton import rows_ended, step_tail
+from hybridspec_hf.kernels.step_tail_triton import rows_ended, step_tail, step_tail_reference
 from hybridspec_hf.patches._cache import set_rows
 from hybridspec_hf.patches.experts import fused_experts_for
 from hybridspec_hf.selector.length import batch_row_stats, batch_rows_left
@@ -304,10 +304,7 @@ class ResidentRounds:
         self.profile = _profile_on(strategy.profile, self.device, self.block_size)  # timing mode (or None)
         self.profile_row = torch.zeros(rows, **long)  # each row replays its own run of the profile's rows
         self.one = torch.ones(1, **long)
-        # constants the graphs read (never written): a step's hand-off fields and token columns without a launch each
-        self.zero = torch.zeros(1, **long)
-        self.zero_rows = torch.zeros(rows, **long)
-        self.columns = torch.arange(self.verify_tokens, **long).view(1, -1)
+        self.zero = torch.zeros(1, **long)  # a constant the graphs read (never written): no launch for a zero field
         pinned = self.device.type == "cuda"
         # hand-off: [target tokens (N·T), a (N), m (N, device_commit), live after the round (N), w, kept, n_new,
         # draft_next]: `unpack` reads it
@@ -514,22 +511,15 @@ class ResidentRounds:
     def _commit_step(self, session: patches.VerifySession, token: torch.Tensor, draft_next: torch.Tensor) -> None:
         """A plain step's commit of its token [N] (m = 1 per live row): count, GDN states, lengths, the anchor, the
         rows that end, the hand-off. With FUSED_STEP_TAIL on CUDA all but the GDN commit (none after a decoding
-        step) and the hand-off copy are one launch (kernels/step_tail_triton.py, the same updates)."""
+        step) and the hand-off copy are one launch (kernels/step_tail_triton.py), else its torch reference."""
         target = self.target
-        if FUSED_STEP_TAIL and step_tail_triton.applies(self.device):
-            step_tail(token.view(-1), self.live, self.count, target.length, target.next_position,
-                      target.attention_lengths if self.rows == 1 else None, self.last_token, self.eos_ids,
-                      self.limit, draft_next, self.handoff_values, self.device_commit)
-            target.commit_states(session, self.count)
-            self.handoff.copy_(self.handoff_values, non_blocking=True)
-            return
-        self.count.copy_(self.live)  # m = 1 per live row
-        target.commit(session, self.count)
-        self.last_token.copy_(torch.where(self.count.view(-1, 1) > 0, token.view(-1, 1), self.last_token))
-        tokens = torch.nn.functional.pad(token.view(-1, 1), (0, self.verify_tokens - 1))  # the block's layout
-        committed = self.columns < self.count.view(-1, 1)
-        live = self._end_rows(committed, tokens)
-        self._write_handoff(tokens, self.zero_rows, live, self.one, self.zero, self.zero, draft_next)
+        fused = FUSED_STEP_TAIL and step_tail_triton.applies(self.device)
+        tail = step_tail if fused else step_tail_reference
+        tail(token.view(-1), self.live, self.count, target.length, target.next_position,
+             target.attention_lengths if self.rows == 1 else None, self.last_token, self.eos_ids, self.limit,
+             draft_next, self.handoff_values, self.device_commit)
+        target.commit_states(session, self.count)
+        self.handoff.copy_(self.handoff_values, non_blocking=True)
 
     def _defer(self, features: torch.Tensor) -> None:
         """Park a plain step's features [N, 1, F] in column `deferred_count` of each row and count them by m: a

@@ -54,7 +54,8 @@ def step_tail_reference(token: torch.Tensor, live: torch.Tensor, count: torch.Te
     if device_commit:
         emitted = torch.arange(width, device=live.device).view(1, -1) < count.view(-1, 1)
         live.mul_((~rows_ended(tokens, emitted, eos_ids, length, limit)).long())
-    fixed = torch.tensor([1, 0, 0], dtype=torch.long, device=live.device)  # w, kept, n_new
+    fixed = F.pad(torch.ones(1, dtype=torch.long, device=live.device), (0, 2))  # w, kept, n_new (no host copy:
+    # the reference also runs inside CUDA-graph captures, FUSED_STEP_TAIL off)
     out.copy_(torch.cat([tokens.reshape(-1), torch.zeros_like(live), count, live, fixed, draft_next.reshape(1)]))
 
 
