@@ -9,7 +9,8 @@
 The real pair's profile is its held-out traces (tiny_pair_heldout.safetensors, written by acceptance_traces.py).
 Routing: `routing_tiny_pair.json`, the excess expert reuse per block position fitted on those traces' router ids
 (selector.profiles.fit_routing_profile); timing mode replays expert ids sampled from it ("calibrated" routing).
-Caveat: the tiny target's greedy text loops, and loops reuse experts; the profile says what the pair does.
+Refitted 2026-12-03 for the retrained pair (its greedy text loops far less: distinct-4 0.64 against 0.20 before;
+loops reuse experts, so the earlier profile's reuse was partly the loops'); the profile says what the pair does.
 """
 import json
 from pathlib import Path
