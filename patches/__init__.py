@@ -41,7 +41,7 @@ from ._moe import (
 )
 from ._norms import fused_kernels, patch_norm_classes
 from ._rope import RopeTable, patch_rope, patch_rotary_embedding, rope_slots
-from .experts import register_experts_implementation
+from .experts import cpu_verification_blocks, fused_experts_for, register_experts_implementation
 
 
 def _families() -> list[ModuleType]:
@@ -128,8 +128,10 @@ __all__ = [
     "VerifySession",
     "check_verified",
     "commit_session",
+    "cpu_verification_blocks",
     "decoder_linears",
     "family_of",
+    "fused_experts_for",
     "fused_kernels",
     "gdn_layers",
     "install",

@@ -88,15 +88,22 @@ def per_token_state_buffer(gdn_layers: list[torch.nn.Module], cache, max_tokens:
     return allocate_state_buffer(len(gdn_layers), state, max_tokens)
 
 
-def commit_session(session: VerifySession, num_committed: torch.Tensor) -> None:
-    """Commit m tokens ([B] int device tensor) of a verification into every GDN layer: one launch per device on
-    CUDA (one in all, unless a device_map spreads the layers over several GPUs)."""
-    commit = commit_default_states if session.verifier == "per_token_state" else commit_gdn_states_auto
+def commit_session(session: VerifySession, num_committed: torch.Tensor | int) -> None:
+    """Commit m tokens of a verification into every GDN layer: one launch per device on CUDA (one in all, unless a
+    device_map spreads the layers over several GPUs). num_committed: [B] int device tensor, or one int for every
+    row (the eager loop: the torch commit then sums over the m committed tokens only)."""
+    per_token = session.verifier == "per_token_state"
+    commit = commit_default_states if per_token else commit_gdn_states_auto
     by_device: dict[torch.device, list] = {}
     for pending in session.pending:
         by_device.setdefault(pending.state.device, []).append(pending)
     for device, layers in by_device.items():
-        commit(layers, num_committed.to(device), session.kernel_backend)
+        count = num_committed
+        if not isinstance(count, int):
+            count = count.to(device)
+        elif per_token or select_backend(session.kernel_backend, layers[0].state) == "triton":
+            count = torch.full((layers[0].state.shape[0],), count, dtype=torch.int32, device=device)
+        commit(layers, count, session.kernel_backend)
 
 
 def check_verified(session: VerifySession, gdn_layers: list[torch.nn.Module]) -> None:

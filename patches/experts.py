@@ -4,6 +4,8 @@ transformers (5.17 and 5.24 alike) decorates each experts class with `@use_exper
 looks `config._experts_implementation` up in `ExpertsInterface` (transformers/integrations/moe.py) and calls
 `fn(experts_module, hidden [T, H], top_k_index [T, k], top_k_weights [T, k])`. Registering a name there makes
 `model.set_experts_implementation("hybridspec")` accept it (the name check reads the same registry).
+HybridSpec's verifications switch to it for their forward only: GPU-resident rounds always (`fused_experts_for`
+around capture), CPU verifications where `cpu_verification_blocks` says so (`dense_experts`).
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import contextlib
 import torch
 from transformers.integrations import moe
 
-from hybridspec_hf.kernels.moe_triton import fused_experts
+from hybridspec_hf.kernels.moe_triton import dense_fits, fused_experts
 
 NAME = "hybridspec"
 # Prefill on a GPU goes to transformers' grouped_mm (CUTLASS grouped GEMM); the Triton path is shaped for the
@@ -61,6 +63,30 @@ def fused_experts_for(blocks: list[torch.nn.Module]):
     finally:
         for config, value in zip(configs, saved):
             config._experts_implementation_internal = value
+
+
+# transformers' own implementations (None: its "eager" forward): the same maths as "hybridspec" (a custom registered
+# one is left alone)
+TRANSFORMERS_IMPLEMENTATIONS = (None, "eager", "grouped_mm", "batched_mm")
+
+
+def cpu_verification_blocks(blocks: list[torch.nn.Module], num_tokens: int) -> list[torch.nn.Module]:
+    """The MoE blocks whose experts a CPU verification of `num_tokens` rows runs as "hybridspec" (inside
+    `fused_experts_for`): all of `blocks` when every one is on the CPU, supported, set to one of transformers' own
+    implementations and small enough for `dense_experts` at that many rows (kernels/moe_triton.py `dense_fits`),
+    else none. `dense_experts` is a dozen ops, no host sync, where "eager" loops over the experts hit (≈ 10 ops
+    each: 3.5 times slower at the tiny pair's 16 tokens) and grouped_mm / batched_mm are slower still on the CPU.
+    Plain generate() and the prefill keep the user's choice."""
+    for block in blocks:
+        experts = block.experts
+        weight = getattr(experts, "gate_up_proj", None)
+        config = experts.config
+        top_k = getattr(config, "num_experts_per_tok", None)
+        if (not isinstance(weight, torch.Tensor) or weight.device.type != "cpu" or weight.dim() != 3
+                or getattr(config, "_experts_implementation", None) not in TRANSFORMERS_IMPLEMENTATIONS
+                or not isinstance(top_k, int) or not supports(experts) or not dense_fits(num_tokens, top_k, weight)):
+            return []
+    return list(blocks)
 
 
 def _unsupported_reason(experts: torch.nn.Module) -> str | None:

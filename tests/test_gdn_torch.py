@@ -34,6 +34,18 @@ def test_verify_and_every_commit_length_match_the_float64_recurrence(shape, deca
             expected = state[i].double() if mi == 0 else states[i, mi - 1]
             error = (committed[i].double() - expected).abs().max() / expected.abs().max()
             assert error < 1e-5, f"request {i}, m = {mi}: relative error {error:.2e}"
+        # one int m for every request (the eager loop): sums over the m committed tokens only, the same S_m
+        same_m = state.clone()
+        gdn_commit(same_m, k, verified, m)
+        expected = state.double() if m == 0 else states[:, m - 1]
+        assert (same_m.double() - expected).abs().max() / expected.abs().max() < 1e-5, f"int m = {m}"
+
+
+def test_int_commit_count_is_checked():
+    q, k, v, g, beta, state = random_inputs(1, 4, 2, 4, 8, 8, 1.0, torch.float32, seed=2)
+    verified = gdn_verify(q, k, v, g, beta, state)
+    with pytest.raises(ValueError, match=r"num_committed must be in \[0, 4\]"):
+        gdn_commit(state.clone(), k, verified, 5)
 
 
 def test_commit_of_zero_tokens_leaves_the_state_bit_identical():
@@ -79,6 +91,26 @@ def test_conv_verify_and_commit_match_sequential_updates():
         full = torch.cat([conv_state, x], dim=-1)
         assert torch.equal(state[0], full[0, :, m : m + kernel])
         assert torch.equal(state[1], full[1, :, tokens - m : tokens - m + kernel])
+        same_m = conv_state.clone()
+        commit_conv_state(same_m, x, m)  # one int for every request
+        assert torch.equal(same_m, full[..., m : m + kernel])
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-14), (torch.float32, 1e-6)])
+@pytest.mark.parametrize("tokens", [1, 5, 16])
+def test_conv_verify_matches_transformers_conv(dtype, tolerance, tokens):
+    """The K-tap sum equals transformers' depthwise F.conv1d (with bias) up to its summation order."""
+    gen = torch.Generator().manual_seed(tokens)
+    channels, kernel = 40, 4
+    conv_state = torch.randn(2, channels, kernel, generator=gen, dtype=dtype)
+    x = torch.randn(2, channels, tokens, generator=gen, dtype=dtype)
+    weight = torch.randn(channels, kernel, generator=gen, dtype=dtype)
+    bias = torch.randn(channels, generator=gen, dtype=dtype)
+    full = torch.cat([conv_state, x], dim=-1)
+    conv = torch.nn.functional.conv1d(full, weight.unsqueeze(1), bias, groups=channels)[..., -tokens:]
+    out = conv_verify(conv_state, x, weight, bias, torch.nn.functional.silu)
+    assert out.dtype == dtype and out.shape == (2, channels, tokens)
+    torch.testing.assert_close(out, torch.nn.functional.silu(conv), rtol=tolerance, atol=tolerance)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])

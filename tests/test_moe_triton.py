@@ -315,13 +315,15 @@ def test_align_pairs_blocks():
     assert (block_expert >= 0).sum() == 5  # expert 0: 1 pair -> 1 block; experts 1 and 3: 3 pairs -> 2 blocks each
 
 
-def test_cpu_falls_back_to_the_reference(monkeypatch):
+def test_cpu_falls_back_to_the_torch_path(monkeypatch):
+    """CPU tensors, and float64 anywhere: the torch path (`dense_experts` at these sizes, tests/test_dense_experts.py
+    covers its rule and its agreement with the reference)."""
     monkeypatch.delenv("TRITON_INTERPRET")
     x = make_layer(11, 3, 40, 24, 4, 2)
-    assert torch.equal(fused_experts(**x), fused_experts_reference(**x))
+    assert torch.equal(fused_experts(**x), moe_triton.dense_experts(**x))
     x64 = {k: v.double() if v.is_floating_point() else v for k, v in x.items()}
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert torch.equal(fused_experts(**x64), fused_experts_reference(**x64))  # float64: the reference everywhere
+    assert torch.equal(fused_experts(**x64), moe_triton.dense_experts(**x64))  # float64: the torch path everywhere
 
 
 def test_errors_name_the_problem():

@@ -26,6 +26,8 @@ class TargetRunner:
         self.verifier, self.max_tokens = verifier, max_tokens
         self._state_buffer = None  # per-token states of the "per_token_state" verifier, allocated on first use
         self.gdn_layers = patches.gdn_layers(model)
+        self.moe_blocks = patches.moe_blocks(model)
+        self._verify_experts: dict[int, list] = {}  # rows -> blocks whose experts run as "hybridspec" (CPU)
         decoder_layers = patches.text_model(model).layers
         self.capture = FeatureCapture(decoder_layers, feature_layer_ids)
         self.positions: torch.Tensor | None = None
@@ -82,21 +84,26 @@ class TargetRunner:
         for layer in self.gdn_layers:
             layer._hybridspec_verify = session
         try:
-            logits, features = self._forward(tokens, self.next_positions(tokens.shape[1]), tokens.shape[1])
+            with patches.fused_experts_for(self._dense_experts(tokens.numel())):
+                logits, features = self._forward(tokens, self.next_positions(tokens.shape[1]), tokens.shape[1])
         finally:
             for layer in self.gdn_layers:
                 layer.__dict__.pop("_hybridspec_verify", None)
         patches.check_verified(session, self.gdn_layers)
         return logits, features, session
 
+    def _dense_experts(self, rows: int) -> list:
+        """The MoE blocks a verification of `rows` token rows runs with dense experts (patches.cpu_verification_blocks:
+        on the CPU, where transformers' experts loop over the experts hit), cached per row count."""
+        if rows not in self._verify_experts:
+            self._verify_experts[rows] = patches.cpu_verification_blocks(self.moe_blocks, rows)
+        return self._verify_experts[rows]
+
     def commit(self, session: patches.VerifySession, verified: int, committed: int) -> None:
         """Keep the first `committed` of `verified` tokens: rebuild S_m in every GDN layer, roll conv states,
         truncate attention KV. 0 ≤ committed ≤ verified."""
         if session.pending:
-            num_committed = torch.full(
-                (self.cache_batch_size(session),), committed, dtype=torch.int32, device=session.pending[0].state.device
-            )
-            patches.commit_session(session, num_committed)
+            patches.commit_session(session, committed)
         drop_last_tokens(self.cache, verified - committed)
         self.positions = self.positions + committed
 
@@ -107,10 +114,6 @@ class TargetRunner:
         if self._state_buffer is None:
             self._state_buffer = patches.per_token_state_buffer(self.gdn_layers, self.cache, self.max_tokens)
         return self._state_buffer
-
-    @staticmethod
-    def cache_batch_size(session: patches.VerifySession) -> int:
-        return session.pending[0].state.shape[0]
 
 
 class BatchTargetRunner(TargetRunner):

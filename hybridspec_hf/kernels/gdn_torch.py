@@ -16,11 +16,11 @@ Value head h reads key head h // (HV // H) (grouped value heads, `repeat_interle
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -50,6 +50,9 @@ class GDNVerifyResult:
     out: torch.Tensor  # [B, T, HV, dv] in v's dtype
     z: torch.Tensor  # [B, HV, T, dv] fp32 (or fp64)
     g_cum: torch.Tensor  # [B, HV, T] fp32 (or fp64), G = cumsum(g)
+    # [B, HV, T, dk] the l2-normalised keys in z's dtype (torch path: `gdn_commit` reuses them, the same bits it
+    # would compute; None from the Triton verify, whose commit re-normalises k)
+    k_normed: torch.Tensor | None = None
 
 
 def _decay_matrix(g_cum: torch.Tensor) -> torch.Tensor:
@@ -57,10 +60,14 @@ def _decay_matrix(g_cum: torch.Tensor) -> torch.Tensor:
 
     Masked before `exp`: above the diagonal G_i - G_j is positive and may overflow, and inf·0 is NaN.
     """
-    t = g_cum.shape[-1]
     diff = g_cum.unsqueeze(-1) - g_cum.unsqueeze(-2)
-    upper = torch.ones(t, t, dtype=torch.bool, device=g_cum.device).triu(1)
-    return diff.masked_fill(upper, float("-inf")).exp()
+    return diff.masked_fill(_strictly_upper(g_cum.shape[-1], g_cum.device), float("-inf")).exp()
+
+
+@functools.lru_cache(maxsize=64)
+def _strictly_upper(t: int, device: torch.device) -> torch.Tensor:
+    """[T, T] bool, True above the diagonal (made once per length and device: two ops fewer per layer and round)."""
+    return torch.ones(t, t, dtype=torch.bool, device=device).triu(1)
 
 
 def gdn_verify(
@@ -92,38 +99,49 @@ def gdn_verify(
     if t == 1:  # a plain step: A is empty and the decay 1, so Z is the right-hand side (the same bits, no solve)
         z = bh.unsqueeze(-1) * (vh - gamma * (kh @ s0))  # [B, HV, 1, dv]
         out = gamma * (qh @ s0) + (qh @ kh.transpose(-1, -2)) @ z
-        return GDNVerifyResult(out=out.transpose(1, 2).to(v.dtype), z=z, g_cum=g_cum)
+        return GDNVerifyResult(out=out.transpose(1, 2).to(v.dtype), z=z, g_cum=g_cum, k_normed=kh)
     decay = _decay_matrix(g_cum)  # [B, HV, T, T]
-    strictly_lower = torch.ones(t, t, dtype=torch.bool, device=q.device).tril(-1)
-    a = (bh.unsqueeze(-1) * (kh @ kh.transpose(-1, -2)) * decay).masked_fill(~strictly_lower, 0.0)
+    # A = strictly_lower(diag(β) (K Kᵀ ∘ Γ)); the solve takes I + A's unit diagonal as given (unitriangular), so no
+    # identity is added
+    a = (bh.unsqueeze(-1) * (kh @ kh.transpose(-1, -2)) * decay).tril(-1)
     rhs = bh.unsqueeze(-1) * (vh - gamma * (kh @ s0))  # [B, HV, T, dv]
-    eye = torch.eye(t, dtype=dtype, device=q.device)
-    z = torch.linalg.solve_triangular(eye + a, rhs, upper=False, unitriangular=True)
+    z = torch.linalg.solve_triangular(a, rhs, upper=False, unitriangular=True)
     out = gamma * (qh @ s0) + ((qh @ kh.transpose(-1, -2)) * decay) @ z  # [B, HV, T, dv]
-    return GDNVerifyResult(out=out.transpose(1, 2).to(v.dtype), z=z, g_cum=g_cum)
+    return GDNVerifyResult(out=out.transpose(1, 2).to(v.dtype), z=z, g_cum=g_cum, k_normed=kh)
 
 
 def gdn_commit(
     state: torch.Tensor,
     k: torch.Tensor,
     verified: GDNVerifyResult,
-    num_committed: torch.Tensor,
+    num_committed: torch.Tensor | int,
 ) -> None:
     """Write S_m = γ_m S_0 + K_{1:m}ᵀ diag(e^{G_m - G_j}) Z_{1:m} into `state` in place, per request.
 
     state: [B, HV, dk, dv] holding S_0; k: [B, T, H, dk] raw keys of the verification (re-normalised here in
-    fp32, as the Triton commit does); num_committed: [B] int tensor m (0 leaves the state untouched). No host sync.
+    fp32, as the Triton commit does, unless the verification kept them: `k_normed`); num_committed: [B] int tensor
+    m (0 leaves the state untouched; no host sync), or one int 0 ≤ m ≤ T for every request (the eager loop: the
+    sums run over the m committed tokens only, half the ops of the masked form).
     """
     z, g_cum = verified.z, verified.g_cum
     dtype = z.dtype
-    kh = l2norm(_heads_first(k, z.shape[1], dtype))  # [B, HV, T, dk]
-    t = g_cum.shape[-1]
-    m = num_committed.to(device=state.device, dtype=torch.long).view(-1, 1, 1)  # [B, 1, 1]
-    last = (m - 1).clamp(min=0).expand(-1, g_cum.shape[1], 1)  # index of token m (0-based)
-    g_m = torch.where(m > 0, g_cum.gather(-1, last), torch.zeros_like(g_cum[..., :1]))  # [B, HV, 1]
-    positions = torch.arange(t, device=state.device).view(1, 1, t)
-    # weights e^{G_m - G_j} for j < m, masked before exp (j > m would be a growth factor)
-    weight = (g_m - g_cum).masked_fill(positions >= m, float("-inf")).exp()  # [B, HV, T]
+    kh = verified.k_normed if verified.k_normed is not None else l2norm(_heads_first(k, z.shape[1], dtype))
+    t = g_cum.shape[-1]  # kh: [B, HV, T, dk]
+    if isinstance(num_committed, int):
+        if not 0 <= num_committed <= t:
+            raise ValueError(f"num_committed must be in [0, {t}] (the verified tokens), got {num_committed}.")
+        if num_committed == 0:
+            return
+        g_m = g_cum[..., num_committed - 1 : num_committed]  # [B, HV, 1]
+        weight = (g_m - g_cum[..., :num_committed]).exp()  # [B, HV, m]
+        kh, z = kh[..., :num_committed, :], z[..., :num_committed, :]
+    else:
+        m = num_committed.to(device=state.device, dtype=torch.long).view(-1, 1, 1)  # [B, 1, 1]
+        last = (m - 1).clamp(min=0).expand(-1, g_cum.shape[1], 1)  # index of token m (0-based)
+        g_m = torch.where(m > 0, g_cum.gather(-1, last), torch.zeros_like(g_cum[..., :1]))  # [B, HV, 1]
+        positions = torch.arange(t, device=state.device).view(1, 1, t)
+        # weights e^{G_m - G_j} for j < m, masked before exp (j > m would be a growth factor)
+        weight = (g_m - g_cum).masked_fill(positions >= m, float("-inf")).exp()  # [B, HV, T]
     new_state = g_m.exp().unsqueeze(-1) * state.to(dtype) + kh.transpose(-1, -2) @ (weight.unsqueeze(-1) * z)
     state.copy_(new_state.to(state.dtype))
 
@@ -138,19 +156,30 @@ def conv_verify(
     """Depthwise causal conv of w new inputs after the cached ones, without writing the cache.
 
     conv_state: [B, C, K] last K inputs (transformers' layout); x: [B, C, T] new inputs; weight: [C, K].
-    Returns [B, C, T] in x's dtype, computed as transformers' torch `causal_conv1d_fn` does.
+    Returns [B, C, T] in x's dtype: out_t = act(bias + Σ_j weight_j · input_{t+j}) over each token's K-input window,
+    in fp32 at least (fp64 for fp64 inputs). The K-tap sum rather than F.conv1d: on the CPU a depthwise conv1d
+    costs 0.1-0.3 ms a call in oneDNN set-up (≈ 30 µs for this), and transformers' conv agrees to the last bit or
+    so (its summation order).
     """
-    full = torch.cat([conv_state.to(x.dtype), x], dim=-1).to(weight.dtype)
-    out = F.conv1d(full, weight.unsqueeze(1), bias, padding=0, groups=x.shape[1])[..., -x.shape[-1] :]
+    t, k = x.shape[-1], weight.shape[-1]
+    dtype = compute_dtype(x, weight)
+    full = torch.cat([conv_state.to(x.dtype), x], dim=-1)[..., -(t + k - 1) :]  # [B, C, K - 1 + T]
+    out = (full.to(dtype).unfold(-1, k, 1) * weight.to(dtype)[:, None, :]).sum(-1)  # [B, C, T]
+    if bias is not None:
+        out = out + bias.to(dtype)[:, None]
     if activation is not None:
         out = activation(out)
     return out.to(x.dtype)
 
 
-def commit_conv_state(conv_state: torch.Tensor, x: torch.Tensor, num_committed: torch.Tensor) -> None:
-    """Roll the conv state to the K inputs ending at committed token m, in place. x: [B, C, T]; m: [B] int."""
+def commit_conv_state(conv_state: torch.Tensor, x: torch.Tensor, num_committed: torch.Tensor | int) -> None:
+    """Roll the conv state to the K inputs ending at committed token m, in place. x: [B, C, T]; m: [B] int tensor,
+    or one int 0 ≤ m ≤ T for every request."""
     k = conv_state.shape[-1]
     full = torch.cat([conv_state, x.to(conv_state.dtype)], dim=-1)  # [B, C, K+T]
+    if isinstance(num_committed, int):
+        conv_state.copy_(full[..., num_committed : num_committed + k])
+        return
     m = num_committed.to(device=conv_state.device, dtype=torch.long).view(-1, 1, 1)
     index = (m + torch.arange(k, device=conv_state.device).view(1, 1, k)).expand(-1, full.shape[1], -1)
     conv_state.copy_(full.gather(-1, index))
@@ -197,8 +226,9 @@ class PendingGDNLayer:
     verified: GDNVerifyResult
 
 
-def commit_gdn_states(layers: list[PendingGDNLayer], num_committed: torch.Tensor) -> None:
-    """Commit m tokens (per request, [B] int tensor) into every pending GDN layer: S_m and the conv state.
+def commit_gdn_states(layers: list[PendingGDNLayer], num_committed: torch.Tensor | int) -> None:
+    """Commit m tokens (per request, [B] int tensor; or one int for all) into every pending GDN layer: S_m and the
+    conv state.
 
     The torch path loops over layers; the Triton path does all layers in one launch.
     """

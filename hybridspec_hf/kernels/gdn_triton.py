@@ -618,9 +618,10 @@ def gdn_verify_auto(
 
 
 def commit_gdn_states_auto(
-    layers: list[PendingGDNLayer], num_committed: torch.Tensor, kernel_backend: str = "auto"
+    layers: list[PendingGDNLayer], num_committed: torch.Tensor | int, kernel_backend: str = "auto"
 ) -> None:
-    """`commit_gdn_states_triton` on CUDA (or under TRITON_INTERPRET=1), `gdn_torch.commit_gdn_states` otherwise."""
+    """`commit_gdn_states_triton` on CUDA (or under TRITON_INTERPRET=1; m a [B] int tensor), `gdn_torch.
+    commit_gdn_states` otherwise (m a tensor or one int)."""
     if not layers:
         return
     if select_backend(kernel_backend, layers[0].state) == "triton":

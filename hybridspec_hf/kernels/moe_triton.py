@@ -176,6 +176,54 @@ def fused_experts_reference(
     return out.to(hidden.dtype)
 
 
+# The torch path computes every expert for every token (`dense_experts`) while the rows it adds beyond the token–
+# expert pairs cost at most this many multiply-adds per expert of the layer: about what one iteration of the
+# reference's loop costs in per-op overhead on one CPU core (≈ 10 ops of ≈ 5 µs, the time of ≈ 2 MFLOP at
+# ≈ 40 GFLOP/s). The tiny pairs' shapes (E = 16, k = 4, H x I = 256 x 32 or 320 x 40) stay dense past 32 tokens;
+# Qwen3.5-35B-A3B's (E = 256, I = 512, H = 2048) never is.
+DENSE_EXTRA_MACS_PER_EXPERT = 1 << 20
+
+
+def dense_fits(num_tokens: int, top_k: int, gate_up_proj: torch.Tensor) -> bool:
+    """Whether `fused_experts`' torch path takes `dense_experts` (else the reference loop), from the shapes only."""
+    num_experts, two_inter, hidden = gate_up_proj.shape
+    extra_rows = num_tokens * max(num_experts - top_k, 0)
+    return extra_rows * 3 * (two_inter // 2) * hidden <= DENSE_EXTRA_MACS_PER_EXPERT * num_experts
+
+
+def dense_experts(
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+) -> torch.Tensor:
+    """`fused_experts_reference`'s result in a fixed ≈ 12 torch ops, no host sync: every expert on every token (one
+    GEMM over all gate_up rows, one batched GEMM for down), then each token's k products gathered and summed in
+    ascending expert order with the reference's roundings (y · w per pair, added one at a time), so only the GEMMs'
+    internal summation order differs from the reference's (last-bit differences). For the few tokens of a
+    verification on the CPU, where the reference's loop over experts is per-op overhead.
+
+    Shapes and dtypes as `fused_experts_reference`; ids outside [0, E) contribute nothing."""
+    dtype = torch.promote_types(hidden.dtype, torch.float32)
+    tokens, size = hidden.shape
+    num_experts, inter = down_proj.shape[0], down_proj.shape[-1]
+    x = hidden.to(dtype)
+    gate_up = F.linear(x, gate_up_proj.to(dtype).reshape(num_experts * 2 * inter, size))  # [T, E·2I]
+    gate, up = gate_up.view(tokens, num_experts, 2 * inter).split(inter, dim=-1)
+    act = (F.silu(gate) * up).transpose(0, 1)  # [E, T, I]
+    y = torch.bmm(act, down_proj.to(dtype).transpose(1, 2))  # [E, T, H]
+    ids, slots = top_k_index.sort(dim=-1, stable=True)  # the reference's order: ascending experts
+    live = (ids >= 0) & (ids < num_experts)
+    weights = torch.where(live, top_k_weights.gather(-1, slots).to(dtype), 0)  # [T, k]
+    rows = torch.arange(tokens, device=hidden.device).unsqueeze(-1)
+    products = y[ids.clamp(0, num_experts - 1), rows] * weights.unsqueeze(-1)  # [T, k, H]
+    out = products[:, 0]
+    for j in range(1, products.shape[1]):
+        out = out + products[:, j]
+    return out.to(hidden.dtype)
+
+
 def moe_block_reference(
     hidden: torch.Tensor,
     top_k_index: torch.Tensor,
@@ -1049,7 +1097,8 @@ def fused_experts(
     **triton_options,
 ) -> torch.Tensor:
     """The routed experts' output [T, H] (hidden's dtype): `fused_experts_triton` on CUDA (or under
-    TRITON_INTERPRET=1) for float32/bfloat16/float16 weights, `fused_experts_reference` otherwise.
+    TRITON_INTERPRET=1) for float32/bfloat16/float16 weights; otherwise `dense_experts` where `dense_fits`, else
+    `fused_experts_reference`.
 
     hidden [T, H]; top_k_index [T, k] int; top_k_weights [T, k]; gate_up_proj [E, 2I, H] (gate rows, then up rows);
     down_proj [E, H, I]. triton_options: mode, block_m, gate_up_tiles, down_tiles of `fused_experts_triton`.
@@ -1064,4 +1113,6 @@ def fused_experts(
         backend = "torch"  # e.g. float64 test models
     if backend == "triton":
         return fused_experts_triton(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, **triton_options)
+    if dense_fits(hidden.shape[0], top_k_index.shape[-1], gate_up_proj):
+        return dense_experts(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj)
     return fused_experts_reference(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj)
