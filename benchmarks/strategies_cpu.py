@@ -76,8 +76,7 @@ def main() -> None:
         "title": "Verification strategies on the tiny trained pair (CPU)",
         "notes": ("Trained weights (shipped tiny qwen3_5_moe target + DFlash drafter); held-out stdlib prompts; "
                   "real acceptance and routing; greedy; batch 1; one process, strategies interleaved per prompt. "
-                  "C(w) calibrated in the same run. On CPU the tiny model's round cost is dominated by per-op "
-                  "overhead, so C(w) is nearly flat in w and the calibrated strategies verify long blocks."),
+                  "C(w) calibrated in the same run; per-prompt seconds, tokens, τ and w in the JSON."),
         "environment": environment(),
         "settings": vars(args),
         "latency_ms": [float(c) * 1e3 for c in latency.cost[0]],
