@@ -53,6 +53,7 @@ Triton compiles on the first launch (there is no autotuning).
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -198,11 +199,11 @@ def dense_experts(
     gate_up_proj: torch.Tensor,
     down_proj: torch.Tensor,
 ) -> torch.Tensor:
-    """`fused_experts_reference`'s result in a fixed ≈ 12 torch ops, no host sync: every expert on every token (one
-    GEMM over all gate_up rows, one batched GEMM for down), then each token's k products gathered and summed in
-    ascending expert order with the reference's roundings (y · w per pair, added one at a time), so only the GEMMs'
-    internal summation order differs from the reference's (last-bit differences). For the few tokens of a
-    verification on the CPU, where the reference's loop over experts is per-op overhead.
+    """`fused_experts_reference`'s result in two GEMMs and a few elementwise ops, no host sync: every expert on every
+    token (one GEMM over all gate_up rows), each token's activations scaled by its routing weight (0 for the experts
+    it did not choose), then one GEMM over all (expert, row) pairs of down, which sums the experts' products. Only the
+    summation order differs from the reference's (last-bit differences). For the few tokens of a verification on the
+    CPU, where the reference's loop over experts is per-op overhead and a batched GEMM per expert is slower than one.
 
     Shapes and dtypes as `fused_experts_reference`; ids outside [0, E) contribute nothing."""
     dtype = torch.promote_types(hidden.dtype, torch.float32)
@@ -211,17 +212,29 @@ def dense_experts(
     x = hidden.to(dtype)
     gate_up = F.linear(x, gate_up_proj.to(dtype).reshape(num_experts * 2 * inter, size))  # [T, E·2I]
     gate, up = gate_up.view(tokens, num_experts, 2 * inter).split(inter, dim=-1)
-    act = (F.silu(gate) * up).transpose(0, 1)  # [E, T, I]
-    y = torch.bmm(act, down_proj.to(dtype).transpose(1, 2))  # [E, T, H]
-    ids, slots = top_k_index.sort(dim=-1, stable=True)  # the reference's order: ascending experts
-    live = (ids >= 0) & (ids < num_experts)
-    weights = torch.where(live, top_k_weights.gather(-1, slots).to(dtype), 0)  # [T, k]
-    rows = torch.arange(tokens, device=hidden.device).unsqueeze(-1)
-    products = y[ids.clamp(0, num_experts - 1), rows] * weights.unsqueeze(-1)  # [T, k, H]
-    out = products[:, 0]
-    for j in range(1, products.shape[1]):
-        out = out + products[:, j]
-    return out.to(hidden.dtype)
+    live = (top_k_index >= 0) & (top_k_index < num_experts)
+    weights = torch.where(live, top_k_weights.to(dtype), 0)  # [T, k]
+    dense = x.new_zeros(tokens, num_experts).scatter_add_(1, top_k_index.clamp(0, num_experts - 1), weights)
+    act = F.silu(gate) * up * dense.unsqueeze(-1)  # [T, E, I]: 0 for the experts a token did not choose
+    return (act.reshape(tokens, num_experts * inter) @ _down_rows(down_proj, dtype)).to(hidden.dtype)
+
+
+_DOWN_ROWS: dict[tuple[int, torch.dtype], tuple[weakref.ref, int, torch.Tensor]] = {}
+
+
+def _down_rows(down_proj: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """down_proj [E, H, I] as [E·I, H] in `dtype` (a copy): computed once per weight and version while the weight
+    lives (inference); under autograd with a weight that needs gradients, every call."""
+    num_experts, size, inter = down_proj.shape
+    if torch.is_grad_enabled() and down_proj.requires_grad:
+        return down_proj.to(dtype).transpose(1, 2).reshape(num_experts * inter, size)
+    key = (id(down_proj), dtype)
+    hit = _DOWN_ROWS.get(key)
+    if hit is not None and hit[0]() is down_proj and hit[1] == down_proj._version:
+        return hit[2]
+    rows = down_proj.detach().to(dtype).transpose(1, 2).reshape(num_experts * inter, size).contiguous()
+    _DOWN_ROWS[key] = (weakref.ref(down_proj, lambda _, key=key: _DOWN_ROWS.pop(key, None)), down_proj._version, rows)
+    return rows
 
 
 def moe_block_reference(
