@@ -152,7 +152,7 @@ def load_tiny_pair(dtype: torch.dtype = torch.float32, device: str | torch.devic
     target = target.to(device).eval()
     drafter = DFlashDrafter.from_pretrained(root / "drafter", dtype=dtype, local_files_only=True).to(device).eval()
     drafter.bind_target(target)
-    fitted = root / "acceptance_estimator.json"  # fitted on the pair's training-split traces
+    fitted = root / "acceptance_estimator.json"  # the better calibrated on held-out traces (acceptance_traces.py)
     if drafter.acceptance_estimator is None and fitted.is_file():
         from hybridspec_hf.selector import AcceptanceEstimator
 

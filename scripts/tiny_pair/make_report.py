@@ -1,6 +1,7 @@
 """Install the trained pair into the package and write benchmarks/results/tiny_pair_training.{json,md,png}.
 
-    python scripts/tiny_pair/make_report.py --target-run RUN4_DIR --drafter-run RUN6_DIR --drafter-first-run RUN5_DIR
+    python scripts/tiny_pair/make_report.py --target-run RUN4_DIR --drafter-run RUN7_DIR --drafter-first-run RUN5_DIR \\
+        --drafter-continued-runs RUN6_DIR
 
 Each run folder holds what `run_pipeline.py` put in $OUT (results.json, target/ or target.tar, drafter.tar). The
 target may come from one run and the drafter from another (a drafter-only rerun with --target-dir); a drafter
@@ -178,14 +179,12 @@ def markdown(report: dict) -> str:
         f"{d['recipe']['grad_clip']:g}, {d['recipe']['mixed_precision']} autocast, target features cached: "
         f"{d.get('feature_cache')}; {d['train_seconds']:.0f} s on the {d['device']}.",
     ]
-    c = report.get("drafter_continuation")
-    if c:
+    for c in report.get("drafter_continuations", []):
         lines.append(
-            f"- Continued on the {c['device']} from those weights: {c['recipe']['steps']} more steps × "
+            f"- Continued on the {c['device']} from the weights before: {c['recipe']['steps']} more steps × "
             f"{c['recipe']['batch_size']} sequences × ≤ {c['recipe']['num_anchors']} anchors on the target's greedy "
-            f"continuations of {c['num_train_sequences']} training prompts (the first run's and more), lr "
-            f"{c['recipe']['lr']:g}, "
-            f"{c['train_seconds']:.0f} s (`tiny_pair_gpu_runs.md`).")
+            f"continuations of {c['num_train_sequences']} training prompts ({c['train_response_tokens'] / 1e6:.2f} M "
+            f"response tokens), lr {c['recipe']['lr']:g}, {c['train_seconds']:.0f} s (`tiny_pair_gpu_runs.md`).")
     lines += [
         "",
         "## Acceptance length τ (offline, greedy) on held-out stdlib code",
@@ -235,11 +234,15 @@ def main() -> None:
     parser.add_argument("--drafter-run", required=True, type=Path)
     parser.add_argument("--drafter-first-run", type=Path, default=None,
                         help="the run whose drafter --drafter-run continued (run_pipeline.py --init-drafter)")
+    parser.add_argument("--drafter-continued-runs", type=Path, nargs="*", default=[],
+                        help="runs between --drafter-first-run and --drafter-run, in order, each continuing the one "
+                             "before")
     parser.add_argument("--commands", nargs="*", default=[])
     args = parser.parse_args()
     target_results = json.loads((args.target_run / "results.json").read_text())
     drafter_results = json.loads((args.drafter_run / "results.json").read_text())
     first = json.loads((args.drafter_first_run / "results.json").read_text()) if args.drafter_first_run else None
+    between = [json.loads((run / "results.json").read_text())["drafter"] for run in args.drafter_continued_runs]
     install_target(args.target_run)
     extract(args.drafter_run / "drafter.tar", "drafter", ASSETS / "drafter", ("config.json", "model.safetensors"))
     corpus = json.loads((REPO / ".data" / "tiny_pair" / "meta.json").read_text())
@@ -251,7 +254,7 @@ def main() -> None:
         "drafter_eval": drafter_results["drafter_eval"], "examples": drafter_results["responses"]["examples"],
         "responses": {k: v for k, v in drafter_results["responses"].items() if k != "examples"},
         "stages_s": {"target_run": target_results["stages_s"], "drafter_run": drafter_results["stages_s"]},
-        "drafter_continuation": drafter_results["drafter"] if first else None,
+        "drafter_continuations": [*between, drafter_results["drafter"]] if first else [],
         "evaluated_on": drafter_results.get("evaluated_on", "gpu"),
         "commands": args.commands,
         "shipped_files": {p.relative_to(ASSETS).as_posix(): p.stat().st_size
