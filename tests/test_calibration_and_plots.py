@@ -25,6 +25,33 @@ def test_calibration_measures_every_w_and_fits_the_expert_model(pair):
     assert model.experts is not None and model.experts.num_layers == 4 and model.eta >= 0
 
 
+@pytest.mark.parametrize("cuda_graphs", ["off", "uncaptured"])
+def test_calibration_rounds_run_hybridspecs_selector_work_at_the_forced_length(pair, cuda_graphs):
+    """The timed rounds cost what HybridSpec's rounds cost at that w: its choice, routing correction (stage 0 runs the
+    extra token, which is dropped) and throughput update all run, on the eager loop and the resident rounds' CPU
+    twin, while every drafted round verifies exactly the forced w and the output stays AR's."""
+    from hybridspec_hf.generation.calibration import ForcedLength, shadow_selector
+
+    target, drafter, prompt, reference = pair
+    shadow = shadow_selector(target, drafter.config.block_size)
+    assert shadow.name == "hybridspec" and shadow.routing_correction
+    calls = {"choose": 0, "keep_extra": 0, "observe": 0}
+    for name in calls:
+        def counted(*args, _name=name, _method=getattr(shadow, name), **kwargs):
+            calls[_name] += 1
+            return _method(*args, **kwargs)
+        setattr(shadow, name, counted)
+    forced = ForcedLength(3, shadow)
+    out = target.generate(prompt, do_sample=False, max_new_tokens=24, assistant_model=drafter,
+                          generation_strategy="hybridspec",
+                          hybridspec_config=HybridSpecConfig(selector=forced, cuda_graphs=cuda_graphs))
+    assert torch.equal(out, reference)
+    rounds = [r for r in hybridspec_hf.get_telemetry(target).rounds if r.drafted]
+    assert rounds and all(r.w == 3 for r in rounds[:-1]) and all(r.extra_kept is False for r in rounds)
+    assert calls["choose"] == calls["keep_extra"] == len(rounds) and calls["observe"] >= len(rounds)
+    assert shadow.throughput.tokens is not None  # its streams learned (and are discarded)
+
+
 def test_calibration_under_a_routing_profile_fits_the_replayed_routing(pair):
     from hybridspec_hf.selector.profiles import RoutingProfile
 
