@@ -44,7 +44,7 @@ def test_dense_experts_equal_the_reference_loop(tokens, hidden, inter, experts, 
 
 def test_sentinels_zero_weights_and_repeats_count_as_in_the_reference():
     """Ids outside [0, E) add nothing, a zero weight gives exact zeros, an expert named twice counts twice, and the
-    k products of distinct experts are summed in ascending expert order whatever order the router listed them in."""
+    order in which the router listed distinct experts does not change a bit of the result."""
     x = layer_inputs(3, 6, 40, 24, 4, 3, torch.float64)
     x["top_k_index"][1] = torch.tensor([3, 3, 0])
     x["top_k_index"][2, 2] = 4
