@@ -11,6 +11,11 @@ Outputs
 - hybridspec_hf/assets/tiny_pair/tokenizer/          byte-level BPE (vocab 4096) trained on the train split only
 - .data/tiny_pair/corpus.safetensors                 int16 token streams "train" and "heldout" (files joined by eos)
 - .data/tiny_pair/{train,heldout}_prompts.jsonl      code windows for drafter training / evaluation
+
+    python scripts/tiny_pair/build_corpus.py --prompts-only --train-prompts 48483 --train-skip 24576
+
+writes the prompt files only (the pinned split, no tokenizer, no streams): here the training windows after the first
+24 576 (the same seeded order, so these are the windows a drafter trained on the first 24 576 never saw).
 """
 from __future__ import annotations
 
@@ -124,6 +129,18 @@ def write_jsonl(path: Path, prompts: list[str]) -> None:
             f.write(json.dumps({"prompt": p}) + "\n")
 
 
+def write_prompts(data_dir: Path, train_files: list[StdlibFile], heldout_files: list[StdlibFile], args) -> None:
+    """{train,heldout}_prompts.jsonl: code windows of the seeded order, the training ones after --train-skip."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    train = code_prompts(train_files, args.train_prompts, seed=args.seed)
+    if len(train) <= args.train_skip:
+        raise SystemExit(f"--train-skip {args.train_skip} leaves no training prompt: the split has {len(train)} "
+                         f"windows for --train-prompts {args.train_prompts}")
+    write_jsonl(data_dir / "train_prompts.jsonl", train[args.train_skip:])
+    write_jsonl(data_dir / "heldout_prompts.jsonl", code_prompts(heldout_files, args.heldout_prompts, seed=args.seed))
+    print(f"{len(train) - args.train_skip} training prompts (after {args.train_skip}), {args.heldout_prompts} held-out")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data-dir", default=str(REPO / ".data" / "tiny_pair"))
@@ -131,9 +148,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--train-prompts", type=int, default=8192)
     parser.add_argument("--heldout-prompts", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prompts-only", action="store_true",
+                        help="write the prompt files from the pinned split only (keeps the tokenizer and streams)")
+    parser.add_argument("--train-skip", type=int, default=0,
+                        help="drop the first N training windows (of the same seeded order) from train_prompts.jsonl")
     args = parser.parse_args(argv)
 
     root = stdlib_root()
+    data_dir = Path(args.data_dir)
+    if args.prompts_only:
+        split = json.loads(SPLIT_FILE.read_text())
+        write_prompts(data_dir, read_split_files(root, split, "train"), read_split_files(root, split, "heldout"), args)
+        return
     split = build_split(root)
     SPLIT_FILE.parent.mkdir(parents=True, exist_ok=True)
     with open(SPLIT_FILE, "w", encoding="utf-8") as f:
@@ -147,16 +173,12 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = train_tokenizer([f.text for f in train_files], args.vocab_size)
     tokenizer.save_pretrained(str(ASSETS_DIR / "tokenizer"))
 
-    data_dir = Path(args.data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
     streams = {"train": token_stream(tokenizer, train_files, args.seed),
                "heldout": token_stream(tokenizer, heldout_files, args.seed)}
     save_file(streams, str(data_dir / "corpus.safetensors"))
     train_bytes = sum(len(f.text.encode()) for f in train_files)
-    write_jsonl(data_dir / "train_prompts.jsonl",
-                code_prompts(train_files, args.train_prompts, seed=args.seed))
-    write_jsonl(data_dir / "heldout_prompts.jsonl",
-                code_prompts(heldout_files, args.heldout_prompts, seed=args.seed))
+    write_prompts(data_dir, train_files, heldout_files, args)
     meta = {"python_version": split["python_version"], "files": counts, "train_bytes": train_bytes,
             "tokens": {k: int(v.numel()) for k, v in streams.items()},
             "bytes_per_token_train": train_bytes / streams["train"].numel(),
