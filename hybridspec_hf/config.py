@@ -20,6 +20,7 @@ VERIFY_SHAPES = ("auto", "max", "exact")
 CALIBRATION_MODES = ("auto", "require")
 CUDA_GRAPH_MODES = ("auto", "on", "off", "uncaptured")
 GDN_VERIFIERS = ("block", "per_token_state")
+COMPILE_DECISIONS = ("auto", "off", "inductor", "aot_eager")
 
 
 @dataclass
@@ -51,6 +52,11 @@ class HybridSpecConfig:
         eager loop (telemetry.path_reason says why); "on": resident rounds required (on a CPU they run uncaptured);
         "off": the eager loop; "uncaptured": resident rounds required, never captured (every kernel launched from
         the host: slow; to tell a capture problem from a logic one, or where capture fails).
+    compile_decisions: the device work of a resident round's decisions (length choice, routing correction, draft
+        decision, the selector's update) compiled with `torch.compile` into a few fused kernels instead of ≈ 130
+        small ones (RoundStrategy.compile_decisions; this package's selectors only). "auto": "inductor" for resident
+        rounds on CUDA (the first capture compiles: seconds, cached by torch on this machine), "off" elsewhere;
+        "off": eager; "inductor" / "aot_eager": that torch.compile backend, on any device (the CPU twin: tests).
     """
 
     static_length: int = 7
@@ -63,6 +69,7 @@ class HybridSpecConfig:
     verify_shape: str = "auto"
     cuda_graphs: str = "auto"
     gdn_verifier: str = "block"
+    compile_decisions: str = "auto"
     acceptance_profile: Any = field(default=None, repr=False)
     routing_profile: Any = field(default=None, repr=False)
 
@@ -79,6 +86,8 @@ class HybridSpecConfig:
             raise ValueError(f"gdn_verifier must be one of {GDN_VERIFIERS}, got {self.gdn_verifier!r}.")
         if self.cuda_graphs not in CUDA_GRAPH_MODES:
             raise ValueError(f"cuda_graphs must be one of {CUDA_GRAPH_MODES}, got {self.cuda_graphs!r}.")
+        if self.compile_decisions not in COMPILE_DECISIONS:
+            raise ValueError(f"compile_decisions must be one of {COMPILE_DECISIONS}, got {self.compile_decisions!r}.")
         if self.calibration not in CALIBRATION_MODES:
             raise ValueError(f"calibration must be one of {CALIBRATION_MODES}, got {self.calibration!r}.")
         if self.selector is not None and not isinstance(self.selector, LengthSelector):
@@ -94,6 +103,13 @@ class HybridSpecConfig:
         for name in objects[1:]:
             data[name] = None if getattr(self, name) is None else id(getattr(self, name))
         return data
+
+
+def resolved_compile_backend(settings: "HybridSpecConfig", device: torch.device) -> str | None:
+    """The torch.compile backend of resident rounds' decisions (None: eager; see HybridSpecConfig.compile_decisions)."""
+    if settings.compile_decisions == "auto":
+        return "inductor" if torch.device(device).type == "cuda" else None
+    return None if settings.compile_decisions == "off" else settings.compile_decisions
 
 
 def resolved_verify_shape(settings: "HybridSpecConfig", device: torch.device) -> str:

@@ -1,5 +1,7 @@
 """GPU-resident rounds (generation/resident.py) run eagerly on the CPU with cuda_graphs="on": the same static-buffer
 code that CUDA graphs replay. Greedy output equals generate(); the returned cache equals AR's."""
+import shutil
+
 import pytest
 import torch
 from _tiny import TARGETS, VOCAB, cache_tensors, make_drafter, make_target, output_cache
@@ -420,3 +422,77 @@ def test_the_capture_warm_up_teaches_the_selector_nothing(monkeypatch, fp64_gdn)
     assert any(not drafted for call in plain[1:] for drafted, _ in call)  # decisions the evidence could sway
     monkeypatch.setattr(resident, "Replay", WarmReplay)
     assert decisions() == plain
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_decisions_decide_as_the_eager_ones(backend, fp64_gdn):
+    """HybridSpecConfig.compile_decisions: the resident rounds' decisions (length, routing correction, draft or step
+    plain, the selector's update) compiled with torch.compile take the eager code's decisions round for round, for
+    every selector it compiles. "aot_eager" checks the whole-graph trace (no break, the in-place updates kept);
+    "inductor" the generated code too (on the CPU: C++, needs a compiler; on CUDA: Triton, the default there)."""
+    if backend == "inductor" and shutil.which("g++") is None and shutil.which("c++") is None:
+        pytest.skip("inductor's CPU code needs a C++ compiler")
+    from hybridspec_hf.selector import LatencyModel
+
+    target = make_target("qwen3_5_moe")
+    prompt = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(7))
+    ar = reference(target, prompt, 60)
+    # near break-even: some stretches step plain, some rounds draft; a sunk stage-0 cost of most of a token's makes
+    # the routing correction keep the extra token in some rounds and drop it in others
+    cost = (1.1 + 0.05 * torch.arange(1, 9, dtype=torch.float32)) * 1e-3
+    latency = LatencyModel(cost=cost[None], cost_ar=torch.tensor([1e-3]), context_lens=torch.tensor([64]),
+                           sunk=torch.full((1, 7), 0.04e-3))
+    seen = {}
+    for strategy in ("hybridspec", "ratio", "confidence"):
+        for mode in ("off", backend):
+            drafter = make_drafter(target, 8, ar.sequences, error_rate=0.35, seed=11)
+            settings = HybridSpecConfig(cuda_graphs="on", latency_model=latency, compile_decisions=mode)
+            out = run(target, prompt, drafter, strategy, 60, hybridspec_config=settings)
+            assert_same_as_ar(out, ar)
+            rounds = target.__dict__["_hybridspec_resident"]
+            assert rounds.strategy._compiled == (None if mode == "off" else backend)
+            seen[strategy, mode] = [(r.drafted, r.w, r.w0, r.accepted, r.extra_kept, r.n_new)
+                                    for r in hybridspec_hf.get_telemetry(target).rounds]
+        assert seen[strategy, backend] == seen[strategy, "off"], strategy
+    hybrid = seen["hybridspec", "off"]
+    assert any(not drafted for drafted, *_ in hybrid) and any(drafted for drafted, *_ in hybrid)
+    assert any(kept for *_, kept, _ in hybrid) and any(kept is False for *_, kept, _ in hybrid)
+
+
+def test_compile_decisions_is_checked_and_auto_compiles_on_cuda_only():
+    from hybridspec_hf.config import resolved_compile_backend
+
+    with pytest.raises(ValueError, match="compile_decisions must be one of"):
+        HybridSpecConfig(compile_decisions="max-autotune")
+    assert resolved_compile_backend(HybridSpecConfig(), torch.device("cpu")) is None
+    assert resolved_compile_backend(HybridSpecConfig(), torch.device("cuda")) == "inductor"
+    assert resolved_compile_backend(HybridSpecConfig(compile_decisions="off"), torch.device("cuda")) is None
+    assert resolved_compile_backend(HybridSpecConfig(compile_decisions="aot_eager"), torch.device("cpu")) == "aot_eager"
+
+
+def test_a_decision_torch_compile_refuses_runs_eagerly_with_one_warning():
+    import torch._dynamo.exc as dynamo_errors
+
+    from hybridspec_hf.generation.strategy import _CompiledDecision
+
+    calls = []
+
+    def eager(x):
+        calls.append("eager")
+        return x + 1
+
+    def refused(x):
+        calls.append("compiled")
+        raise dynamo_errors.InternalTorchDynamoError("a trace it cannot take")
+
+    decision = _CompiledDecision(eager, refused)
+    with pytest.warns(UserWarning, match="torch.compile could not take eager.*runs eagerly"):
+        assert decision(torch.tensor(1)) == 2
+    assert decision(torch.tensor(2)) == 3  # eager from then on, without trying again
+    assert calls == ["compiled", "eager", "eager"]
+
+    def broken(x):
+        raise RuntimeError("a CUDA error while running")  # not a compile failure: it propagates
+
+    with pytest.raises(RuntimeError, match="while running"):
+        _CompiledDecision(eager, broken)(torch.tensor(1))

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from hybridspec_hf import patches
-from hybridspec_hf.config import HybridSpecConfig, resolved_verify_shape
+from hybridspec_hf.config import HybridSpecConfig, resolved_compile_backend, resolved_verify_shape
 from hybridspec_hf.graphs.capture import distributed, host_syncs
 from hybridspec_hf.generation.router_hooks import RouterRecorder
 from hybridspec_hf.selector.profiles import AcceptanceProfile
@@ -120,19 +120,21 @@ def shadow_selector(target, block_size: int) -> LengthSelector:
 
 # what a cached calibration was measured with, besides the model and the libraries: bumped when the measurement
 # changes (2: batch tables timed on rounds that verified the forced w; kernels launched with PDL; 3: the rounds run
-# HybridSpec's selector work beside the forced length, `ForcedLength.shadow`), so that a cache written before is
-# measured again instead of being read
-CALIBRATION_REVISION = 3
+# HybridSpec's selector work beside the forced length, `ForcedLength.shadow`; 4: that work compiled on CUDA,
+# HybridSpecConfig.compile_decisions), so that a cache written before is measured again instead of being read
+CALIBRATION_REVISION = 4
 
 
-def cache_key(target, drafter, kernel_backend: str, verify_shape: str | None = None) -> dict:
+def cache_key(target, drafter, kernel_backend: str, verify_shape: str | None = None,
+              compile_decisions: str = "auto") -> dict:
     import transformers
 
     device = next(target.parameters()).device
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{device.type}:{os.cpu_count()}cpu"
     shape = verify_shape or resolved_verify_shape(HybridSpecConfig(), device)
+    settings = HybridSpecConfig(compile_decisions=compile_decisions)
     config = {"target": target.config.to_dict(), "drafter": drafter.config.to_dict(), "kernels": kernel_backend,
-              "verify_shape": shape}
+              "verify_shape": shape, "decisions": resolved_compile_backend(settings, device) or "eager"}
     return make_cache_key(config, next(target.parameters()).dtype, device_name,
                           {"transformers": transformers.__version__, "hybridspec_calibration": str(CALIBRATION_REVISION)})
 
@@ -148,7 +150,7 @@ def resolve_latency_model(settings: HybridSpecConfig, target, drafter) -> Latenc
     if settings.latency_model is not None:
         return latency_model_from(settings.latency_model)
     shape = resolved_verify_shape(settings, next(target.parameters()).device)  # the two shapes cost differently
-    key = cache_key(target, drafter, settings.kernel_backend, shape)
+    key = cache_key(target, drafter, settings.kernel_backend, shape, settings.compile_decisions)
     path = cache_path(key)
     model = _load_cached(path, key)
     if model is not None:
@@ -162,7 +164,8 @@ def resolve_latency_model(settings: HybridSpecConfig, target, drafter) -> Latenc
                    "(cached in %s).", path)
     with host_syncs():  # set-up: timing and routing statistics are read on the host
         model = calibrate_latency(target, drafter, kernel_backend=settings.kernel_backend, verify_shape=shape,
-                                  cuda_graphs="uncaptured" if settings.cuda_graphs == "uncaptured" else "auto")
+                                  cuda_graphs="uncaptured" if settings.cuda_graphs == "uncaptured" else "auto",
+                                  compile_decisions=settings.compile_decisions)
     model.key = key
     # as later calls will read it from the cache (the JSON round trip): the same digest, so the rounds this call
     # captures serve those calls too (the fresh model's digest differed and the next call captured again)
@@ -233,6 +236,7 @@ def calibrate_latency(
     verify_shape: str | None = None,
     cuda_graphs: str = "auto",
     batch_sizes: tuple[int, ...] = (1,),
+    compile_decisions: str = "auto",
 ) -> LatencyModel:
     """Measure C(w) for w = 1..B and C_ar at each context length, fit the expert model and η.
 
@@ -246,6 +250,8 @@ def calibrate_latency(
     same rounds without capture, as the calls it calibrates for run them).
     batch_sizes: batch sizes N > 1 to time too (`calibrate_batches`): C_N(w) and C_ar,N of rounds over N prompts,
     the tables a batch's shared w is chosen with (LatencyModel.for_batch).
+    compile_decisions: how the timed rounds run their decisions (HybridSpecConfig.compile_decisions), as the
+    calls it calibrates for run them.
     Under tensor parallelism every rank calls it and gets the same model: the mean over the ranks' timings.
     """
     from transformers import StoppingCriteria, StoppingCriteriaList
@@ -293,6 +299,7 @@ def calibrate_latency(
             stopping_criteria=StoppingCriteriaList([AfterRounds()]),
             hybridspec_config=HybridSpecConfig(selector=forced, kernel_backend=kernel_backend,
                                                verify_shape=verify_shape or "auto",
+                                               compile_decisions=compile_decisions,
                                                **{"cuda_graphs": cuda_graphs, **timing}),
         )
         return target.hybridspec_telemetry
@@ -342,7 +349,7 @@ def calibrate_latency(
     if any(n > 1 for n in batch_sizes):
         model = calibrate_batches(model, target, drafter, sorted({n for n in batch_sizes if n > 1}), prompt,
                                   context_lens, repeats, rounds_per_call, kernel_backend, verify_shape, cuda_graphs,
-                                  progress)
+                                  progress, compile_decisions)
     if distributed():  # tensor parallelism: every rank must choose the same w, so all use the mean calibration
         model = _mean_over_ranks(model)
     return model
@@ -350,7 +357,7 @@ def calibrate_latency(
 
 def calibrate_batches(model: LatencyModel, target, drafter, batch_sizes: list[int], prompt, context_lens,
                       repeats: int, rounds_per_call: int, kernel_backend: str, verify_shape: str | None,
-                      cuda_graphs: str, progress: bool) -> LatencyModel:
+                      cuda_graphs: str, progress: bool, compile_decisions: str = "auto") -> LatencyModel:
     """`model` (the batch-1 calibration) with C_N(w) and C_ar,N for each N in batch_sizes: rounds over N prompts of
     the context's length (no padding), every row verifying the forced w, through generate() as a batched call runs
     them (GPU-resident rounds of N's bucket on CUDA, the eager batched loop elsewhere). Each call stops on
@@ -372,7 +379,8 @@ def calibrate_batches(model: LatencyModel, target, drafter, batch_sizes: list[in
                 max_new_tokens=rounds_per_call + 1 + block_size,
                 eos_token_id=None, pad_token_id=0, assistant_model=drafter, generation_strategy="hybridspec",
                 hybridspec_config=HybridSpecConfig(selector=forced, kernel_backend=kernel_backend,
-                                                   verify_shape=verify_shape or "auto", cuda_graphs=cuda_graphs))
+                                                   verify_shape=verify_shape or "auto", cuda_graphs=cuda_graphs,
+                                                   compile_decisions=compile_decisions))
             rounds = target.hybridspec_telemetry.rounds
             # whole-batch rounds (no row finished yet) that verified w; w = 0: the plain steps after the first,
             # drafted, round

@@ -339,7 +339,11 @@ class ResidentRounds:
             # before the window: it sets ids
             self.routing = _routing_replay(strategy.routing, moe, model, self.device, rows)
             self.window = VerifyWindow(moe)
-            replay = functools.partial(Replay, device=self.device, capture=key.capture)
+            # the decisions' device work in a few compiled kernels (HybridSpecConfig.compile_decisions); a second
+            # warm-up call before each capture, so that any recompile (a guard the first call's state changed)
+            # happens outside the capture
+            compiled = strategy.compile_backend is not None and strategy.compile_decisions(strategy.compile_backend)
+            replay = functools.partial(Replay, device=self.device, capture=key.capture, warmup=2 if compiled else 1)
             with torch.no_grad(), experts as self.fused_experts:
                 self.step = replay(self._step)
                 if self.defers:
@@ -652,7 +656,7 @@ class ResidentRounds:
             # one stream for the batch: tokens per live row and their spread between rows (the eager batched loop's
             # rule, selector.batch_row_stats), priced at the batch set in `_draft`
             emitted, spread = (self.count, None) if self.rows == 1 else batch_row_stats(self.count, self.live)
-            self.strategy.selector.observe(self.round_w.view(1), emitted, None, True, spread)
+            self.strategy.observe_round(self.round_w.view(1), emitted, spread)
 
     # ------------------------------------------------------------------------------------------ host side
     def restart_profile(self, start_row: int = 0) -> None:

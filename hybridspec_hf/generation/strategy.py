@@ -7,18 +7,26 @@ first-router hook sets valid = w0 + keep.
 """
 from __future__ import annotations
 
+import functools
 import json
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from dataclasses import dataclass
 
 import torch
 
-from hybridspec_hf.config import CALIBRATED_STRATEGIES, HybridSpecConfig, resolved_verify_shape
-from hybridspec_hf.generation.calibration import resolve_latency_model
+from hybridspec_hf.config import (CALIBRATED_STRATEGIES, HybridSpecConfig, resolved_compile_backend,
+                                  resolved_verify_shape)
+from hybridspec_hf.generation.calibration import ForcedLength, resolve_latency_model
 from hybridspec_hf.graphs.capture import distributed
 from hybridspec_hf.selector.profiles import AcceptanceProfile, RoutingProfile, load_profile
 from hybridspec_hf.selector import AcceptanceEstimator, LengthSelector, count_new_experts, draft_signals, make_selector
+from hybridspec_hf.selector import length_rules
+
+# the selectors whose decisions `RoundStrategy.compile_decisions` compiles: this package's (pure torch, no host sync)
+_COMPILABLE = (length_rules.FullBlock, length_rules.StaticLength, length_rules.ConfidencePrefix,
+               length_rules.PerRoundRatio, length_rules.HybridSpec, ForcedLength)
 
 
 @dataclass
@@ -37,19 +45,18 @@ class Choice:
     valid: torch.Tensor  # [1] long, tokens that count: w0, or w0 + 1 while the extra token is kept ([N]: a batch)
     keep: torch.Tensor  # [1] bool, extra token kept
     n_new: torch.Tensor  # [1] long, new first-layer experts of the extra token
-    decide_keep: Callable[[torch.Tensor], torch.Tensor] | None = None  # n_new [1] -> keep [1] bool; None: no correction
+    # (first-layer ids [1, T, k], n_new, keep, valid) -> None, writing the three in place; None: no correction
+    correction: Callable[..., None] | None = None
     signals: dict | None = None  # the draft signals w0 was chosen from (the estimator's online update reads them)
 
     @property
     def corrects(self) -> bool:
-        return self.decide_keep is not None
+        return self.correction is not None
 
     def correct(self, first_layer_ids: torch.Tensor) -> None:
         """The routing correction, from the [T, k] router choices at the first MoE layer; updates in place."""
         ids = first_layer_ids.view(1, -1, first_layer_ids.shape[-1]).to(self.w0.device)  # device_map: may differ
-        self.n_new.copy_(count_new_experts(ids, self.w0))
-        self.keep.copy_(self.decide_keep(self.n_new))
-        self.valid.copy_(self.w0 + self.keep.long())
+        self.correction(ids, self.n_new, self.keep, self.valid)
 
 
 class RoundStrategy:
@@ -76,6 +83,12 @@ class RoundStrategy:
         self.profile = None  # timing mode: a selector.profiles.AcceptanceProfile replayed by resident rounds
         self.gdn_verifier = "block"  # or "per_token_state" (the serving engines' verifier, for benchmarks)
         self.routing = None  # timing mode: a selector.profiles.RoutingProfile replacing the routers' choices
+        # the decisions' device work: eager, or compiled by `compile_decisions` (its torch.compile backend)
+        self.compile_backend = None  # resident rounds compile their decisions with it (`compile_decisions`); None: eager
+        self._compiled = None
+        self._decide, self._correct = self._choose, self._correction
+        self._should_draft, self._plain_run = self._should_draft_eager, self._plain_run_eager
+        self._observe_round = self._observe_round_eager
 
     @classmethod
     def build(cls, name: str, settings: HybridSpecConfig, target, drafter, has_router: bool,
@@ -95,6 +108,7 @@ class RoundStrategy:
             routing = RoutingProfile.from_dict(json.loads(Path(routing).read_text()))
         strategy.routing = routing
         strategy.gdn_verifier = settings.gdn_verifier
+        strategy.compile_backend = resolved_compile_backend(settings, next(target.parameters()).device)
         return strategy
 
     @classmethod
@@ -154,21 +168,65 @@ class RoundStrategy:
         use instead of the drafts' own (timing mode replays a profile's, see selector.profiles)."""
         estimator = self.estimator.to(draft_logits.device)
         signals = signals if signals is not None else draft_signals(draft_logits)
+        survival, w0, valid = self._decide(estimator, signals, context_len, w_max)
+        keep = torch.zeros_like(w0, dtype=torch.bool)
+        n_new = torch.zeros_like(w0)
+        if not self.corrects:
+            return Choice(w0, valid, keep, n_new, signals=signals)
+        correction = functools.partial(self._correct_padded, survival=survival, w0=w0, context_len=context_len,
+                                       w_max=w_max)
+        return Choice(w0, valid, keep, n_new, correction, signals)
+
+    def _correct_padded(self, ids: torch.Tensor, *args, survival: torch.Tensor, **kwargs) -> None:
+        """`_correct` on ids padded to the block's B tokens (id -1: no expert) when stage 0 verified fewer
+        ("exact" shape: w0 + 1): one shape, so the compiled correction is compiled once, not once per w0."""
+        block = survival.shape[-1] + 1
+        if self._compiled and ids.shape[1] < block:
+            ids = torch.nn.functional.pad(ids, (0, 0, 0, block - ids.shape[1]), value=-1)
+        self._correct(ids, *args, survival=survival, **kwargs)
+
+    def _choose(self, estimator: AcceptanceEstimator, signals: dict, context_len, w_max) -> tuple:
+        """(survival [1, B-1], w0 [1], valid [1]) of one row's drafts: the device work of `choose` after the
+        signals (one compiled region with `compile_decisions`). valid = w0, + 1 (the extra token in stage 0) when
+        the routing correction is on and there is room for it."""
         survival = estimator.survival(signals)  # [1, B-1]
         # [1] long. Clamped on the device (no sync): a custom selector's w0 = 0 would verify nothing that counts,
         # and w0 > w_max would read past the block.
         w0 = self.selector.choose(survival, context_len, w_max).long().clamp(min=1)
         w0 = torch.minimum(w0, w_max) if isinstance(w_max, torch.Tensor) else w0.clamp(max=w_max)
-        keep = torch.zeros_like(w0, dtype=torch.bool)
-        n_new = torch.zeros_like(w0)
         if not self.corrects:
-            return Choice(w0, w0.clone(), keep, n_new, signals=signals)
-        valid = w0 + (w0 < w_max).long()  # stage 0 includes the extra token when there is room for it
+            return survival, w0, w0.clone()
+        return survival, w0, w0 + (w0 < w_max).long()  # stage 0 includes the extra token when there is room for it
 
-        def decide_keep(n_new: torch.Tensor) -> torch.Tensor:
-            return self.selector.keep_extra(survival, w0, n_new, context_len, w_max) & (w0 < w_max)
+    def _correction(self, ids: torch.Tensor, n_new: torch.Tensor, keep: torch.Tensor, valid: torch.Tensor, *,
+                    survival: torch.Tensor, w0: torch.Tensor, context_len, w_max) -> None:
+        """The routing correction's device work (`Choice.correct`): n_new of the extra token from the first MoE
+        layer's ids [1, T, k], the keep decision, valid = w0 + keep; written in place."""
+        n_new.copy_(count_new_experts(ids, w0))
+        decided = self.selector.keep_extra(survival, w0, n_new, context_len, w_max) & (w0 < w_max)
+        keep.copy_(decided)
+        valid.copy_(w0 + decided.long())
 
-        return Choice(w0, valid, keep, n_new, decide_keep, signals)
+    def compile_decisions(self, backend: str = "inductor") -> bool:
+        """Compile the device work of the decisions a GPU-resident round makes (the length choice, the routing
+        correction, the next round's draft decision, the selector's update, a plain stretch's length) with
+        `torch.compile` (whole graphs, static shapes): a few fused kernels instead of ≈ 130 small ones a round
+        (≈ 0.3 ms of a 0.8 ms round on the tiny pair on the H200, gpu_rounds_tiny_pair3.md). Only for this
+        package's selectors (a custom one may hold host code that a whole-graph compile refuses); their eager code
+        stays the reference, and the CPU twin runs it compiled too when asked (tests). The first round of a capture
+        compiles (seconds, cached by torch on this machine); returns whether the decisions are compiled."""
+        if self._compiled:
+            return True
+        if self.selector is None or type(self.selector) not in _COMPILABLE:
+            return False
+        def compiled(fn):
+            return _CompiledDecision(fn, torch.compile(fn, fullgraph=True, dynamic=False, backend=backend))
+
+        self._decide, self._correct = compiled(self._choose), compiled(self._correction)
+        self._should_draft, self._plain_run = compiled(self._should_draft_eager), compiled(self._plain_run_eager)
+        self._observe_round = compiled(self._observe_round_eager)
+        self._compiled = backend
+        return True
 
     def choose_rows(self, draft_logits: torch.Tensor, context_len, w_max, live: torch.Tensor | None = None,
                     signals: dict | None = None) -> Choice:
@@ -210,6 +268,9 @@ class RoundStrategy:
 
     def should_draft(self, context_len: int):
         """Whether the next round drafts (decided from the rounds so far; read at the hand-off)."""
+        return self._should_draft(context_len)
+
+    def _should_draft_eager(self, context_len):
         if self.selector is None:
             return True
         return self.selector.should_draft(context_len)
@@ -219,6 +280,9 @@ class RoundStrategy:
         [batch] long, 0 = draft next), decided now for all of them; the selector is advanced past this step and
         those (they teach it nothing: `HybridSpec.plain_run`). The steps in between run no selector work.
         Selectors without a plain-step rule always draft (0; this step still accounted)."""
+        return self._plain_run(context_len)
+
+    def _plain_run_eager(self, context_len) -> torch.Tensor:
         run = getattr(self.selector, "plain_run", None)
         if run is not None:
             return run(context_len)
@@ -230,6 +294,15 @@ class RoundStrategy:
             one = torch.ones(1, dtype=torch.long, device=device)
             self.selector.observe(one, one, None, False)
         return torch.zeros(1, dtype=torch.long, device=device)
+
+    def observe_round(self, w: torch.Tensor, emitted: torch.Tensor, spread: torch.Tensor | None = None) -> None:
+        """A GPU-resident speculative round's update of the selector, on the device: w [1] tokens verified,
+        emitted [1] tokens per live row, spread (a batch's rows) or None; priced at the calibrated C(w)."""
+        if self.selector is not None:
+            self._observe_round(w, emitted, spread)
+
+    def _observe_round_eager(self, w: torch.Tensor, emitted: torch.Tensor, spread: torch.Tensor | None) -> None:
+        self.selector.observe(w, emitted, None, True, spread)
 
     def takes_plain_steps(self) -> bool:
         """Whether `should_draft` may answer False: a selector with its own rule (the others draft every round)."""
@@ -273,6 +346,29 @@ class RoundStrategy:
             device = like.device
             self.selector.batch_state(torch.tensor([float(rows)], device=device),
                                       torch.tensor([float(left)], device=device))
+
+
+class _CompiledDecision:
+    """A decision's compiled form, with its eager code as the fallback: where torch.compile cannot take it (a
+    trace it refuses, a backend that fails, too many recompiles) the decision runs eagerly from then on, with one
+    warning. Those failures happen while compiling, before the compiled code runs, so no state was touched."""
+
+    def __init__(self, eager: Callable, fast: Callable):
+        self.eager, self.fast = eager, fast
+
+    def __call__(self, *args, **kwargs):
+        if self.fast is None:
+            return self.eager(*args, **kwargs)
+        import torch._dynamo.exc as dynamo_errors
+
+        try:
+            return self.fast(*args, **kwargs)
+        except (dynamo_errors.TorchDynamoException, dynamo_errors.FailOnRecompileLimitHit) as error:
+            self.fast = None
+            warnings.warn(f"HybridSpec: torch.compile could not take {self.eager.__name__} ({type(error).__name__}: "
+                          f"{str(error).splitlines()[0] if str(error) else ''}); it runs eagerly (same decisions, "
+                          "more kernels). HybridSpecConfig(compile_decisions='off') silences this.", stacklevel=2)
+            return self.eager(*args, **kwargs)
 
 
 def _estimator(value, block_size: int) -> AcceptanceEstimator:
