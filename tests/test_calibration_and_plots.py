@@ -58,6 +58,33 @@ def test_calibration_rounds_run_hybridspecs_selector_work_at_the_forced_length(p
     assert shadow.throughput.tokens is not None  # its streams learned (and are discarded)
 
 
+def test_calibration_compiles_the_shadows_decisions_as_resident_rounds_do(pair):
+    """With compile_decisions (on CUDA by default) the timed rounds run the shadow's decisions compiled, as a
+    compiled HybridSpec round runs them, once for the whole calibration; the forced length's own work stays eager
+    and every drafted round still verifies the forced w (here the CPU twin with the whole-graph trace)."""
+    import warnings
+
+    from hybridspec_hf.generation.calibration import ForcedLength, shadow_selector
+
+    target, drafter, prompt, reference = pair
+    forced = ForcedLength(3, shadow_selector(target, drafter.config.block_size))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*torch.compile could not take")
+        for w in (3, 0, 3):
+            forced.set(w)
+            out = target.generate(prompt, do_sample=False, max_new_tokens=24, assistant_model=drafter,
+                                  generation_strategy="hybridspec",
+                                  hybridspec_config=HybridSpecConfig(selector=forced, cuda_graphs="on",
+                                                                     compile_decisions="aot_eager"))
+            assert torch.equal(out, reference)
+            drafted = [r for r in hybridspec_hf.get_telemetry(target).rounds if r.drafted]
+            assert all(r.w <= 3 for r in drafted) and (len(drafted) > 1) == (w > 0)
+    compiled = {name: vars(forced.shadow).get(name) for name in ForcedLength.SHADOW_DECISIONS}
+    assert all(type(c).__name__ == "_CompiledDecision" and c.fast is not None for c in compiled.values())
+    assert type(compiled["choose"].eager).__name__ == "method"  # compiled once, not a compiled form's compiled form
+    assert "choose" not in vars(forced)  # the forced length's own decisions stay eager
+
+
 def test_calibration_under_a_routing_profile_fits_the_replayed_routing(pair):
     from hybridspec_hf.selector.profiles import RoutingProfile
 

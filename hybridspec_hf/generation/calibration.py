@@ -53,6 +53,21 @@ class ForcedLength(LengthSelector):
         self.routing_correction = bool(shadow is not None and shadow.routing_correction)
         self._on_device: dict[torch.device, torch.Tensor] = {}
 
+    SHADOW_DECISIONS = ("choose", "keep_extra", "should_draft", "plain_run", "observe")
+
+    def compile_shadow(self, compiled) -> bool:
+        """Compile the shadow's decisions (`compiled`: method -> its compiled form; RoundStrategy.compile_decisions),
+        so that the timed rounds run them as a compiled HybridSpec round does; the forced length's own few kernels
+        stay eager. Not the round's decisions as a whole, as for HybridSpec: on the H200 (torch 2.11, Triton 3.6)
+        two graphs that traced through this class failed Triton's MLIR passes (`_choose`, `_plain_run_eager`; run 82
+        of benchmarks/results/gpu_rounds_runs.md) while HybridSpec's own compiled and ran. False: no shadow."""
+        if self.shadow is None:
+            return False
+        for name in self.SHADOW_DECISIONS:
+            if name not in vars(self.shadow):  # compiled already (one shadow serves every call of a calibration)
+                setattr(self.shadow, name, compiled(getattr(self.shadow, name)))
+        return True
+
     def set(self, w: int) -> None:
         self.w = w
         for tensor in self._on_device.values():

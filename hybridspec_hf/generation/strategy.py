@@ -24,7 +24,8 @@ from hybridspec_hf.selector.profiles import AcceptanceProfile, RoutingProfile, l
 from hybridspec_hf.selector import AcceptanceEstimator, LengthSelector, count_new_experts, draft_signals, make_selector
 from hybridspec_hf.selector import length_rules
 
-# the selectors whose decisions `RoundStrategy.compile_decisions` compiles: this package's (pure torch, no host sync)
+# the selectors whose decisions `RoundStrategy.compile_decisions` compiles: this package's (pure torch, no host sync);
+# of calibration's ForcedLength only its shadow's (ForcedLength.compile_shadow)
 _COMPILABLE = (length_rules.FullBlock, length_rules.StaticLength, length_rules.ConfidencePrefix,
                length_rules.PerRoundRatio, length_rules.HybridSpec, ForcedLength)
 
@@ -212,16 +213,21 @@ class RoundStrategy:
         correction, the next round's draft decision, the selector's update, a plain stretch's length) with
         `torch.compile` (whole graphs, static shapes): a few fused kernels instead of ≈ 130 small ones a round
         (≈ 0.3 ms of a 0.8 ms round on the tiny pair on the H200, gpu_rounds_tiny_pair3.md). Only for this
-        package's selectors (a custom one may hold host code that a whole-graph compile refuses); their eager code
+        package's selectors (a custom one may hold host code that a whole-graph compile refuses; of calibration's forced
+        length only its shadow's, `ForcedLength.compile_shadow`); their eager code
         stays the reference, and the CPU twin runs it compiled too when asked (tests). The first round of a capture
         compiles (seconds, cached by torch on this machine); returns whether the decisions are compiled."""
         if self._compiled:
             return True
         if self.selector is None or type(self.selector) not in _COMPILABLE:
             return False
+
         def compiled(fn):
             return _CompiledDecision(fn, torch.compile(fn, fullgraph=True, dynamic=False, backend=backend))
 
+        if isinstance(self.selector, ForcedLength):  # calibration: the shadow's work compiled as HybridSpec's is
+            self._compiled = backend if self.selector.compile_shadow(compiled) else None
+            return self._compiled is not None
         self._decide, self._correct = compiled(self._choose), compiled(self._correction)
         self._should_draft, self._plain_run = compiled(self._should_draft_eager), compiled(self._plain_run_eager)
         self._observe_round = compiled(self._observe_round_eager)
