@@ -2,6 +2,7 @@
 import json
 
 from hybridspec_hf.cli import main
+from hybridspec_hf.selector.length_rules import INFORMED_ROUNDS
 
 
 def test_bench_runs_every_method_under_a_profile_and_writes_results(tmp_path, cpu_only):
@@ -118,7 +119,7 @@ def test_call_simulation_prices_a_whole_call_and_its_rows(monkeypatch):
     selector = make_selector("nominal", {"latency_model": dear})
     selector.reset()
     speedup, spec = selector_sim.simulate_call(selector, dear, nothing, estimator, 0, 129)
-    assert spec <= 3 and 0.85 < speedup < 1.0, (speedup, spec)
+    assert spec <= INFORMED_ROUNDS + 1 and 0.85 < speedup < 1.0, (speedup, spec)  # the first rounds, a probe
 
 
 def test_method_variants_set_one_or_several_switches_and_put_them_back(monkeypatch):

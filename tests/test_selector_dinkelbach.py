@@ -12,6 +12,7 @@ from hybridspec_hf.selector import (
     expected_tokens,
     select_length,
 )
+from hybridspec_hf.selector.length_rules import INFORMED_ROUNDS
 
 B = 16
 W = torch.arange(B, dtype=torch.float64)  # w - 1
@@ -116,7 +117,7 @@ def test_speculation_switches_off_when_it_does_not_pay_and_back_on_after_a_probe
         return draft
 
     bad = [round_(0.02) for _ in range(100)]
-    assert sum(bad[:3]) >= 1 and not all(bad[:5])  # tries speculation first, gives up quickly
+    assert all(bad[:INFORMED_ROUNDS]) and not all(bad[:5])  # tries speculation first, gives up quickly
     assert 4 <= sum(bad[20:]) <= 6  # 80 rounds: only the probes draft (every 17th round)
     good = [round_(0.97) for _ in range(60)]
     first = good.index(True)
@@ -124,10 +125,11 @@ def test_speculation_switches_off_when_it_does_not_pay_and_back_on_after_a_probe
 
 
 def test_one_unlucky_round_does_not_switch_off_drafting_that_the_drafts_say_pays():
-    """A first round whose drafts the estimator trusts (p̂ = 0.95^i) but that emitted one token: counted by its
-    emitted tokens alone (trust_tokens=0) the speculative average says stop (1 token in C(w) against 1 in C_ar);
-    with the default trust in the drafts' G(w) drafting goes on, and a run of such rounds still switches it off
-    (the emitted tokens outweigh the trust)."""
+    """Rounds whose drafts the estimator trusts (p̂ = 0.95^i) but that emitted few tokens. The first INFORMED_ROUNDS
+    (3) are drafted whatever they emit (one round decides nothing); then, counted by their emitted tokens alone
+    (trust_tokens=0), the speculative average says stop (1-2 tokens in C(w) against 1 in C_ar); with trust in the
+    drafts' G(w) drafting goes on, and a longer run of such rounds still switches it off (the emitted tokens
+    outweigh the trust)."""
     survival = (0.95 ** I)[None].float()
 
     def drafts_after(trust, emitted_tokens):
@@ -138,8 +140,9 @@ def test_one_unlucky_round_does_not_switch_off_drafting_that_the_drafts_say_pays
             selector.observe(w, torch.tensor([emitted]), COST[w - 1].float(), drafted=True)
         return bool(selector.should_draft(1024)[0])
 
-    assert not drafts_after(0.0, [1.0])
-    assert drafts_after(4.0, [1.0])
+    assert drafts_after(0.0, [1.0]) and drafts_after(0.0, [1.0] * 2)  # the stream's first rounds
+    assert not drafts_after(0.0, [1.0] * 3) and not drafts_after(0.0, [1.0, 2.0, 2.0])
+    assert drafts_after(4.0, [1.0, 2.0, 2.0])
     assert not drafts_after(4.0, [1.0] * 4)
     assert drafts_after(4.0, [6.0] * 4) and drafts_after(0.0, [6.0] * 4)  # drafts that deliver: both draft
     with pytest.raises(ValueError, match="trust_tokens"):
@@ -167,13 +170,13 @@ def test_probes_take_at_most_their_share_of_the_plain_steps_time():
 
     dear = plain_rounds(HybridSpec(latency_model(cost=COST * 3, cost_ar=6e-3), routing_correction=False,
                                    probe_share=0.03), 30.0, 6.0, 600)
-    probes = [i for i, d in enumerate(dear) if d][1:]  # after the first (always speculative) round
+    probes = [i for i, d in enumerate(dear) if d][INFORMED_ROUNDS:]  # after the first (always speculative) rounds
     gaps = [b - a - 1 for a, b in zip(probes, probes[1:])]
     assert gaps and all(gap == 134 for gap in gaps), gaps
     extra = len(probes) * (30.0 - 6.0)
     assert extra <= 0.03 * 6.0 * (600 - len(probes)) * 1.05
     cheap = plain_rounds(HybridSpec(latency_model(cost_ar=6e-3), routing_correction=False), 6.1, 6.0, 200)
-    probes = [i for i, d in enumerate(cheap) if d][1:]
+    probes = [i for i, d in enumerate(cheap) if d][INFORMED_ROUNDS:]
     gaps = [b - a - 1 for a, b in zip(probes, probes[1:])]
     assert gaps and all(gap == 16 for gap in gaps), gaps
 
@@ -203,7 +206,8 @@ def test_plain_run_takes_the_per_step_decisions_at_once():
         u = torch.rand(8, generator=generator, dtype=torch.float64)
         throughput = DinkelbachThroughput(forgetting=float(0.9 + 0.1 * u[0]), probe_every=int(1 + 30 * u[1]),
                                           probe_share=float(0.005 + 0.2 * u[2]),
-                                          trust_tokens=0.0 if u[7] < 0.2 else float(10 * u[7]))
+                                          trust_tokens=0.0 if u[7] < 0.2 else float(10 * u[7]),
+                                          first_rounds=1 + 2 * (case % 2))
         cost_ar = torch.tensor([3e-3 * (0.5 + float(u[3]))])
         throughput.reset(cost_ar, 1, "cpu")
         for _ in range(int(10 * u[4])):  # some history: speculative rounds of random yield and cost
@@ -219,10 +223,11 @@ def test_plain_run_takes_the_per_step_decisions_at_once():
                          throughput.spec_weight):
                 stat.zero_()
         twin = DinkelbachThroughput(throughput.forgetting, throughput.draft_forgetting, throughput.probe_every,
-                                    throughput.prior_rounds, throughput.probe_share, throughput.trust_tokens)
+                                    throughput.prior_rounds, throughput.probe_share, throughput.trust_tokens,
+                                    first_rounds=throughput.first_rounds)
         twin.reset(cost_ar, 1, "cpu")
         for name in ("tokens", "latency", "spec_tokens", "spec_expected", "spec_latency", "spec_weight", "ar_streak",
-                     "forced"):
+                     "forced", "spec_rounds"):
             getattr(twin, name).copy_(getattr(throughput, name))
         expected = _plain_steps_one_by_one(twin, cost_ar)
         got = throughput.plain_run(cost_ar)
@@ -241,9 +246,10 @@ def test_plain_run_takes_the_per_step_decisions_at_once():
 def test_plain_run_of_the_selector_drafts_again_when_speculation_pays():
     """HybridSpec.plain_run at a plain step: useless drafts -> the next probe's distance; good ones -> draft next."""
     selector = HybridSpec(latency_model(cost_ar=6e-3), routing_correction=False, probe_every=16, probe_share=1.0)
-    selector.should_draft(1024)
-    selector.choose((0.02 ** I)[None].float(), 1024)
-    selector.observe(torch.ones(1, dtype=torch.long), torch.ones(1), torch.tensor([10e-3]), drafted=True)
+    for _ in range(INFORMED_ROUNDS):  # the stream's first rounds, drafted whatever they yield
+        selector.should_draft(1024)
+        selector.choose((0.02 ** I)[None].float(), 1024)
+        selector.observe(torch.ones(1, dtype=torch.long), torch.ones(1), torch.tensor([10e-3]), drafted=True)
     assert int(selector.plain_run(1024)[0]) == 16  # this step and 16 more, then the probe (every 17th round)
     selector.choose((0.97 ** I)[None].float(), 1024)
     selector.observe(torch.full((1,), 16), torch.full((1,), 14.0), torch.tensor([25e-3]), drafted=True)
@@ -321,9 +327,11 @@ def test_probes_come_sooner_while_the_drafts_predict_that_drafting_pays():
             selector.batch_state(torch.tensor([8.0]), torch.tensor([10.0]))
         survival = (survival_rate ** I)[None].float()
         w = selector.choose(survival, 1024)
-        # G(4) = 3.7 in 15 ms: > 1 in 6
-        selector.observe(w, torch.ones(1), torch.tensor([15e-3]), drafted=True,
-                         spread=None if spread is None else torch.tensor([spread]))
+        for _ in range(INFORMED_ROUNDS):  # the stream's first rounds, drafted whatever they yield (w as the first's)
+            selector.choose(survival, 1024)
+            # G(4) = 3.7 in 15 ms: > 1 in 6
+            selector.observe(w, torch.ones(1), torch.tensor([15e-3]), drafted=True,
+                             spread=None if spread is None else torch.tensor([spread]))
         return int(selector.plain_run(1024)[0])
 
     long, hopeful, unhopeful = stretch(0.95, 0.01), stretch(0.95, 0.04), stretch(0.02, 0.04)

@@ -181,10 +181,12 @@ class RoundStrategy:
     def _correct_padded(self, ids: torch.Tensor, *args, survival: torch.Tensor, **kwargs) -> None:
         """`_correct` on ids padded to the block's B tokens (id -1: no expert) when stage 0 verified fewer
         ("exact" shape: w0 + 1): one shape, so the compiled correction is compiled once, not once per w0."""
-        block = survival.shape[-1] + 1
-        if self._compiled and ids.shape[1] < block:
-            ids = torch.nn.functional.pad(ids, (0, 0, 0, block - ids.shape[1]), value=-1)
-        self._correct(ids, *args, survival=survival, **kwargs)
+        block, tokens = survival.shape[-1] + 1, ids.shape[1]
+        extra_at = kwargs["w0"]
+        if self._compiled and tokens < block:
+            ids = torch.nn.functional.pad(ids, (0, 0, 0, block - tokens), value=-1)
+            extra_at = extra_at.clamp(max=tokens - 1)  # as count_new_experts reads the unpadded ids (no extra token)
+        self._correct(ids, *args, survival=survival, extra_at=extra_at, **kwargs)
 
     def _choose(self, estimator: AcceptanceEstimator, signals: dict, context_len, w_max) -> tuple:
         """(survival [1, B-1], w0 [1], valid [1]) of one row's drafts: the device work of `choose` after the
@@ -200,10 +202,10 @@ class RoundStrategy:
         return survival, w0, w0 + (w0 < w_max).long()  # stage 0 includes the extra token when there is room for it
 
     def _correction(self, ids: torch.Tensor, n_new: torch.Tensor, keep: torch.Tensor, valid: torch.Tensor, *,
-                    survival: torch.Tensor, w0: torch.Tensor, context_len, w_max) -> None:
-        """The routing correction's device work (`Choice.correct`): n_new of the extra token from the first MoE
-        layer's ids [1, T, k], the keep decision, valid = w0 + keep; written in place."""
-        n_new.copy_(count_new_experts(ids, w0))
+                    survival: torch.Tensor, w0: torch.Tensor, context_len, w_max, extra_at: torch.Tensor) -> None:
+        """The routing correction's device work (`Choice.correct`): n_new of the token at extra_at (the extra token
+        d_{w0}) from the first MoE layer's ids [1, T, k], the keep decision, valid = w0 + keep; written in place."""
+        n_new.copy_(count_new_experts(ids, extra_at))
         decided = self.selector.keep_extra(survival, w0, n_new, context_len, w_max) & (w0 < w_max)
         keep.copy_(decided)
         valid.copy_(w0 + decided.long())

@@ -163,7 +163,10 @@ HOPEFUL_SHARE = 0.04
 # before (HybridSpec.restart): its first round is decided rather than drafted unasked, and one unlucky early round
 # weighs less. 0: each call starts from the prior alone.
 CARRY_ROUNDS = 8.0
-INFORMED_ROUNDS = 3  # speculative rounds of evidence before a call's first round is decided rather than drafted
+# speculative rounds of evidence before a stream decides whether to draft: a call's first rounds are drafted until it
+# holds that many (DinkelbachThroughput.first_rounds), and a call that carries them from the calls before decides its
+# first round at once
+INFORMED_ROUNDS = 3
 CARRY_EVIDENCE = True  # False: carry_rounds defaults to 0 (the benchmarks' carry-evidence A/B switch)
 
 
@@ -195,7 +198,7 @@ class HybridSpec(_Calibrated):
         self.routing_correction, self.rho_source, self.allow_ar = routing_correction, rho_source, allow_ar
         self.name = "hybridspec" if routing_correction else "nominal"
         self.throughput = DinkelbachThroughput(forgetting, draft_forgetting, probe_every, prior_rounds, probe_share,
-                                               trust_tokens, max(hopeful_share, probe_share))
+                                               trust_tokens, max(hopeful_share, probe_share), INFORMED_ROUNDS)
         self._batch = None  # a batch_state() before the streams exist
 
     @property
