@@ -84,9 +84,9 @@ class RoundStrategy:
         self.profile = None  # timing mode: a selector.profiles.AcceptanceProfile replayed by resident rounds
         self.gdn_verifier = "block"  # or "per_token_state" (the serving engines' verifier, for benchmarks)
         self.routing = None  # timing mode: a selector.profiles.RoutingProfile replacing the routers' choices
-        # the decisions' device work: eager, or compiled by `compile_decisions` (its torch.compile backend)
-        self.compile_backend = None  # resident rounds compile their decisions with it (`compile_decisions`); None: eager
-        self._compiled = None
+        # the decisions' device work: eager, or compiled by `compile_decisions`; resident rounds compile them with
+        # compile_backend (None: eager), _compiled says with which backend they were
+        self.compile_backend = self._compiled = None
         self._decide, self._correct = self._choose, self._correction
         self._should_draft, self._plain_run = self._should_draft_eager, self._plain_run_eager
         self._observe_round = self._observe_round_eager
@@ -215,10 +215,10 @@ class RoundStrategy:
         correction, the next round's draft decision, the selector's update, a plain stretch's length) with
         `torch.compile` (whole graphs, static shapes): a few fused kernels instead of ≈ 130 small ones a round
         (≈ 0.3 ms of a 0.8 ms round on the tiny pair on the H200, gpu_rounds_tiny_pair3.md). Only for this
-        package's selectors (a custom one may hold host code that a whole-graph compile refuses; of calibration's forced
-        length only its shadow's, `ForcedLength.compile_shadow`); their eager code
-        stays the reference, and the CPU twin runs it compiled too when asked (tests). The first round of a capture
-        compiles (seconds, cached by torch on this machine); returns whether the decisions are compiled."""
+        package's selectors (a custom one may hold host code that a whole-graph compile refuses; of calibration's
+        forced length only its shadow's, `ForcedLength.compile_shadow`); their eager code stays the reference, and
+        the CPU twin runs it compiled too when asked (tests). The first round of a capture compiles (seconds, cached
+        by torch on this machine); returns whether the decisions are compiled."""
         if self._compiled:
             return True
         if self.selector is None or type(self.selector) not in _COMPILABLE:

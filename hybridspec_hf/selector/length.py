@@ -134,7 +134,8 @@ class DinkelbachThroughput:
     Forgetting γ = 0.98 (memory ≈ 50 rounds) because ρ* drifts: acceptance changes with the text being generated and
     C(w) grows with the context, so an infinite average is stale; near the optimum the argmax is flat in ρ, so the
     extra noise of a 50-round window costs little; and a prior or early rounds must not weigh forever.
-    The state starts from `prior_rounds` pseudo AR rounds (ρ0 = 1/C_ar): speculation must beat plain decoding.
+    The state starts from `prior_rounds` pseudo AR rounds (ρ0 = 1/C_ar): speculation must beat plain decoding; a
+    stream's first `first_rounds` rounds are drafted unasked (`_early`: one round's yield decides nothing).
 
     What is fed in (chosen by the caller, see strategies.HybridSpec): "measured" = tokens actually emitted and the
     measured round latency (corrects calibration errors in p̂ and C; the default) or "predicted" = G(w) and C(w)
@@ -181,7 +182,8 @@ class DinkelbachThroughput:
             raise ValueError(f"hopeful_share must be in [probe_share = {probe_share}, 1], got {hopeful_share}: the "
                              "probes' share of time while the drafts' own predictions say that drafting pays.")
         if first_rounds < 1:
-            raise ValueError(f"first_rounds must be >= 1 (a stream's first round is always drafted), got {first_rounds}.")
+            raise ValueError(f"first_rounds must be >= 1 (a stream's first round is always drafted), got "
+                             f"{first_rounds}.")
         if trust_tokens < 0:
             raise ValueError(f"trust_tokens must be >= 0 (0: the emitted tokens alone), got {trust_tokens}.")
         self.forgetting, self.draft_forgetting, self.trust_tokens = forgetting, draft_forgetting, trust_tokens
