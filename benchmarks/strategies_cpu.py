@@ -6,6 +6,7 @@ and real routing. Reports tokens/s, speedup over AR, τ, mean w, and whether the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
@@ -15,6 +16,7 @@ from common import environment, write_results
 import hybridspec_hf
 from hybridspec_hf import HybridSpecConfig
 from hybridspec_hf.generation.calibration import calibrate_latency
+from hybridspec_hf.selector import make_selector
 from hybridspec_hf.tiny_pair import ASSETS_DIR, heldout_prompts, load_tiny_pair
 
 STRATEGIES = ["dflash", "static", "confidence", "ratio", "nominal", "hybridspec"]
@@ -28,6 +30,11 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=None, help="override the drafter's block size")
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs of every (prompt, strategy), interleaved; per-prompt seconds are their median")
+    parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated, besides AR")
+    parser.add_argument("--first-rounds", type=int, nargs="*", default=[],
+                        help="also HybridSpec whose calls draft their first N rounds unasked, for each N "
+                             "(an A/B of DinkelbachThroughput.first_rounds; the default is INFORMED_ROUNDS)")
+    parser.add_argument("--name", default="strategies_cpu_tiny_pair")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target, drafter, tokenizer = load_tiny_pair()
@@ -38,7 +45,13 @@ def main() -> None:
     fitted = ASSETS_DIR / "acceptance_estimator.json"  # fitted on training-split traces (acceptance_traces.py)
     settings = HybridSpecConfig(latency_model=latency, acceptance_estimator=str(fitted) if fitted.exists() else None)
     runs = {"ar": {}} | {s: dict(assistant_model=drafter, generation_strategy=s, hybridspec_config=settings)
-                         for s in STRATEGIES}
+                         for s in args.strategies.split(",")}
+    for first in args.first_rounds:  # HybridSpec with another first_rounds (its own selector object)
+        selector = make_selector("hybridspec", {"latency_model": latency})
+        selector.throughput.first_rounds = first
+        variant = dataclasses.replace(settings, selector=selector)
+        runs[f"hybridspec_first{first}"] = dict(assistant_model=drafter, generation_strategy="hybridspec",
+                                                hybridspec_config=variant)
     for kwargs in runs.values():  # warm-up
         target.generate(prompts[0], do_sample=False, max_new_tokens=16, **kwargs)
     rows = {name: {"seconds": [], "tokens": [], "tau": [], "w": [], "identical": [], "runs_s": []} for name in runs}
@@ -99,7 +112,7 @@ def main() -> None:
         "summary": summary,
         "per_prompt": rows,
     }
-    write_results("strategies_cpu_tiny_pair", payload, "\n".join(lines))
+    write_results(args.name, payload, "\n".join(lines))
     print("\n".join(lines))
 
 
