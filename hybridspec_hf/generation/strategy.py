@@ -362,16 +362,17 @@ class _CompiledDecision:
     warning. Those failures happen while compiling, before the compiled code runs, so no state was touched."""
 
     def __init__(self, eager: Callable, fast: Callable):
+        import torch._dynamo.exc as dynamo_errors  # once here, not on every round's call
+
         self.eager, self.fast = eager, fast
+        self.refusals = (dynamo_errors.TorchDynamoException, dynamo_errors.FailOnRecompileLimitHit)
 
     def __call__(self, *args, **kwargs):
         if self.fast is None:
             return self.eager(*args, **kwargs)
-        import torch._dynamo.exc as dynamo_errors
-
         try:
             return self.fast(*args, **kwargs)
-        except (dynamo_errors.TorchDynamoException, dynamo_errors.FailOnRecompileLimitHit) as error:
+        except self.refusals as error:
             self.fast = None
             warnings.warn(f"HybridSpec: torch.compile could not take {self.eager.__name__} ({type(error).__name__}: "
                           f"{str(error).splitlines()[0] if str(error) else ''}); it runs eagerly (same decisions, "
