@@ -146,12 +146,14 @@ def test_resident_calls_look_cos_and_sin_up_and_equal_ar(name, strategy, lookups
     ar = reference(target, prompt, 24)
     drafter = make_drafter(target, 8, ar.sequences, error_rate=0.3)
     settings = HybridSpecConfig(latency_model=latency_model(8, 0.2), cuda_graphs="on")
+    rounds = 0
     for _ in range(2):  # the second call reuses the rounds: its `load` refills the table
         out = target.generate(prompt, do_sample=False, max_new_tokens=24, generation_strategy=strategy,
                               assistant_model=None if strategy == "ar" else drafter, hybridspec_config=settings)
         assert hybridspec_hf.get_telemetry(target).path == "static_eager"
         assert_same_as_ar(out, ar)
-    assert lookups[0] >= 2 * len(hybridspec_hf.get_telemetry(target).rounds)
+        rounds += len(hybridspec_hf.get_telemetry(target).rounds)  # calls may differ: the second carries evidence
+    assert lookups[0] >= rounds
 
 
 def test_batched_rows_look_up_their_own_rows(lookups, fp64_gdn):
