@@ -99,6 +99,8 @@ CALL_VARIANTS = {  # name: (selector options, what a batch round observes: simul
     "discount at the round (runs 57-64)": ({}, "spread at the round"),
     "trust_tokens 4": ({"trust_tokens": 4.0}, "spread"),
     "never plain": ({"allow_ar": False}, "spread"),
+    "explore 0.25": ({"explore": 0.25}, "spread"),
+    "explore 0.5": ({"explore": 0.5}, "spread"),
 }
 WARMUP_TOKENS = 16  # batch.py's warm-up call before each timed call
 REPEATS = 3  # batch.py --repeats 3: timed calls per cell

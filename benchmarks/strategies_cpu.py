@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import statistics
 import time
 
@@ -31,9 +32,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs of every (prompt, strategy), interleaved; per-prompt seconds are their median")
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated, besides AR")
-    parser.add_argument("--first-rounds", type=int, nargs="*", default=[],
-                        help="also HybridSpec whose calls draft their first N rounds unasked, for each N "
-                             "(an A/B of DinkelbachThroughput.first_rounds; the default is INFORMED_ROUNDS)")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
+                        help="also HybridSpec with these selector options (an A/B), e.g. "
+                             "'calibrated={\"draft_price\": \"calibrated\"}'; repeatable")
     parser.add_argument("--name", default="strategies_cpu_tiny_pair")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -46,12 +47,11 @@ def main() -> None:
     settings = HybridSpecConfig(latency_model=latency, acceptance_estimator=str(fitted) if fitted.exists() else None)
     runs = {"ar": {}} | {s: dict(assistant_model=drafter, generation_strategy=s, hybridspec_config=settings)
                          for s in args.strategies.split(",")}
-    for first in args.first_rounds:  # HybridSpec with another first_rounds (its own selector object)
-        selector = make_selector("hybridspec", {"latency_model": latency})
-        selector.throughput.first_rounds = first
-        variant = dataclasses.replace(settings, selector=selector)
-        runs[f"hybridspec_first{first}"] = dict(assistant_model=drafter, generation_strategy="hybridspec",
-                                                hybridspec_config=variant)
+    for spec in args.variant:  # HybridSpec with other selector options (its own selector object)
+        name, _, options = spec.partition("=")
+        selector = make_selector("hybridspec", {"latency_model": latency, **json.loads(options)})
+        runs[f"hybridspec_{name}"] = dict(assistant_model=drafter, generation_strategy="hybridspec",
+                                          hybridspec_config=dataclasses.replace(settings, selector=selector))
     for kwargs in runs.values():  # warm-up
         target.generate(prompts[0], do_sample=False, max_new_tokens=16, **kwargs)
     rows = {name: {"seconds": [], "tokens": [], "tau": [], "w": [], "identical": [], "runs_s": []} for name in runs}

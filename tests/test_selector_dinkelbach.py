@@ -203,11 +203,12 @@ def test_plain_run_takes_the_per_step_decisions_at_once():
     generator = torch.Generator().manual_seed(3)
     checked = 0
     for case in range(300):
-        u = torch.rand(8, generator=generator, dtype=torch.float64)
+        u = torch.rand(9, generator=generator, dtype=torch.float64)
         throughput = DinkelbachThroughput(forgetting=float(0.9 + 0.1 * u[0]), probe_every=int(1 + 30 * u[1]),
                                           probe_share=float(0.005 + 0.2 * u[2]),
                                           trust_tokens=0.0 if u[7] < 0.2 else float(10 * u[7]),
-                                          first_rounds=1 + 2 * (case % 2))
+                                          first_rounds=1 + 2 * (case % 2),
+                                          explore=0.0 if u[8] < 0.3 else float(u[8]))
         cost_ar = torch.tensor([3e-3 * (0.5 + float(u[3]))])
         throughput.reset(cost_ar, 1, "cpu")
         for _ in range(int(10 * u[4])):  # some history: speculative rounds of random yield and cost
@@ -224,10 +225,10 @@ def test_plain_run_takes_the_per_step_decisions_at_once():
                 stat.zero_()
         twin = DinkelbachThroughput(throughput.forgetting, throughput.draft_forgetting, throughput.probe_every,
                                     throughput.prior_rounds, throughput.probe_share, throughput.trust_tokens,
-                                    first_rounds=throughput.first_rounds)
+                                    first_rounds=throughput.first_rounds, explore=throughput.explore)
         twin.reset(cost_ar, 1, "cpu")
         for name in ("tokens", "latency", "spec_tokens", "spec_expected", "spec_latency", "spec_weight", "ar_streak",
-                     "forced", "spec_rounds"):
+                     "forced", "spec_rounds", "spec_squares"):
             getattr(twin, name).copy_(getattr(throughput, name))
         expected = _plain_steps_one_by_one(twin, cost_ar)
         got = throughput.plain_run(cost_ar)
@@ -236,8 +237,11 @@ def test_plain_run_takes_the_per_step_decisions_at_once():
             continue
         checked += 1
         assert int(got[0]) == expected, case
-        for name in ("tokens", "latency", "spec_tokens", "spec_expected", "spec_latency", "spec_weight"):
-            torch.testing.assert_close(getattr(throughput, name), getattr(twin, name), rtol=1e-4, atol=1e-9)  # fp32 sums over ≤ 256 steps
+        for name in ("tokens", "latency", "spec_tokens", "spec_expected", "spec_latency", "spec_weight",
+                     "spec_squares"):
+            # fp32 sums over ≤ 256 steps
+            torch.testing.assert_close(getattr(throughput, name), getattr(twin, name), rtol=1e-4, atol=1e-9,
+                                       msg=lambda m, name=name: f"case {case}, {name}: {m}")
         for name in ("ar_streak", "forced"):
             assert torch.equal(getattr(throughput, name), getattr(twin, name)), (case, name)
     assert checked > 200
@@ -407,3 +411,43 @@ def test_evidence_after_a_long_plain_stretch_keeps_its_means_and_its_decision(fl
         assert not after and k > 0
     else:  # the bug the floor removes
         assert weight < 1e-12 and after and k == 0
+
+
+def test_the_draft_decision_can_price_speculative_rounds_at_their_calibrated_cost():
+    """A machine running slower than when it was calibrated: drafted rounds measured at 40 ms that C(4) prices at
+    13.9 ms, 3 tokens each, against a plain step's calibrated 6 ms. "measured" compares 3 tokens in 40 ms with 1 in 6
+    and steps plain; "calibrated" (the default) compares like with like (3 in 13.9 ms) and drafts. ρ takes the measured
+    times either way."""
+    def after_three_rounds(price):
+        selector = HybridSpec(latency_model(cost_ar=6e-3), routing_correction=False, draft_price=price,
+                              explore=0.0, carry_rounds=0.0)
+        for _ in range(INFORMED_ROUNDS):
+            selector.should_draft(1024)
+            selector.choose((0.9 ** I)[None].float(), 1024)
+            selector.observe(torch.full((1,), 4), torch.full((1,), 3.0), torch.tensor([40e-3]), drafted=True)
+        return selector.rho.clone(), int(selector.plain_run(1024)[0])
+
+    (measured, plain), (calibrated, drafts) = after_three_rounds("measured"), after_three_rounds("calibrated")
+    assert plain > 0 and drafts == 0
+    torch.testing.assert_close(measured, calibrated)
+    with pytest.raises(ValueError, match="draft_price"):
+        HybridSpec(latency_model(), draft_price="predicted")
+
+
+def test_exploration_brings_drafting_back_sooner_after_rounds_that_spread():
+    """Three early rounds below break-even (2.5 tokens in 15 ms against 1 in 6): without exploration the stream steps
+    plain until the probe (150 steps); with it the bound mean + c·σ/√W, W fading with every plain step, drafts again
+    well before; rounds that all yield the same (σ = 0) give it nothing to explore."""
+    def stretch(yields, explore):
+        selector = HybridSpec(latency_model(cost=COST * 3, cost_ar=6e-3), routing_correction=False,
+                              probe_share=0.01, hopeful_share=0.01, carry_rounds=0.0, explore=explore)
+        selector.should_draft(1024)
+        for tokens in yields:
+            w = selector.choose((0.02 ** I)[None].float(), 1024)
+            selector.observe(w, torch.tensor([float(tokens)]), torch.tensor([15e-3]), drafted=True)
+        return int(selector.plain_run(1024)[0])
+
+    assert stretch([1, 1, 2], 0.0) == stretch([1, 1, 1], 0.5) == 150
+    assert 0 < stretch([1, 1, 2], 0.5) < stretch([1, 1, 2], 0.25) < 150
+    with pytest.raises(ValueError, match="explore"):
+        HybridSpec(latency_model(), explore=-1.0)

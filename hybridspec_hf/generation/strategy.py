@@ -137,10 +137,13 @@ class RoundStrategy:
             assert name in CALIBRATED_STRATEGIES
             latency = resolve_latency_model(settings, target, drafter).for_batch(batch)
             selector = make_selector(name, {"latency_model": latency})
-            # the module-level defaults a selector read (HybridSpec's trust_tokens, carry_rounds): part of its decisions
+            # the module-level defaults a selector read (HybridSpec's trust_tokens, carry_rounds, explore): part
+            # of its decisions
             throughput = getattr(selector, "throughput", None)
-            trust, hopeful = (getattr(throughput, k, None) for k in ("trust_tokens", "hopeful_share"))
-            identity = (*identity, latency.digest(), trust, hopeful, getattr(selector, "carry_rounds", None))
+            trust, hopeful, explore = (getattr(throughput, k, None) for k in ("trust_tokens", "hopeful_share",
+                                                                             "explore"))
+            identity = (*identity, latency.digest(), trust, hopeful, explore,
+                        *(getattr(selector, k, None) for k in ("carry_rounds", "draft_price")))
         selector.reset()
         carried = settings.acceptance_estimator is None and getattr(drafter, "acceptance_estimator", None) is not None
         estimator = _estimator(drafter.acceptance_estimator if carried else settings.acceptance_estimator, block_size)

@@ -11,6 +11,8 @@ they can run between the drafter and the target's stage 0 on the GPU.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -135,7 +137,8 @@ class DinkelbachThroughput:
     C(w) grows with the context, so an infinite average is stale; near the optimum the argmax is flat in ρ, so the
     extra noise of a 50-round window costs little; and a prior or early rounds must not weigh forever.
     The state starts from `prior_rounds` pseudo AR rounds (ρ0 = 1/C_ar): speculation must beat plain decoding; a
-    stream's first `first_rounds` rounds are drafted unasked (`_early`: one round's yield decides nothing).
+    stream's first `first_rounds` rounds are drafted unasked (`_early`: one round's yield decides nothing);
+    `explore` adds an optimism bonus for what the fading evidence no longer rules out (`_spec_gain`).
 
     What is fed in (chosen by the caller, see strategies.HybridSpec): "measured" = tokens actually emitted and the
     measured round latency (corrects calibration errors in p̂ and C; the default) or "predicted" = G(w) and C(w)
@@ -168,7 +171,7 @@ class DinkelbachThroughput:
 
     def __init__(self, forgetting: float = 0.98, draft_forgetting: float = 0.95, probe_every: int = 16,
                  prior_rounds: float = 4.0, probe_share: float = 0.01, trust_tokens: float = 0.0,
-                 hopeful_share: float | None = None, first_rounds: int = 1):
+                 hopeful_share: float | None = None, first_rounds: int = 1, explore: float = 0.0):
         hopeful_share = probe_share if hopeful_share is None else hopeful_share
         for name, value in (("forgetting", forgetting), ("draft_forgetting", draft_forgetting)):
             if not 0.0 < value <= 1.0:
@@ -186,9 +189,11 @@ class DinkelbachThroughput:
                              f"{first_rounds}.")
         if trust_tokens < 0:
             raise ValueError(f"trust_tokens must be >= 0 (0: the emitted tokens alone), got {trust_tokens}.")
+        if explore < 0:
+            raise ValueError(f"explore must be >= 0 (0: the speculative rounds' mean alone), got {explore}.")
         self.forgetting, self.draft_forgetting, self.trust_tokens = forgetting, draft_forgetting, trust_tokens
         self.probe_every, self.prior_rounds, self.probe_share = probe_every, prior_rounds, probe_share
-        self.hopeful_share, self.first_rounds = hopeful_share, first_rounds
+        self.hopeful_share, self.first_rounds, self.explore = hopeful_share, first_rounds, explore
         self.tokens = self.latency = None
 
     PLAIN_HORIZON = 256  # plain steps `plain_run` scans ahead
@@ -204,6 +209,7 @@ class DinkelbachThroughput:
         self.spec_weight = torch.zeros(batch, device=device)
         self.ar_streak = torch.zeros(batch, dtype=torch.long, device=device)
         self.spec_rounds = torch.zeros(batch, device=device)  # speculative rounds observed (not discounted)
+        self.spec_squares = torch.zeros(batch, device=device)  # their tokens squared (discounted as the sums)
         self.spec_spread = torch.zeros(batch, device=device)  # the rows' spread σ of a batch's rounds (0: one row)
         # the batch at the next decision (`set_batch`): live rows n and the tokens T its roomiest row still needs
         self.live_rows = torch.ones(batch, device=device)
@@ -236,7 +242,7 @@ class DinkelbachThroughput:
     def _spec_sums(self) -> tuple[torch.Tensor, ...]:
         """The speculative rounds' discounted sums (one decay for all: their means keep their value); the rows'
         spread only for a batch."""
-        sums = (self.spec_tokens, self.spec_expected, self.spec_latency, self.spec_weight)
+        sums = (self.spec_tokens, self.spec_expected, self.spec_latency, self.spec_weight, self.spec_squares)
         return (*sums, self.spec_spread) if self.batched else sums
 
     # The least weight the speculative sums decay to (in rounds): their means keep their value, and one new round
@@ -285,12 +291,15 @@ class DinkelbachThroughput:
         return self.tokens / self.latency
 
     def update(self, tokens: torch.Tensor, latency: torch.Tensor, drafted: torch.Tensor,
-               expected: torch.Tensor | None = None, spread: torch.Tensor | None = None) -> None:
+               expected: torch.Tensor | None = None, spread: torch.Tensor | None = None,
+               priced: torch.Tensor | None = None) -> None:
         """Account one round: tokens emitted (per row), latency seconds, drafted (False = plain AR step), all
         [batch]; expected: a speculative round's G(w), the tokens its drafts' signals predicted (None: the emitted
-        ones); spread: a batch round's spread σ of tokens between its rows (None: one row). ρ counts a batch round's
+        ones); spread: a batch round's spread σ of tokens between its rows (None: one row); priced: the seconds the
+        speculative means keep, which the draft decision compares with C_ar (None: latency). ρ counts a batch round's
         tokens discounted for the spread at the batch set by `set_batch`; the speculative means keep μ and σ."""
         tokens, latency = tokens.float(), latency.float()
+        priced = latency if priced is None else priced.float()
         expected = tokens if expected is None else expected.float()
         spec = drafted.float()  # [batch]
         worth = tokens
@@ -302,13 +311,14 @@ class DinkelbachThroughput:
         if spread is not None:
             self.batched = True
         self._decay_spec(self.draft_forgetting)
-        for stat, value in ((self.spec_tokens, tokens), (self.spec_expected, expected), (self.spec_latency, latency),
+        for stat, value in ((self.spec_tokens, tokens), (self.spec_expected, expected), (self.spec_latency, priced),
                             (self.spec_weight, 1.0)):
             stat.add_(spec * value)
         if spread is not None:
             self.spec_spread.add_(spec * spread)
         self.ar_streak.add_(1).mul_((~drafted).long())
         self.spec_rounds.add_(spec)
+        self.spec_squares.add_(spec * tokens * tokens)
         self.forced.logical_and_(~drafted)  # a forced draft observed is no longer in flight (`_early` counts it)
 
     def draft_decision(self, cost_ar: torch.Tensor) -> torch.Tensor:
@@ -359,15 +369,29 @@ class DinkelbachThroughput:
         the tiny pair's held-out prompts, whose estimator is optimistic there (strategies_cpu_tiny_pair.md).
         scale: the sums' common decay (plain_run's d^j; a scalar or a [J] row), which moves the ratio towards the
         prior as the evidence fades.
+
+        explore c > 0 then adds c·σ/√W, an upper confidence bound on the yield: σ the spread of the rounds' emitted
+        tokens, W the weight of the evidence (the discounted rounds behind the mean, times scale). A plain stretch
+        fades W with every step, so the bound rises until the stream drafts again (`plain_run` finds the step); with
+        few rounds of evidence (a call's first, unlucky ones) it is reached in a few dozen steps, with many consistent
+        ones (σ small: drafting never pays) not before the probe. Without it one bad patch early in a call kept the
+        stream plain until a probe ≈ 75 steps later (the tiny pair's held-out prompts on a CPU:
+        benchmarks/results/position_sim_tiny_pair.md).
         Returns [batch] (scalar scale) or [batch, J]."""
         weight = self.spec_weight.clamp(min=1e-12)
-        tokens, expected = self.spec_tokens, self.spec_expected
+        tokens, expected, squares = self.spec_tokens, self.spec_expected, self.spec_squares
         if isinstance(scale, torch.Tensor):
-            tokens, expected, weight = tokens[:, None], expected[:, None], weight[:, None]
+            tokens, expected, weight, squares = tokens[:, None], expected[:, None], weight[:, None], squares[:, None]
         if self.trust_tokens == 0:  # the emitted tokens alone, whatever the decay
-            return tokens / weight
-        ratio = (self.trust_tokens + scale * tokens) / (self.trust_tokens + scale * expected)
-        return expected / weight * ratio
+            gain = tokens / weight
+        else:
+            gain = expected / weight * (self.trust_tokens + scale * tokens) / (self.trust_tokens + scale * expected)
+        if self.explore == 0:
+            return gain
+        mean = tokens / weight
+        spread = (squares / weight - mean * mean).clamp(min=0.0)
+        held = (weight * scale).clamp(min=1e-12)
+        return gain + self.explore * (spread / held).sqrt()
 
     def plain_run(self, cost_ar: torch.Tensor) -> torch.Tensor:
         """A plain step's decision for every plain step to come at once: the number k of further plain steps before
@@ -414,8 +438,11 @@ class DinkelbachThroughput:
         self.forced.copy_(torch.where(first < self.PLAIN_HORIZON, forced, ~beyond_pays))
         # advance past this step and the k to come: n = k + 1 plain updates
         n = (k + 1).float()
-        decay_n = f ** n
-        partial_n = n if f == 1.0 else (1.0 - decay_n) / (1.0 - f)
+        # f^n and Σ_{i<n} f^i from log f in double precision: with f near 1, f rounded to fp32 put (1 - f^n) / (1 - f)
+        # off by 4e-4 (f = 0.99995)
+        log_f = math.log(f)
+        decay_n = torch.exp(n * log_f)
+        partial_n = n if f == 1.0 else -torch.expm1(n * log_f) / (1.0 - f)
         self.tokens.mul_(decay_n).add_(partial_n)
         self.latency.mul_(decay_n).add_(partial_n * cost_ar)
         self._decay_spec(d ** n)

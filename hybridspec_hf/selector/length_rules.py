@@ -168,6 +168,13 @@ CARRY_ROUNDS = 8.0
 # first round at once
 INFORMED_ROUNDS = 3
 CARRY_EVIDENCE = True  # False: carry_rounds defaults to 0 (the benchmarks' carry-evidence A/B switch)
+# The draft decision's optimism: a speculative round's yield is taken at its mean + EXPLORE·σ/√W, σ the rounds'
+# spread, W their fading weight (DinkelbachThroughput._spec_gain; 0: the mean alone, a probe the only way back).
+EXPLORE = 0.0
+# The seconds a speculative round is priced at in the draft decision, which compares them with the plain step's
+# calibrated C_ar: "calibrated" (its C(w), like for like: a machine running slower or faster than when it was calibrated
+# moves both alike) or "measured" (its measured time; ρ takes the measured times either way).
+DRAFT_PRICE = "calibrated"
 
 
 class HybridSpec(_Calibrated):
@@ -177,7 +184,10 @@ class HybridSpec(_Calibrated):
     passed) or "predicted" (G(w) and C(w)). See length.DinkelbachThroughput for forgetting, draft_forgetting,
     probe_every, prior_rounds, probe_share, hopeful_share (at least probe_share) and trust_tokens (how much the draft
     decision trusts the estimator's G(w) before the emitted tokens have confirmed it; 0: the emitted tokens alone);
-    carry_rounds: the evidence a new call of the resident rounds keeps (`restart`). allow_ar=False always drafts.
+    carry_rounds: the evidence a new call of the resident rounds keeps (`restart`); explore: the draft decision's
+    optimism for what fading evidence no longer rules out (DinkelbachThroughput._spec_gain); draft_price: what a
+    speculative round costs in the draft decision ("calibrated": its C(w); "measured": its measured time).
+    allow_ar=False always drafts.
     """
 
     name = "hybridspec"
@@ -186,8 +196,13 @@ class HybridSpec(_Calibrated):
                  forgetting: float = 0.98, draft_forgetting: float = 0.95, probe_every: int = 16,
                  prior_rounds: float = 4.0, allow_ar: bool = True, probe_share: float = 0.01,
                  trust_tokens: float | None = None, hopeful_share: float = HOPEFUL_SHARE,
-                 carry_rounds: float | None = None):
+                 carry_rounds: float | None = None, explore: float = EXPLORE,
+                 draft_price: str = DRAFT_PRICE):
         super().__init__(latency_model)
+        if draft_price not in ("calibrated", "measured"):
+            raise ValueError(f"draft_price must be 'calibrated' or 'measured', got {draft_price!r}: the seconds a "
+                             "speculative round is priced at when deciding whether to draft, next to C_ar.")
+        self.draft_price = draft_price
         trust_tokens = (TRUST_TOKENS if TRUST_DRAFTS else 0.0) if trust_tokens is None else trust_tokens
         carry_rounds = (CARRY_ROUNDS if CARRY_EVIDENCE else 0.0) if carry_rounds is None else carry_rounds
         if carry_rounds < 0:
@@ -198,7 +213,8 @@ class HybridSpec(_Calibrated):
         self.routing_correction, self.rho_source, self.allow_ar = routing_correction, rho_source, allow_ar
         self.name = "hybridspec" if routing_correction else "nominal"
         self.throughput = DinkelbachThroughput(forgetting, draft_forgetting, probe_every, prior_rounds, probe_share,
-                                               trust_tokens, max(hopeful_share, probe_share), INFORMED_ROUNDS)
+                                               trust_tokens, max(hopeful_share, probe_share), INFORMED_ROUNDS,
+                                               explore)
         self._batch = None  # a batch_state() before the streams exist
 
     @property
@@ -304,7 +320,8 @@ class HybridSpec(_Calibrated):
         # G(w): the drafts' own prediction (trust_tokens weighs it against the emitted tokens; the probes' share
         # grows to hopeful_share while it says drafting pays); a batch's rows' mean, as the emitted tokens
         expected = expected_tokens(self._survival).gather(1, idx).squeeze(1).to(emitted.device)
-        self.throughput.update(emitted.float(), seconds, spec, expected=expected, spread=spread)
+        priced = predicted_latency if self.draft_price == "calibrated" else None
+        self.throughput.update(emitted.float(), seconds, spec, expected=expected, spread=spread, priced=priced)
 
 
 _STRATEGIES = {
