@@ -122,6 +122,38 @@ def test_call_simulation_prices_a_whole_call_and_its_rows(monkeypatch):
     assert spec <= INFORMED_ROUNDS + 1 and 0.85 < speedup < 1.0, (speedup, spec)  # the first rounds, a probe
 
 
+def test_position_simulation_walks_the_text_as_the_rounds_do(monkeypatch):
+    """benchmarks/position_sim.py's walk: a text whose every position accepts the whole block, a flat C(w): DFlash
+    makes 127 tokens in ceil(127 / 16) rounds of C; a text that accepts nothing at a round cost far above C_ar:
+    HybridSpec drafts its first rounds, steps plain after them and stays within a probe of AR."""
+    from pathlib import Path
+
+    import torch
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import position_sim
+
+    from hybridspec_hf.selector import AcceptanceEstimator
+    from hybridspec_hf.selector.latency import LatencyModel
+
+    n, block = 128, 16
+    signals = {k: torch.full((n - 1, block - 1), v) for k, v in (("top1", 0.9), ("margin", 0.8), ("entropy", 0.3))}
+    text = {"n": n, "prompt_len": 20, "signals": signals, "a": torch.full((n - 1,), block - 1)}
+    flat = LatencyModel(cost=torch.full((1, block), 8e-3), cost_ar=torch.tensor([4e-3]),
+                        context_lens=torch.tensor([64]))
+    estimator = AcceptanceEstimator.default(block)
+    run = position_sim.walk("dflash", {}, flat, estimator, text)
+    assert run["rounds"] == run["drafted"] == 8 and abs(run["seconds"] / (8 * 8e-3) - 1) < 1e-6  # C in fp32
+    assert abs(run["ar_seconds"] / (127 * 4e-3) - 1) < 1e-6
+    nothing = dict(text, a=torch.zeros(n - 1, dtype=torch.long))
+    dear = LatencyModel(cost=torch.full((1, block), 20e-3), cost_ar=torch.tensor([4e-3]),
+                        context_lens=torch.tensor([64]))
+    run = position_sim.walk("nominal", {}, dear, estimator, nothing)
+    # the first rounds (one more decided before the last of them is observed), then a probe after 100 plain steps
+    assert INFORMED_ROUNDS <= run["drafted"] <= INFORMED_ROUNDS + 2 and run["rounds"] == 127  # one token a round
+    assert 0.8 < run["ar_seconds"] / run["seconds"] < 1.0
+
+
 def test_method_variants_set_one_or_several_switches_and_put_them_back(monkeypatch):
     from pathlib import Path
 
