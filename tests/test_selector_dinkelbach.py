@@ -152,7 +152,7 @@ def test_one_unlucky_round_does_not_switch_off_drafting_that_the_drafts_say_pays
 def test_probes_take_at_most_their_share_of_the_plain_steps_time():
     """Where a speculative round costs 5x a plain step (a batch's rounds), useless drafts -> probes far enough apart
     that their extra time stays within probe_share of the plain steps' time; the stretch follows the measured costs
-    (0.03: (30 - 6) / (0.03 * 6) = 134 plain steps between probes), and at most probe_every apart where probes are
+    (draft_price "measured"; 0.03: (30 - 6) / (0.03 * 6) = 134 plain steps between probes), and at most probe_every apart where probes are
     cheap."""
     def plain_rounds(selector, spec_ms, ar_ms, rounds):
         drafted = []
@@ -169,13 +169,14 @@ def test_probes_take_at_most_their_share_of_the_plain_steps_time():
         return drafted
 
     dear = plain_rounds(HybridSpec(latency_model(cost=COST * 3, cost_ar=6e-3), routing_correction=False,
-                                   probe_share=0.03), 30.0, 6.0, 600)
+                                   probe_share=0.03, draft_price="measured"), 30.0, 6.0, 600)
     probes = [i for i, d in enumerate(dear) if d][INFORMED_ROUNDS:]  # after the first (always speculative) rounds
     gaps = [b - a - 1 for a, b in zip(probes, probes[1:])]
     assert gaps and all(gap == 134 for gap in gaps), gaps
     extra = len(probes) * (30.0 - 6.0)
     assert extra <= 0.03 * 6.0 * (600 - len(probes)) * 1.05
-    cheap = plain_rounds(HybridSpec(latency_model(cost_ar=6e-3), routing_correction=False), 6.1, 6.0, 200)
+    cheap = plain_rounds(HybridSpec(latency_model(cost_ar=6e-3), routing_correction=False, draft_price="measured"),
+                         6.1, 6.0, 200)
     probes = [i for i, d in enumerate(cheap) if d][INFORMED_ROUNDS:]
     gaps = [b - a - 1 for a, b in zip(probes, probes[1:])]
     assert gaps and all(gap == 16 for gap in gaps), gaps
@@ -325,7 +326,7 @@ def test_probes_come_sooner_while_the_drafts_predict_that_drafting_pays():
     probe_share one (150); drafts that predict little (p̂ = 0.02^i) keep the long one."""
     def stretch(survival_rate, hopeful, spread=None):
         selector = HybridSpec(latency_model(cost=COST * 3, cost_ar=6e-3), routing_correction=False,
-                              probe_share=0.01, hopeful_share=hopeful, carry_rounds=0.0)
+                              probe_share=0.01, hopeful_share=hopeful, carry_rounds=0.0, draft_price="measured")
         selector.should_draft(1024)
         if spread is not None:  # a batch of 8 rows, 10 tokens left to the roomiest
             selector.batch_state(torch.tensor([8.0]), torch.tensor([10.0]))
@@ -440,7 +441,8 @@ def test_exploration_brings_drafting_back_sooner_after_rounds_that_spread():
     well before; rounds that all yield the same (σ = 0) give it nothing to explore."""
     def stretch(yields, explore):
         selector = HybridSpec(latency_model(cost=COST * 3, cost_ar=6e-3), routing_correction=False,
-                              probe_share=0.01, hopeful_share=0.01, carry_rounds=0.0, explore=explore)
+                              probe_share=0.01, hopeful_share=0.01, carry_rounds=0.0, explore=explore,
+                              draft_price="measured")
         selector.should_draft(1024)
         for tokens in yields:
             w = selector.choose((0.02 ** I)[None].float(), 1024)
