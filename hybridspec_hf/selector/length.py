@@ -376,7 +376,9 @@ class DinkelbachThroughput:
         few rounds of evidence (a call's first, unlucky ones) it is reached in a few dozen steps, with many consistent
         ones (σ small: drafting never pays) not before the probe. Without it one bad patch early in a call kept the
         stream plain until a probe ≈ 75 steps later (the tiny pair's held-out prompts on a CPU:
-        benchmarks/results/position_sim_tiny_pair.md).
+        benchmarks/results/position_sim_tiny_pair.md). HybridSpec leaves it off (EXPLORE): c = 0.5 made +1 % on the
+        CPU (within noise), +2.7 % replayed there, +2 % on the 35B shape's medium profile simulated, but cost the low
+        profile, where drafting never pays, 3 %.
         Returns [batch] (scalar scale) or [batch, J]."""
         weight = self.spec_weight.clamp(min=1e-12)
         tokens, expected, squares = self.spec_tokens, self.spec_expected, self.spec_squares
