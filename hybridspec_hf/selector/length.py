@@ -242,7 +242,8 @@ class DinkelbachThroughput:
     def _spec_sums(self) -> tuple[torch.Tensor, ...]:
         """The speculative rounds' discounted sums (one decay for all: their means keep their value); the rows'
         spread only for a batch."""
-        sums = (self.spec_tokens, self.spec_expected, self.spec_latency, self.spec_weight, self.spec_squares)
+        sums = (self.spec_tokens, self.spec_expected, self.spec_latency, self.spec_weight)
+        sums = (*sums, self.spec_squares) if self.explore else sums  # the yields' spread: only exploration reads it
         return (*sums, self.spec_spread) if self.batched else sums
 
     # The least weight the speculative sums decay to (in rounds): their means keep their value, and one new round
@@ -318,7 +319,8 @@ class DinkelbachThroughput:
             self.spec_spread.add_(spec * spread)
         self.ar_streak.add_(1).mul_((~drafted).long())
         self.spec_rounds.add_(spec)
-        self.spec_squares.add_(spec * tokens * tokens)
+        if self.explore:
+            self.spec_squares.add_(spec * tokens * tokens)
         self.forced.logical_and_(~drafted)  # a forced draft observed is no longer in flight (`_early` counts it)
 
     def draft_decision(self, cost_ar: torch.Tensor) -> torch.Tensor:
