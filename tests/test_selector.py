@@ -186,6 +186,25 @@ def test_calibrate_builds_the_model_from_a_measurement_function():
     assert model.bucket(torch.tensor([10, 1000, 1100, 100000])).tolist() == [0, 0, 1, 1]  # log-space midpoint 1024
 
 
+def test_one_context_latency_model_reads_row_zero_without_a_bucketize_and_selectors_move_it_at_restart():
+    """A model measured at one context reads its only row for every context, on the host and on the device alike
+    (no bucketize over an empty edge list: compiled by inductor for CUDA, that fails Triton's passes, H200 run 83);
+    a calibrated selector's `restart` makes its device copy before any compiled decision could trace the move."""
+    from hybridspec_hf.selector import make_selector
+
+    model = LatencyModel(cost=torch.linspace(1, 2, 8)[None] * 1e-3, cost_ar=torch.tensor([0.8e-3]),
+                         context_lens=torch.tensor([64]))
+    rows = model.bucket(torch.tensor([1, 64, 10**6]))
+    assert rows.dtype == torch.long and rows.tolist() == [0, 0, 0]
+    assert model.bucket(10**6).tolist() == [0]
+    torch.testing.assert_close(model.cost_for(torch.tensor([5, 7])), model.cost.expand(2, -1))
+    for name in ("ratio", "hybridspec"):
+        selector = make_selector(name, {"latency_model": model})
+        selector._by_device.clear()  # as for a model loaded on the host and rounds on a GPU
+        selector.restart(torch.tensor([12]))
+        assert list(selector._by_device) == [torch.device("cpu")]
+
+
 def test_latency_model_json_roundtrip_and_stale_key(tmp_path):
     experts = fit_expert_model([routing_observation(torch.Generator().manual_seed(s)) for s in range(5)], 32)
     key = make_cache_key({"hidden_size": 2048, "num_experts": 256}, torch.bfloat16, "NVIDIA H200", {"transformers": "5.17"})

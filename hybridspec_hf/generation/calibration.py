@@ -115,8 +115,13 @@ class ForcedLength(LengthSelector):
         return self.shadow.keep_extra(survival, w0, n_new, context_len, w_max) & False  # the round verifies w
 
     def observe(self, w, emitted, latency=None, drafted=True, spread=None) -> None:
-        if self.shadow is not None:
-            self.shadow.observe(w, emitted, latency, drafted, spread)
+        if self.shadow is None:
+            return
+        if latency is not None:  # an eager round's measured time, a host float: a compiled form would guard on its
+            # value and recompile every round; HybridSpec's eager rounds run their decisions eagerly too
+            getattr(self.shadow.observe, "eager", self.shadow.observe)(w, emitted, latency, drafted, spread)
+            return
+        self.shadow.observe(w, emitted, latency, drafted, spread)
 
     def batch_state(self, rows, left) -> None:
         if self.shadow is not None:
@@ -136,8 +141,9 @@ def shadow_selector(target, block_size: int) -> LengthSelector:
 # what a cached calibration was measured with, besides the model and the libraries: bumped when the measurement
 # changes (2: batch tables timed on rounds that verified the forced w; kernels launched with PDL; 3: the rounds run
 # HybridSpec's selector work beside the forced length, `ForcedLength.shadow`; 4: that work compiled on CUDA,
-# HybridSpecConfig.compile_decisions), so that a cache written before is measured again instead of being read
-CALIBRATION_REVISION = 4
+# HybridSpecConfig.compile_decisions; 5: that compile no longer fails on CUDA, run 83), so that a cache written
+# before is measured again instead of being read
+CALIBRATION_REVISION = 5
 
 
 def cache_key(target, drafter, kernel_backend: str, verify_shape: str | None = None,

@@ -142,6 +142,8 @@ class LatencyModel:
         """Table rows for context lengths: a slice for an int (a view: no kernel), a [batch] long tensor for a
         tensor (bucketize on its device). Nearest measured length in log space."""
         if isinstance(context_len, torch.Tensor):
+            if not self._edges_host:  # one measured context: row 0 (a bucketize over no edges fails Triton's passes
+                return torch.zeros_like(context_len.reshape(-1), dtype=torch.long)  # when compiled, H200 run 83)
             return torch.bucketize(context_len.reshape(-1).float(), self._edges)
         k = bisect.bisect_left(self._edges_host, context_len)  # = torch.bucketize(right=False)
         return slice(k, k + 1)

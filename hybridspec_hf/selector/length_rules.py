@@ -127,6 +127,13 @@ class _Calibrated(LengthSelector):
         self.latency_model = latency_model
         self._by_device = {latency_model.cost.device: latency_model}
 
+    def restart(self, context_len: torch.Tensor) -> None:
+        """A new GPU-resident call (`reset`), with the latency model's copy on the rounds' device made now: moving
+        it builds a LatencyModel on the host, which a compiled decision cannot trace (RoundStrategy.
+        compile_decisions)."""
+        self.reset()
+        self._model(context_len.device)
+
     def _model(self, device: torch.device) -> LatencyModel:
         if device not in self._by_device:
             self._by_device[device] = self.latency_model.to(device)
@@ -231,12 +238,13 @@ class HybridSpec(_Calibrated):
         hold their addresses), keeping `carry_rounds` rounds' worth of what the previous calls' speculative rounds
         taught (DinkelbachThroughput.restart); the first call allocates them. context_len: [batch] long on the
         rounds' device. `informed` then says whether the call's first round can be decided from evidence."""
+        model = self._model(context_len.device)  # before any compiled decision reads it (_Calibrated.restart)
         if self.throughput.tokens is None or self.throughput.tokens.device != context_len.device:
             self.throughput.tokens = None
             self.should_draft(context_len)  # allocates the streams; the call's first round is still to come
             self.throughput.forced.fill_(True)
             return
-        self.throughput.restart(self._model(context_len.device).cost_ar_for(context_len), self.carry_rounds,
+        self.throughput.restart(model.cost_ar_for(context_len), self.carry_rounds,
                                 INFORMED_ROUNDS)
 
     def informed(self) -> torch.Tensor:

@@ -15,7 +15,15 @@ Outputs
     python scripts/tiny_pair/build_corpus.py --prompts-only --train-prompts 48483 --train-skip 24576
 
 writes the prompt files only (the pinned split, no tokenizer, no streams): here the training windows after the first
-24 576 (the same seeded order, so these are the windows a drafter trained on the first 24 576 never saw).
+24 576 (the same seeded order, so these are the windows a drafter trained on the first 24 576 never saw). Those come
+from the largest files only (the round-robin order has exhausted the small ones by then); for fresh windows across
+all files, end them elsewhere:
+
+    python scripts/tiny_pair/build_corpus.py --prompts-only --train-prompts 24576 --train-lengths 200,480
+
+draws half the windows at most 200 characters long and half at most 480 (each at least 3/8 of that), every file
+visited round-robin for each length, the two lists interleaved: prompts that end where the 320-character windows of
+the default order rarely end, so the target's responses to them are new text from every file.
 """
 from __future__ import annotations
 
@@ -132,7 +140,13 @@ def write_jsonl(path: Path, prompts: list[str]) -> None:
 def write_prompts(data_dir: Path, train_files: list[StdlibFile], heldout_files: list[StdlibFile], args) -> None:
     """{train,heldout}_prompts.jsonl: code windows of the seeded order, the training ones after --train-skip."""
     data_dir.mkdir(parents=True, exist_ok=True)
-    train = code_prompts(train_files, args.train_prompts, seed=args.seed)
+    lengths = [int(n) for n in args.train_lengths.split(",")]
+    if not lengths or min(lengths) < 80:
+        raise SystemExit(f"--train-lengths {args.train_lengths!r}: give comma-separated window lengths of at least 80 "
+                         "characters (the default order is 320)")
+    per_length = [code_prompts(train_files, -(-args.train_prompts // len(lengths)), max_chars=n,
+                               min_chars=n * 3 // 8, seed=args.seed + i) for i, n in enumerate(lengths)]
+    train = [p for group in zip(*per_length) for p in group][:args.train_prompts]
     if len(train) <= args.train_skip:
         raise SystemExit(f"--train-skip {args.train_skip} leaves no training prompt: the split has {len(train)} "
                          f"windows for --train-prompts {args.train_prompts}")
@@ -152,6 +166,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="write the prompt files from the pinned split only (keeps the tokenizer and streams)")
     parser.add_argument("--train-skip", type=int, default=0,
                         help="drop the first N training windows (of the same seeded order) from train_prompts.jsonl")
+    parser.add_argument("--train-lengths", default="320",
+                        help="comma-separated maximum window lengths in characters; the training prompts are drawn "
+                             "equally from each, interleaved (default 320: the order the shipped drafter trained on)")
     args = parser.parse_args(argv)
 
     root = stdlib_root()
