@@ -79,8 +79,11 @@ def test_calibration_compiles_the_shadows_decisions_as_resident_rounds_do(pair):
             assert torch.equal(out, reference)
             drafted = [r for r in hybridspec_hf.get_telemetry(target).rounds if r.drafted]
             assert all(r.w <= 3 for r in drafted) and (len(drafted) > 1) == (w > 0)
-        for k in range(12):  # eager rounds pass measured seconds (host floats): the shadow's eager observe takes
-            forced.observe(torch.tensor([3]), torch.tensor([2.0]), 1e-3 * (1 + k), True)  # them, no recompiles
+        survival = torch.full((1, drafter.config.block_size - 1), 0.5)
+        for k in range(12):  # eager rounds pass host ints and measured seconds: the shadow's eager code takes them
+            forced.observe(torch.tensor([3]), torch.tensor([2.0]), 1e-3 * (1 + k), True)  # (no recompile per value,
+            forced.should_draft(20 + k)  # no host bisect traced)
+            assert forced.choose(survival, 20 + k, 8).tolist() == [3]
     compiled = {name: vars(forced.shadow).get(name) for name in ForcedLength.SHADOW_DECISIONS}
     assert all(type(c).__name__ == "_CompiledDecision" and c.fast is not None for c in compiled.values())
     assert type(compiled["choose"].eager).__name__ == "method"  # compiled once, not a compiled form's compiled form

@@ -88,9 +88,17 @@ class ForcedLength(LengthSelector):
             self._on_device[device] = torch.full((1,), self.w, dtype=torch.long, device=device)
         return self._on_device[device]
 
+    def _shadows(self, name: str, resident: bool):
+        """The shadow's decision `name`: its compiled form (`compile_shadow`) for a GPU-resident round, as HybridSpec's
+        resident rounds run it; its eager code for an eager round (host ints and measured seconds, on which a
+        compiled form would guard and recompile, or fail: `bisect` on a host context length), as HybridSpec's eager
+        rounds run it."""
+        method = getattr(self.shadow, name)
+        return method if resident else getattr(method, "eager", method)
+
     def should_draft(self, context_len):
         if self.shadow is not None:
-            self.shadow.should_draft(context_len)
+            self._shadows("should_draft", isinstance(context_len, torch.Tensor))(context_len)
         if isinstance(context_len, torch.Tensor):
             return self._tensor(context_len.device) > 0
         return self.w > 0
@@ -98,30 +106,26 @@ class ForcedLength(LengthSelector):
     def plain_run(self, context_len) -> torch.Tensor:
         """Plain steps before the next draft: none while w > 0, else to the end (w = 0 times plain steps)."""
         if self.shadow is not None and hasattr(self.shadow, "plain_run"):
-            self.shadow.plain_run(context_len)
+            self._shadows("plain_run", isinstance(context_len, torch.Tensor))(context_len)
         draft = self.should_draft(context_len)
         return torch.where(draft, 0, PLAIN_FOREVER) if isinstance(draft, torch.Tensor) else \
             torch.tensor([0 if draft else PLAIN_FOREVER])
 
     def choose(self, survival, context_len, w_max=None) -> torch.Tensor:
         if self.shadow is not None:
-            self.shadow.choose(survival, context_len, w_max)
+            self._shadows("choose", isinstance(context_len, torch.Tensor))(survival, context_len, w_max)
         w = self._tensor(survival.device).clamp(min=1, max=survival.shape[1] + 1).expand(survival.shape[0])
         return w if w_max is None else torch.minimum(w, on_device(w_max, w.device))
 
     def keep_extra(self, survival, w0, n_new, context_len, w_max=None) -> torch.Tensor:
         if self.shadow is None:
             return super().keep_extra(survival, w0, n_new, context_len, w_max)
-        return self.shadow.keep_extra(survival, w0, n_new, context_len, w_max) & False  # the round verifies w
+        keep = self._shadows("keep_extra", isinstance(context_len, torch.Tensor))
+        return keep(survival, w0, n_new, context_len, w_max) & False  # the round verifies w
 
     def observe(self, w, emitted, latency=None, drafted=True, spread=None) -> None:
-        if self.shadow is None:
-            return
-        if latency is not None:  # an eager round's measured time, a host float: a compiled form would guard on its
-            # value and recompile every round; HybridSpec's eager rounds run their decisions eagerly too
-            getattr(self.shadow.observe, "eager", self.shadow.observe)(w, emitted, latency, drafted, spread)
-            return
-        self.shadow.observe(w, emitted, latency, drafted, spread)
+        if self.shadow is not None:  # resident rounds are priced at C(w) (no latency); eager ones pass measured seconds
+            self._shadows("observe", latency is None)(w, emitted, latency, drafted, spread)
 
     def batch_state(self, rows, left) -> None:
         if self.shadow is not None:
