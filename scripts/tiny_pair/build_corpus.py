@@ -140,8 +140,8 @@ def write_jsonl(path: Path, prompts: list[str]) -> None:
 def write_prompts(data_dir: Path, train_files: list[StdlibFile], heldout_files: list[StdlibFile], args) -> None:
     """{train,heldout}_prompts.jsonl: code windows of the seeded order, the training ones after --train-skip."""
     data_dir.mkdir(parents=True, exist_ok=True)
-    lengths = [int(n) for n in args.train_lengths.split(",")]
-    if not lengths or min(lengths) < 80:
+    lengths = [int(n) for n in args.train_lengths.split(",") if n.strip().isdigit()]
+    if len(lengths) != len(args.train_lengths.split(",")) or min(lengths, default=0) < 80:
         raise SystemExit(f"--train-lengths {args.train_lengths!r}: give comma-separated window lengths of at least 80 "
                          "characters (the default order is 320)")
     per_length = [code_prompts(train_files, -(-args.train_prompts // len(lengths)), max_chars=n,
