@@ -75,7 +75,8 @@ def tiny(args) -> tuple[dict, str]:
     for method in methods:  # warm-up: captures and calibrations happen here, not in the timed runs
         run_generate(target, prompts[0], method, drafter, 32)
     rows = {m: {"seconds": [], "tokens": [], "tau": [], "w": [], "identical": 0, "gaps": [], "decode_s": [],
-                "decode_tokens": [], "host_ms": []} for m in methods}
+                "decode_tokens": [], "host_ms": [], "prefill_ms": [], "capture_ms": [], "other_ms": []}
+            for m in methods}
     references = [target.generate(prompt, do_sample=False, max_new_tokens=args.tokens, output_logits=True,
                                   return_dict_in_generate=True) for prompt in prompts]
     # methods outside, prompts inside: a method's calls reuse its graphs as a user's repeated calls with one
@@ -91,6 +92,10 @@ def tiny(args) -> tuple[dict, str]:
             row["tokens"].append(out.shape[1] - prompt.shape[1])
             if tel is not None:  # the decode loop's own time (rounds and the host's work between them)
                 row["decode_s"].append(sum(r.wall_s for r in tel.rounds))
+                # a call's time outside its rounds: prefill, graph capture, and the rest (set-up, hand-backs)
+                row["prefill_ms"].append(tel.prefill_s * 1e3)
+                row["capture_ms"].append(tel.capture_s * 1e3)
+                row["other_ms"].append((seconds - row["decode_s"][-1] - tel.prefill_s - tel.capture_s) * 1e3)
                 row["decode_tokens"].append(sum(r.emitted for r in tel.rounds))
                 row["host_ms"] += [r.host_s * 1e3 for r in tel.rounds if r.host_s is not None]
                 row["tau"].append(tel.mean_emitted)
@@ -107,6 +112,8 @@ def tiny(args) -> tuple[dict, str]:
         row["tokens_per_s"] = sum(row["tokens"]) / sum(row["seconds"])
         row["decode_tokens_per_s"] = sum(row["decode_tokens"]) / sum(row["decode_s"]) if row["decode_s"] else None
         row["host_ms_per_round"] = median(row["host_ms"]) if row["host_ms"] else None
+        for part in ("prefill_ms", "capture_ms", "other_ms"):
+            row[f"{part}_per_call"] = median(row[part]) if row[part] else None
     # what the calibrated selector believed against what its rounds cost (last prompt's hybridspec call)
     run_generate(target, prompts[-1], "hybridspec", drafter, args.tokens)
     tel = hybridspec_hf.get_telemetry(target)
@@ -126,20 +133,24 @@ def tiny(args) -> tuple[dict, str]:
     lines = ["tokens/s: whole generate() calls (prefill and set-up included); decode tokens/s: the decode loop's own "
              "time (every round and the host's work between rounds), as benchmarks/e2e.py reports; host ms: per round, "
              "wall minus the wait for the hand-off. Each method runs all prompts in a row after one untimed call that "
-             "captures its rounds (a target keeps the graphs of its 3 most recent settings).", "",
+             "captures its rounds (a target keeps the graphs of its 3 most recent settings). Per call (median): "
+             "prefill, capture and other ms, the call's time outside its rounds.", "",
              "| method | path | tokens/s | decode tokens/s | decode × our AR | host ms/round | × our AR | × HF eager | τ | "
-             "mean w | identical to AR (bf16) | top-2 gaps at divergences |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "mean w | prefill / capture / other ms per call | identical to AR (bf16) | top-2 gaps at divergences |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for method, row in rows.items():
         decode, host = row["decode_tokens_per_s"], row["host_ms_per_round"]
+        setup = "–" if row["other_ms_per_call"] is None else " / ".join(
+            f"{row[f'{part}_ms_per_call']:.1f}" for part in ("prefill", "capture", "other"))
         lines.append(f"| {method} | {row.get('path', 'hf eager')} | {row['tokens_per_s']:.0f} | "
                      f"{'–' if decode is None else f'{decode:.0f}'} | "
                      f"{'–' if decode is None else f'{decode / decode_ar:.2f}'} | "
                      f"{'–' if host is None else f'{host:.3f}'} | "
                      f"{row['tokens_per_s'] / base:.2f} | {row['tokens_per_s'] / hf:.2f} | "
-                     f"{median(row['tau']):.2f} | {median(row['w']):.2f} | {row['identical']}/{len(prompts)} | "
+                     f"{median(row['tau']):.2f} | {median(row['w']):.2f} | {setup} | "
+                     f"{row['identical']}/{len(prompts)} | "
                      f"{', '.join(f'{g:.3g}' for g in row['gaps'])} |")
-    exact = ["", "fp32 exactness (greedy, 16 held-out prompts): " + ", ".join(
+    exact = ["", f"fp32 exactness (greedy, {len(prompts)} held-out prompts): " + ", ".join(
         f"{k} {v['identical']}/{v['prompts']} ({v['path']})" for k, v in report["exact_fp32"].items())]
     report["speed_bf16"] = rows
     return report, "\n".join(lines + exact)
