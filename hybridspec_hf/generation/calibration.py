@@ -99,6 +99,9 @@ class ForcedLength(LengthSelector):
     def should_draft(self, context_len):
         if self.shadow is not None:
             self._shadows("should_draft", isinstance(context_len, torch.Tensor))(context_len)
+        return self._drafts(context_len)
+
+    def _drafts(self, context_len):
         if isinstance(context_len, torch.Tensor):
             return self._tensor(context_len.device) > 0
         return self.w > 0
@@ -107,7 +110,7 @@ class ForcedLength(LengthSelector):
         """Plain steps before the next draft: none while w > 0, else to the end (w = 0 times plain steps)."""
         if self.shadow is not None and hasattr(self.shadow, "plain_run"):
             self._shadows("plain_run", isinstance(context_len, torch.Tensor))(context_len)
-        draft = self.should_draft(context_len)
+        draft = self._drafts(context_len)  # the shadow ran its whole decision, as a HybridSpec plain step does
         return torch.where(draft, 0, PLAIN_FOREVER) if isinstance(draft, torch.Tensor) else \
             torch.tensor([0 if draft else PLAIN_FOREVER])
 
