@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (RESULTS, add_switches, apply_switches, environment, method_variant, profile_elsewhere,  # noqa: E402
-                    switch_settings, variant_switches, write_results)
+                    results_stem, switch_settings, variant_switches, write_results)
 from e2e import build, profile_halves  # noqa: E402
 
 import hybridspec_hf  # noqa: E402
@@ -141,7 +141,7 @@ def merge(sources: list[str], name: str) -> dict:
     payload = {"title": f"Batched decoding, timing mode ({report['model']}, {report['device']}; merged runs)",
                "environment": environment_, **report, "notes": __doc__.split("\n\n")[2]}
     write_results(name, payload, markdown(report))
-    plot(report, RESULTS / name)
+    plot(report, RESULTS / results_stem(name))
     return report
 
 
@@ -249,7 +249,7 @@ def save(name: str, report: dict) -> None:
     payload = {"title": f"Batched decoding, timing mode ({report['model']}, {report['device']})",
                "environment": environment(), **report, "notes": __doc__.split("\n\n")[2]}
     write_results(name, payload, markdown(report))
-    plot(report, RESULTS / name)
+    plot(report, RESULTS / results_stem(name))
 
 
 def markdown(report: dict) -> str:
@@ -303,7 +303,7 @@ def markdown(report: dict) -> str:
             lines += ["", f"{word} advantage over DFlash: batch {batch}, {label} acceptance, {ratio:.2f}× (HybridSpec "
                           f"verifies w = {hs['mean_w']:.1f} per row against {df['mean_w']:.1f}{union}; rounds "
                           f"{hs['round_ms']:.2f} against {df['round_ms']:.2f} ms; τ {hs['tau']:.2f} against "
-                          f"{df['tau']:.2f}; {hs['plain_steps']} plain steps)."]
+                          f"{df['tau']:.2f}; {hs['plain_steps']:.1f} plain steps per call)."]
     for variant in sorted({m for profiles in report["batches"].values() for row in profiles.values()
                            for m in row["methods"] if m.startswith("hybridspec")}):
         lines += ["", f"{variant} over AR (must be ≥ 0.97×): " + ", ".join(

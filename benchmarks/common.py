@@ -165,7 +165,21 @@ def environment() -> dict:
     return info
 
 
+def results_stem(name: str) -> str:
+    """A results name as the scripts take it: a stem ("batch_b1"), or that stem as a path under benchmarks/results
+    ("benchmarks/results/batch_b1", with or without .json / .md), as earlier commands wrote it."""
+    path = Path(name)
+    if path.suffix in (".json", ".md"):
+        path = path.with_suffix("")
+    under_results = path.parent.resolve() == RESULTS or path.parent.parts[-2:] == ("benchmarks", "results")
+    if len(path.parts) > 1 and not under_results:
+        raise SystemExit(f"--name {name!r}: results are written under {RESULTS}; give a file stem such as "
+                         f"{path.name!r} (or a path under benchmarks/results/).")
+    return path.name
+
+
 def write_results(name: str, payload: dict, table: str) -> None:
+    name = results_stem(name)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
     env = payload["environment"]
