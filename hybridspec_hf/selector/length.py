@@ -430,7 +430,10 @@ class DinkelbachThroughput:
         early = self._early(torch.zeros_like(self.forced))[:, None].expand_as(due).clone()  # the first rounds
         early[:, 0] = self._early(self.forced)
         fires = pays | ((never | due) & free) | early  # [batch, J]
-        first = torch.where(fires, j.long(), self.PLAIN_HORIZON).min(-1).values  # [batch]
+        # the first j that fires, PLAIN_HORIZON if none: the steps before the first fire, counted. (Not a min over
+        # where(fires, j, J): inductor's Triton code for that persistent min of int64 asked iinfo of a float at
+        # batch > 1 on the H200 (run 88) and the decision ran eagerly; a count's identity is 0, which it takes.)
+        first = (fires.long().cumsum(-1) == 0).sum(-1)  # [batch]
         limit_gain = self._spec_gain(0.0)  # the ratio at its limit, the batch's end PLAIN_HORIZON steps nearer
         limit_gain = self._worth(limit_gain, (self.rows_left - self.PLAIN_HORIZON).clamp(min=1.0))
         beyond_pays = should_draft(limit_gain, spec_cost, 1.0 / cost_ar, cost_ar)
