@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (RESULTS, add_switches, apply_switches, environment, method_variant, profile_elsewhere,  # noqa: E402
-                    results_stem, switch_settings, variant_switches, write_results)
+from common import (add_switches, apply_switches, environment, method_variant, profile_elsewhere,  # noqa: E402
+                    results_path, switch_settings, variant_switches, write_results)
 from e2e import build, profile_halves  # noqa: E402
 
 import hybridspec_hf  # noqa: E402
@@ -141,7 +141,7 @@ def merge(sources: list[str], name: str) -> dict:
     payload = {"title": f"Batched decoding, timing mode ({report['model']}, {report['device']}; merged runs)",
                "environment": environment_, **report, "notes": __doc__.split("\n\n")[2]}
     write_results(name, payload, markdown(report))
-    plot(report, RESULTS / results_stem(name))
+    plot(report, results_path(name))
     return report
 
 
@@ -249,7 +249,7 @@ def save(name: str, report: dict) -> None:
     payload = {"title": f"Batched decoding, timing mode ({report['model']}, {report['device']})",
                "environment": environment(), **report, "notes": __doc__.split("\n\n")[2]}
     write_results(name, payload, markdown(report))
-    plot(report, RESULTS / results_stem(name))
+    plot(report, results_path(name))
 
 
 def markdown(report: dict) -> str:

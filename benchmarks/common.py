@@ -165,26 +165,25 @@ def environment() -> dict:
     return info
 
 
-def results_stem(name: str) -> str:
-    """A results name as the scripts take it: a stem ("batch_b1"), or that stem as a path under benchmarks/results
-    ("benchmarks/results/batch_b1", with or without .json / .md), as earlier commands wrote it."""
+def results_path(name: str) -> Path:
+    """Where a results name's files go (no suffix): a bare stem ("batch_b1") under benchmarks/results; a path under
+    benchmarks/results as earlier commands wrote it ("benchmarks/results/batch_b1", from any folder) there too; any
+    other path where it says (relative to the current folder). A .json / .md suffix is dropped."""
     path = Path(name)
     if path.suffix in (".json", ".md"):
         path = path.with_suffix("")
-    under_results = path.parent.resolve() == RESULTS or path.parent.parts[-2:] == ("benchmarks", "results")
-    if len(path.parts) > 1 and not under_results:
-        raise SystemExit(f"--name {name!r}: results are written under {RESULTS}; give a file stem such as "
-                         f"{path.name!r} (or a path under benchmarks/results/).")
-    return path.name
+    if len(path.parts) == 1 or (not path.is_absolute() and path.parent.parts[-2:] == ("benchmarks", "results")):
+        return RESULTS / path.name
+    return path.resolve()
 
 
 def write_results(name: str, payload: dict, table: str) -> None:
-    name = results_stem(name)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    stem = results_path(name)
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_name(f"{stem.name}.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
     env = payload["environment"]
     header = "\n".join(f"- {k}: {v}" for k, v in env.items())
-    (RESULTS / f"{name}.md").write_text(f"# {payload['title']}\n\n{header}\n\n{payload.get('notes', '')}\n\n{table}\n")
+    stem.with_name(f"{stem.name}.md").write_text(f"# {payload['title']}\n\n{header}\n\n{payload.get('notes', '')}\n\n{table}\n")
 
 
 def capture(fn) -> torch.cuda.CUDAGraph:

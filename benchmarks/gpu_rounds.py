@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, results_stem, write_results  # noqa: E402
+from common import environment, results_path, write_results  # noqa: E402
 
 import hybridspec_hf  # noqa: E402
 from hybridspec_hf import DFlashDrafter, HybridSpecConfig, patches  # noqa: E402
@@ -294,14 +294,15 @@ def main() -> None:
     report, table = tiny(args) if args.part == "tiny" else big(args)
     payload = {"title": f"GPU-resident rounds ({args.part})", "environment": environment(), **report,
                "notes": __doc__.split("\n\n")[2]}  # weights, routing and where acceptance comes from
-    name = results_stem(args.name or f"gpu_rounds_{args.part}")
+    name = args.name or f"gpu_rounds_{args.part}"
     write_results(name, payload, table)
     if args.out:
         import shutil
 
         Path(args.out).mkdir(parents=True, exist_ok=True)  # a folder: the .json and the .md both land in it
         for suffix in ("json", "md"):
-            shutil.copy(Path(__file__).parent / "results" / f"{name}.{suffix}", args.out)
+            stem = results_path(name)
+            shutil.copy(stem.with_name(f"{stem.name}.{suffix}"), args.out)
     print(table)
 
 

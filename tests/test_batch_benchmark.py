@@ -63,3 +63,15 @@ def test_runs_split_over_calls_merge_into_one_table_and_other_machines_do_not(ba
         batch_benchmark.main(["--merge", sources, "--name", str(tmp_path / "refused")])
     with pytest.raises(SystemExit, match="needs --name"):
         batch_benchmark.main(["--merge", sources])
+
+
+def test_results_names_land_where_the_commands_say(batch_benchmark, tmp_path):
+    """A bare stem and a path under benchmarks/results (as earlier commands wrote it, from the repository root or
+    elsewhere) land under benchmarks/results, once (run 89 lost its results to benchmarks/results joined twice);
+    another path lands where it says."""
+    from common import RESULTS, results_path
+
+    assert results_path("batch_b1") == RESULTS / "batch_b1"
+    assert results_path("benchmarks/results/batch_b1") == RESULTS / "batch_b1"
+    assert results_path("benchmarks/results/batch_b1.json") == RESULTS / "batch_b1"
+    assert results_path(str(tmp_path / "x" / "run.md")) == tmp_path / "x" / "run"
