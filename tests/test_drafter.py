@@ -630,3 +630,30 @@ def test_wrong_feature_width_is_explained(target):
     drafter = _drafter(target)
     with pytest.raises(ValueError, match="expected 96 = 3 target layers"):
         drafter.draft(torch.tensor([[1]]), _features(2, n_feat=2), drafter.new_context_cache())
+
+
+def test_a_grown_drafter_drafts_as_before_and_its_new_layers_learn(target):
+    """grow_drafter (train_drafter(init_drafter=..., num_layers=more)): the appended layers start as the identity,
+    so every draft equals the trained drafter's; their output projections get gradients, so training moves them;
+    shrinking is refused with the way out."""
+    from hybridspec_hf.drafter.training import grow_drafter
+
+    drafter = _drafter(target)
+    grown = grow_drafter(drafter, 4)
+    assert grown.config.num_hidden_layers == 4 and len(grown.config.layer_types) == 4 and not grown.training
+    anchor, context = torch.tensor([[9], [3]]), _features(7, batch=2)
+    torch.testing.assert_close(grown.draft(anchor, context, grown.new_context_cache()),
+                               drafter.draft(anchor, context, drafter.new_context_cache()), rtol=1e-12, atol=1e-12)
+    for name, weight in drafter.state_dict().items():  # the trained weights copied, not shared
+        assert torch.equal(grown.state_dict()[name], weight) and grown.state_dict()[name] is not weight
+    grown.train()
+    anchors = torch.tensor([[1, 4]])
+    noise = grown.embed(torch.full((1, 12), VOCAB - 1))
+    hidden = grown(noise, _features(8), position_ids=block_position_ids(anchors, 6),
+                   attention_mask=block_attention_mask(anchors, 8, 6)).last_hidden_state
+    grown.compute_logits(hidden).logsumexp(-1).sum().backward()
+    for layer in grown.layers[2:]:
+        assert layer.self_attn.o_proj.weight.grad.abs().sum() > 0 and layer.mlp.down_proj.weight.grad.abs().sum() > 0
+    assert grow_drafter(drafter, 2) is drafter
+    with pytest.raises(ValueError, match="cannot shrink to 1"):
+        grow_drafter(drafter, 1)

@@ -192,6 +192,14 @@ def test_training_pipeline_regenerates_trains_saves_reloads_and_reports_tau(tmp_
     assert load_prompts(tmp_path / "p.jsonl") == prompts
     run_train_drafter(args)
     assert [p.stat().st_mtime_ns for p in shards] == mtimes
+    # continued with one more layer (grow_drafter): the saved drafter has two
+    grown = add_train_drafter_arguments(argparse.ArgumentParser()).parse_args([
+        "--target", str(tmp_path / "t"), "--prompts", str(tmp_path / "p.jsonl"), "--output-dir",
+        str(tmp_path / "grown"), "--init-drafter", str(tmp_path), "--num-layers", "2", "--steps", "1",
+        "--batch-size", "2", "--num-anchors", "4", "--max-new-tokens", "8", "--regen-batch-size", "4",
+        "--tokenizer", str(ASSETS_DIR / "tokenizer")])
+    assert run_train_drafter(grown).config.num_hidden_layers == 2
+    assert json.loads((tmp_path / "grown" / "config.json").read_text())["num_hidden_layers"] == 2
 
 
 def test_offline_tau_counts_every_full_block_and_skips_short_responses():

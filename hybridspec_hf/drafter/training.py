@@ -503,7 +503,39 @@ def load_target(target, tokenizer=None, dtype: torch.dtype | None = None, device
     return target, tokenizer
 
 
-def train_drafter(target, prompts, output_dir: str | Path, *, tokenizer=None, num_layers: int = 1,
+def grow_drafter(drafter: DFlashDrafter, num_layers: int) -> DFlashDrafter:
+    """`drafter` with decoder layers appended up to `num_layers` that start as the identity: each new layer's output
+    projections (attention o_proj and MLP down_proj) are zero, so the residual stream, and every draft, is the
+    trained drafter's until training moves them (their inputs are not zero, so their gradients are not). The other
+    weights are copied; the result is a new model in the drafter's dtype, device and mode, bound to the same target."""
+    have = drafter.config.num_hidden_layers
+    if num_layers < have:
+        raise ValueError(f"grow_drafter: the drafter has {have} layers and cannot shrink to {num_layers}; pass "
+                         f"num_layers >= {have} (or train a fresh drafter with fewer layers).")
+    if num_layers == have:
+        return drafter
+    config = drafter.config.__class__(**{**drafter.config.to_dict(), "num_hidden_layers": num_layers,
+                                         "layer_types": list(drafter.config.layer_types)
+                                         + [drafter.config.layer_types[-1]] * (num_layers - have)})
+    grown = DFlashDrafter(config).to(device=drafter.device, dtype=drafter.dtype).train(drafter.training)
+    missing, unexpected = grown.load_state_dict(drafter.state_dict(), strict=False)
+    new = {f"layers.{i}." for i in range(have, num_layers)}
+    if unexpected or any(not any(key.startswith(prefix) for prefix in new) for key in missing):
+        raise RuntimeError(f"grow_drafter: weights that do not map onto the grown drafter (missing {missing}, "
+                           f"unexpected {unexpected}).")
+    with torch.no_grad():
+        for layer in grown.layers[have:]:
+            for projection in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                projection.weight.zero_()
+                if projection.bias is not None:
+                    projection.bias.zero_()
+    grown.acceptance_estimator = None  # fitted on the smaller drafter's traces: refit after training
+    if drafter._target_modules is not None:
+        grown._target_modules = drafter._target_modules
+    return grown
+
+
+def train_drafter(target, prompts, output_dir: str | Path, *, tokenizer=None, num_layers: int | None = None,
                   block_size: int = 16, steps: int = 1000, time_budget_s: float | None = None,
                   target_layer_ids: Sequence[int] | None = None, mask_token_id: int | None = None,
                   drafter_overrides: dict | None = None, batch_size: int = 32, num_anchors: int = 64,
@@ -522,7 +554,9 @@ def train_drafter(target, prompts, output_dir: str | Path, *, tokenizer=None, nu
         prompts: list of strings, `datasets.Dataset`, or paths (see `load_prompts`).
         output_dir: gets the drafter (`save_pretrained`), `regen/` and `eval_regen/` response shards,
             `training_log.json` (loss curve, recipe) and `eval.json` (τ per block size, calibration).
-        num_layers, block_size, target_layer_ids, mask_token_id, drafter_overrides: `DFlashDrafter.from_target`.
+        num_layers, block_size, target_layer_ids, mask_token_id, drafter_overrides: `DFlashDrafter.from_target`
+            (num_layers default 1). With init_drafter, num_layers above its own appends layers that start as the
+            identity (`grow_drafter`); below it is an error.
             mask_token_id defaults to the tokenizer's mask token, else the last vocabulary row.
         steps: optimizer steps. With `time_budget_s` the schedule runs on the clock instead (warm-up and cosine over
             the fraction of the budget used; training stops when it is spent), and steps is an upper bound: step
@@ -539,7 +573,7 @@ def train_drafter(target, prompts, output_dir: str | Path, *, tokenizer=None, nu
             Same features either way (the target is frozen, no dropout); the cache rounds them to bf16, which
             autocast does to the drafter's fc input anyway.
         init_drafter: a `DFlashDrafter` or a saved one's path to continue training from (its config wins over
-            num_layers / block_size / target_layer_ids / mask_token_id); default: a fresh one from the target.
+            block_size / target_layer_ids / mask_token_id; num_layers may grow it); default: a fresh one.
     Returns the trained drafter in fp32, bound to the target. The evaluation uses the weights as saved and reloaded.
     """
     from accelerate import Accelerator
@@ -567,13 +601,15 @@ def train_drafter(target, prompts, output_dir: str | Path, *, tokenizer=None, nu
     regen_seconds = time.perf_counter() - started
 
     if init_drafter is None:
-        drafter = DFlashDrafter.from_target(target, num_layers=num_layers, block_size=block_size,
+        drafter = DFlashDrafter.from_target(target, num_layers=num_layers or 1, block_size=block_size,
                                             target_layer_ids=list(target_layer_ids) if target_layer_ids else None,
                                             mask_token_id=mask_token_id, **(drafter_overrides or {}))
     else:
         if isinstance(init_drafter, (str, os.PathLike)):
             init_drafter = DFlashDrafter.from_pretrained(str(init_drafter), dtype=torch.float32)
         drafter = init_drafter.to(device).bind_target(target)
+        if num_layers is not None:
+            drafter = grow_drafter(drafter, num_layers).bind_target(target)
         num_layers, block_size = drafter.config.num_hidden_layers, drafter.config.block_size
     gamma = gamma or DEFAULT_GAMMA.get(block_size, block_size / 2)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -726,7 +762,8 @@ def add_train_drafter_arguments(parser: argparse.ArgumentParser) -> argparse.Arg
     drafter = parser.add_argument_group("drafter")
     drafter.add_argument("--output-dir", required=True,
                          help="where the drafter, responses, training_log.json and eval.json are written")
-    drafter.add_argument("--num-layers", type=int, default=1, help="drafter decoder layers")
+    drafter.add_argument("--num-layers", type=int, default=None,
+                         help="drafter decoder layers (default 1; with --init-drafter: its own, or more to grow it)")
     drafter.add_argument("--block-size", type=int, default=16, help="B: anchor + B-1 mask tokens per draft")
     drafter.add_argument("--target-layer-ids", type=int, nargs="+", default=None,
                          help="target layers whose outputs condition the drafter (default: spread over the depth)")

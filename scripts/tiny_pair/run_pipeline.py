@@ -92,7 +92,8 @@ def main(argv=None) -> None:
     parser.add_argument("--target-budget-s", type=float, default=200.0)
     parser.add_argument("--regen-budget-s", type=float, default=75.0)
     parser.add_argument("--eval-reserve-s", type=float, default=45.0)
-    parser.add_argument("--drafter-layers", type=int, default=3)
+    parser.add_argument("--drafter-layers", type=int, default=None,
+                        help="drafter decoder layers (default 3; with --init-drafter: its own, or more to grow it)")
     parser.add_argument("--max-new-tokens", type=int, default=192)
     parser.add_argument("--regen-batch-size", type=int, default=512)
     parser.add_argument("--max-train-prompts", type=int, default=8192)
@@ -196,7 +197,8 @@ def drafter_stages(args, target_dir: Path, work: Path, out: Path, data_dir: Path
     stage("drafter")
     budget = args.deadline_s - elapsed() - args.eval_reserve_s
     print(f"drafter training budget {budget:.0f} s", flush=True)
-    train_drafter(target, train_prompts, drafter_dir, tokenizer=tokenizer, num_layers=args.drafter_layers,
+    layers = args.drafter_layers if args.init_drafter else args.drafter_layers or 3  # None: the init's own
+    train_drafter(target, train_prompts, drafter_dir, tokenizer=tokenizer, num_layers=layers,
                   block_size=16, steps=4 if args.smoke else 100_000, time_budget_s=60 if args.smoke else budget,
                   batch_size=2 if args.smoke else args.drafter_batch_size, num_anchors=8 if args.smoke else 64,
                   lr=args.drafter_lr, warmup_ratio=0.04, weight_decay=0.01, grad_clip=1.0,
