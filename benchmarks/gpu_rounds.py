@@ -290,7 +290,14 @@ def main() -> None:
     parser.add_argument("--experts", default="grouped_mm", help="experts implementation (big part)")
     parser.add_argument("--out", default=None, help="also write the results here")
     parser.add_argument("--name", default=None, help="results file stem (default gpu_rounds_<part>)")
+    parser.add_argument("--calibration-rounds", action="store_true",
+                        help="log every calibration call's rounds in order (drafted, ms) and the median it keeps")
     args = parser.parse_args()
+    if args.calibration_rounds:
+        import logging
+
+        logging.basicConfig(format="%(message)s")
+        logging.getLogger("hybridspec_hf.generation.calibration").setLevel(logging.DEBUG)
     report, table = tiny(args) if args.part == "tiny" else big(args)
     payload = {"title": f"GPU-resident rounds ({args.part})", "environment": environment(), **report,
                "notes": __doc__.split("\n\n")[2]}  # weights, routing and where acceptance comes from

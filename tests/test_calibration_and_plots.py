@@ -25,6 +25,27 @@ def test_calibration_measures_every_w_and_fits_the_expert_model(pair):
     assert model.experts is not None and model.experts.num_layers == 4 and model.eta >= 0
 
 
+def test_calibration_prices_a_calls_steady_rounds_not_its_first(pair, monkeypatch):
+    """A call's first round follows its prefill (heavier: the drafter appends the whole prompt); C(w) and C_ar are
+    the medians of the rounds after it. Round times are replaced by known ones (a first round 50 ms; then a drafted
+    round of w tokens (10 + w) ms with one of 13 ms more, a plain step 4 ms with one of 6 more), so the medians are
+    exact: a median that took the first round in sits higher."""
+    target, drafter, _, _ = pair
+    generate = target.generate
+
+    def timed(*args, **kwargs):
+        out = generate(*args, **kwargs)
+        for index, r in enumerate(hybridspec_hf.get_telemetry(target).rounds):
+            r.wall_s = 50e-3 if index == 0 else ((10 + r.w) * 1e-3 if r.drafted else 4e-3)
+            r.wall_s += (13e-3 if r.drafted else 6e-3) if index == 2 else 0.0
+        return out
+
+    monkeypatch.setattr(target, "generate", timed)
+    model = calibrate_latency(target, drafter, context_lens=(16,), repeats=1, progress=False)
+    torch.testing.assert_close(model.cost[0], (10.0 + torch.arange(1, 9)) * 1e-3)
+    torch.testing.assert_close(model.cost_ar, torch.tensor([4e-3]))
+
+
 @pytest.mark.parametrize("cuda_graphs", ["off", "uncaptured"])
 def test_calibration_rounds_run_hybridspecs_selector_work_at_the_forced_length(pair, cuda_graphs):
     """The timed rounds cost what HybridSpec's rounds cost at that w: its choice, routing correction (stage 0 runs the

@@ -148,9 +148,10 @@ def shadow_selector(target, block_size: int) -> LengthSelector:
 # what a cached calibration was measured with, besides the model and the libraries: bumped when the measurement
 # changes (2: batch tables timed on rounds that verified the forced w; kernels launched with PDL; 3: the rounds run
 # HybridSpec's selector work beside the forced length, `ForcedLength.shadow`; 4: that work compiled on CUDA,
-# HybridSpecConfig.compile_decisions; 5: that compile no longer fails on CUDA, run 83), so that a cache written
+# HybridSpecConfig.compile_decisions; 5: that compile no longer fails on CUDA, run 83; 6: a call's first round, after
+# its prefill, not timed), so that a cache written
 # before is measured again instead of being read
-CALIBRATION_REVISION = 5
+CALIBRATION_REVISION = 6
 
 
 def cache_key(target, drafter, kernel_backend: str, verify_shape: str | None = None,
@@ -335,10 +336,14 @@ def calibrate_latency(
     def measure_round(w: int, context: int) -> float:
         first = len(recorder.forwards) if recorder else 0
         telemetry = run(w, context, cuda_graphs)
-        # the call's first round always drafts: for w = 0 time only the plain steps that follow it
-        times = sorted(r.wall_s for r in telemetry.rounds if r.drafted == (w > 0)) or \
-            sorted(r.wall_s for r in telemetry.rounds)
+        # the call's first round is not timed: it follows the prefill (the drafter appends the whole prompt's
+        # features; always drafted), while the rounds priced are a call's steady ones; in a median of four it sat in
+        # the upper middle and raised C(w). For w = 0: the plain steps that follow it.
+        steady = telemetry.rounds[1:] or telemetry.rounds
+        times = sorted(r.wall_s for r in steady if r.drafted == (w > 0)) or sorted(r.wall_s for r in steady)
         median = times[len(times) // 2]
+        logger.debug("calibration w=%d context=%d (%s): rounds in order (drafted, ms) %s; median %.3f ms", w, context,
+                     telemetry.path, [(r.drafted, round(r.wall_s * 1e3, 3)) for r in telemetry.rounds], median * 1e3)
         if telemetry.path == "cuda_graphs" or routing_profile is not None:  # routing: recorded below
             medians.setdefault((w, context), []).append(median)
         elif recorder and w > 0:
