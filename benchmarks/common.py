@@ -56,6 +56,8 @@ SWITCHES = {
                        "the dense attention mask only for layers that run transformers' attention function"),
     "step-tail": ("hybridspec_hf.generation.resident", "FUSED_STEP_TAIL",
                   "a plain step's bookkeeping after its token in one launch instead of ≈ 20 torch launches"),
+    "round-end": ("hybridspec_hf.generation.resident", "FUSED_ROUND_END",
+                  "a speculative round's draft decision and selector update in one compiled region, not two"),
 }
 
 # switches the resident rounds' key records (resident._Key): a variant needs no release of the kept rounds

@@ -75,3 +75,16 @@ def test_results_names_land_where_the_commands_say(batch_benchmark, tmp_path):
     assert results_path("benchmarks/results/batch_b1") == RESULTS / "batch_b1"
     assert results_path("benchmarks/results/batch_b1.json") == RESULTS / "batch_b1"
     assert results_path(str(tmp_path / "x" / "run.md")) == tmp_path / "x" / "run"
+
+
+def test_round_kernels_prices_plain_steps_as_ar_steps_and_keeps_the_rest(monkeypatch):
+    """benchmarks/round_kernels.py: a drafted round's kernels are the call's less its plain steps at AR's per-step
+    kernels, over the drafted rounds; names only the plain steps launch cancel out."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import round_kernels
+
+    ar_step = {"gemv": {"count": 4.0, "us": 8.0}, "tail": {"count": 1.0, "us": 2.0}}
+    call = {"gemv": {"count": 4 * 10 + 6 * 3, "us": 8.0 * 10 + 30.0 * 3},  # 10 plain steps, 3 drafted rounds
+            "tail": {"count": 10.0, "us": 20.0}, "decide": {"count": 6.0, "us": 9.0}}
+    rounds = round_kernels.per_round(call, ar_step, plain=10, drafted=3)
+    assert rounds == {"gemv": {"count": 6.0, "us": 30.0}, "decide": {"count": 2.0, "us": 3.0}}

@@ -459,6 +459,36 @@ def test_compiled_decisions_decide_as_the_eager_ones(backend, fp64_gdn):
     assert any(kept for *_, kept, _ in hybrid) and any(kept is False for *_, kept, _ in hybrid)
 
 
+@pytest.mark.parametrize("mode", ["off", "aot_eager"])
+def test_the_fused_round_end_decides_as_the_two_calls_apart(mode, monkeypatch, fp64_gdn):
+    """resident.FUSED_ROUND_END: a speculative round's draft decision and the selector's update in one call
+    (`RoundStrategy.end_round`, one compiled region) take the decisions of should_draft before the commit and
+    observe_round in it, round for round, eagerly and compiled (the aot_eager trace: no graph break)."""
+    from hybridspec_hf.generation import resident
+    from hybridspec_hf.generation.strategy import RoundStrategy
+    from hybridspec_hf.selector import LatencyModel
+
+    target = make_target("qwen3_5_moe")
+    prompt = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(7))
+    ar = reference(target, prompt, 60)
+    cost = (1.6 + 0.05 * torch.arange(1, 9, dtype=torch.float32)) * 1e-3  # near break-even: plain stretches too
+    latency = LatencyModel(cost=cost[None], cost_ar=torch.tensor([1e-3]), context_lens=torch.tensor([64]),
+                           sunk=torch.full((1, 7), 0.035e-3))
+    seen, calls = {}, []
+    fused_end = RoundStrategy.end_round
+    monkeypatch.setattr(RoundStrategy, "end_round", lambda self, *a: calls.append(1) or fused_end(self, *a))
+    for fused in (False, True):
+        monkeypatch.setattr(resident, "FUSED_ROUND_END", fused)
+        drafter = make_drafter(target, 8, ar.sequences, error_rate=0.35, seed=11)
+        settings = HybridSpecConfig(cuda_graphs="on", latency_model=latency, compile_decisions=mode)
+        out = run(target, prompt, drafter, "hybridspec", 60, hybridspec_config=settings)
+        assert_same_as_ar(out, ar)
+        seen[fused] = [(r.drafted, r.w, r.accepted) for r in hybridspec_hf.get_telemetry(target).rounds]
+        assert bool(calls) == fused  # the fused call ran only when switched on
+    assert seen[True] == seen[False]
+    assert any(not drafted for drafted, *_ in seen[True]) and any(drafted for drafted, *_ in seen[True])
+
+
 def test_compile_decisions_is_checked_and_auto_compiles_on_cuda_only():
     from hybridspec_hf.config import resolved_compile_backend
 

@@ -85,6 +85,11 @@ DEFER_CONTEXT_APPENDS = True
 # launch on CUDA (kernels/step_tail_triton.py) instead of ≈ 20 torch launches; False: the torch ops
 # (A/B: `--variants plain,-step-tail`)
 FUSED_STEP_TAIL = True
+# True: a speculative round committed on the device decides whether the next round drafts and updates the selector
+# with this round in one call of the strategy (`RoundStrategy.end_round`: one compiled region, fewer kernels);
+# False: the two calls apart (should_draft before the commit, observe_round in it). Same decisions either way
+# (should_draft reads the selector before this round's update in both). A/B: `round_kernels.py --variants`.
+FUSED_ROUND_END = True
 _ACTIVE = "_hybridspec_resident"  # the target's most recently used rounds
 _KEPT = "_hybridspec_resident_kept"  # every rounds the target keeps, least recently used first
 
@@ -607,7 +612,9 @@ class ResidentRounds:
             target_tokens = torch.cat([target_tokens, target_tokens.new_zeros(self.rows, t - n)], dim=1)
         if self.strategy.mode != "fixed":
             self.strategy.observe_acceptance(choice, accepted)
-        draft_next = self._flag(self.strategy.should_draft(self.round_context_len))
+        fused_end = self.device_commit and FUSED_ROUND_END and self.strategy.selector is not None
+        if not fused_end:
+            draft_next = self._flag(self.strategy.should_draft(self.round_context_len))
         keep = choice.keep.long() if choice is not None else self.zero
         n_new = choice.n_new if choice is not None else self.zero
         self.pending, self.features, self.target_tokens = session, features, target_tokens
@@ -620,7 +627,10 @@ class ResidentRounds:
             room = (self.limit - (self.target.length + 1)).clamp(min=0)
             count = torch.minimum(torch.minimum(accepted + 1, first_eos + 1), room) * self.live
             self.count.copy_(count)
-            self._commit()
+            if fused_end:  # the draft decision (before this round's update, as apart), then the update
+                draft_next = self._flag(self.strategy.end_round(self.round_context_len, self.round_w.view(1),
+                                                                *self._round_tokens()))
+            self._commit(observe=not fused_end)
             live = self._end_rows(positions.view(1, -1) < self.count.view(-1, 1), target_tokens)
         self._write_handoff(target_tokens, accepted, live, self.round_w, keep, n_new, draft_next)
 
@@ -645,18 +655,22 @@ class ResidentRounds:
         if self.rows > 1 and self.strategy.selector is not None:
             self.strategy.selector.batch_state(*batch_rows_left(self.live, room))
 
-    def _commit(self):
-        """Keep m = self.count tokens (per row) of the last verification."""
+    def _round_tokens(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(emitted, spread) of the round just counted, as the selector learns them: one stream for the batch, tokens
+        per live row and their spread between rows (the eager batched loop's rule, selector.batch_row_stats), priced
+        at the batch set in `_draft`; at one row its count and no spread."""
+        return (self.count, None) if self.rows == 1 else batch_row_stats(self.count, self.live)
+
+    def _commit(self, observe: bool = True):
+        """Keep m = self.count tokens (per row) of the last verification; `observe`: the selector learns the round
+        (False: `end_round` did)."""
         self.target.commit(self.pending, self.count)
         with patches.fused_kernels():
             self.context.append(self.features, self.count)
         last = self.target_tokens.gather(1, (self.count - 1).clamp(min=0).view(-1, 1))  # [N, 1]
         self.last_token.copy_(torch.where(self.count.view(-1, 1) > 0, last, self.last_token))
-        if self.strategy.selector is not None:
-            # one stream for the batch: tokens per live row and their spread between rows (the eager batched loop's
-            # rule, selector.batch_row_stats), priced at the batch set in `_draft`
-            emitted, spread = (self.count, None) if self.rows == 1 else batch_row_stats(self.count, self.live)
-            self.strategy.observe_round(self.round_w.view(1), emitted, spread)
+        if observe and self.strategy.selector is not None:
+            self.strategy.observe_round(self.round_w.view(1), *self._round_tokens())
 
     # ------------------------------------------------------------------------------------------ host side
     def restart_profile(self, start_row: int = 0) -> None:

@@ -89,7 +89,7 @@ class RoundStrategy:
         self.compile_backend = self._compiled = None
         self._decide, self._correct = self._choose, self._correction
         self._should_draft, self._plain_run = self._should_draft_eager, self._plain_run_eager
-        self._observe_round = self._observe_round_eager
+        self._observe_round, self._end_round = self._observe_round_eager, self._end_round_eager
 
     @classmethod
     def build(cls, name: str, settings: HybridSpecConfig, target, drafter, has_router: bool,
@@ -236,6 +236,7 @@ class RoundStrategy:
         self._decide, self._correct = compiled(self._choose), compiled(self._correction)
         self._should_draft, self._plain_run = compiled(self._should_draft_eager), compiled(self._plain_run_eager)
         self._observe_round = compiled(self._observe_round_eager)
+        self._end_round = compiled(self._end_round_eager)
         self._compiled = backend
         return True
 
@@ -314,6 +315,19 @@ class RoundStrategy:
 
     def _observe_round_eager(self, w: torch.Tensor, emitted: torch.Tensor, spread: torch.Tensor | None) -> None:
         self.selector.observe(w, emitted, None, True, spread)
+
+    def end_round(self, context_len, w: torch.Tensor, emitted: torch.Tensor,
+                  spread: torch.Tensor | None = None):
+        """`should_draft(context_len)` and then `observe_round(w, emitted, spread)`, in one call (one compiled region
+        with `compile_decisions`): the draft decision reads the selector before this round's update, as the two calls
+        apart do. Returns the decision, as should_draft answers it (a bool or a bool tensor)."""
+        return self._end_round(context_len, w, emitted, spread)
+
+    def _end_round_eager(self, context_len, w: torch.Tensor, emitted: torch.Tensor, spread: torch.Tensor | None):
+        draft = self._should_draft_eager(context_len)
+        if self.selector is not None:
+            self._observe_round_eager(w, emitted, spread)
+        return draft
 
     def takes_plain_steps(self) -> bool:
         """Whether `should_draft` may answer False: a selector with its own rule (the others draft every round)."""
