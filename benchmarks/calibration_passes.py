@@ -81,7 +81,7 @@ def main() -> None:
     table = "\n".join(lines)
     write_results(args.name, {"title": "Calibration passes in one process (tiny pair, bf16)",
                               "environment": environment(), "passes": passes, "measured": measured,
-                              "notes": __doc__.split("\n\n")[1].replace("\n", " ")}, table)
+                              "notes": __doc__.split("\n\n")[2].replace("\n", " ")}, table)
     print(table, flush=True)
 
 

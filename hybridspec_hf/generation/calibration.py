@@ -149,9 +149,9 @@ def shadow_selector(target, block_size: int) -> LengthSelector:
 # changes (2: batch tables timed on rounds that verified the forced w; kernels launched with PDL; 3: the rounds run
 # HybridSpec's selector work beside the forced length, `ForcedLength.shadow`; 4: that work compiled on CUDA,
 # HybridSpecConfig.compile_decisions; 5: that compile no longer fails on CUDA, run 83; 6: a call's first round, after
-# its prefill, not timed; 7: eight rounds a call on CUDA), so that a cache written
+# its prefill, not timed), so that a cache written
 # before is measured again instead of being read
-CALIBRATION_REVISION = 7
+CALIBRATION_REVISION = 6
 
 
 def cache_key(target, drafter, kernel_backend: str, verify_shape: str | None = None,
@@ -257,7 +257,7 @@ def calibrate_latency(
     *,
     context_lens: tuple[int, ...] = (64, 512),
     repeats: int = 2,
-    rounds_per_call: int | None = None,
+    rounds_per_call: int = 3,
     kernel_backend: str = "auto",
     prompt_ids: torch.Tensor | None = None,
     progress: bool = True,
@@ -281,18 +281,15 @@ def calibrate_latency(
     the tables a batch's shared w is chosen with (LatencyModel.for_batch).
     compile_decisions: how the timed rounds run their decisions (HybridSpecConfig.compile_decisions), as the
     calls it calibrates for run them.
-    rounds_per_call: rounds timed per call after its first (None: 8 on CUDA, 3 elsewhere). On the H200 a call's
-    rounds get faster for several rounds after the host's pause between calls (tiny pair, run 91 of
-    benchmarks/results/gpu_rounds_runs.md: 0.71, 0.64, 0.63, 0.62 ms, then ≈ 0.59 in a generate() call): the
-    median of three sat ≈ 7 % above the rounds it prices, and C_ar ≈ 24 % above the plain steps.
+    rounds_per_call: rounds timed per call after its first. More do not price better on the H200: four passes in
+    one process (tiny pair, run 93 of benchmarks/results/gpu_rounds_runs.md) gave C(16) 0.659 / 0.724 ms with 8
+    rounds a call and 0.694 / 0.665 with 3 — the spread is between passes, not within a call.
     Under tensor parallelism every rank calls it and gets the same model: the mean over the ranks' timings.
     """
     from transformers import StoppingCriteria, StoppingCriteriaList
 
     block_size = drafter.config.block_size
     device = next(target.parameters()).device
-    if rounds_per_call is None:
-        rounds_per_call = 8 if device.type == "cuda" else 3
     limit = target.config.get_text_config().max_position_embeddings
     context_lens = tuple(c for c in context_lens if c + 2 * block_size < limit) or (min(64, limit // 4),)
     generator = torch.Generator().manual_seed(0)
