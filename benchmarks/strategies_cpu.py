@@ -109,6 +109,7 @@ def main() -> None:
         "environment": environment(),
         "settings": vars(args),
         "latency_ms": [float(c) * 1e3 for c in latency.cost[0]],
+        "latency_ar_ms": float(latency.cost_ar.reshape(-1)[0]) * 1e3,
         "summary": summary,
         "per_prompt": rows,
     }
