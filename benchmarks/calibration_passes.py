@@ -1,6 +1,6 @@
 """Calibration passes in one fresh process against what HybridSpec's rounds then cost (tiny pair, bf16, CUDA).
 
-    python benchmarks/calibration_passes.py                    # on the H200 (≈ 90 s)
+    python benchmarks/calibration_passes.py                    # on the H200 (≈ 200 s)
     python benchmarks/calibration_passes.py --rounds 8,3,8,3   # rounds timed per calibration call, one pass each
 
 Why: run 91 (calibrated in a warm process, after the fp32 part of gpu_rounds.py) priced the tiny pair's rounds at

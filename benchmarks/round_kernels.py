@@ -25,23 +25,22 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, method_variant, variant_switches, write_results  # noqa: E402
+from common import environment, method_variant, traced_kernels, variant_switches, write_results  # noqa: E402
 
 import hybridspec_hf  # noqa: E402
 from hybridspec_hf import HybridSpecConfig  # noqa: E402
 
 
-def kernel_groups(events) -> dict[str, list[float]]:
-    """GPU kernels (and memcpy/memset) of profiler events by name (template arguments cut), µs each."""
+def kernel_groups(kernels: list[dict]) -> dict[str, list[float]]:
+    """`common.traced_kernels`' records by name (template arguments cut): µs each."""
     groups: dict[str, list[float]] = {}
-    for event in events:
-        if event.device_type.name == "CUDA":
-            groups.setdefault(event.name.split("<")[0][:70], []).append(event.device_time_total)
+    for kernel in kernels:
+        groups.setdefault(kernel["name"].split("<")[0][:70], []).append(kernel["us"])
     return groups
 
 
 def per_round(call: dict[str, dict], ar_step: dict[str, dict], plain: float, drafted: float) -> dict[str, dict]:
-    """A drafted round's kernels by name: (call − plain × AR's per-token step) / drafted (counts and µs)."""
+    """A drafted round's kernels by name: (call − plain × AR's step) / drafted (counts and µs)."""
     names = set(call) | set(ar_step)
     out = {}
     for name in names:
@@ -60,17 +59,15 @@ def profile_calls(target, drafter, strategy: str, prompts: list[torch.Tensor], t
     settings = dict(do_sample=False, max_new_tokens=tokens, assistant_model=drafter, generation_strategy=strategy,
                     hybridspec_config=HybridSpecConfig())
     target.generate(prompts[0], **settings)  # captures (and calibrates) outside the profile
-    from torch.profiler import ProfilerActivity, profile
-
     totals: dict[str, dict] = {}
     drafted = plain = tokens_out = decode_ms = 0.0
     for prompt in prompts:
         for new_tokens, sign in ((tokens, 1.0), (1, -1.0)):  # the call less its prefill and set-up (a 1-token call)
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                out = target.generate(prompt, **{**settings, "max_new_tokens": new_tokens})
-                torch.cuda.synchronize()
-            for name, times in kernel_groups(prof.events()).items():
+            outputs = []
+            kernels = traced_kernels(lambda: outputs.append(target.generate(prompt, **{**settings,
+                                                                                    "max_new_tokens": new_tokens})), 1)
+            out = outputs[0]
+            for name, times in kernel_groups(kernels).items():
                 entry = totals.setdefault(name, {"count": 0.0, "us": 0.0})
                 entry["count"] += sign * len(times)
                 entry["us"] += sign * sum(times)

@@ -88,7 +88,8 @@ FUSED_STEP_TAIL = True
 # True: a speculative round committed on the device decides whether the next round drafts and updates the selector
 # with this round in one call of the strategy (`RoundStrategy.end_round`: one compiled region, fewer kernels);
 # False: the two calls apart (should_draft before the commit, observe_round in it). Same decisions either way
-# (should_draft reads the selector before this round's update in both). A/B: `round_kernels.py --variants`.
+# (should_draft reads the selector before this round's update in both). A/B: the strategy
+# "hybridspec-round-end" in benchmarks/round_kernels.py.
 FUSED_ROUND_END = True
 _ACTIVE = "_hybridspec_resident"  # the target's most recently used rounds
 _KEPT = "_hybridspec_resident_kept"  # every rounds the target keeps, least recently used first
