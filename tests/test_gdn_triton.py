@@ -28,8 +28,10 @@ from hybridspec_hf.kernels.default_verifier import (  # noqa: E402
     gdn_decode_step,
 )
 from hybridspec_hf.kernels.gdn_triton import (  # noqa: E402
+    commit_conv_states_triton,
     commit_gdn_states_auto,
     commit_gdn_states_triton,
+    gdn_commit_verify_triton,
     gdn_verify_auto,
     gdn_verify_triton,
     select_backend,
@@ -255,6 +257,111 @@ def test_valid_len_ignores_trailing_tokens():
     _, states64 = oracle(x)
     for req, n in enumerate(m.tolist()):
         assert rel(pending.state[req], states64[req, n - 1]) < ONE_STEP_TOL
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the commit folded into the next verification
+
+
+@pytest.mark.parametrize(
+    "seed, b, w_prev, w, h, hv, dk, dv, dtype",
+    [
+        (60, 3, 16, 5, 1, 2, 24, 40, torch.float32),  # dk, dv not powers of two; m = 0, all, a prefix
+        (61, 2, 4, 16, 2, 6, 24, 40, torch.bfloat16),  # grouped heads r = 3, bf16 q/k/v
+        (62, 1, 9, 3, 1, 1, 128, 128, torch.bfloat16),  # the real head sizes (4 dv tiles)
+        (63, 2, 1, 1, 1, 2, 16, 16, torch.float32),  # w = 1 after w = 1
+    ],
+)
+@pytest.mark.parametrize("solve", ["substitution", "doubling"])
+def test_folded_commit_then_verify_matches_float64(seed, b, w_prev, w, h, hv, dk, dv, dtype, solve):
+    """One launch = the previous verification's commit (S_m in place) + this verification from S_m: the state, out,
+    Z and G against the float64 recurrence over exactly the committed tokens and then the new window."""
+    prev = make_inputs(seed, b, w_prev, h, hv, dk, dv, "mixed", dtype)
+    prev_res = gdn_verify_triton(*verify_args(prev))
+    m = torch.tensor([0, w_prev, max(1, w_prev // 2)][:b], dtype=torch.int32)
+    _, states64 = oracle(prev)
+    committed64 = torch.stack([expected_state(prev, states64, req, n) for req, n in enumerate(m.tolist())])
+    x = make_inputs(seed + 1000, b, w, h, hv, dk, dv, "mixed", dtype)
+    state = prev["state"].clone()
+    res = gdn_commit_verify_triton(*verify_args(x)[:5], state, pending=(prev["k"], prev_res, m), solve=solve)
+    assert torch.equal(state[0], prev["state"][0]) or m[0] != 0  # m = 0: the state untouched
+    assert rel(state, committed64) < ONE_STEP_TOL
+    x64 = dict(x, state=committed64)
+    out64, _ = oracle(x64)
+    block64 = ref.gdn_verify(*(a.double() for a in verify_args(x64)))
+    assert rel(res.out.float(), out64.float()) < (ONE_STEP_TOL if dtype == torch.float32 else BF16_OUT_TOL)
+    assert rel(res.z, block64.z) < ONE_STEP_TOL and rel(res.g_cum, block64.g_cum) < ONE_STEP_TOL
+    torch_res = ref.gdn_commit_verify(*verify_args(x)[:5], prev["state"].clone(), (prev["k"], prev_res, m))
+    assert rel(res.z, torch_res.z) < ONE_STEP_TOL  # the torch truth of the fold agrees at fp32 level
+
+
+@pytest.mark.parametrize("w", [2, 3, 5, 9, 16])
+def test_doubling_solve_is_stable_on_aligned_keys(w):
+    """The block-doubling solve on nearly parallel keys with β ≈ 1 and no decay (where the power series of A grows
+    like binomial coefficients): Z at fp32 accuracy, every window size (the levels follow T)."""
+    x = make_inputs(6, 1, w, 1, 2, 32, 32, "weak")
+    gen = torch.Generator().manual_seed(6)
+    x["k"] = torch.randn(1, 1, 1, 32, generator=gen) + 1e-2 * x["k"]
+    x["beta"] = 0.95 + 0.05 * x["beta"]
+    res = gdn_commit_verify_triton(*verify_args(x), solve="doubling")
+    block64 = ref.gdn_verify(*(a.double() for a in verify_args(x)))
+    assert rel(res.z, block64.z) < ONE_STEP_TOL
+    assert rel(res.out, oracle(x)[0]) < ONE_STEP_TOL
+
+
+def test_fold_without_pending_is_the_verify_with_valid_len():
+    x = make_inputs(64, 3, 16, 1, 2, 24, 40, "mixed")
+    valid = torch.tensor([16, 6, 1], dtype=torch.int32)
+    x["q"][1, 6:] = float("nan")  # past valid_len: must not leak in
+    state = x["state"].clone()
+    res = gdn_commit_verify_triton(*verify_args(x)[:5], state, valid_len=valid)
+    assert torch.equal(state, x["state"])  # nothing pending: nothing written
+    ref_res = gdn_verify_triton(*verify_args(x), valid_len=valid)
+    assert rel(res.out, ref_res.out) < ONE_STEP_TOL and rel(res.z, ref_res.z) < ONE_STEP_TOL
+    assert not res.out[1, 6:].any() and not res.z[1, :, 6:].any()
+
+
+def test_folded_rounds_equal_verify_then_commit_rounds():
+    """Twenty rounds of folded verifications (two output sets alternating, the conv roll alone at each round end)
+    against verify + commit launches: the same states and outputs at fp32 level, and the same conv windows."""
+    gen = torch.Generator().manual_seed(65)
+    b, hv, d = 2, 2, 24
+    state = torch.randn(b, hv, d, d, generator=gen)
+    conv_state = torch.randn(b, 8, 4, generator=gen)
+    fold_state, fold_conv = state.clone(), conv_state.clone()
+    outputs = [None, None]
+    pending = None
+    for r in range(20):
+        w = int(torch.randint(1, 17, (1,), generator=gen))
+        x = make_inputs(6500 + r, b, w, 1, hv, d, d, ("mixed", "weak", "strong")[r % 3])
+        conv_input = torch.randn(b, 8, w, generator=gen)
+        m = torch.randint(0, w + 1, (b,), generator=gen, dtype=torch.int32)
+        x["state"] = state
+        res = gdn_verify_triton(*verify_args(x))
+        commit_gdn_states_triton([ref.PendingGDNLayer(state, conv_state, conv_input, x["k"], res)], m)
+        fold = gdn_commit_verify_triton(*verify_args(x)[:5], fold_state, pending=pending)
+        outputs[r % 2] = fold
+        commit_conv_states_triton([ref.PendingGDNLayer(fold_state, fold_conv, conv_input, x["k"], fold)], m)
+        pending = (x["k"], fold, m)
+        assert rel(fold.out, res.out) < ONE_STEP_TOL and rel(fold.z, res.z) < ONE_STEP_TOL, r
+        assert torch.equal(fold_conv, conv_state), r
+    gdn_commit_verify_triton(*verify_args(x)[:5], fold_state, pending=pending)  # the last round's commit
+    assert rel(fold_state, state) < DRIFT_TOL
+
+
+def test_fold_errors_name_the_problem():
+    x = make_inputs(66, 1, 4, 1, 2, 16, 16)
+    res = gdn_verify_triton(*verify_args(x))
+    m = torch.tensor([2], dtype=torch.int32)
+    with pytest.raises(ValueError, match="alternate two output sets"):
+        gdn_commit_verify_triton(*verify_args(x), pending=(x["k"], res, m), outputs=res)
+    with pytest.raises(ValueError, match=r"pending = \(k \[B, T', H, dk\]"):
+        gdn_commit_verify_triton(*verify_args(x), pending=(x["k"][:, :, :, :8], res, m))
+    big = make_inputs(67, 1, 2, 1, 1, 160, 16)
+    with pytest.raises(ValueError, match="dk <= 128"):
+        gdn_commit_verify_triton(*verify_args(big))
+    with pytest.raises(ValueError, match="solve must be one of"):
+        gdn_commit_verify_triton(*verify_args(x), solve="inverse")
 
 
 # ----------------------------------------------------------------------------------------------------------------
