@@ -132,17 +132,14 @@ class InputSet:
 
 
 def ours_verify(s: InputSet, **cfg) -> None:
-    """cfg["kernel"]: "sliced" (default, `gdn_verify_triton`), "whole" (`gdn_commit_verify_triton` with nothing
-    pending: the whole state tile read before the PDL wait) or "fold" (the same with the previous round's commit
-    folded in)."""
-    kernel = cfg.get("kernel", "sliced")
+    """cfg["kernel"]: "sliced" (default, `gdn_verify_triton`) or "fold" (`gdn_commit_verify_triton` with the
+    previous round's commit folded in)."""
     for i, (x, r) in enumerate(zip(s.layers, s.ours)):
-        if kernel == "sliced":
+        if cfg.get("kernel", "sliced") == "sliced":
             gdn_verify_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"], outputs=r,
                               **cfg.get("verify", {}))
         else:
-            pending = s.fold_pending(i) if kernel == "fold" else None
-            gdn_commit_verify_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"], pending=pending,
+            gdn_commit_verify_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"], pending=s.fold_pending(i),
                                      outputs=r, **cfg.get("verify", {}))
 
 
@@ -405,9 +402,9 @@ def drift(cfg: dict, rounds: int, gen: torch.Generator) -> dict:
 
 METHODS = {  # {"kernel": ours_verify's kernel, "verify": its keywords, "commit": commit_gdn_states_triton keywords}
     "ours": dict(verify={}, commit={}),  # the code defaults (the shipped kernels)
-    "whole": dict(kernel="whole", verify={}, commit={}),  # whole-tile verify (state read early) + the same commit
-    "whole_c128": dict(kernel="whole", verify={}, commit=dict(block_k=128)),  # + the commit on whole tiles too
-    "fold": dict(kernel="fold", verify={}, commit={}),  # the state commit inside the next verify; conv roll alone
+    # the same kernels at the sweep's fastest verify and commit keywords (--sweep; else unrolled, sliced commit)
+    "tuned": dict(verify=dict(unroll=True), commit=dict(slice_programs=True)),
+    "fold": dict(kernel="fold", verify=dict(unroll=True), commit={}),  # the state commit inside the next verify
 }
 SLICED = [name for name, cfg in METHODS.items() if cfg.get("kernel", "sliced") == "sliced"]
 
@@ -515,15 +512,24 @@ STEP_FUSED_VARIANTS = {  # gdn_step keywords: bv128 = one launch (norm inside), 
     "bv16_w2+norm": dict(block_v=16, num_warps=2),
     "bv8_w1+norm": dict(block_v=8, num_warps=1),
 }
-FOLD_VARIANTS = {  # gdn_commit_verify_triton keywords
-    "bv16_w2": dict(block_v=16, num_warps=2),
-    "bv32_w4": dict(block_v=32, num_warps=4),
-    "bv32_w8": dict(block_v=32, num_warps=8),
-    "bv64_w4": dict(block_v=64, num_warps=4),
-    "bv64_w8": dict(block_v=64, num_warps=8),
-    "bv16_w2_doubling": dict(block_v=16, num_warps=2, solve="doubling"),
-    "bv32_w4_doubling": dict(block_v=32, num_warps=4, solve="doubling"),
-    "bv64_w4_doubling": dict(block_v=64, num_warps=4, solve="doubling"),
+VERIFY_VARIANTS = {  # gdn_verify_triton keywords (and gdn_commit_verify_triton's: FOLD_VARIANTS)
+    "bv32_bk32_w4": dict(block_v=32, block_k=32, num_warps=4),
+    "bv32_bk32_w4_unroll": dict(block_v=32, block_k=32, num_warps=4, unroll=True),
+    "bv32_bk32_w4_doubling": dict(block_v=32, block_k=32, num_warps=4, solve="doubling"),
+    "bv32_bk32_w4_unroll_doubling": dict(block_v=32, block_k=32, num_warps=4, unroll=True, solve="doubling"),
+    "bv16_bk32_w2_unroll": dict(block_v=16, block_k=32, num_warps=2, unroll=True),
+    "bv32_bk16_w4_unroll": dict(block_v=32, block_k=16, num_warps=4, unroll=True),
+    "bv32_bk64_w4_unroll": dict(block_v=32, block_k=64, num_warps=4, unroll=True),
+    "bv64_bk32_w4_unroll": dict(block_v=64, block_k=32, num_warps=4, unroll=True),
+}
+FOLD_VARIANTS = VERIFY_VARIANTS
+COMMIT_VARIANTS = {  # commit_gdn_states_triton keywords
+    "bv64_bk32_w4": dict(block_v=64, block_k=32, num_warps=4),
+    "bv64_bk32_w4_slices": dict(block_v=64, block_k=32, num_warps=4, slice_programs=True),
+    "bv32_bk32_w4_slices": dict(block_v=32, block_k=32, num_warps=4, slice_programs=True),
+    "bv64_bk16_w4_slices": dict(block_v=64, block_k=16, num_warps=4, slice_programs=True),
+    "bv64_bk32_w8_slices": dict(block_v=64, block_k=32, num_warps=8, slice_programs=True),
+    "bv128_bk16_w8_slices": dict(block_v=128, block_k=16, num_warps=8, slice_programs=True),
 }
 
 
@@ -534,7 +540,8 @@ def fold_round(s: InputSet, **cfg) -> None:
     ours_commit(s, **method)
 
 
-KINDS = (("default", DEFAULT_VARIANTS, default_verify_all), ("fold", FOLD_VARIANTS, fold_round))
+KINDS = (("default", DEFAULT_VARIANTS, default_verify_all), ("verify", VERIFY_VARIANTS, ours_verify),
+         ("commit", COMMIT_VARIANTS, ours_commit), ("fold", FOLD_VARIANTS, fold_round))
 
 
 def sweep(gen: torch.Generator, batches, windows) -> dict:
@@ -571,13 +578,14 @@ def best_config(sweep_result: dict, batch: int) -> dict:
 
     shapes = [k for k in sweep_result if k.startswith(f"b{batch}_") and k != f"b{batch}_w1"]
     ours = dict(METHODS["ours"], step=fastest("step", list(STEP_VARIANTS), [f"b{batch}_w1"]))
-    fold = fastest("fold", list(FOLD_VARIANTS), shapes)
-    return dict(METHODS, ours=ours, whole=dict(METHODS["whole"], verify=fold),
-                whole_c128=dict(METHODS["whole_c128"], verify=fold), fold=dict(METHODS["fold"], verify=fold),
+    tuned = dict(verify=fastest("verify", list(VERIFY_VARIANTS), shapes),
+                 commit=fastest("commit", list(COMMIT_VARIANTS), shapes))
+    return dict(ours=ours, tuned=tuned, fold=dict(kernel="fold", verify=fastest("fold", list(FOLD_VARIANTS), shapes)),
                 default=dict(default=fastest("default", list(DEFAULT_VARIANTS), shapes)))
 
 
-VARIANTS = dict(default=DEFAULT_VARIANTS, step=STEP_VARIANTS, fold=FOLD_VARIANTS)
+VARIANTS = dict(default=DEFAULT_VARIANTS, step=STEP_VARIANTS, fold=FOLD_VARIANTS, verify=VERIFY_VARIANTS,
+                commit=COMMIT_VARIANTS)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -671,10 +679,11 @@ def markdown(report: dict) -> str:
         f"Configs (per batch): `{json.dumps(report.get('config', {}))}`.",
         "",
         "All 30 GDN layers per figure, µs: median of CUDA-graph replays over rotating input sets. 'ours' = the shipped "
-        "block verify (one launch per layer, dk in slices) + one-launch commit; 'whole' = the verify on whole state "
-        "tiles read before the PDL wait (`gdn_commit_verify_triton`, nothing pending) + the same commit ('whole_c128': "
-        "the commit on whole tiles too); 'fold' = the same verify with the previous round's state commit inside it "
-        "(one launch per layer) + the conv roll alone (one launch): its 'verify' column holds the state commit. "
+        "block verify (one launch per layer, dk in slices) + one-launch commit at the code defaults; 'tuned' = the "
+        "same kernels at the sweep's fastest keywords (the verify's dk loop unrolled, a doubling solve, the commit "
+        "a program per state slice: see the config line); 'fold' = the verify with the previous round's state "
+        "commit inside it (`gdn_commit_verify_triton`, one launch per layer) + the conv roll alone (one launch): "
+        "its 'verify' column holds the state commit. "
         "'default' = token-by-token verify storing S per token + one-launch copy of the accepted one; fla = "
         "`chunk_gated_delta_rule` (verify only, what transformers runs; it has no commit). accept 'random' = m "
         "uniform in 1..w per request. Goal (issue 12, batch 1): default / ours >= 2 at w = 4, >= 4 at w = 16 (the "

@@ -57,9 +57,10 @@ except ImportError:  # CPU installs without triton keep the torch path
 
 HAS_TRITON = triton is not None
 MAX_WINDOW = 16  # tokens per verification; also the padded dot size
-FOLD_MAX_DK = 128  # `gdn_commit_verify_triton` holds a program's whole [dk, BV] state tile in registers
 SOLVES = ("substitution", "doubling")
-FOLD_SOLVE = "substitution"  # `gdn_commit_verify_triton`'s default triangular solve (A/B: benchmarks/gdn_kernels.py)
+SOLVE = "substitution"  # the verify's triangular solve (A/B: benchmarks/gdn_kernels.py's sweep)
+UNROLL = False  # the verify's dk-slice loop unrolled (A/B: benchmarks/gdn_kernels.py's sweep)
+COMMIT_SLICE_PROGRAMS = False  # the commit: a program per state slice, not per tile (A/B: gdn_kernels.py)
 BACKENDS = ("auto", "triton", "torch")
 _L2NORM_EPS = 1e-6
 
@@ -204,19 +205,51 @@ def _mask_invalid(x: torch.Tensor, valid_len: torch.Tensor) -> torch.Tensor:
 # verify
 
 
+def _solve(b_a, rt, T: tl.constexpr, DOUBLING: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.constexpr):
+    """X = (I + A)^-1 of the strictly lower [BT, BT] A (rows >= n zero). DOUBLING: block doubling, the inverse of the
+    2b-blocks from that of the b-blocks, X_2b = X_b - X_b C_b X_b (C_b: A's lower-left b x b quarter of each 2b-block,
+    (X_b C_b)² = 0), from X_2 = I - C_1: two dots per level, LEVELS - 1 levels, no power of A formed. Else forward
+    substitution on X's rows: x_i = -a_i - Σ_{j<i} A_ij x_j (rows 0, 1 closed; rows >= n are no-ops)."""
+    eye = tl.where(rt[:, None] == rt[None, :], 1.0, 0.0)
+    if DOUBLING:
+        pair = (rt[:, None] // 2 == rt[None, :] // 2) & (rt[:, None] > rt[None, :])
+        b_x = eye - tl.where(pair, b_a, 0.0)
+        for level in tl.static_range(1, LEVELS):
+            size: tl.constexpr = 1 << level
+            quarter = ((rt[:, None] // (2 * size)) == (rt[None, :] // (2 * size))) \
+                & ((rt[:, None] % (2 * size)) >= size) & ((rt[None, :] % (2 * size)) < size)
+            b_xc = tl.dot(b_x, tl.where(quarter, b_a, 0.0), input_precision=PRECISION)
+            b_x = b_x - tl.dot(b_xc, b_x, input_precision=PRECISION)
+    else:
+        b_x = -b_a
+        for i in range(2, T):
+            row_i = rt[:, None] == i
+            b_row = tl.sum(tl.where(row_i, b_x, 0.0), 0)
+            b_row = b_row + tl.sum(b_row[:, None] * b_x, 0)
+            b_x = tl.where(row_i, b_row[None, :], b_x)
+        b_x = b_x + eye
+    return b_x
+
+
 def _verify_kernel(
-    q, k, v, g, beta, state, out, z, g_cum, valid_len,
+    q, k, v, g, beta, state, out, z, g_cum, valid_len, pk, pz, pg, pm,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
     stride_gb, stride_gt, stride_gh,
     stride_bb, stride_bt, stride_bh,
     stride_sb, stride_sh, stride_sk,
+    stride_pkb, stride_pkt, stride_pkh,
     HV, GROUP, DK, DV, scale,
-    T: tl.constexpr, HAS_VALID: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr,
-    BV: tl.constexpr, PRECISION: tl.constexpr,
+    T: tl.constexpr, TP: tl.constexpr, HAS_VALID: tl.constexpr, PENDING: tl.constexpr, BT: tl.constexpr,
+    BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr, UNROLL: tl.constexpr, DOUBLING: tl.constexpr,
+    LEVELS: tl.constexpr, PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """Program (dv tile, value head, request). PENDING: the previous verification's commit first, slice by slice,
+    S_m = γ_m S_0 + K̂_{1:m}ᵀ diag(e^{G_m - G_j}) Z_{1:m}, stored in place and verified from (pending tensors never
+    alias this launch's outputs). UNROLL: the dk-slice loops unrolled that many times (their loads can then all be
+    in flight at once)."""
     pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
     i_v = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -233,6 +266,25 @@ def _verify_kernel(
     p_k = k + i_b * stride_kb + rt[:, None] * stride_kt + i_hk * stride_kh
     p_s = state + i_b * stride_sb + i_h * stride_sh + rv[None, :]
 
+    committed = False
+    if PENDING:  # the pending Z, G and m; the l2 norms of the pending keys over all of dk
+        m = tl.minimum(tl.load(pm + i_b).to(tl.int32), TP)
+        mp = rt < m
+        committed = m > 0
+        row = (i_b * HV + i_h) * TP
+        p_pk = pk + i_b * stride_pkb + rt[:, None] * stride_pkt + i_hk * stride_pkh
+        b_pg = tl.load(pg + row + rt, mask=mp, other=0.0)
+        b_gm = tl.sum(tl.where(rt == m - 1, b_pg, 0.0), 0)  # G_m
+        b_dz = tl.exp(tl.where(mp, b_gm - b_pg, float("-inf")))[:, None] * tl.load(
+            pz + (row + rt[:, None]) * DV + rv[None, :], mask=mp[:, None] & mv[None, :], other=0.0)  # e^{G_m-G_j} Z_j
+        b_gamma_m = tl.exp(b_gm)
+        b_pk2 = tl.zeros([BT], dtype=tl.float32)
+        for c in tl.range(0, BK, BKC, loop_unroll_factor=UNROLL):
+            rk = c + tl.arange(0, BKC)
+            b_pk = tl.load(p_pk + rk[None, :], mask=mp[:, None] & (rk < DK)[None, :], other=0.0).to(tl.float32)
+            b_pk2 += tl.sum(b_pk * b_pk, 1)
+        b_prk = tl.rsqrt(b_pk2 + 1e-6)  # the verify's fp32 l2norm of k, recomputed from raw k
+
     # Raw products over dk in BKC-wide slices (an fp32 FMA dot holds its whole inner slice in registers), then the
     # l2 normalisation as row/column scales: (D_q Q)(D_k K)ᵀ = D_q (Q Kᵀ) D_k, (D_k K) S_0 = D_k (K S_0).
     b_ks = tl.zeros([BT, BV], dtype=tl.float32)  # K S_0
@@ -241,12 +293,18 @@ def _verify_kernel(
     b_qk = tl.zeros([BT, BT], dtype=tl.float32)  # Q Kᵀ
     b_k2 = tl.zeros([BT], dtype=tl.float32)  # |k_i|²
     b_q2 = tl.zeros([BT], dtype=tl.float32)  # |q_i|²
-    for c in range(0, BK, BKC):
+    for c in tl.range(0, BK, BKC, loop_unroll_factor=UNROLL):
         rk = c + tl.arange(0, BKC)
         mk = rk < DK
         b_q = tl.load(p_q + rk[None, :], mask=mt[:, None] & mk[None, :], other=0.0).to(tl.float32)
         b_k = tl.load(p_k + rk[None, :], mask=mt[:, None] & mk[None, :], other=0.0).to(tl.float32)
         b_s = tl.load(p_s + rk[:, None] * stride_sk, mask=mk[:, None] & mv[None, :], other=0.0).to(tl.float32)
+        if PENDING:
+            b_pk = tl.load(p_pk + rk[None, :], mask=mp[:, None] & mk[None, :], other=0.0).to(tl.float32)
+            b_pk = b_pk * b_prk[:, None]
+            b_s = tl.where(committed, b_gamma_m * b_s + tl.dot(tl.trans(b_pk), b_dz, input_precision=PRECISION),
+                           b_s)
+            tl.store(p_s + rk[:, None] * stride_sk, b_s, mask=mk[:, None] & mv[None, :] & committed)
         b_ks += tl.dot(b_k, b_s, input_precision=PRECISION)
         b_qs += tl.dot(b_q, b_s, input_precision=PRECISION)
         b_kk += tl.dot(b_k, tl.trans(b_k), input_precision=PRECISION)
@@ -268,16 +326,7 @@ def _verify_kernel(
     lower = rt[:, None] >= rt[None, :]
     b_decay = tl.exp(tl.where(lower, b_G[:, None] - b_G[None, :], float("-inf")))  # Γ, masked before exp
     b_a = tl.where(rt[:, None] > rt[None, :], b_beta[:, None] * b_kk * b_decay, 0.0)
-
-    # X = (I + A)^-1 by forward substitution on its rows: x_i = -a_i - Σ_{j<i} A_ij x_j (x = X - I, rows 0, 1 closed).
-    # Rows >= n have a_i = 0, so their steps are no-ops; the bound stays the compile-time T.
-    b_x = -b_a
-    for i in range(2, T):
-        row_i = rt[:, None] == i
-        b_row = tl.sum(tl.where(row_i, b_x, 0.0), 0)
-        b_row = b_row + tl.sum(b_row[:, None] * b_x, 0)
-        b_x = tl.where(row_i, b_row[None, :], b_x)
-    b_x = b_x + tl.where(rt[:, None] == rt[None, :], 1.0, 0.0)
+    b_x = _solve(b_a, rt, T, DOUBLING, LEVELS, PRECISION)
 
     b_gamma = tl.exp(b_G)
     b_r = b_beta[:, None] * (b_v - b_gamma[:, None] * b_ks)  # [BT, BV]
@@ -291,121 +340,9 @@ def _verify_kernel(
     tl.store(g_cum + (i_b * HV + i_h) * T + rt, b_G, mask=rows & (i_v == 0))
 
 
-def _fold_verify_kernel(
-    q, k, v, g, beta, state, out, z, g_cum, valid_len, pk, pz, pg, pm,
-    stride_qb, stride_qt, stride_qh,
-    stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vt, stride_vh,
-    stride_gb, stride_gt, stride_gh,
-    stride_bb, stride_bt, stride_bh,
-    stride_sb, stride_sh, stride_sk,
-    stride_pkb, stride_pkt, stride_pkh,
-    HV, GROUP, DK, DV, scale,
-    T: tl.constexpr, TP: tl.constexpr, HAS_VALID: tl.constexpr, PENDING: tl.constexpr, BT: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, EARLY: tl.constexpr, DOUBLING: tl.constexpr, LEVELS: tl.constexpr,
-    PRECISION: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """`_verify_kernel` on the whole [dk, BV] state tile in one memory round trip, read before the PDL wait with
-    EARLY (the state and a pending commit's k, Z, G and m were written rounds back), and with PENDING the previous
-    verification's commit first: S_m = γ_m S_0 + K̂_{1:m}ᵀ diag(e^{G_m - G_j}) Z_{1:m} in registers, stored in place
-    (after the wait) and verified from. Pending tensors must not alias this launch's outputs."""
-    if not EARLY:
-        pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
-    i_v = tl.program_id(0)
-    i_h = tl.program_id(1)
-    i_b = tl.program_id(2).to(tl.int64)
-    i_hk = i_h // GROUP
-    rt = tl.arange(0, BT)
-    rk = tl.arange(0, BK)
-    rv = i_v * BV + tl.arange(0, BV)
-    mk = rk < DK
-    mv = rv < DV
-    mask_kv = mk[:, None] & mv[None, :]
-    p_s = state + i_b * stride_sb + i_h * stride_sh + rk[:, None] * stride_sk + rv[None, :]
-    b_s = tl.load(p_s, mask=mask_kv, other=0.0, cache_modifier=".cg")  # [BK, BV] fp32, the largest read: first
-    committed = False
-    if PENDING:  # the previous verification's commit, S_0 <- S_m (`commit_gdn_states_triton`'s fold)
-        m = tl.minimum(tl.load(pm + i_b).to(tl.int32), TP)
-        mp = rt < m
-        row = (i_b * HV + i_h) * TP
-        b_pk = tl.load(pk + i_b * stride_pkb + rt[:, None] * stride_pkt + i_hk * stride_pkh + rk[None, :],
-                       mask=mp[:, None] & mk[None, :], other=0.0, cache_modifier=".cg").to(tl.float32)
-        b_pz = tl.load(pz + (row + rt[:, None]) * DV + rv[None, :], mask=mp[:, None] & mv[None, :], other=0.0,
-                       cache_modifier=".cg")
-        b_pg = tl.load(pg + row + rt, mask=mp, other=0.0, cache_modifier=".cg")
-        b_pk = b_pk * tl.rsqrt(tl.sum(b_pk * b_pk, 1) + 1e-6)[:, None]  # the verify's fp32 l2norm of k
-        b_gm = tl.sum(tl.where(rt == m - 1, b_pg, 0.0), 0)  # G_m
-        b_dz = tl.exp(tl.where(mp, b_gm - b_pg, float("-inf")))[:, None] * b_pz  # e^{G_m - G_j} Z_j, j < m
-        committed = m > 0
-        b_s = tl.where(committed, tl.exp(b_gm) * b_s + tl.dot(tl.trans(b_pk), b_dz, input_precision=PRECISION),
-                       b_s)
-    if EARLY:
-        pdl.enter(PDL)  # q, k, v, g, beta (the projections') from here on
-    if PENDING:
-        tl.store(p_s, b_s, mask=mask_kv & committed)
-    n = T
-    if HAS_VALID:
-        n = tl.load(valid_len + i_b).to(tl.int32)
-    mt = rt < n  # rows >= n load as zero and so give zero Z and O rows
-    mask_tk = mt[:, None] & mk[None, :]
-    b_q = tl.load(q + i_b * stride_qb + rt[:, None] * stride_qt + i_hk * stride_qh + rk[None, :], mask=mask_tk,
-                  other=0.0).to(tl.float32)
-    b_k = tl.load(k + i_b * stride_kb + rt[:, None] * stride_kt + i_hk * stride_kh + rk[None, :], mask=mask_tk,
-                  other=0.0).to(tl.float32)
-    b_v = tl.load(v + i_b * stride_vb + rt[:, None] * stride_vt + i_h * stride_vh + rv[None, :],
-                  mask=mt[:, None] & mv[None, :], other=0.0).to(tl.float32)  # [BT, BV]
-    b_g = tl.load(g + i_b * stride_gb + rt * stride_gt + i_h * stride_gh, mask=mt, other=0.0).to(tl.float32)
-    b_beta = tl.load(beta + i_b * stride_bb + rt * stride_bt + i_h * stride_bh, mask=mt, other=0.0).to(tl.float32)
-
-    # raw products, then the l2 normalisation as row/column scales (as `_verify_kernel`)
-    b_rk = tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-6)
-    b_rq = tl.rsqrt(tl.sum(b_q * b_q, 1) + 1e-6) * scale
-    b_ks = tl.dot(b_k, b_s, input_precision=PRECISION) * b_rk[:, None]  # K S_0
-    b_qs = tl.dot(b_q, b_s, input_precision=PRECISION) * b_rq[:, None]  # Q S_0
-    b_kk = tl.dot(b_k, tl.trans(b_k), input_precision=PRECISION) * b_rk[:, None] * b_rk[None, :]
-    b_qk = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * b_rq[:, None] * b_rk[None, :]
-
-    b_G = tl.cumsum(b_g, 0)
-    lower = rt[:, None] >= rt[None, :]
-    b_decay = tl.exp(tl.where(lower, b_G[:, None] - b_G[None, :], float("-inf")))
-    b_a = tl.where(rt[:, None] > rt[None, :], b_beta[:, None] * b_kk * b_decay, 0.0)
-    eye = tl.where(rt[:, None] == rt[None, :], 1.0, 0.0)
-    if DOUBLING:  # X = (I + A)^-1 by block doubling: the inverse of the 2b-blocks from that of the b-blocks,
-        # X_2b = X_b - X_b C_b X_b (C_b: A's lower-left b x b quarter of each 2b-block; (X_b C_b)² = 0), from
-        # X_2 = I - C_1: 2 dots per level, log2(T) - 1 levels, no power of A formed
-        pair = (rt[:, None] // 2 == rt[None, :] // 2) & (rt[:, None] > rt[None, :])
-        b_x = eye - tl.where(pair, b_a, 0.0)
-        for level in tl.static_range(1, LEVELS):
-            size: tl.constexpr = 1 << level
-            quarter = ((rt[:, None] // (2 * size)) == (rt[None, :] // (2 * size))) \
-                & ((rt[:, None] % (2 * size)) >= size) & ((rt[None, :] % (2 * size)) < size)
-            b_xc = tl.dot(b_x, tl.where(quarter, b_a, 0.0), input_precision=PRECISION)
-            b_x = b_x - tl.dot(b_xc, b_x, input_precision=PRECISION)
-    else:  # by forward substitution on its rows (`_verify_kernel`)
-        b_x = -b_a
-        for i in range(2, T):
-            row_i = rt[:, None] == i
-            b_row = tl.sum(tl.where(row_i, b_x, 0.0), 0)
-            b_row = b_row + tl.sum(b_row[:, None] * b_x, 0)
-            b_x = tl.where(row_i, b_row[None, :], b_x)
-        b_x = b_x + eye
-
-    b_gamma = tl.exp(b_G)
-    b_r = b_beta[:, None] * (b_v - b_gamma[:, None] * b_ks)
-    b_z = tl.dot(b_x, b_r, input_precision=PRECISION)
-    b_o = b_gamma[:, None] * b_qs + tl.dot(b_qk * b_decay, b_z, input_precision=PRECISION)
-
-    rows = rt < T
-    mask_tv = rows[:, None] & mv[None, :]
-    tl.store(out + ((i_b * T + rt[:, None]) * HV + i_h) * DV + rv[None, :], b_o.to(out.dtype.element_ty), mask=mask_tv)
-    tl.store(z + ((i_b * HV + i_h) * T + rt[:, None]) * DV + rv[None, :], b_z, mask=mask_tv)
-    tl.store(g_cum + (i_b * HV + i_h) * T + rt, b_G, mask=rows & (i_v == 0))
-
-
 if HAS_TRITON:
+    _solve = triton.jit(_solve)
     _verify_kernel = _LazyJit(_verify_kernel, pdl=True)
-    _fold_verify_kernel = _LazyJit(_fold_verify_kernel, pdl=True)
 
 
 # fp32-grade `tl.dot` precisions for fp32 operands (not "tf32", nor Triton's two-part "bf16x3": ~1e-5 and worse)
@@ -449,6 +386,8 @@ def gdn_verify_triton(
     block_k: int | None = None,
     num_warps: int | None = None,
     precision: str | None = None,
+    solve: str | None = None,
+    unroll: bool | None = None,
     outputs: GDNVerifyResult | None = None,
 ) -> GDNVerifyResult:
     """Triton `gdn_torch.gdn_verify`: outputs of T <= 16 tokens and the Z to commit any prefix; `state` is not written.
@@ -459,36 +398,12 @@ def gdn_verify_triton(
     z [B, HV, T, dv] fp32, g_cum [B, HV, T] fp32 — written into `outputs` when given (static buffers for graphs).
 
     block_v / block_k / num_warps: dv tile, dk slice and warps per program (defaults per batch: `_verify_config`).
-    precision: every dot's `tl.dot` precision, "ieee" (default), "tf32x3" or "bf16x6".
+    precision: every dot's `tl.dot` precision, "ieee" (default), "tf32x3" or "bf16x6". solve: "substitution"
+    (T - 2 row steps, two reductions each) or "doubling" (2·(log2 T - 1) dots); default `SOLVE`. unroll: the dk-slice
+    loop unrolled (all its loads may be in flight at once); default `UNROLL`.
     """
-    batch, t, num_k_heads, dk = q.shape
-    num_v_heads, dv = v.shape[2], v.shape[3]
-    _check_verify_shapes(q, k, v, g, beta, state)
-    q, k, v, state = (_last_dim_contiguous(x) for x in (q, k, v, state))
-    scale = dk**-0.5 if scale is None else scale
-    expected = _empty_verify_result(batch, t, num_v_heads, dv, v.dtype, "meta")
-    if outputs is None:
-        outputs = _empty_verify_result(batch, t, num_v_heads, dv, v.dtype, v.device)
-    elif any(a.shape != e.shape or a.dtype != e.dtype or not a.is_contiguous()
-             for a, e in zip((outputs.out, outputs.z, outputs.g_cum), (expected.out, expected.z, expected.g_cum))):
-        raise ValueError(
-            f"outputs must be contiguous out {tuple(expected.out.shape)} {v.dtype}, z {tuple(expected.z.shape)} and "
-            f"g_cum {tuple(expected.g_cum.shape)} float32; got {tuple(outputs.out.shape)}, {tuple(outputs.z.shape)}, "
-            f"{tuple(outputs.g_cum.shape)}"
-        )
-    out, z, g_cum = outputs.out, outputs.z, outputs.g_cum
-    default_bv, default_bk, default_warps = _verify_config(batch, num_v_heads, dv)
-    block_v = block_v or default_bv
-    grid = (triton.cdiv(dv, block_v), num_v_heads, batch)
-    _verify_kernel[grid](
-        q, k, v, g, beta, state, out, z, g_cum, valid_len if valid_len is not None else g,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride(), *beta.stride(), *state.stride()[:3],
-        num_v_heads, num_v_heads // num_k_heads, dk, dv, scale,
-        T=t, HAS_VALID=valid_len is not None, BT=MAX_WINDOW, BK=_padded(dk),
-        BKC=min(block_k or default_bk, _padded(dk)), BV=block_v, PRECISION=_dot_precision(precision or "ieee"),
-        num_warps=num_warps or default_warps,
-    )
-    return outputs
+    return _launch_verify(q, k, v, g, beta, state, None, scale, valid_len, block_v, block_k, num_warps, precision,
+                          solve, unroll, outputs)
 
 
 def gdn_commit_verify_triton(
@@ -503,28 +418,35 @@ def gdn_commit_verify_triton(
     valid_len: torch.Tensor | None = None,
     *,
     block_v: int | None = None,
+    block_k: int | None = None,
     num_warps: int | None = None,
     precision: str | None = None,
     solve: str | None = None,
+    unroll: bool | None = None,
     outputs: GDNVerifyResult | None = None,
 ) -> GDNVerifyResult:
-    """Triton `gdn_torch.gdn_commit_verify`: the previous verification's state commit folded into this verification,
-    one launch per layer and no commit launch of its own (the conv roll stays one launch for every layer:
-    `launch_commit(..., conv_only=True)`). Each program holds its whole [dk, BV] state tile (dk <= 128), read
-    before the PDL wait, and writes S_m back in place where m > 0. pending = (k_prev [B, T', H, dk] raw keys, its
-    GDNVerifyResult (z [B, HV, T', dv], g_cum [B, HV, T'] fp32), m [B] int device tensor) or None (then a verify
-    whose state read is early: `gdn_verify_triton`'s contract). Pending tensors must not be this call's outputs (the
-    caller alternates two sets). solve: "substitution" (T - 2 row steps, two reductions each) or "doubling"
-    (2·(log2 T - 1) dots; `FOLD_SOLVE` by default). Other arguments and the result as `gdn_verify_triton`."""
+    """Triton `gdn_torch.gdn_commit_verify`: the previous verification's state commit folded into this verification
+    (the same launch; no state commit launch of its own: the conv roll stays one launch for every layer,
+    `commit_conv_states_triton`). Each program first rebuilds its [dk, BV] state tile S_m, slice by slice, writes it
+    back in place where m > 0, and verifies from it. pending = (k_prev [B, T', H, dk] raw keys, its GDNVerifyResult
+    (z [B, HV, T', dv], g_cum [B, HV, T'] fp32), m [B] int device tensor), or None (then `gdn_verify_triton`).
+    Pending tensors must not be this call's outputs (every dv tile of a head reads the head's pending G, which one
+    of them overwrites): the caller alternates two sets. Other arguments and the result as `gdn_verify_triton`."""
+    return _launch_verify(q, k, v, g, beta, state, pending, scale, valid_len, block_v, block_k, num_warps, precision,
+                          solve, unroll, outputs)
+
+
+def _launch_verify(q, k, v, g, beta, state, pending, scale, valid_len, block_v, block_k, num_warps, precision, solve,
+                   unroll, outputs) -> GDNVerifyResult:
     batch, t, num_k_heads, dk = q.shape
     num_v_heads, dv = v.shape[2], v.shape[3]
     _check_verify_shapes(q, k, v, g, beta, state)
-    if pending is not None and state.stride(-1) != 1:
-        raise ValueError(f"the folded commit writes the state in place: its last dim must be contiguous (strides "
-                         f"{state.stride()})")
-    if dk > FOLD_MAX_DK or state.dtype != torch.float32:
-        raise ValueError(f"gdn_commit_verify_triton holds a whole state tile: dk <= {FOLD_MAX_DK} and a float32 "
-                         f"state; got dk = {dk}, {state.dtype} (use gdn_verify_triton and the commit launch)")
+    if pending is not None and (state.stride(-1) != 1 or state.dtype != torch.float32):
+        raise ValueError(f"the folded commit writes the state in place: a float32 state with its last dim contiguous; "
+                         f"got {state.dtype}, strides {state.stride()}")
+    solve = solve or SOLVE
+    if solve not in SOLVES:
+        raise ValueError(f"solve must be one of {SOLVES}, got {solve!r}")
     q, k, v, state = (_last_dim_contiguous(x) for x in (q, k, v, state))
     scale = dk**-0.5 if scale is None else scale
     expected = _empty_verify_result(batch, t, num_v_heads, dv, v.dtype, "meta")
@@ -535,7 +457,8 @@ def gdn_commit_verify_triton(
         raise ValueError(
             f"outputs must be contiguous out {tuple(expected.out.shape)} {v.dtype}, z {tuple(expected.z.shape)} and "
             f"g_cum {tuple(expected.g_cum.shape)} float32; got {tuple(outputs.out.shape)}, {tuple(outputs.z.shape)}, "
-            f"{tuple(outputs.g_cum.shape)}")
+            f"{tuple(outputs.g_cum.shape)}"
+        )
     t_prev = 1
     if pending is not None:
         k_prev, verified, num_committed = pending
@@ -560,22 +483,22 @@ def gdn_commit_verify_triton(
         pk = pz = pg = pm = g  # never read
         pk_strides = (0, 0, 0)
     out, z, g_cum = outputs.out, outputs.z, outputs.g_cum
-    if block_v is None:
-        block_v = min(32 if batch * num_v_heads < 128 else 64, triton.next_power_of_2(dv))
-    solve = solve or FOLD_SOLVE
-    if solve not in SOLVES:
-        raise ValueError(f"solve must be one of {SOLVES}, got {solve!r}")
+    default_bv, default_bk, default_warps = _verify_config(batch, num_v_heads, dv)
+    block_v = block_v or default_bv
+    block_k = min(block_k or default_bk, _padded(dk))
     grid = (triton.cdiv(dv, block_v), num_v_heads, batch)
-    _fold_verify_kernel[grid](
+    _verify_kernel[grid](
         q, k, v, g, beta, state, out, z, g_cum, valid_len if valid_len is not None else g, pk, pz, pg, pm,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride(), *beta.stride(), *state.stride()[:3],
         *pk_strides, num_v_heads, num_v_heads // num_k_heads, dk, dv, scale,
         T=t, TP=t_prev, HAS_VALID=valid_len is not None, PENDING=pending is not None, BT=MAX_WINDOW,
-        BK=_padded(dk), BV=block_v, EARLY=pdl.EARLY_READS, DOUBLING=solve == "doubling",
-        LEVELS=max(1, (t - 1).bit_length()), PRECISION=_dot_precision(precision or "ieee"),
-        num_warps=num_warps or 4,
+        BK=_padded(dk), BKC=block_k, BV=block_v,
+        UNROLL=_padded(dk) // block_k if (UNROLL if unroll is None else unroll) else 1,
+        DOUBLING=solve == "doubling", LEVELS=max(1, (t - 1).bit_length()),
+        PRECISION=_dot_precision(precision or "ieee"), num_warps=num_warps or default_warps,
     )
     return outputs
+
 
 
 def _empty_verify_result(batch, t, num_v_heads, dv, dtype, device) -> GDNVerifyResult:
@@ -619,7 +542,7 @@ def _commit_kernel(
     n_state_programs,
     FOLD: tl.constexpr, STATE_DTYPE: tl.constexpr, SRC_DTYPE: tl.constexpr, CONV_DTYPE: tl.constexpr,
     CONV_IN_DTYPE: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr,
-    NV: tl.constexpr, BC: tl.constexpr, BW: tl.constexpr, PRECISION: tl.constexpr,
+    NV: tl.constexpr, NS: tl.constexpr, BC: tl.constexpr, BW: tl.constexpr, PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
@@ -627,8 +550,9 @@ def _commit_kernel(
     #             2 z [B,HV,T,dv] fp32; 3 g_cum [B,HV,T] fp32; 4 conv_state [B,C,KC]; 5 conv_input [B,C,T]
     pid = tl.program_id(0)
     if pid < n_state_programs:
-        i_v = pid % NV
-        rest = pid // NV
+        i_c = pid % NS  # NS > 1: one program per BKC-row slice of the tile (its one load and store in flight)
+        i_v = (pid // NS) % NV
+        rest = pid // NS // NV
         i_h = rest % HV
         rest = rest // HV
         i_b = (rest % B).to(tl.int64)
@@ -660,8 +584,8 @@ def _commit_kernel(
                     b_k2 += tl.sum(b_k * b_k, 1)
                 b_rk = tl.rsqrt(b_k2 + 1e-6)  # the verify's fp32 l2norm of k, recomputed from raw k
                 b_gamma = tl.exp(b_gm)
-                for c in range(0, BK, BKC):  # S_m rows c .. c+BKC
-                    rk = c + tl.arange(0, BKC)
+                for c in range(0, BK // NS, BKC):  # S_m rows c .. c+BKC of this program's rows (all: NS = 1)
+                    rk = i_c * BKC + c + tl.arange(0, BKC)
                     mk = rk < DK
                     b_k = tl.load(p_k + rk[None, :], mask=mt[:, None] & mk[None, :], other=0.0).to(tl.float32)
                     b_k = b_k * b_rk[:, None]
@@ -721,10 +645,13 @@ def launch_commit(
     num_warps: int = 4,
     precision: str = "ieee",
     conv_only: bool = False,
+    slice_programs: bool | None = None,
 ) -> None:
     """One launch over all layers: S_m into `states` (fold of k/z/g_cum when z is given, else copy of
     sources[l][b, m-1]) and the conv roll. Layers must share layouts (checked). conv_only: the conv roll alone (the
-    states' commit rides in the next verification: `gdn_commit_verify_triton`).
+    states' commit rides in the next verification: `gdn_commit_verify_triton`). slice_programs: a program per
+    [block_k, block_v] slice of a state tile (each with one load and one store) instead of a program per tile
+    looping over its slices; default `COMMIT_SLICE_PROGRAMS`.
 
     Each program updates a [dk, block_v] state tile (default 64 columns) in [block_k, block_v] slices; the fold's
     dots take `tl.dot` precision `precision` ("ieee", "tf32x3" or "bf16x6")."""
@@ -746,7 +673,9 @@ def launch_commit(
     block_k = min(block_k, _padded(dk))
     block_v = block_v or min(64, triton.next_power_of_2(dv))
     nv = triton.cdiv(dv, block_v)
-    n_state_programs = 0 if conv_only else n_layers * batch * num_v_heads * nv
+    slices = triton.cdiv(_padded(dk), block_k) if fold and (
+        COMMIT_SLICE_PROGRAMS if slice_programs is None else slice_programs) else 1
+    n_state_programs = 0 if conv_only else n_layers * batch * num_v_heads * nv * slices
     n_conv_programs = n_layers * batch * triton.cdiv(channels, block_c)
     src_strides = (*src.stride()[:3], 0) if fold else (*src.stride()[:3], src.stride(3))
     z_strides = z[0].stride()[:3] if fold else (0, 0, 0)
@@ -759,7 +688,7 @@ def launch_commit(
         n_state_programs,
         FOLD=fold, STATE_DTYPE=tl_dtype(states[0].dtype), SRC_DTYPE=tl_dtype(src.dtype),
         CONV_DTYPE=tl_dtype(conv_states[0].dtype), CONV_IN_DTYPE=tl_dtype(conv_inputs[0].dtype),
-        BT=MAX_WINDOW, BK=_padded(dk), BKC=block_k, BV=block_v, NV=nv, BC=block_c,
+        BT=MAX_WINDOW, BK=_padded(dk), BKC=block_k, BV=block_v, NV=nv, NS=slices, BC=block_c,
         BW=triton.next_power_of_2(kc), PRECISION=_dot_precision(precision), num_warps=num_warps,
     )
 
@@ -772,11 +701,12 @@ def commit_gdn_states_triton(
     block_k: int = 32,
     num_warps: int = 4,
     precision: str = "ieee",
+    slice_programs: bool | None = None,
 ) -> None:
     """Triton `gdn_torch.commit_gdn_states`: S_m and the conv roll of every layer in ONE launch, no host sync.
 
     num_committed: [B] int device tensor m (0 leaves state and conv state untouched; m is clamped to T).
-    block_v / block_k / num_warps / precision: see `launch_commit`.
+    block_v / block_k / num_warps / precision / slice_programs: see `launch_commit`.
     The conv roll runs in the same launch as extra programs (a second launch would cost a graph node and ~2 µs
     of launch gap for 64 KiB of conv state per layer and request); each program stages its channels' window in
     registers and syncs its threads before overwriting the columns it read.
@@ -796,6 +726,7 @@ def commit_gdn_states_triton(
         block_k=block_k,
         num_warps=num_warps,
         precision=precision,
+        slice_programs=slice_programs,
     )
 
 
