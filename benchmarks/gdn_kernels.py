@@ -402,9 +402,9 @@ def drift(cfg: dict, rounds: int, gen: torch.Generator) -> dict:
 
 METHODS = {  # {"kernel": ours_verify's kernel, "verify": its keywords, "commit": commit_gdn_states_triton keywords}
     "ours": dict(verify={}, commit={}),  # the code defaults (the shipped kernels)
-    # the same kernels at the sweep's fastest verify and commit keywords (--sweep; else unrolled, sliced commit)
-    "tuned": dict(verify=dict(unroll=True), commit=dict(slice_programs=True)),
-    "fold": dict(kernel="fold", verify=dict(unroll=True), commit={}),  # the state commit inside the next verify
+    # the verify token by token (z and G out, no state per token) + the same commit; --sweep: its fastest tiles
+    "recurrent": dict(verify=dict(kernel="recurrent"), commit={}),
+    "fold": dict(kernel="fold", verify={}, commit={}),  # the state commit inside the next verify (block form)
 }
 SLICED = [name for name, cfg in METHODS.items() if cfg.get("kernel", "sliced") == "sliced"]
 
@@ -512,25 +512,18 @@ STEP_FUSED_VARIANTS = {  # gdn_step keywords: bv128 = one launch (norm inside), 
     "bv16_w2+norm": dict(block_v=16, num_warps=2),
     "bv8_w1+norm": dict(block_v=8, num_warps=1),
 }
-VERIFY_VARIANTS = {  # gdn_verify_triton keywords (and gdn_commit_verify_triton's: FOLD_VARIANTS)
-    "bv32_bk32_w4": dict(block_v=32, block_k=32, num_warps=4),
-    "bv32_bk32_w4_unroll": dict(block_v=32, block_k=32, num_warps=4, unroll=True),
-    "bv32_bk32_w4_doubling": dict(block_v=32, block_k=32, num_warps=4, solve="doubling"),
-    "bv32_bk32_w4_unroll_doubling": dict(block_v=32, block_k=32, num_warps=4, unroll=True, solve="doubling"),
-    "bv16_bk32_w2_unroll": dict(block_v=16, block_k=32, num_warps=2, unroll=True),
-    "bv32_bk16_w4_unroll": dict(block_v=32, block_k=16, num_warps=4, unroll=True),
-    "bv32_bk64_w4_unroll": dict(block_v=32, block_k=64, num_warps=4, unroll=True),
-    "bv64_bk32_w4_unroll": dict(block_v=64, block_k=32, num_warps=4, unroll=True),
+# gdn_verify_triton keywords. Run 5 (gdn_kernels_gpu_runs.md) also swept unroll=True (the dk loop unrolled:
+# 3.2-6.3 ms, its FMA dots spill), block_k 16 / 64 and block_v 16 / 64 unrolled (all slower) and, for the commit,
+# slice_programs=True (a program per state slice: 83-164 µs against 60)
+VERIFY_VARIANTS = {
+    "block_bv32_bk32_w4": dict(block_v=32, block_k=32, num_warps=4),
+    "block_bv32_bk32_w4_doubling": dict(block_v=32, block_k=32, num_warps=4, solve="doubling"),
+    "recurrent_bv8_w1": dict(kernel="recurrent", block_v=8, num_warps=1),
+    "recurrent_bv16_w2": dict(kernel="recurrent", block_v=16, num_warps=2),
+    "recurrent_bv16_w4": dict(kernel="recurrent", block_v=16, num_warps=4),
+    "recurrent_bv32_w4": dict(kernel="recurrent", block_v=32, num_warps=4),
 }
-FOLD_VARIANTS = VERIFY_VARIANTS
-COMMIT_VARIANTS = {  # commit_gdn_states_triton keywords
-    "bv64_bk32_w4": dict(block_v=64, block_k=32, num_warps=4),
-    "bv64_bk32_w4_slices": dict(block_v=64, block_k=32, num_warps=4, slice_programs=True),
-    "bv32_bk32_w4_slices": dict(block_v=32, block_k=32, num_warps=4, slice_programs=True),
-    "bv64_bk16_w4_slices": dict(block_v=64, block_k=16, num_warps=4, slice_programs=True),
-    "bv64_bk32_w8_slices": dict(block_v=64, block_k=32, num_warps=8, slice_programs=True),
-    "bv128_bk16_w8_slices": dict(block_v=128, block_k=16, num_warps=8, slice_programs=True),
-}
+FOLD_VARIANTS = {name: kw for name, kw in VERIFY_VARIANTS.items() if name.startswith("block")}
 
 
 def fold_round(s: InputSet, **cfg) -> None:
@@ -541,7 +534,7 @@ def fold_round(s: InputSet, **cfg) -> None:
 
 
 KINDS = (("default", DEFAULT_VARIANTS, default_verify_all), ("verify", VERIFY_VARIANTS, ours_verify),
-         ("commit", COMMIT_VARIANTS, ours_commit), ("fold", FOLD_VARIANTS, fold_round))
+         ("fold", FOLD_VARIANTS, fold_round))
 
 
 def sweep(gen: torch.Generator, batches, windows) -> dict:
@@ -563,7 +556,7 @@ def sweep(gen: torch.Generator, batches, windows) -> dict:
                         out[key][f"{kind}/{name}"] = time_step(sets, step, 2, **c)["median_us"]
                     except Exception as e:  # a variant that fails to build must not end the run
                         out[key][f"{kind}/{name}"] = float("inf")
-                        print("variant failed", kind, name, repr(e)[:300], flush=True)
+                        print("variant failed", kind, name, repr(e)[-1500:], flush=True)
             print(key, json.dumps({k: round(v, 1) for k, v in out[key].items()}), flush=True)
             del sets
             torch.cuda.empty_cache()
@@ -578,14 +571,13 @@ def best_config(sweep_result: dict, batch: int) -> dict:
 
     shapes = [k for k in sweep_result if k.startswith(f"b{batch}_") and k != f"b{batch}_w1"]
     ours = dict(METHODS["ours"], step=fastest("step", list(STEP_VARIANTS), [f"b{batch}_w1"]))
-    tuned = dict(verify=fastest("verify", list(VERIFY_VARIANTS), shapes),
-                 commit=fastest("commit", list(COMMIT_VARIANTS), shapes))
-    return dict(ours=ours, tuned=tuned, fold=dict(kernel="fold", verify=fastest("fold", list(FOLD_VARIANTS), shapes)),
+    recurrent = [name for name in VERIFY_VARIANTS if name.startswith("recurrent")]
+    return dict(ours=ours, recurrent=dict(verify=fastest("verify", recurrent, shapes), commit={}),
+                fold=dict(kernel="fold", verify=fastest("fold", list(FOLD_VARIANTS), shapes)),
                 default=dict(default=fastest("default", list(DEFAULT_VARIANTS), shapes)))
 
 
-VARIANTS = dict(default=DEFAULT_VARIANTS, step=STEP_VARIANTS, fold=FOLD_VARIANTS, verify=VERIFY_VARIANTS,
-                commit=COMMIT_VARIANTS)
+VARIANTS = dict(default=DEFAULT_VARIANTS, step=STEP_VARIANTS, fold=FOLD_VARIANTS, verify=VERIFY_VARIANTS)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -679,9 +671,10 @@ def markdown(report: dict) -> str:
         f"Configs (per batch): `{json.dumps(report.get('config', {}))}`.",
         "",
         "All 30 GDN layers per figure, µs: median of CUDA-graph replays over rotating input sets. 'ours' = the shipped "
-        "block verify (one launch per layer, dk in slices) + one-launch commit at the code defaults; 'tuned' = the "
-        "same kernels at the sweep's fastest keywords (the verify's dk loop unrolled, a doubling solve, the commit "
-        "a program per state slice: see the config line); 'fold' = the verify with the previous round's state "
+        "block verify (one launch per layer, dk in slices) + one-launch commit at the code defaults; 'recurrent' = "
+        "the verify token by token with the state tile in registers, writing the block form's Z and G and no state "
+        "per token (`gdn_verify_triton(kernel='recurrent')`), + the same commit; 'fold' = the verify with the "
+        "previous round's state "
         "commit inside it (`gdn_commit_verify_triton`, one launch per layer) + the conv roll alone (one launch): "
         "its 'verify' column holds the state commit. "
         "'default' = token-by-token verify storing S per token + one-launch copy of the accepted one; fla = "

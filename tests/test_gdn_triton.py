@@ -105,9 +105,10 @@ def expected_state(x: dict, states64: torch.Tensor, b: int, m: int) -> torch.Ten
         (5, 2, 1, 1, 2, 16, 16, "mixed", torch.float32),  # w = 1
     ],
 )
-def test_verify_matches_float64(seed, b, t, h, hv, dk, dv, gate, dtype):
+@pytest.mark.parametrize("kernel", ["block", "recurrent"])
+def test_verify_matches_float64(seed, b, t, h, hv, dk, dv, gate, dtype, kernel):
     x = make_inputs(seed, b, t, h, hv, dk, dv, gate, dtype)
-    res = gdn_verify_triton(*verify_args(x))
+    res = gdn_verify_triton(*verify_args(x), kernel=kernel)
     out64, _ = oracle(x)
     block64 = ref.gdn_verify(*(a.double() for a in verify_args(x)))
     out_tol = ONE_STEP_TOL if dtype == torch.float32 else 4e-3  # bf16 outputs carry bf16 rounding
@@ -120,13 +121,13 @@ def test_verify_matches_float64(seed, b, t, h, hv, dk, dv, gate, dtype):
 
 
 @pytest.mark.parametrize("w", [1, 2, 4, 7, 16])
-@pytest.mark.parametrize("b", [1, 3])
-def test_bf16_every_window(w, b):
+@pytest.mark.parametrize("b, kernel", [(1, "block"), (3, "block"), (3, "recurrent")])
+def test_bf16_every_window(w, b, kernel):
     """The shipped path at the model's dtypes: bf16 q/k/v, grouped heads, dk = 64 in two 32-row slices, dv = 40 (the
     verify's two 32-column tiles and the commit's one 64-column tile, masked). Request 0 commits nothing, request 1
     the whole window, request 2 a random prefix."""
     x = make_inputs(300 + 10 * w + b, b, w, 1, 2, 64, 40, "mixed", torch.bfloat16)
-    res = gdn_verify_triton(*verify_args(x), block_k=32)
+    res = gdn_verify_triton(*verify_args(x), block_k=32, kernel=kernel)
     out64, states64 = oracle(x)
     block64 = ref.gdn_verify(*(a.double() for a in verify_args(x)))
     assert rel(res.out.float(), out64.float()) < BF16_OUT_TOL
@@ -236,12 +237,13 @@ def test_commit_matches_torch_commit_grouped_heads():
     assert torch.equal(pending.conv_state, torch_pending.conv_state)
 
 
-def test_valid_len_ignores_trailing_tokens():
+@pytest.mark.parametrize("kernel", ["block", "recurrent"])
+def test_valid_len_ignores_trailing_tokens(kernel):
     """A max-shape verification with valid_len equals the verification of the valid prefix alone."""
     x = make_inputs(8, 3, 16, 1, 2, 24, 40, "mixed")
     valid = torch.tensor([16, 6, 1], dtype=torch.int32)
     x["q"][1, 6:] = float("nan")  # whatever sits past valid_len must not leak in
-    res = gdn_verify_triton(*verify_args(x), valid_len=valid)
+    res = gdn_verify_triton(*verify_args(x), valid_len=valid, kernel=kernel)
     torch_res = gdn_verify_auto(*verify_args(x), valid_len=valid, kernel_backend="torch")
     for req, n in enumerate(valid.tolist()):
         prefix = {name: a[req: req + 1, :n] for name, a in x.items() if name != "state"}
@@ -250,6 +252,7 @@ def test_valid_len_ignores_trailing_tokens():
         assert rel(res.out[req, :n], out64[0]) < ONE_STEP_TOL
         assert not res.out[req, n:].any() and not res.z[req, :, n:].any()
         assert rel(torch_res.z[req, :, :n], res.z[req, :, :n]) < ONE_STEP_TOL
+    assert rel(res.g_cum, torch_res.g_cum) < ONE_STEP_TOL  # G stays at G_n past the valid tokens
     conv_state, conv_input = conv_caches(8, 3, 16)
     m = torch.tensor([16, 4, 1], dtype=torch.int32)
     pending = ref.PendingGDNLayer(x["state"].clone(), conv_state, conv_input, x["k"], res)
@@ -364,6 +367,8 @@ def test_fold_errors_name_the_problem():
         gdn_commit_verify_triton(*verify_args(x)[:5], strided, pending=(x["k"], res, m))
     with pytest.raises(ValueError, match="solve must be one of"):
         gdn_commit_verify_triton(*verify_args(x), solve="inverse")
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        gdn_commit_verify_triton(*verify_args(x), pending=(x["k"], res, m), kernel="recurrent")
 
 
 # ----------------------------------------------------------------------------------------------------------------

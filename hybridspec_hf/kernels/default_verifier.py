@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from . import pdl
-from .gdn_torch import commit_conv_state, gdn_recurrence
+from .gdn_torch import GDNVerifyResult, commit_conv_state, gdn_recurrence
 from .gdn_triton import (
     HAS_TRITON,
     _LazyJit,
@@ -66,7 +66,7 @@ def allocate_state_buffer(num_layers: int, state: torch.Tensor, max_tokens: int)
 
 
 def _recurrent_verify_kernel(
-    q, k, v, g, beta, state, out, states, valid_len,
+    q, k, v, g, beta, state, out, states, valid_len, z, g_cum,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -75,7 +75,7 @@ def _recurrent_verify_kernel(
     stride_sb, stride_sh, stride_sk,
     stride_pb, stride_pt, stride_ph, stride_pk,
     HV, GROUP, DK, DV, scale,
-    T: tl.constexpr, HAS_VALID: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    T: tl.constexpr, HAS_VALID: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, Z_OUT: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
@@ -107,6 +107,7 @@ def _recurrent_verify_kernel(
     b_v = tl.load(p_v, mask=mv, other=0.0)
     b_g = tl.load(p_g)
     b_beta = tl.load(p_beta)
+    b_G = b_g.to(tl.float32) * 0.0  # Z_OUT: G_t = Σ_{j<=t} g_j over the valid tokens (the block verify's cumsum)
     for t in range(0, T):
         t_next = tl.minimum(t + 1, T - 1)
         n_q = tl.load(p_q + t_next * stride_qt, mask=mk, other=0.0)
@@ -127,7 +128,13 @@ def _recurrent_verify_kernel(
         b_o = b_sq + tl.sum(f_q * f_k, 0) * b_z  # S_tᵀ q
         valid = t < n  # ignored tokens of a max-shape graph: zero output, no state stored
         tl.store(p_out + t * HV * DV, tl.where(valid, b_o, 0.0).to(out.dtype.element_ty), mask=mv)
-        tl.store(p_states + t * stride_pt, b_s.to(states.dtype.element_ty), mask=mask_kv & valid)
+        if Z_OUT:  # what the block commit rebuilds S_m from: z_t and G_t, no state per token
+            b_G += tl.where(valid, b_g.to(tl.float32), 0.0)
+            p_row = (i_b * HV + i_h) * T + t
+            tl.store(z + p_row * DV + rv, tl.where(valid, b_z, 0.0), mask=mv)
+            tl.store(g_cum + p_row + 0 * rv, b_G + 0.0 * b_z, mask=rv == 0)  # once per head: dv tile 0
+        else:
+            tl.store(p_states + t * stride_pt, b_s.to(states.dtype.element_ty), mask=mask_kv & valid)
         b_q, b_k, b_v, b_g, b_beta = n_q, n_k, n_v, n_g, n_beta
 
 
@@ -191,25 +198,43 @@ def gdn_decode_step(
     return _launch_recurrent(q, k, v, g, beta, state, state.unsqueeze(1), scale, None, block_v, num_warps)
 
 
-def _launch_recurrent(q, k, v, g, beta, state, states, scale, valid_len, block_v, num_warps) -> torch.Tensor:
-    """`_recurrent_verify_kernel` over [B, T] tokens, S_t written to states[:, t]; returns out [B, T, HV, dv]."""
+def _launch_recurrent(q, k, v, g, beta, state, states, scale, valid_len, block_v, num_warps,
+                      z_out: GDNVerifyResult | None = None) -> torch.Tensor:
+    """`_recurrent_verify_kernel` over [B, T] tokens, S_t written to states[:, t], or with z_out its z and g_cum
+    (and out) written there instead; returns out [B, T, HV, dv]."""
     batch, t, num_k_heads, dk = q.shape
     num_v_heads, dv = v.shape[2], v.shape[3]
     q, k, v, state = (_last_dim_contiguous(x) for x in (q, k, v, state))
     scale = dk**-0.5 if scale is None else scale
-    out = torch.empty(batch, t, num_v_heads, dv, dtype=v.dtype, device=v.device)
+    if z_out is None:
+        out = torch.empty(batch, t, num_v_heads, dv, dtype=v.dtype, device=v.device)
+        z = g_cum = out  # not written
+        state_strides = states.stride()[:4]
+    else:
+        out, z, g_cum, states = z_out.out, z_out.z, z_out.g_cum, state  # states: not written
+        state_strides = (0, 0, 0, 0)
     default_bv, default_warps = _recurrent_config(batch, num_v_heads, dv)
     block_v = block_v or default_bv
     grid = (triton.cdiv(dv, block_v), num_v_heads, batch)
     _recurrent_verify_kernel[grid](
-        q, k, v, g, beta, state, out, states, valid_len if valid_len is not None else g,
+        q, k, v, g, beta, state, out, states, valid_len if valid_len is not None else g, z, g_cum,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride(), *beta.stride(), *state.stride()[:3],
-        *states.stride()[:4],
+        *state_strides,
         num_v_heads, num_v_heads // num_k_heads, dk, dv, scale,
         T=t, HAS_VALID=valid_len is not None, BK=max(16, triton.next_power_of_2(dk)), BV=block_v,
-        num_warps=num_warps or default_warps,
+        Z_OUT=z_out is not None, num_warps=num_warps or default_warps,
     )
     return out
+
+
+def recurrent_verify_triton(q, k, v, g, beta, state, scale=None, valid_len=None, *, block_v=None, num_warps=None,
+                            outputs: GDNVerifyResult) -> GDNVerifyResult:
+    """`gdn_triton.gdn_verify_triton`'s contract (out, and the z and g_cum its commit rebuilds S_m from; no state per
+    token, `state` not written) by the token-by-token recurrence of this file's kernel: z_t = β_t (v_t - e^{g_t}
+    S_{t-1}ᵀ k_t) is the block form's Z row t, computed in order instead of by the triangular solve. outputs:
+    contiguous out [B, T, HV, dv], z [B, HV, T, dv] and g_cum [B, HV, T] fp32 (checked by the caller)."""
+    _launch_recurrent(q, k, v, g, beta, state, None, scale, valid_len, block_v, num_warps, z_out=outputs)
+    return outputs
 
 
 def _check_states_buffer(states: torch.Tensor, state: torch.Tensor, t: int) -> None:

@@ -57,6 +57,10 @@ except ImportError:  # CPU installs without triton keep the torch path
 
 HAS_TRITON = triton is not None
 MAX_WINDOW = 16  # tokens per verification; also the padded dot size
+VERIFY_KERNELS = ("block", "recurrent")
+# "recurrent": the verify token by token (default_verifier's kernel without its per-token states: it writes the
+# block form's Z and G), "block": the block form (A/B: benchmarks/gdn_kernels.py)
+VERIFY_KERNEL = "block"
 SOLVES = ("substitution", "doubling")
 SOLVE = "substitution"  # the verify's triangular solve (A/B: benchmarks/gdn_kernels.py's sweep)
 UNROLL = False  # the verify's dk-slice loop unrolled (A/B: benchmarks/gdn_kernels.py's sweep)
@@ -388,6 +392,7 @@ def gdn_verify_triton(
     precision: str | None = None,
     solve: str | None = None,
     unroll: bool | None = None,
+    kernel: str | None = None,
     outputs: GDNVerifyResult | None = None,
 ) -> GDNVerifyResult:
     """Triton `gdn_torch.gdn_verify`: outputs of T <= 16 tokens and the Z to commit any prefix; `state` is not written.
@@ -400,10 +405,12 @@ def gdn_verify_triton(
     block_v / block_k / num_warps: dv tile, dk slice and warps per program (defaults per batch: `_verify_config`).
     precision: every dot's `tl.dot` precision, "ieee" (default), "tf32x3" or "bf16x6". solve: "substitution"
     (T - 2 row steps, two reductions each) or "doubling" (2·(log2 T - 1) dots); default `SOLVE`. unroll: the dk-slice
-    loop unrolled (all its loads may be in flight at once); default `UNROLL`.
+    loop unrolled (all its loads may be in flight at once); default `UNROLL`. kernel: "block" (the block form
+    above) or "recurrent" (the same contract token by token: `default_verifier.recurrent_verify_triton`, whose
+    block_v / num_warps defaults are its own); default `VERIFY_KERNEL`.
     """
     return _launch_verify(q, k, v, g, beta, state, None, scale, valid_len, block_v, block_k, num_warps, precision,
-                          solve, unroll, outputs)
+                          solve, unroll, kernel, outputs)
 
 
 def gdn_commit_verify_triton(
@@ -423,6 +430,7 @@ def gdn_commit_verify_triton(
     precision: str | None = None,
     solve: str | None = None,
     unroll: bool | None = None,
+    kernel: str | None = None,
     outputs: GDNVerifyResult | None = None,
 ) -> GDNVerifyResult:
     """Triton `gdn_torch.gdn_commit_verify`: the previous verification's state commit folded into this verification
@@ -433,20 +441,22 @@ def gdn_commit_verify_triton(
     Pending tensors must not be this call's outputs (every dv tile of a head reads the head's pending G, which one
     of them overwrites): the caller alternates two sets. Other arguments and the result as `gdn_verify_triton`."""
     return _launch_verify(q, k, v, g, beta, state, pending, scale, valid_len, block_v, block_k, num_warps, precision,
-                          solve, unroll, outputs)
+                          solve, unroll, kernel, outputs)
 
 
 def _launch_verify(q, k, v, g, beta, state, pending, scale, valid_len, block_v, block_k, num_warps, precision, solve,
-                   unroll, outputs) -> GDNVerifyResult:
+                   unroll, kernel, outputs) -> GDNVerifyResult:
     batch, t, num_k_heads, dk = q.shape
     num_v_heads, dv = v.shape[2], v.shape[3]
     _check_verify_shapes(q, k, v, g, beta, state)
     if pending is not None and (state.stride(-1) != 1 or state.dtype != torch.float32):
         raise ValueError(f"the folded commit writes the state in place: a float32 state with its last dim contiguous; "
                          f"got {state.dtype}, strides {state.stride()}")
-    solve = solve or SOLVE
+    solve, kernel = solve or SOLVE, kernel or VERIFY_KERNEL
     if solve not in SOLVES:
         raise ValueError(f"solve must be one of {SOLVES}, got {solve!r}")
+    if kernel not in VERIFY_KERNELS or (kernel == "recurrent" and pending is not None):
+        raise ValueError(f"kernel must be one of {VERIFY_KERNELS} (the folded commit: 'block'), got {kernel!r}")
     q, k, v, state = (_last_dim_contiguous(x) for x in (q, k, v, state))
     scale = dk**-0.5 if scale is None else scale
     expected = _empty_verify_result(batch, t, num_v_heads, dv, v.dtype, "meta")
@@ -459,6 +469,11 @@ def _launch_verify(q, k, v, g, beta, state, pending, scale, valid_len, block_v, 
             f"g_cum {tuple(expected.g_cum.shape)} float32; got {tuple(outputs.out.shape)}, {tuple(outputs.z.shape)}, "
             f"{tuple(outputs.g_cum.shape)}"
         )
+    if kernel == "recurrent":
+        from .default_verifier import recurrent_verify_triton  # it imports this module
+
+        return recurrent_verify_triton(q, k, v, g, beta, state, scale, valid_len, block_v=block_v,
+                                       num_warps=num_warps, outputs=outputs)
     t_prev = 1
     if pending is not None:
         k_prev, verified, num_committed = pending
