@@ -109,6 +109,7 @@ class InputSet:
         self.buffer = torch.empty(LAYERS, batch, w, HV, DK, DV, device=DEV) if default_buffer else None
         self.default_pending = None
         self.folds = None  # the folded method's pending verifications (`fold_pending`)
+        self.valid = None  # [B] int32: the valid tokens of a max-shape window (`bench_max_shape`), else all
 
     def fold_pending(self, i: int) -> tuple:
         """Layer i's pending commit for the folded method: the previous round's raw k and its verification (one
@@ -136,7 +137,7 @@ def ours_verify(s: InputSet, **cfg) -> None:
     previous round's commit folded in)."""
     for i, (x, r) in enumerate(zip(s.layers, s.ours)):
         if cfg.get("kernel", "sliced") == "sliced":
-            gdn_verify_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"], outputs=r,
+            gdn_verify_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"], valid_len=s.valid, outputs=r,
                               **cfg.get("verify", {}))
         else:
             gdn_commit_verify_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"], pending=s.fold_pending(i),
@@ -155,7 +156,7 @@ def default_verify_all(s: InputSet, **cfg) -> None:
     results = []
     for i, x in enumerate(s.layers):
         results.append(default_verify_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"], s.buffer[i],
-                                             **cfg.get("default", {})))
+                                             valid_len=s.valid, **cfg.get("default", {})))
     if s.default_pending is None:  # the per-token state views are static: build once (outside any capture)
         s.default_pending = [PendingDefaultLayer(x["state"], x["conv_state"], x["conv_input"],
                                                  DefaultVerifyResult(out=r.out, states=r.states))
@@ -442,6 +443,29 @@ def bench_shape(batch: int, w: int, cfgs: dict, gen: torch.Generator, modes=("al
     return rows
 
 
+def bench_max_shape(batch: int, windows, cfgs: dict, gen: torch.Generator) -> dict:
+    """The verify as resident rounds run it: one 16-token graph whose valid_len says how many tokens count (the
+    block form's cost is that of 16 tokens; the recurrent one's loop stops at the valid ones). µs of 30 layers'
+    verify per method (no commit), {f"w{w}": {method: µs}}."""
+    sets = [InputSet(batch, 16, gen) for _ in range(n_sets_for(batch, 16))]
+    methods = {name: cfg for name, cfg in cfgs.items() if name != "default" and cfg.get("kernel") != "fold"}
+    result = {}
+    for w in windows:
+        for s in sets:
+            s.valid = torch.full((batch,), w, dtype=torch.int32, device=DEV)
+            for cfg in methods.values():
+                ours_verify(s, **cfg)
+            default_verify_all(s, **cfgs["default"])
+        torch.cuda.synchronize()
+        row = {name: time_step(sets, ours_verify, 2, **cfg)["median_us"] for name, cfg in methods.items()}
+        row["default"] = time_step(sets, default_verify_all, 2, **cfgs["default"])["median_us"]
+        result[f"w{w}"] = row
+        print(f"b{batch} max-shape w{w}", {k: round(v, 1) for k, v in row.items()}, flush=True)
+    del sets
+    torch.cuda.empty_cache()
+    return result
+
+
 def bench_decode_step(batch: int, cfgs: dict, gen: torch.Generator) -> dict:
     """w = 1, m = 1 (a plain decoding step's GDN work for 30 layers): `gdn_decode_step` in place against each
     verifier's verify(w = 1) + commit (which also rolls the conv window; the step's conv roll rides in conv_silu)."""
@@ -701,6 +725,11 @@ def markdown(report: dict) -> str:
             f"{v['default']:.1f} | {c['default']:.1f} | {t['default']:.1f} | "
             f"{goal_cell} | {f'{f:.1f}' if isinstance(f, float) else '—'} |"
         )
+    for batch, rows in report.get("max_shape", {}).items():
+        names = list(next(iter(rows.values())))
+        lines += ["", f"Max-shape verify ({batch}; resident rounds' graphs: 16 tokens, valid_len = w), 30 layers, µs "
+                      "(verify only):", "", "| w | " + " | ".join(names) + " |", "|" + "---|" * (1 + len(names))]
+        lines += [f"| {w[1:]} | " + " | ".join(f"{row[n]:.1f}" for n in names) + " |" for w, row in rows.items()]
     if report.get("decode_step"):
         lines += [
             "",
@@ -793,6 +822,8 @@ def main() -> None:
     parser.add_argument("--fla-json", default=None, help="fla timings of an earlier run (fla_chunk.json) to report")
     parser.add_argument("--drift-rounds", type=int, default=200)
     parser.add_argument("--step-only", action="store_true", help="only the w = 1 table (decode steps)")
+    parser.add_argument("--max-shape", type=int, nargs="*", default=None,
+                        help="also time the verify in 16-token graphs with valid_len = each of these w")
     parser.add_argument("--fla-worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.fla_worker:
@@ -850,6 +881,8 @@ def main() -> None:
             save()
         report["decode_step"][f"b{batch}"] = bench_decode_step(batch, cfgs, gen)
         print(f"b{batch} w1 step", report["decode_step"][f"b{batch}"], f"[{time.time() - t0:.0f} s]", flush=True)
+        if args.max_shape:
+            report.setdefault("max_shape", {})[f"b{batch}"] = bench_max_shape(batch, args.max_shape, cfgs, gen)
         save()
     if args.fla:
         report["fla"] = run_fla(args.batches, args.windows, args.out, args.fla_timeout)

@@ -58,9 +58,10 @@ except ImportError:  # CPU installs without triton keep the torch path
 HAS_TRITON = triton is not None
 MAX_WINDOW = 16  # tokens per verification; also the padded dot size
 VERIFY_KERNELS = ("block", "recurrent")
-# "recurrent": the verify token by token (default_verifier's kernel without its per-token states: it writes the
-# block form's Z and G), "block": the block form (A/B: benchmarks/gdn_kernels.py)
-VERIFY_KERNEL = "block"
+# The verify's default kernel: True "recurrent" (token by token: default_verifier's kernel without its per-token
+# states, writing the block form's Z and G; with valid_len its loop stops at the valid tokens), False "block" (the
+# block form). A/B: benchmarks/gdn_kernels.py, switch `gdn-recurrent` of the round benchmarks.
+RECURRENT_VERIFY = False
 SOLVES = ("substitution", "doubling")
 SOLVE = "substitution"  # the verify's triangular solve (A/B: benchmarks/gdn_kernels.py's sweep)
 UNROLL = False  # the verify's dk-slice loop unrolled (A/B: benchmarks/gdn_kernels.py's sweep)
@@ -407,7 +408,7 @@ def gdn_verify_triton(
     (T - 2 row steps, two reductions each) or "doubling" (2·(log2 T - 1) dots); default `SOLVE`. unroll: the dk-slice
     loop unrolled (all its loads may be in flight at once); default `UNROLL`. kernel: "block" (the block form
     above) or "recurrent" (the same contract token by token: `default_verifier.recurrent_verify_triton`, whose
-    block_v / num_warps defaults are its own); default `VERIFY_KERNEL`.
+    block_v / num_warps defaults are its own); default `RECURRENT_VERIFY`.
     """
     return _launch_verify(q, k, v, g, beta, state, None, scale, valid_len, block_v, block_k, num_warps, precision,
                           solve, unroll, kernel, outputs)
@@ -452,7 +453,7 @@ def _launch_verify(q, k, v, g, beta, state, pending, scale, valid_len, block_v, 
     if pending is not None and (state.stride(-1) != 1 or state.dtype != torch.float32):
         raise ValueError(f"the folded commit writes the state in place: a float32 state with its last dim contiguous; "
                          f"got {state.dtype}, strides {state.stride()}")
-    solve, kernel = solve or SOLVE, kernel or VERIFY_KERNEL
+    solve, kernel = solve or SOLVE, kernel or ("recurrent" if RECURRENT_VERIFY else "block")
     if solve not in SOLVES:
         raise ValueError(f"solve must be one of {SOLVES}, got {solve!r}")
     if kernel not in VERIFY_KERNELS or (kernel == "recurrent" and pending is not None):
