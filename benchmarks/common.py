@@ -58,8 +58,8 @@ SWITCHES = {
                   "a plain step's bookkeeping after its token in one launch instead of ≈ 20 torch launches"),
     "round-end": ("hybridspec_hf.generation.resident", "FUSED_ROUND_END",
                   "a speculative round's draft decision and selector update in one compiled region, not two"),
-    "gdn-recurrent": ("hybridspec_hf.kernels.gdn_triton", "RECURRENT_VERIFY",
-                      "the GDN verify token by token (its loop stops at the valid tokens), not the block form"),
+    "gdn-recurrent": ("hybridspec_hf.kernels.gdn_triton", "RECURRENT_SHORT",
+                      "GDN verify windows of <= RECURRENT_UPTO valid tokens token by token, not in the block form"),
 }
 
 # switches the resident rounds' key records (resident._Key): a variant needs no release of the kept rounds

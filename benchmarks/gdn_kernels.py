@@ -402,7 +402,8 @@ def drift(cfg: dict, rounds: int, gen: torch.Generator) -> dict:
 # sweeps and the main table
 
 METHODS = {  # {"kernel": ours_verify's kernel, "verify": its keywords, "commit": commit_gdn_states_triton keywords}
-    "ours": dict(verify={}, commit={}),  # the code defaults (the shipped kernels)
+    "ours": dict(verify={}, commit={}),  # the code defaults (the shipped kernels: kernel "auto")
+    "block": dict(verify=dict(kernel="block"), commit={}),  # the block form at every w
     # the verify token by token (z and G out, no state per token) + the same commit; --sweep: its fastest tiles
     "recurrent": dict(verify=dict(kernel="recurrent"), commit={}),
     "fold": dict(kernel="fold", verify={}, commit={}),  # the state commit inside the next verify (block form)
@@ -596,7 +597,8 @@ def best_config(sweep_result: dict, batch: int) -> dict:
     shapes = [k for k in sweep_result if k.startswith(f"b{batch}_") and k != f"b{batch}_w1"]
     ours = dict(METHODS["ours"], step=fastest("step", list(STEP_VARIANTS), [f"b{batch}_w1"]))
     recurrent = [name for name in VERIFY_VARIANTS if name.startswith("recurrent")]
-    return dict(ours=ours, recurrent=dict(verify=fastest("verify", recurrent, shapes), commit={}),
+    return dict(ours=ours, block=METHODS["block"],
+                recurrent=dict(verify=fastest("verify", recurrent, shapes), commit={}),
                 fold=dict(kernel="fold", verify=fastest("fold", list(FOLD_VARIANTS), shapes)),
                 default=dict(default=fastest("default", list(DEFAULT_VARIANTS), shapes)))
 
@@ -695,7 +697,9 @@ def markdown(report: dict) -> str:
         f"Configs (per batch): `{json.dumps(report.get('config', {}))}`.",
         "",
         "All 30 GDN layers per figure, µs: median of CUDA-graph replays over rotating input sets. 'ours' = the shipped "
-        "block verify (one launch per layer, dk in slices) + one-launch commit at the code defaults; 'recurrent' = "
+        "verify + one-launch commit at the code defaults (kernel 'auto': windows of up to RECURRENT_UPTO valid tokens "
+        "token by token, longer ones in the block form); 'block' = the block verify (one launch per layer, dk in "
+        "slices) at every w + the commit; 'recurrent' = "
         "the verify token by token with the state tile in registers, writing the block form's Z and G and no state "
         "per token (`gdn_verify_triton(kernel='recurrent')`), + the same commit; 'fold' = the verify with the "
         "previous round's state "

@@ -27,6 +27,7 @@ from .gdn_torch import GDNVerifyResult, commit_conv_state, gdn_recurrence
 from .gdn_triton import (
     HAS_TRITON,
     _LazyJit,
+    _recurrent_program,
     _check_verify_shapes,
     _last_dim_contiguous,
     _mask_invalid,
@@ -87,84 +88,14 @@ def _recurrent_verify_kernel(
     n = T
     if HAS_VALID:
         n = tl.minimum(tl.load(valid_len + i_b).to(tl.int32), T)
-    rk = tl.arange(0, BK)
-    rv = i_v * BV + tl.arange(0, BV)
-    mk = rk < DK
-    mv = rv < DV
-    mask_kv = mk[:, None] & mv[None, :]
-    p_q = q + i_b * stride_qb + i_hk * stride_qh + rk
-    p_k = k + i_b * stride_kb + i_hk * stride_kh + rk
-    p_v = v + i_b * stride_vb + i_h * stride_vh + rv
-    p_g = g + i_b * stride_gb + i_h * stride_gh
-    p_beta = beta + i_b * stride_bb + i_h * stride_bh
-    p_out = out + (i_b * T * HV + i_h) * DV + rv
-    p_states = states + i_b * stride_pb + i_h * stride_ph + rk[:, None] * stride_pk + rv[None, :]
-    b_s = tl.load(state + i_b * stride_sb + i_h * stride_sh + rk[:, None] * stride_sk + rv[None, :],
-                  mask=mask_kv, other=0.0).to(tl.float32)  # [BK, BV]
-
-    # token 0's inputs, then token t+1's while token t is computed (index clamped to the window)
-    b_q = tl.load(p_q, mask=mk, other=0.0)
-    b_k = tl.load(p_k, mask=mk, other=0.0)
-    b_v = tl.load(p_v, mask=mv, other=0.0)
-    b_g = tl.load(p_g)
-    b_beta = tl.load(p_beta)
-    b_G = b_g.to(tl.float32) * 0.0  # Z_OUT: G_t = Σ_{j<=t} g_j over the valid tokens (the block verify's cumsum)
-    if DYNAMIC:  # compiled with valid_len: the loop stops at the valid tokens (its cost follows n, not T)
-        for t in range(0, n):
-            b_s, b_q, b_k, b_v, b_g, b_beta, b_G = _token(
-                t, b_s, b_q, b_k, b_v, b_g, b_beta, b_G, p_q, p_k, p_v, p_g, p_beta, p_out, p_states, z, g_cum, n, i_b,
-                i_h, rv, mk, mv, mask_kv, stride_qt, stride_kt, stride_vt, stride_gt, stride_bt, stride_pt, HV, DV,
-                scale, T, Z_OUT)
-        for t in range(n, T):  # ignored tokens: zero output (and Z; G stays G_n), no state stored
-            tl.store(p_out + t * HV * DV, tl.zeros([BV], dtype=out.dtype.element_ty), mask=mv)
-            if Z_OUT:
-                p_row = (i_b * HV + i_h) * T + t
-                tl.store(z + p_row * DV + rv, tl.zeros([BV], dtype=tl.float32), mask=mv)
-                tl.store(g_cum + p_row + 0 * rv, b_G + tl.zeros([BV], dtype=tl.float32), mask=rv == 0)
-    else:  # every token of the window (the interpreter's loops take constant bounds): masked past n
-        for t in range(0, T):
-            b_s, b_q, b_k, b_v, b_g, b_beta, b_G = _token(
-                t, b_s, b_q, b_k, b_v, b_g, b_beta, b_G, p_q, p_k, p_v, p_g, p_beta, p_out, p_states, z, g_cum, n, i_b,
-                i_h, rv, mk, mv, mask_kv, stride_qt, stride_kt, stride_vt, stride_gt, stride_bt, stride_pt, HV, DV,
-                scale, T, Z_OUT)
-
-
-def _token(t, b_s, b_q, b_k, b_v, b_g, b_beta, b_G, p_q, p_k, p_v, p_g, p_beta, p_out, p_states, z, g_cum, n, i_b,
-           i_h, rv, mk, mv, mask_kv, stride_qt, stride_kt, stride_vt, stride_gt, stride_bt, stride_pt, HV, DV, scale,
-           T: tl.constexpr, Z_OUT: tl.constexpr):
-    """Token t of the recurrence (its inputs loaded one step ahead: token t+1's are loaded here, index clamped to
-    the window): the output, then z_t and G_t (Z_OUT) or S_t; returns the state and token t+1's inputs."""
-    t_next = tl.minimum(t + 1, T - 1)
-    n_q = tl.load(p_q + t_next * stride_qt, mask=mk, other=0.0)
-    n_k = tl.load(p_k + t_next * stride_kt, mask=mk, other=0.0)
-    n_v = tl.load(p_v + t_next * stride_vt, mask=mv, other=0.0)
-    n_g = tl.load(p_g + t_next * stride_gt)
-    n_beta = tl.load(p_beta + t_next * stride_bt)
-
-    f_q = b_q.to(tl.float32)
-    f_k = b_k.to(tl.float32)
-    f_q = f_q * (tl.rsqrt(tl.sum(f_q * f_q, 0) + 1e-6) * scale)
-    f_k = f_k * tl.rsqrt(tl.sum(f_k * f_k, 0) + 1e-6)
-    b_s = b_s * tl.exp(b_g.to(tl.float32))
-    b_sk = tl.sum(b_s * f_k[:, None], 0)  # [BV] e^{g} S_{t-1}ᵀ k
-    b_sq = tl.sum(b_s * f_q[:, None], 0)  # [BV] e^{g} S_{t-1}ᵀ q, independent of the update
-    b_z = b_beta.to(tl.float32) * (b_v.to(tl.float32) - b_sk)
-    b_s = b_s + f_k[:, None] * b_z[None, :]
-    b_o = b_sq + tl.sum(f_q * f_k, 0) * b_z  # S_tᵀ q
-    valid = t < n  # ignored tokens of a max-shape graph: zero output, no state stored
-    tl.store(p_out + t * HV * DV, tl.where(valid, b_o, 0.0).to(p_out.dtype.element_ty), mask=mv)
-    if Z_OUT:  # what the block commit rebuilds S_m from: z_t and G_t, no state per token
-        b_G += tl.where(valid, b_g.to(tl.float32), 0.0)
-        p_row = (i_b * HV + i_h) * T + t
-        tl.store(z + p_row * DV + rv, tl.where(valid, b_z, 0.0), mask=mv)
-        tl.store(g_cum + p_row + 0 * rv, b_G + 0.0 * b_z, mask=rv == 0)  # once per head: dv tile 0
-    else:
-        tl.store(p_states + t * stride_pt, b_s.to(p_states.dtype.element_ty), mask=mask_kv & valid)
-    return b_s, n_q, n_k, n_v, n_g, n_beta, b_G
+    _recurrent_program(q, k, v, g, beta, state, out, states, z, g_cum, n, i_v, i_h, i_b, i_hk,
+                       stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                       stride_vh, stride_gb, stride_gt, stride_gh, stride_bb, stride_bt, stride_bh, stride_sb,
+                       stride_sh, stride_sk, stride_pb, stride_pt, stride_ph, stride_pk, HV, DK, DV, scale, T, BK, BV,
+                       Z_OUT, DYNAMIC)
 
 
 if HAS_TRITON:
-    _token = triton.jit(_token)
     _recurrent_verify_kernel = _LazyJit(_recurrent_verify_kernel, pdl=True)
 
 

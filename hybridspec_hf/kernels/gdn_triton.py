@@ -57,11 +57,15 @@ except ImportError:  # CPU installs without triton keep the torch path
 
 HAS_TRITON = triton is not None
 MAX_WINDOW = 16  # tokens per verification; also the padded dot size
-VERIFY_KERNELS = ("block", "recurrent")
-# The verify's default kernel: True "recurrent" (token by token: default_verifier's kernel without its per-token
-# states, writing the block form's Z and G; with valid_len its loop stops at the valid tokens), False "block" (the
-# block form). A/B: benchmarks/gdn_kernels.py, switch `gdn-recurrent` of the round benchmarks.
-RECURRENT_VERIFY = False
+VERIFY_KERNELS = ("auto", "block", "recurrent")
+# The verify's kernel: "recurrent" (token by token: default_verifier's kernel without its per-token states, writing
+# the block form's Z and G; with valid_len its loop stops at the valid tokens, so its cost follows them), "block"
+# (the block form: the cost of T tokens), "auto": windows of at most RECURRENT_UPTO valid tokens token by token, the
+# rest in the block form (with valid_len: one launch that branches per request on the device); with RECURRENT_SHORT
+# off "auto" is "block". A/B: benchmarks/gdn_kernels.py; switch `gdn-recurrent` of the round benchmarks.
+VERIFY_KERNEL = "auto"
+RECURRENT_SHORT = True
+RECURRENT_UPTO = 8
 SOLVES = ("substitution", "doubling")
 SOLVE = "substitution"  # the verify's triangular solve (A/B: benchmarks/gdn_kernels.py's sweep)
 UNROLL = False  # the verify's dk-slice loop unrolled (A/B: benchmarks/gdn_kernels.py's sweep)
@@ -210,6 +214,92 @@ def _mask_invalid(x: torch.Tensor, valid_len: torch.Tensor) -> torch.Tensor:
 # verify
 
 
+def _token(t, b_s, b_q, b_k, b_v, b_g, b_beta, b_G, p_q, p_k, p_v, p_g, p_beta, p_out, p_states, z, g_cum, n, i_b,
+           i_h, rv, mk, mv, mask_kv, stride_qt, stride_kt, stride_vt, stride_gt, stride_bt, stride_pt, HV, DV, scale,
+           T: tl.constexpr, Z_OUT: tl.constexpr):
+    """Token t of the recurrence (its inputs loaded one step ahead: token t+1's are loaded here, index clamped to
+    the window): the output, then z_t and G_t (Z_OUT) or S_t; returns the state and token t+1's inputs."""
+    t_next = tl.minimum(t + 1, T - 1)
+    n_q = tl.load(p_q + t_next * stride_qt, mask=mk, other=0.0)
+    n_k = tl.load(p_k + t_next * stride_kt, mask=mk, other=0.0)
+    n_v = tl.load(p_v + t_next * stride_vt, mask=mv, other=0.0)
+    n_g = tl.load(p_g + t_next * stride_gt)
+    n_beta = tl.load(p_beta + t_next * stride_bt)
+
+    f_q = b_q.to(tl.float32)
+    f_k = b_k.to(tl.float32)
+    f_q = f_q * (tl.rsqrt(tl.sum(f_q * f_q, 0) + 1e-6) * scale)
+    f_k = f_k * tl.rsqrt(tl.sum(f_k * f_k, 0) + 1e-6)
+    b_s = b_s * tl.exp(b_g.to(tl.float32))
+    b_sk = tl.sum(b_s * f_k[:, None], 0)  # [BV] e^{g} S_{t-1}ᵀ k
+    b_sq = tl.sum(b_s * f_q[:, None], 0)  # [BV] e^{g} S_{t-1}ᵀ q, independent of the update
+    b_z = b_beta.to(tl.float32) * (b_v.to(tl.float32) - b_sk)
+    b_s = b_s + f_k[:, None] * b_z[None, :]
+    b_o = b_sq + tl.sum(f_q * f_k, 0) * b_z  # S_tᵀ q
+    valid = t < n  # ignored tokens of a max-shape graph: zero output, no state stored
+    tl.store(p_out + t * HV * DV, tl.where(valid, b_o, 0.0).to(p_out.dtype.element_ty), mask=mv)
+    if Z_OUT:  # what the block commit rebuilds S_m from: z_t and G_t, no state per token
+        b_G += tl.where(valid, b_g.to(tl.float32), 0.0)
+        p_row = (i_b * HV + i_h) * T + t
+        tl.store(z + p_row * DV + rv, tl.where(valid, b_z, 0.0), mask=mv)
+        tl.store(g_cum + p_row + 0 * rv, b_G + 0.0 * b_z, mask=rv == 0)  # once per head: dv tile 0
+    else:
+        tl.store(p_states + t * stride_pt, b_s.to(p_states.dtype.element_ty), mask=mask_kv & valid)
+    return b_s, n_q, n_k, n_v, n_g, n_beta, b_G
+
+
+def _recurrent_program(q, k, v, g, beta, state, out, states, z, g_cum, n, i_v, i_h, i_b, i_hk,
+                       stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                       stride_vh, stride_gb, stride_gt, stride_gh, stride_bb, stride_bt, stride_bh, stride_sb,
+                       stride_sh, stride_sk, stride_pb, stride_pt, stride_ph, stride_pk, HV, DK, DV, scale,
+                       T: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, Z_OUT: tl.constexpr,
+                       DYNAMIC: tl.constexpr):
+    """One program of the token-by-token verify (default_verifier's kernel, and `_verify_kernel`'s branch for short
+    windows): the [dk, BV] state tile in registers through the n valid tokens of the window, each token's output,
+    then z_t and G_t (Z_OUT) or S_t into `states`. DYNAMIC (compiled only): the loop stops at n and the ignored rows
+    are zero-filled after it; else every token of the window, masked past n (the interpreter's loops take constant
+    bounds)."""
+    rk = tl.arange(0, BK)
+    rv = i_v * BV + tl.arange(0, BV)
+    mk = rk < DK
+    mv = rv < DV
+    mask_kv = mk[:, None] & mv[None, :]
+    p_q = q + i_b * stride_qb + i_hk * stride_qh + rk
+    p_k = k + i_b * stride_kb + i_hk * stride_kh + rk
+    p_v = v + i_b * stride_vb + i_h * stride_vh + rv
+    p_g = g + i_b * stride_gb + i_h * stride_gh
+    p_beta = beta + i_b * stride_bb + i_h * stride_bh
+    p_out = out + (i_b * T * HV + i_h) * DV + rv
+    p_states = states + i_b * stride_pb + i_h * stride_ph + rk[:, None] * stride_pk + rv[None, :]
+    b_s = tl.load(state + i_b * stride_sb + i_h * stride_sh + rk[:, None] * stride_sk + rv[None, :],
+                  mask=mask_kv, other=0.0).to(tl.float32)  # [BK, BV]
+    # token 0's inputs, then token t+1's while token t is computed (index clamped to the window)
+    b_q = tl.load(p_q, mask=mk, other=0.0)
+    b_k = tl.load(p_k, mask=mk, other=0.0)
+    b_v = tl.load(p_v, mask=mv, other=0.0)
+    b_g = tl.load(p_g)
+    b_beta = tl.load(p_beta)
+    b_G = b_g.to(tl.float32) * 0.0  # Z_OUT: G_t = Σ_{j<=t} g_j over the valid tokens (the block verify's cumsum)
+    if DYNAMIC:  # compiled with valid_len: the loop stops at the valid tokens (its cost follows n, not T)
+        for t in range(0, n):
+            b_s, b_q, b_k, b_v, b_g, b_beta, b_G = _token(
+                t, b_s, b_q, b_k, b_v, b_g, b_beta, b_G, p_q, p_k, p_v, p_g, p_beta, p_out, p_states, z, g_cum, n, i_b,
+                i_h, rv, mk, mv, mask_kv, stride_qt, stride_kt, stride_vt, stride_gt, stride_bt, stride_pt, HV, DV,
+                scale, T, Z_OUT)
+        for t in range(n, T):  # ignored tokens: zero output (and Z; G stays G_n), no state stored
+            tl.store(p_out + t * HV * DV, tl.zeros([BV], dtype=out.dtype.element_ty), mask=mv)
+            if Z_OUT:
+                p_row = (i_b * HV + i_h) * T + t
+                tl.store(z + p_row * DV + rv, tl.zeros([BV], dtype=tl.float32), mask=mv)
+                tl.store(g_cum + p_row + 0 * rv, b_G + tl.zeros([BV], dtype=tl.float32), mask=rv == 0)
+    else:  # every token of the window (the interpreter's loops take constant bounds): masked past n
+        for t in range(0, T):
+            b_s, b_q, b_k, b_v, b_g, b_beta, b_G = _token(
+                t, b_s, b_q, b_k, b_v, b_g, b_beta, b_G, p_q, p_k, p_v, p_g, p_beta, p_out, p_states, z, g_cum, n, i_b,
+                i_h, rv, mk, mv, mask_kv, stride_qt, stride_kt, stride_vt, stride_gt, stride_bt, stride_pt, HV, DV,
+                scale, T, Z_OUT)
+
+
 def _solve(b_a, rt, T: tl.constexpr, DOUBLING: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.constexpr):
     """X = (I + A)^-1 of the strictly lower [BT, BT] A (rows >= n zero). DOUBLING: block doubling, the inverse of the
     2b-blocks from that of the b-blocks, X_2b = X_b - X_b C_b X_b (C_b: A's lower-left b x b quarter of each 2b-block,
@@ -248,13 +338,15 @@ def _verify_kernel(
     HV, GROUP, DK, DV, scale,
     T: tl.constexpr, TP: tl.constexpr, HAS_VALID: tl.constexpr, PENDING: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr, UNROLL: tl.constexpr, DOUBLING: tl.constexpr,
-    LEVELS: tl.constexpr, PRECISION: tl.constexpr,
+    LEVELS: tl.constexpr, PRECISION: tl.constexpr, RECURRENT_UPTO: tl.constexpr, DYNAMIC: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Program (dv tile, value head, request). PENDING: the previous verification's commit first, slice by slice,
     S_m = γ_m S_0 + K̂_{1:m}ᵀ diag(e^{G_m - G_j}) Z_{1:m}, stored in place and verified from (pending tensors never
     alias this launch's outputs). UNROLL: the dk-slice loops unrolled that many times (their loads can then all be
-    in flight at once)."""
+    in flight at once). RECURRENT_UPTO > 0 (with valid_len, nothing pending): a request whose window holds at most
+    that many valid tokens is verified token by token instead (`_recurrent_program`, the same Z and G; its cost
+    follows the valid tokens where the block form's is that of T)."""
     pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
     i_v = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -263,89 +355,101 @@ def _verify_kernel(
     n = T
     if HAS_VALID:
         n = tl.load(valid_len + i_b).to(tl.int32)
-    rt = tl.arange(0, BT)
-    rv = i_v * BV + tl.arange(0, BV)
-    mt = rt < n  # rows >= n load as zero and so give zero Z and O rows
-    mv = rv < DV
-    p_q = q + i_b * stride_qb + rt[:, None] * stride_qt + i_hk * stride_qh
-    p_k = k + i_b * stride_kb + rt[:, None] * stride_kt + i_hk * stride_kh
-    p_s = state + i_b * stride_sb + i_h * stride_sh + rv[None, :]
+    short = False
+    if RECURRENT_UPTO > 0:
+        short = n <= RECURRENT_UPTO
+    if short:
+        _recurrent_program(q, k, v, g, beta, state, out, state, z, g_cum, tl.minimum(n, T), i_v, i_h, i_b, i_hk,
+                           stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                           stride_vh, stride_gb, stride_gt, stride_gh, stride_bb, stride_bt, stride_bh, stride_sb,
+                           stride_sh, stride_sk, 0, 0, 0, 0, HV, DK, DV, scale, T, BK, BV, True, DYNAMIC)
+    else:  # the block form
+        rt = tl.arange(0, BT)
+        rv = i_v * BV + tl.arange(0, BV)
+        mt = rt < n  # rows >= n load as zero and so give zero Z and O rows
+        mv = rv < DV
+        p_q = q + i_b * stride_qb + rt[:, None] * stride_qt + i_hk * stride_qh
+        p_k = k + i_b * stride_kb + rt[:, None] * stride_kt + i_hk * stride_kh
+        p_s = state + i_b * stride_sb + i_h * stride_sh + rv[None, :]
 
-    committed = False
-    if PENDING:  # the pending Z, G and m; the l2 norms of the pending keys over all of dk
-        m = tl.minimum(tl.load(pm + i_b).to(tl.int32), TP)
-        mp = rt < m
-        committed = m > 0
-        row = (i_b * HV + i_h) * TP
-        p_pk = pk + i_b * stride_pkb + rt[:, None] * stride_pkt + i_hk * stride_pkh
-        b_pg = tl.load(pg + row + rt, mask=mp, other=0.0)
-        b_gm = tl.sum(tl.where(rt == m - 1, b_pg, 0.0), 0)  # G_m
-        b_dz = tl.exp(tl.where(mp, b_gm - b_pg, float("-inf")))[:, None] * tl.load(
-            pz + (row + rt[:, None]) * DV + rv[None, :], mask=mp[:, None] & mv[None, :], other=0.0)  # e^{G_m-G_j} Z_j
-        b_gamma_m = tl.exp(b_gm)
-        b_pk2 = tl.zeros([BT], dtype=tl.float32)
+        committed = False
+        if PENDING:  # the pending Z, G and m; the l2 norms of the pending keys over all of dk
+            m = tl.minimum(tl.load(pm + i_b).to(tl.int32), TP)
+            mp = rt < m
+            committed = m > 0
+            row = (i_b * HV + i_h) * TP
+            p_pk = pk + i_b * stride_pkb + rt[:, None] * stride_pkt + i_hk * stride_pkh
+            b_pg = tl.load(pg + row + rt, mask=mp, other=0.0)
+            b_gm = tl.sum(tl.where(rt == m - 1, b_pg, 0.0), 0)  # G_m
+            b_pz = tl.load(pz + (row + rt[:, None]) * DV + rv[None, :], mask=mp[:, None] & mv[None, :], other=0.0)
+            b_dz = tl.exp(tl.where(mp, b_gm - b_pg, float("-inf")))[:, None] * b_pz  # e^{G_m - G_j} Z_j
+            b_gamma_m = tl.exp(b_gm)
+            b_pk2 = tl.zeros([BT], dtype=tl.float32)
+            for c in tl.range(0, BK, BKC, loop_unroll_factor=UNROLL):
+                rk = c + tl.arange(0, BKC)
+                b_pk = tl.load(p_pk + rk[None, :], mask=mp[:, None] & (rk < DK)[None, :], other=0.0).to(tl.float32)
+                b_pk2 += tl.sum(b_pk * b_pk, 1)
+            b_prk = tl.rsqrt(b_pk2 + 1e-6)  # the verify's fp32 l2norm of k, recomputed from raw k
+
+        # Raw products over dk in BKC-wide slices (an fp32 FMA dot holds its whole inner slice in registers), then the
+        # l2 normalisation as row/column scales: (D_q Q)(D_k K)ᵀ = D_q (Q Kᵀ) D_k, (D_k K) S_0 = D_k (K S_0).
+        b_ks = tl.zeros([BT, BV], dtype=tl.float32)  # K S_0
+        b_qs = tl.zeros([BT, BV], dtype=tl.float32)  # Q S_0
+        b_kk = tl.zeros([BT, BT], dtype=tl.float32)  # K Kᵀ
+        b_qk = tl.zeros([BT, BT], dtype=tl.float32)  # Q Kᵀ
+        b_k2 = tl.zeros([BT], dtype=tl.float32)  # |k_i|²
+        b_q2 = tl.zeros([BT], dtype=tl.float32)  # |q_i|²
         for c in tl.range(0, BK, BKC, loop_unroll_factor=UNROLL):
             rk = c + tl.arange(0, BKC)
-            b_pk = tl.load(p_pk + rk[None, :], mask=mp[:, None] & (rk < DK)[None, :], other=0.0).to(tl.float32)
-            b_pk2 += tl.sum(b_pk * b_pk, 1)
-        b_prk = tl.rsqrt(b_pk2 + 1e-6)  # the verify's fp32 l2norm of k, recomputed from raw k
+            mk = rk < DK
+            b_q = tl.load(p_q + rk[None, :], mask=mt[:, None] & mk[None, :], other=0.0).to(tl.float32)
+            b_k = tl.load(p_k + rk[None, :], mask=mt[:, None] & mk[None, :], other=0.0).to(tl.float32)
+            b_s = tl.load(p_s + rk[:, None] * stride_sk, mask=mk[:, None] & mv[None, :], other=0.0).to(tl.float32)
+            if PENDING:
+                b_pk = tl.load(p_pk + rk[None, :], mask=mp[:, None] & mk[None, :], other=0.0).to(tl.float32)
+                b_pk = b_pk * b_prk[:, None]
+                b_s = tl.where(committed, b_gamma_m * b_s + tl.dot(tl.trans(b_pk), b_dz, input_precision=PRECISION),
+                               b_s)
+                tl.store(p_s + rk[:, None] * stride_sk, b_s, mask=mk[:, None] & mv[None, :] & committed)
+            b_ks += tl.dot(b_k, b_s, input_precision=PRECISION)
+            b_qs += tl.dot(b_q, b_s, input_precision=PRECISION)
+            b_kk += tl.dot(b_k, tl.trans(b_k), input_precision=PRECISION)
+            b_qk += tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION)
+            b_k2 += tl.sum(b_k * b_k, 1)
+            b_q2 += tl.sum(b_q * b_q, 1)
+        b_rk = tl.rsqrt(b_k2 + 1e-6)  # l2norm: x / sqrt(|x|² + eps), eps inside
+        b_rq = tl.rsqrt(b_q2 + 1e-6) * scale
+        b_ks = b_ks * b_rk[:, None]
+        b_qs = b_qs * b_rq[:, None]
+        b_kk = b_kk * b_rk[:, None] * b_rk[None, :]
+        b_qk = b_qk * b_rq[:, None] * b_rk[None, :]
 
-    # Raw products over dk in BKC-wide slices (an fp32 FMA dot holds its whole inner slice in registers), then the
-    # l2 normalisation as row/column scales: (D_q Q)(D_k K)ᵀ = D_q (Q Kᵀ) D_k, (D_k K) S_0 = D_k (K S_0).
-    b_ks = tl.zeros([BT, BV], dtype=tl.float32)  # K S_0
-    b_qs = tl.zeros([BT, BV], dtype=tl.float32)  # Q S_0
-    b_kk = tl.zeros([BT, BT], dtype=tl.float32)  # K Kᵀ
-    b_qk = tl.zeros([BT, BT], dtype=tl.float32)  # Q Kᵀ
-    b_k2 = tl.zeros([BT], dtype=tl.float32)  # |k_i|²
-    b_q2 = tl.zeros([BT], dtype=tl.float32)  # |q_i|²
-    for c in tl.range(0, BK, BKC, loop_unroll_factor=UNROLL):
-        rk = c + tl.arange(0, BKC)
-        mk = rk < DK
-        b_q = tl.load(p_q + rk[None, :], mask=mt[:, None] & mk[None, :], other=0.0).to(tl.float32)
-        b_k = tl.load(p_k + rk[None, :], mask=mt[:, None] & mk[None, :], other=0.0).to(tl.float32)
-        b_s = tl.load(p_s + rk[:, None] * stride_sk, mask=mk[:, None] & mv[None, :], other=0.0).to(tl.float32)
-        if PENDING:
-            b_pk = tl.load(p_pk + rk[None, :], mask=mp[:, None] & mk[None, :], other=0.0).to(tl.float32)
-            b_pk = b_pk * b_prk[:, None]
-            b_s = tl.where(committed, b_gamma_m * b_s + tl.dot(tl.trans(b_pk), b_dz, input_precision=PRECISION),
-                           b_s)
-            tl.store(p_s + rk[:, None] * stride_sk, b_s, mask=mk[:, None] & mv[None, :] & committed)
-        b_ks += tl.dot(b_k, b_s, input_precision=PRECISION)
-        b_qs += tl.dot(b_q, b_s, input_precision=PRECISION)
-        b_kk += tl.dot(b_k, tl.trans(b_k), input_precision=PRECISION)
-        b_qk += tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION)
-        b_k2 += tl.sum(b_k * b_k, 1)
-        b_q2 += tl.sum(b_q * b_q, 1)
-    b_rk = tl.rsqrt(b_k2 + 1e-6)  # l2norm: x / sqrt(|x|² + eps), eps inside
-    b_rq = tl.rsqrt(b_q2 + 1e-6) * scale
-    b_ks = b_ks * b_rk[:, None]
-    b_qs = b_qs * b_rq[:, None]
-    b_kk = b_kk * b_rk[:, None] * b_rk[None, :]
-    b_qk = b_qk * b_rq[:, None] * b_rk[None, :]
+        b_v = tl.load(v + i_b * stride_vb + rt[:, None] * stride_vt + i_h * stride_vh + rv[None, :],
+                      mask=mt[:, None] & mv[None, :], other=0.0).to(tl.float32)  # [BT, BV]
+        b_g = tl.load(g + i_b * stride_gb + rt * stride_gt + i_h * stride_gh, mask=mt, other=0.0).to(tl.float32)
+        b_beta = tl.load(beta + i_b * stride_bb + rt * stride_bt + i_h * stride_bh, mask=mt, other=0.0).to(tl.float32)
+        b_G = tl.cumsum(b_g, 0)  # [BT] fp32
+        lower = rt[:, None] >= rt[None, :]
+        b_decay = tl.exp(tl.where(lower, b_G[:, None] - b_G[None, :], float("-inf")))  # Γ, masked before exp
+        b_a = tl.where(rt[:, None] > rt[None, :], b_beta[:, None] * b_kk * b_decay, 0.0)
+        b_x = _solve(b_a, rt, T, DOUBLING, LEVELS, PRECISION)
 
-    b_v = tl.load(v + i_b * stride_vb + rt[:, None] * stride_vt + i_h * stride_vh + rv[None, :],
-                  mask=mt[:, None] & mv[None, :], other=0.0).to(tl.float32)  # [BT, BV]
-    b_g = tl.load(g + i_b * stride_gb + rt * stride_gt + i_h * stride_gh, mask=mt, other=0.0).to(tl.float32)
-    b_beta = tl.load(beta + i_b * stride_bb + rt * stride_bt + i_h * stride_bh, mask=mt, other=0.0).to(tl.float32)
-    b_G = tl.cumsum(b_g, 0)  # [BT] fp32
-    lower = rt[:, None] >= rt[None, :]
-    b_decay = tl.exp(tl.where(lower, b_G[:, None] - b_G[None, :], float("-inf")))  # Γ, masked before exp
-    b_a = tl.where(rt[:, None] > rt[None, :], b_beta[:, None] * b_kk * b_decay, 0.0)
-    b_x = _solve(b_a, rt, T, DOUBLING, LEVELS, PRECISION)
+        b_gamma = tl.exp(b_G)
+        b_r = b_beta[:, None] * (b_v - b_gamma[:, None] * b_ks)  # [BT, BV]
+        b_z = tl.dot(b_x, b_r, input_precision=PRECISION)  # [BT, BV] Z
+        b_o = b_gamma[:, None] * b_qs + tl.dot(b_qk * b_decay, b_z, input_precision=PRECISION)
 
-    b_gamma = tl.exp(b_G)
-    b_r = b_beta[:, None] * (b_v - b_gamma[:, None] * b_ks)  # [BT, BV]
-    b_z = tl.dot(b_x, b_r, input_precision=PRECISION)  # [BT, BV] Z
-    b_o = b_gamma[:, None] * b_qs + tl.dot(b_qk * b_decay, b_z, input_precision=PRECISION)
-
-    rows = rt < T
-    mask_tv = rows[:, None] & mv[None, :]
-    tl.store(out + ((i_b * T + rt[:, None]) * HV + i_h) * DV + rv[None, :], b_o.to(out.dtype.element_ty), mask=mask_tv)
-    tl.store(z + ((i_b * HV + i_h) * T + rt[:, None]) * DV + rv[None, :], b_z, mask=mask_tv)
-    tl.store(g_cum + (i_b * HV + i_h) * T + rt, b_G, mask=rows & (i_v == 0))
+        rows = rt < T
+        mask_tv = rows[:, None] & mv[None, :]
+        tl.store(out + ((i_b * T + rt[:, None]) * HV + i_h) * DV + rv[None, :], b_o.to(out.dtype.element_ty),
+                 mask=mask_tv)
+        tl.store(z + ((i_b * HV + i_h) * T + rt[:, None]) * DV + rv[None, :], b_z, mask=mask_tv)
+        tl.store(g_cum + (i_b * HV + i_h) * T + rt, b_G, mask=rows & (i_v == 0))
 
 
 if HAS_TRITON:
+    _token = triton.jit(_token)
+    _recurrent_program = triton.jit(_recurrent_program)
     _solve = triton.jit(_solve)
     _verify_kernel = _LazyJit(_verify_kernel, pdl=True)
 
@@ -367,6 +471,11 @@ def _verify_config(batch: int, num_v_heads: int, dv: int) -> tuple[int, int, int
     if batch * num_v_heads < 128:
         return min(32, triton.next_power_of_2(dv)), 32, 4
     return min(64, triton.next_power_of_2(dv)), 16, 4
+
+
+def _recurrent_upto() -> int:
+    """The most valid tokens "auto" verifies token by token (0: none)."""
+    return RECURRENT_UPTO if RECURRENT_SHORT else 0
 
 
 def _dot_precision(precision: str) -> str:
@@ -408,7 +517,8 @@ def gdn_verify_triton(
     (T - 2 row steps, two reductions each) or "doubling" (2·(log2 T - 1) dots); default `SOLVE`. unroll: the dk-slice
     loop unrolled (all its loads may be in flight at once); default `UNROLL`. kernel: "block" (the block form
     above) or "recurrent" (the same contract token by token: `default_verifier.recurrent_verify_triton`, whose
-    block_v / num_warps defaults are its own); default `RECURRENT_VERIFY`.
+    block_v / num_warps defaults are its own) or "auto" (`VERIFY_KERNEL`, the default: windows of at most
+    `RECURRENT_UPTO` valid tokens token by token, per request on the device with valid_len).
     """
     return _launch_verify(q, k, v, g, beta, state, None, scale, valid_len, block_v, block_k, num_warps, precision,
                           solve, unroll, kernel, outputs)
@@ -453,11 +563,13 @@ def _launch_verify(q, k, v, g, beta, state, pending, scale, valid_len, block_v, 
     if pending is not None and (state.stride(-1) != 1 or state.dtype != torch.float32):
         raise ValueError(f"the folded commit writes the state in place: a float32 state with its last dim contiguous; "
                          f"got {state.dtype}, strides {state.stride()}")
-    solve, kernel = solve or SOLVE, kernel or ("recurrent" if RECURRENT_VERIFY else "block")
+    solve, kernel = solve or SOLVE, kernel or VERIFY_KERNEL
     if solve not in SOLVES:
         raise ValueError(f"solve must be one of {SOLVES}, got {solve!r}")
+    precision = _dot_precision(precision or "ieee")  # checked whichever kernel runs
     if kernel not in VERIFY_KERNELS or (kernel == "recurrent" and pending is not None):
-        raise ValueError(f"kernel must be one of {VERIFY_KERNELS} (the folded commit: 'block'), got {kernel!r}")
+        raise ValueError(f"kernel must be one of {VERIFY_KERNELS} (the folded commit: 'block' or 'auto'), got "
+                         f"{kernel!r}")
     q, k, v, state = (_last_dim_contiguous(x) for x in (q, k, v, state))
     scale = dk**-0.5 if scale is None else scale
     expected = _empty_verify_result(batch, t, num_v_heads, dv, v.dtype, "meta")
@@ -470,6 +582,8 @@ def _launch_verify(q, k, v, g, beta, state, pending, scale, valid_len, block_v, 
             f"g_cum {tuple(expected.g_cum.shape)} float32; got {tuple(outputs.out.shape)}, {tuple(outputs.z.shape)}, "
             f"{tuple(outputs.g_cum.shape)}"
         )
+    if kernel == "auto" and valid_len is None:  # the window's length is known here: one kernel or the other
+        kernel = "recurrent" if t <= _recurrent_upto() and pending is None else "block"
     if kernel == "recurrent":
         from .default_verifier import recurrent_verify_triton  # it imports this module
 
@@ -511,7 +625,9 @@ def _launch_verify(q, k, v, g, beta, state, pending, scale, valid_len, block_v, 
         BK=_padded(dk), BKC=block_k, BV=block_v,
         UNROLL=_padded(dk) // block_k if (UNROLL if unroll is None else unroll) else 1,
         DOUBLING=solve == "doubling", LEVELS=max(1, (t - 1).bit_length()),
-        PRECISION=_dot_precision(precision or "ieee"), num_warps=num_warps or default_warps,
+        PRECISION=precision,
+        RECURRENT_UPTO=_recurrent_upto() if kernel == "auto" and valid_len is not None and pending is None else 0,
+        DYNAMIC=not triton.knobs.runtime.interpret, num_warps=num_warps or default_warps,
     )
     return outputs
 
