@@ -14,7 +14,9 @@ is computed. Conv: sglang copies the window from a per-token window cache its co
 rolls it from the verified conv inputs (same bytes, and the conv kernel is common to both verifiers).
 
 The same kernel is the plain decoding step of both verifiers (`gdn_decode_step`, w = 1): with the state itself as
-its one-token buffer it reads and writes S once, in place, and leaves nothing to commit.
+its one-token buffer it reads and writes S once, in place, and leaves nothing to commit. Writing each token's z and
+G instead of its state (`recurrent_verify_triton`) it is our verifier's token-by-token form: the program is
+`gdn_triton._recurrent_program`, shared with the block verify's branch for short windows.
 """
 from __future__ import annotations
 

@@ -6,7 +6,13 @@ Verify (one launch per layer, one program per (request, value head, dv tile)): f
     Z = X · diag(β) (V - diag(γ) K S_0),     O = diag(γ) Q S_0 + ((Q Kᵀ) ∘ Γ) Z
 The window (w <= 16 tokens) is padded to 16 rows, the smallest inner dimension `tl.dot` takes, so the w x w products
 are dots too. No state is written. Each program takes the products with the state over dk in slices (fp32 dots),
-applies the l2 normalisation afterwards as row and column scales, and solves for X by forward substitution.
+applies the l2 normalisation afterwards as row and column scales, and solves for X by forward substitution (or block
+doubling: `solve=`). The same Z comes out of the recurrence token by token, z_t = β_t (v_t - e^{g_t} S_{t-1}ᵀ k_t)
+with S_t kept in registers and never stored (kernel "recurrent", `_recurrent_program`): its cost follows the valid
+tokens, the block form's is that of 16. Kernel "auto" (the default) runs windows of up to RECURRENT_UPTO = 8 valid
+tokens token by token and longer ones in the block form, per request on the device when valid_len is given (one
+launch). `gdn_commit_verify_triton` folds the previous verification's state commit into this one (measured slower:
+kept as an option, not used by the rounds).
 
 Commit (ONE launch for every layer): per request m from a device tensor,
     S_m = γ_m S_0 + K_{1:m}ᵀ diag(e^{G_m - G_j}) Z_{1:m}   (in place; m = 0 leaves S_0)
@@ -25,11 +31,16 @@ The solve never forms powers of A (the product form (I-A)(I+A²)(I+A⁴)(I+A⁸)
 they grow like binomial coefficients (|A⁸| reached 2.7e3) and cancel in fp32, 7e-5 relative error in X against 9e-8
 for substitution). Test: test_aligned_keys_need_a_stable_solve.
 
-Status: exact to fp32 and no per-token state (7.6 MiB of Z + G against 960 MiB at w = 16); 0.6-1.35x the default
-verifier at batch 1 (latency-bound verify, commit at ~2 TB/s; benchmarks/results/gdn_kernels.md). A "tile" variant
-(the whole [dk, BV] state tile per program in one memory round trip, tensor-core products with a three-part bf16
-split of the state, a block-doubling solve, a whole-tile commit) equalled these kernels at batch 1 and was 1.5x
-slower at batch 8 on the H200 (run 24, benchmarks/results/gpu_rounds_runs.md); it was removed after git 57c02b5.
+Status: exact to fp32 and no per-token state (7.6 MiB of Z + G against 960 MiB at w = 16). On the H200 at batch 1,
+30 layers (benchmarks/results/gdn_kernels.md, gdn_kernels_gpu_runs.md runs 4-8): verify + commit 1.00x the
+per-token-state verifier at w = 2-4, 1.04x at w = 8, 1.37x at w = 16 (issue 12's 2x / 4x not met: every verify is
+latency-bound at 4-11 µs a layer; the state writes the default verifier adds cost it nothing measurable); in the
+16-token graphs of the resident rounds the verify alone takes 132 / 187 / 296 / 321 µs at w = 2 / 4 / 8 / 16
+against the block form's 316-321 at every w. Tried and measured slower: the whole state tile per program (FMA dots
+over dk = 128 spill: 3-10x), the dk loop unrolled (spills), a program per commit slice (83-164 µs against 60), the
+commit folded into the next verify (+33 µs a round). A "tile" variant (tensor-core products with a three-part bf16
+split of the state, block doubling, a whole-tile commit) equalled the block form at batch 1 and was 1.5x slower at
+batch 8 (run 24, benchmarks/results/gpu_rounds_runs.md); it was removed after git 57c02b5.
 
 Kernels are bound to `triton.jit` at launch (`_LazyJit`), so `TRITON_INTERPRET=1` set after import (tests) takes
 effect. Launches need no host sync; the commit's per-layer pointer tables are cached by address, so call once
