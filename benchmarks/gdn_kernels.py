@@ -537,12 +537,11 @@ STEP_FUSED_VARIANTS = {  # gdn_step keywords: bv128 = one launch (norm inside), 
     "bv16_w2+norm": dict(block_v=16, num_warps=2),
     "bv8_w1+norm": dict(block_v=8, num_warps=1),
 }
-# gdn_verify_triton keywords. Run 5 (gdn_kernels_gpu_runs.md) also swept unroll=True (the dk loop unrolled:
-# 3.2-6.3 ms, its FMA dots spill), block_k 16 / 64 and block_v 16 / 64 unrolled (all slower) and, for the commit,
-# slice_programs=True (a program per state slice: 83-164 µs against 60)
+# gdn_verify_triton keywords. Run 5 (gdn_kernels_gpu_runs.md) also swept, in options since removed, the dk loop
+# unrolled (3.2-6.3 ms: its FMA dots spill), a block-doubling solve (226.6 µs against 226.8 at w = 4) and a commit
+# program per state slice (83-164 µs against 60)
 VERIFY_VARIANTS = {
-    "block_bv32_bk32_w4": dict(block_v=32, block_k=32, num_warps=4),
-    "block_bv32_bk32_w4_doubling": dict(block_v=32, block_k=32, num_warps=4, solve="doubling"),
+    "block_bv32_bk32_w4": dict(kernel="block", block_v=32, block_k=32, num_warps=4),
     "recurrent_bv8_w1": dict(kernel="recurrent", block_v=8, num_warps=1),
     "recurrent_bv16_w2": dict(kernel="recurrent", block_v=16, num_warps=2),
     "recurrent_bv16_w4": dict(kernel="recurrent", block_v=16, num_warps=4),

@@ -6,10 +6,10 @@ Verify (one launch per layer, one program per (request, value head, dv tile)): f
     Z = X · diag(β) (V - diag(γ) K S_0),     O = diag(γ) Q S_0 + ((Q Kᵀ) ∘ Γ) Z
 The window (w <= 16 tokens) is padded to 16 rows, the smallest inner dimension `tl.dot` takes, so the w x w products
 are dots too. No state is written. Each program takes the products with the state over dk in slices (fp32 dots),
-applies the l2 normalisation afterwards as row and column scales, and solves for X by forward substitution (or block
-doubling: `solve=`). The same Z comes out of the recurrence token by token, z_t = β_t (v_t - e^{g_t} S_{t-1}ᵀ k_t)
-with S_t kept in registers and never stored (kernel "recurrent", `_recurrent_program`): its cost follows the valid
-tokens, the block form's is that of 16. Kernel "auto" (the default) runs windows of up to RECURRENT_UPTO = 8 valid
+applies the l2 normalisation afterwards as row and column scales, and solves for X by forward substitution. The
+same Z comes out of the recurrence token by token, z_t = β_t (v_t - e^{g_t} S_{t-1}ᵀ k_t) with S_t kept in registers
+and never stored (kernel "recurrent", `_recurrent_program`): its cost follows the valid tokens, the block form's is
+that of 16. Kernel "auto" (the default) runs windows of up to RECURRENT_UPTO = 8 valid
 tokens token by token and longer ones in the block form, per request on the device when valid_len is given (one
 launch). `gdn_commit_verify_triton` folds the previous verification's state commit into this one (measured slower:
 kept as an option, not used by the rounds).
@@ -37,7 +37,8 @@ per-token-state verifier at w = 2-4, 1.04x at w = 8, 1.37x at w = 16 (issue 12's
 latency-bound at 4-11 µs a layer; the state writes the default verifier adds cost it nothing measurable); in the
 16-token graphs of the resident rounds the verify alone takes 132 / 187 / 296 / 321 µs at w = 2 / 4 / 8 / 16
 against the block form's 316-321 at every w. Tried and measured slower: the whole state tile per program (FMA dots
-over dk = 128 spill: 3-10x), the dk loop unrolled (spills), a program per commit slice (83-164 µs against 60), the
+over dk = 128 spill: 3-10x), the dk loop unrolled (spills), a block-doubling solve (no gain at w = 4; refused by the
+compiler at w = 16), a program per commit slice (83-164 µs against 60), the
 commit folded into the next verify (+33 µs a round). A "tile" variant (tensor-core products with a three-part bf16
 split of the state, block doubling, a whole-tile commit) equalled the block form at batch 1 and was 1.5x slower at
 batch 8 (run 24, benchmarks/results/gpu_rounds_runs.md); it was removed after git 57c02b5.
@@ -77,10 +78,6 @@ VERIFY_KERNELS = ("auto", "block", "recurrent")
 VERIFY_KERNEL = "auto"
 RECURRENT_SHORT = True
 RECURRENT_UPTO = 8
-SOLVES = ("substitution", "doubling")
-SOLVE = "substitution"  # the verify's triangular solve (A/B: benchmarks/gdn_kernels.py's sweep)
-UNROLL = False  # the verify's dk-slice loop unrolled (A/B: benchmarks/gdn_kernels.py's sweep)
-COMMIT_SLICE_PROGRAMS = False  # the commit: a program per state slice, not per tile (A/B: gdn_kernels.py)
 BACKENDS = ("auto", "triton", "torch")
 _L2NORM_EPS = 1e-6
 
@@ -311,32 +308,6 @@ def _recurrent_program(q, k, v, g, beta, state, out, states, z, g_cum, n, i_v, i
                 scale, T, Z_OUT)
 
 
-def _solve(b_a, rt, T: tl.constexpr, DOUBLING: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.constexpr):
-    """X = (I + A)^-1 of the strictly lower [BT, BT] A (rows >= n zero). DOUBLING: block doubling, the inverse of the
-    2b-blocks from that of the b-blocks, X_2b = X_b - X_b C_b X_b (C_b: A's lower-left b x b quarter of each 2b-block,
-    (X_b C_b)² = 0), from X_2 = I - C_1: two dots per level, LEVELS - 1 levels, no power of A formed. Else forward
-    substitution on X's rows: x_i = -a_i - Σ_{j<i} A_ij x_j (rows 0, 1 closed; rows >= n are no-ops)."""
-    eye = tl.where(rt[:, None] == rt[None, :], 1.0, 0.0)
-    if DOUBLING:
-        pair = (rt[:, None] // 2 == rt[None, :] // 2) & (rt[:, None] > rt[None, :])
-        b_x = eye - tl.where(pair, b_a, 0.0)
-        for level in tl.static_range(1, LEVELS):
-            size: tl.constexpr = 1 << level
-            quarter = ((rt[:, None] // (2 * size)) == (rt[None, :] // (2 * size))) \
-                & ((rt[:, None] % (2 * size)) >= size) & ((rt[None, :] % (2 * size)) < size)
-            b_xc = tl.dot(b_x, tl.where(quarter, b_a, 0.0), input_precision=PRECISION)
-            b_x = b_x - tl.dot(b_xc, b_x, input_precision=PRECISION)
-    else:
-        b_x = -b_a
-        for i in range(2, T):
-            row_i = rt[:, None] == i
-            b_row = tl.sum(tl.where(row_i, b_x, 0.0), 0)
-            b_row = b_row + tl.sum(b_row[:, None] * b_x, 0)
-            b_x = tl.where(row_i, b_row[None, :], b_x)
-        b_x = b_x + eye
-    return b_x
-
-
 def _verify_kernel(
     q, k, v, g, beta, state, out, z, g_cum, valid_len, pk, pz, pg, pm,
     stride_qb, stride_qt, stride_qh,
@@ -348,15 +319,14 @@ def _verify_kernel(
     stride_pkb, stride_pkt, stride_pkh,
     HV, GROUP, DK, DV, scale,
     T: tl.constexpr, TP: tl.constexpr, HAS_VALID: tl.constexpr, PENDING: tl.constexpr, BT: tl.constexpr,
-    BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr, UNROLL: tl.constexpr, DOUBLING: tl.constexpr,
-    LEVELS: tl.constexpr, PRECISION: tl.constexpr, RECURRENT_UPTO: tl.constexpr, DYNAMIC: tl.constexpr,
+    BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr, RECURRENT_UPTO: tl.constexpr,
+    DYNAMIC: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Program (dv tile, value head, request). PENDING: the previous verification's commit first, slice by slice,
     S_m = γ_m S_0 + K̂_{1:m}ᵀ diag(e^{G_m - G_j}) Z_{1:m}, stored in place and verified from (pending tensors never
-    alias this launch's outputs). UNROLL: the dk-slice loops unrolled that many times (their loads can then all be
-    in flight at once). RECURRENT_UPTO > 0 (with valid_len, nothing pending): a request whose window holds at most
-    that many valid tokens is verified token by token instead (`_recurrent_program`, the same Z and G; its cost
+    alias this launch's outputs). RECURRENT_UPTO > 0 (with valid_len, nothing pending): a request whose window holds
+    at most that many valid tokens is verified token by token instead (`_recurrent_program`, the same Z and G; its cost
     follows the valid tokens where the block form's is that of T)."""
     pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
     i_v = tl.program_id(0)
@@ -396,7 +366,7 @@ def _verify_kernel(
             b_dz = tl.exp(tl.where(mp, b_gm - b_pg, float("-inf")))[:, None] * b_pz  # e^{G_m - G_j} Z_j
             b_gamma_m = tl.exp(b_gm)
             b_pk2 = tl.zeros([BT], dtype=tl.float32)
-            for c in tl.range(0, BK, BKC, loop_unroll_factor=UNROLL):
+            for c in range(0, BK, BKC):
                 rk = c + tl.arange(0, BKC)
                 b_pk = tl.load(p_pk + rk[None, :], mask=mp[:, None] & (rk < DK)[None, :], other=0.0).to(tl.float32)
                 b_pk2 += tl.sum(b_pk * b_pk, 1)
@@ -410,7 +380,7 @@ def _verify_kernel(
         b_qk = tl.zeros([BT, BT], dtype=tl.float32)  # Q Kᵀ
         b_k2 = tl.zeros([BT], dtype=tl.float32)  # |k_i|²
         b_q2 = tl.zeros([BT], dtype=tl.float32)  # |q_i|²
-        for c in tl.range(0, BK, BKC, loop_unroll_factor=UNROLL):
+        for c in range(0, BK, BKC):
             rk = c + tl.arange(0, BKC)
             mk = rk < DK
             b_q = tl.load(p_q + rk[None, :], mask=mt[:, None] & mk[None, :], other=0.0).to(tl.float32)
@@ -443,7 +413,15 @@ def _verify_kernel(
         lower = rt[:, None] >= rt[None, :]
         b_decay = tl.exp(tl.where(lower, b_G[:, None] - b_G[None, :], float("-inf")))  # Γ, masked before exp
         b_a = tl.where(rt[:, None] > rt[None, :], b_beta[:, None] * b_kk * b_decay, 0.0)
-        b_x = _solve(b_a, rt, T, DOUBLING, LEVELS, PRECISION)
+        # X = (I + A)^-1 by forward substitution on its rows: x_i = -a_i - Σ_{j<i} A_ij x_j (x = X - I, rows 0, 1
+        # closed). Rows >= n have a_i = 0, so their steps are no-ops; the bound stays the compile-time T.
+        b_x = -b_a
+        for i in range(2, T):
+            row_i = rt[:, None] == i
+            b_row = tl.sum(tl.where(row_i, b_x, 0.0), 0)
+            b_row = b_row + tl.sum(b_row[:, None] * b_x, 0)
+            b_x = tl.where(row_i, b_row[None, :], b_x)
+        b_x = b_x + tl.where(rt[:, None] == rt[None, :], 1.0, 0.0)
 
         b_gamma = tl.exp(b_G)
         b_r = b_beta[:, None] * (b_v - b_gamma[:, None] * b_ks)  # [BT, BV]
@@ -461,7 +439,6 @@ def _verify_kernel(
 if HAS_TRITON:
     _token = triton.jit(_token)
     _recurrent_program = triton.jit(_recurrent_program)
-    _solve = triton.jit(_solve)
     _verify_kernel = _LazyJit(_verify_kernel, pdl=True)
 
 
@@ -511,8 +488,6 @@ def gdn_verify_triton(
     block_k: int | None = None,
     num_warps: int | None = None,
     precision: str | None = None,
-    solve: str | None = None,
-    unroll: bool | None = None,
     kernel: str | None = None,
     outputs: GDNVerifyResult | None = None,
 ) -> GDNVerifyResult:
@@ -524,15 +499,13 @@ def gdn_verify_triton(
     z [B, HV, T, dv] fp32, g_cum [B, HV, T] fp32 — written into `outputs` when given (static buffers for graphs).
 
     block_v / block_k / num_warps: dv tile, dk slice and warps per program (defaults per batch: `_verify_config`).
-    precision: every dot's `tl.dot` precision, "ieee" (default), "tf32x3" or "bf16x6". solve: "substitution"
-    (T - 2 row steps, two reductions each) or "doubling" (2·(log2 T - 1) dots); default `SOLVE`. unroll: the dk-slice
-    loop unrolled (all its loads may be in flight at once); default `UNROLL`. kernel: "block" (the block form
+    precision: every dot's `tl.dot` precision, "ieee" (default), "tf32x3" or "bf16x6". kernel: "block" (the block form
     above) or "recurrent" (the same contract token by token: `default_verifier.recurrent_verify_triton`, whose
     block_v / num_warps defaults are its own) or "auto" (`VERIFY_KERNEL`, the default: windows of at most
     `RECURRENT_UPTO` valid tokens token by token, per request on the device with valid_len).
     """
     return _launch_verify(q, k, v, g, beta, state, None, scale, valid_len, block_v, block_k, num_warps, precision,
-                          solve, unroll, kernel, outputs)
+                          kernel, outputs)
 
 
 def gdn_commit_verify_triton(
@@ -550,8 +523,6 @@ def gdn_commit_verify_triton(
     block_k: int | None = None,
     num_warps: int | None = None,
     precision: str | None = None,
-    solve: str | None = None,
-    unroll: bool | None = None,
     kernel: str | None = None,
     outputs: GDNVerifyResult | None = None,
 ) -> GDNVerifyResult:
@@ -563,20 +534,18 @@ def gdn_commit_verify_triton(
     Pending tensors must not be this call's outputs (every dv tile of a head reads the head's pending G, which one
     of them overwrites): the caller alternates two sets. Other arguments and the result as `gdn_verify_triton`."""
     return _launch_verify(q, k, v, g, beta, state, pending, scale, valid_len, block_v, block_k, num_warps, precision,
-                          solve, unroll, kernel, outputs)
+                          kernel, outputs)
 
 
-def _launch_verify(q, k, v, g, beta, state, pending, scale, valid_len, block_v, block_k, num_warps, precision, solve,
-                   unroll, kernel, outputs) -> GDNVerifyResult:
+def _launch_verify(q, k, v, g, beta, state, pending, scale, valid_len, block_v, block_k, num_warps, precision, kernel,
+                   outputs) -> GDNVerifyResult:
     batch, t, num_k_heads, dk = q.shape
     num_v_heads, dv = v.shape[2], v.shape[3]
     _check_verify_shapes(q, k, v, g, beta, state)
     if pending is not None and (state.stride(-1) != 1 or state.dtype != torch.float32):
         raise ValueError(f"the folded commit writes the state in place: a float32 state with its last dim contiguous; "
                          f"got {state.dtype}, strides {state.stride()}")
-    solve, kernel = solve or SOLVE, kernel or VERIFY_KERNEL
-    if solve not in SOLVES:
-        raise ValueError(f"solve must be one of {SOLVES}, got {solve!r}")
+    kernel = kernel or VERIFY_KERNEL
     precision = _dot_precision(precision or "ieee")  # checked whichever kernel runs
     if kernel not in VERIFY_KERNELS or (kernel == "recurrent" and pending is not None):
         raise ValueError(f"kernel must be one of {VERIFY_KERNELS} (the folded commit: 'block' or 'auto'), got "
@@ -634,8 +603,6 @@ def _launch_verify(q, k, v, g, beta, state, pending, scale, valid_len, block_v, 
         *pk_strides, num_v_heads, num_v_heads // num_k_heads, dk, dv, scale,
         T=t, TP=t_prev, HAS_VALID=valid_len is not None, PENDING=pending is not None, BT=MAX_WINDOW,
         BK=_padded(dk), BKC=block_k, BV=block_v,
-        UNROLL=_padded(dk) // block_k if (UNROLL if unroll is None else unroll) else 1,
-        DOUBLING=solve == "doubling", LEVELS=max(1, (t - 1).bit_length()),
         PRECISION=precision,
         RECURRENT_UPTO=_recurrent_upto() if kernel == "auto" and valid_len is not None and pending is None else 0,
         DYNAMIC=not triton.knobs.runtime.interpret, num_warps=num_warps or default_warps,
@@ -685,7 +652,7 @@ def _commit_kernel(
     n_state_programs,
     FOLD: tl.constexpr, STATE_DTYPE: tl.constexpr, SRC_DTYPE: tl.constexpr, CONV_DTYPE: tl.constexpr,
     CONV_IN_DTYPE: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr,
-    NV: tl.constexpr, NS: tl.constexpr, BC: tl.constexpr, BW: tl.constexpr, PRECISION: tl.constexpr,
+    NV: tl.constexpr, BC: tl.constexpr, BW: tl.constexpr, PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
@@ -693,9 +660,8 @@ def _commit_kernel(
     #             2 z [B,HV,T,dv] fp32; 3 g_cum [B,HV,T] fp32; 4 conv_state [B,C,KC]; 5 conv_input [B,C,T]
     pid = tl.program_id(0)
     if pid < n_state_programs:
-        i_c = pid % NS  # NS > 1: one program per BKC-row slice of the tile (its one load and store in flight)
-        i_v = (pid // NS) % NV
-        rest = pid // NS // NV
+        i_v = pid % NV
+        rest = pid // NV
         i_h = rest % HV
         rest = rest // HV
         i_b = (rest % B).to(tl.int64)
@@ -727,8 +693,8 @@ def _commit_kernel(
                     b_k2 += tl.sum(b_k * b_k, 1)
                 b_rk = tl.rsqrt(b_k2 + 1e-6)  # the verify's fp32 l2norm of k, recomputed from raw k
                 b_gamma = tl.exp(b_gm)
-                for c in range(0, BK // NS, BKC):  # S_m rows c .. c+BKC of this program's rows (all: NS = 1)
-                    rk = i_c * BKC + c + tl.arange(0, BKC)
+                for c in range(0, BK, BKC):  # S_m rows c .. c+BKC
+                    rk = c + tl.arange(0, BKC)
                     mk = rk < DK
                     b_k = tl.load(p_k + rk[None, :], mask=mt[:, None] & mk[None, :], other=0.0).to(tl.float32)
                     b_k = b_k * b_rk[:, None]
@@ -788,13 +754,10 @@ def launch_commit(
     num_warps: int = 4,
     precision: str = "ieee",
     conv_only: bool = False,
-    slice_programs: bool | None = None,
 ) -> None:
     """One launch over all layers: S_m into `states` (fold of k/z/g_cum when z is given, else copy of
     sources[l][b, m-1]) and the conv roll. Layers must share layouts (checked). conv_only: the conv roll alone (the
-    states' commit rides in the next verification: `gdn_commit_verify_triton`). slice_programs: a program per
-    [block_k, block_v] slice of a state tile (each with one load and one store) instead of a program per tile
-    looping over its slices; default `COMMIT_SLICE_PROGRAMS`.
+    states' commit rides in the next verification: `gdn_commit_verify_triton`).
 
     Each program updates a [dk, block_v] state tile (default 64 columns) in [block_k, block_v] slices; the fold's
     dots take `tl.dot` precision `precision` ("ieee", "tf32x3" or "bf16x6")."""
@@ -816,9 +779,7 @@ def launch_commit(
     block_k = min(block_k, _padded(dk))
     block_v = block_v or min(64, triton.next_power_of_2(dv))
     nv = triton.cdiv(dv, block_v)
-    slices = triton.cdiv(_padded(dk), block_k) if fold and (
-        COMMIT_SLICE_PROGRAMS if slice_programs is None else slice_programs) else 1
-    n_state_programs = 0 if conv_only else n_layers * batch * num_v_heads * nv * slices
+    n_state_programs = 0 if conv_only else n_layers * batch * num_v_heads * nv
     n_conv_programs = n_layers * batch * triton.cdiv(channels, block_c)
     src_strides = (*src.stride()[:3], 0) if fold else (*src.stride()[:3], src.stride(3))
     z_strides = z[0].stride()[:3] if fold else (0, 0, 0)
@@ -831,7 +792,7 @@ def launch_commit(
         n_state_programs,
         FOLD=fold, STATE_DTYPE=tl_dtype(states[0].dtype), SRC_DTYPE=tl_dtype(src.dtype),
         CONV_DTYPE=tl_dtype(conv_states[0].dtype), CONV_IN_DTYPE=tl_dtype(conv_inputs[0].dtype),
-        BT=MAX_WINDOW, BK=_padded(dk), BKC=block_k, BV=block_v, NV=nv, NS=slices, BC=block_c,
+        BT=MAX_WINDOW, BK=_padded(dk), BKC=block_k, BV=block_v, NV=nv, BC=block_c,
         BW=triton.next_power_of_2(kc), PRECISION=_dot_precision(precision), num_warps=num_warps,
     )
 
@@ -844,12 +805,11 @@ def commit_gdn_states_triton(
     block_k: int = 32,
     num_warps: int = 4,
     precision: str = "ieee",
-    slice_programs: bool | None = None,
 ) -> None:
     """Triton `gdn_torch.commit_gdn_states`: S_m and the conv roll of every layer in ONE launch, no host sync.
 
     num_committed: [B] int device tensor m (0 leaves state and conv state untouched; m is clamped to T).
-    block_v / block_k / num_warps / precision / slice_programs: see `launch_commit`.
+    block_v / block_k / num_warps / precision: see `launch_commit`.
     The conv roll runs in the same launch as extra programs (a second launch would cost a graph node and ~2 µs
     of launch gap for 64 KiB of conv state per layer and request); each program stages its channels' window in
     registers and syncs its threads before overwriting the columns it read.
@@ -869,7 +829,6 @@ def commit_gdn_states_triton(
         block_k=block_k,
         num_warps=num_warps,
         precision=precision,
-        slice_programs=slice_programs,
     )
 
 
