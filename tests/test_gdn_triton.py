@@ -337,6 +337,22 @@ def test_folded_rounds_equal_verify_then_commit_rounds():
     assert rel(fold_state, state) < DRIFT_TOL
 
 
+def test_auto_verifies_token_by_token_only_while_every_program_has_an_sm(monkeypatch):
+    """"auto"'s rule: up to RECURRENT_UPTO valid tokens token by token while the block kernel's programs fit the SMs
+    (batch 1 at the 35B-A3B shape: 128 programs on an H200's 132), the block form alone beyond (batch 8: its programs
+    share SMs and the merged kernel cost them occupancy, run 9); off with the switch."""
+    from hybridspec_hf.kernels import gdn_triton
+
+    properties = type("Properties", (), {"multi_processor_count": 132})
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: properties)
+    cuda = torch.device("cuda", 0)
+    assert gdn_triton._recurrent_upto(128, cuda) == gdn_triton.RECURRENT_UPTO == 8
+    assert gdn_triton._recurrent_upto(1024, cuda) == 0
+    assert gdn_triton._recurrent_upto(1024, torch.device("cpu")) == 8  # the interpreter exercises the branch
+    monkeypatch.setattr(gdn_triton, "RECURRENT_SHORT", False)
+    assert gdn_triton._recurrent_upto(128, cuda) == 0
+
+
 def test_fold_errors_name_the_problem():
     x = make_inputs(66, 1, 4, 1, 2, 16, 16)
     res = gdn_verify_triton(*verify_args(x))

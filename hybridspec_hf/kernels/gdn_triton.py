@@ -461,9 +461,17 @@ def _verify_config(batch: int, num_v_heads: int, dv: int) -> tuple[int, int, int
     return min(64, triton.next_power_of_2(dv)), 16, 4
 
 
-def _recurrent_upto() -> int:
-    """The most valid tokens "auto" verifies token by token (0: none)."""
-    return RECURRENT_UPTO if RECURRENT_SHORT else 0
+def _recurrent_upto(programs: int, device: torch.device) -> int:
+    """The most valid tokens "auto" verifies token by token (0: none): RECURRENT_UPTO while the block kernel's
+    `programs` each have an SM of their own (batch 1 at the 35B-A3B shape: 128 programs on 132 SMs). With more,
+    the block form's programs share SMs and the merged kernel's registers cost them occupancy: at batch 8 (1024
+    programs) its block form took 966 µs against 759 alone at w = 16, and the recurrence lost from w = 8
+    (gdn_kernels_run9.md)."""
+    if not RECURRENT_SHORT:
+        return 0
+    if device.type == "cuda" and programs > torch.cuda.get_device_properties(device).multi_processor_count:
+        return 0
+    return RECURRENT_UPTO
 
 
 def _dot_precision(precision: str) -> str:
@@ -562,8 +570,11 @@ def _launch_verify(q, k, v, g, beta, state, pending, scale, valid_len, block_v, 
             f"g_cum {tuple(expected.g_cum.shape)} float32; got {tuple(outputs.out.shape)}, {tuple(outputs.z.shape)}, "
             f"{tuple(outputs.g_cum.shape)}"
         )
+    default_bv, default_bk, default_warps = _verify_config(batch, num_v_heads, dv)
+    block_programs = triton.cdiv(dv, block_v or default_bv) * num_v_heads * batch
+    upto = _recurrent_upto(block_programs, v.device) if kernel == "auto" else 0
     if kernel == "auto" and valid_len is None:  # the window's length is known here: one kernel or the other
-        kernel = "recurrent" if t <= _recurrent_upto() and pending is None else "block"
+        kernel = "recurrent" if t <= upto and pending is None else "block"
     if kernel == "recurrent":
         from .default_verifier import recurrent_verify_triton  # it imports this module
 
@@ -593,7 +604,6 @@ def _launch_verify(q, k, v, g, beta, state, pending, scale, valid_len, block_v, 
         pk = pz = pg = pm = g  # never read
         pk_strides = (0, 0, 0)
     out, z, g_cum = outputs.out, outputs.z, outputs.g_cum
-    default_bv, default_bk, default_warps = _verify_config(batch, num_v_heads, dv)
     block_v = block_v or default_bv
     block_k = min(block_k or default_bk, _padded(dk))
     grid = (triton.cdiv(dv, block_v), num_v_heads, batch)
@@ -604,7 +614,7 @@ def _launch_verify(q, k, v, g, beta, state, pending, scale, valid_len, block_v, 
         T=t, TP=t_prev, HAS_VALID=valid_len is not None, PENDING=pending is not None, BT=MAX_WINDOW,
         BK=_padded(dk), BKC=block_k, BV=block_v,
         PRECISION=precision,
-        RECURRENT_UPTO=_recurrent_upto() if kernel == "auto" and valid_len is not None and pending is None else 0,
+        RECURRENT_UPTO=upto if kernel == "auto" and valid_len is not None and pending is None else 0,
         DYNAMIC=not triton.knobs.runtime.interpret, num_warps=num_warps or default_warps,
     )
     return outputs
