@@ -56,9 +56,7 @@ from hybridspec_hf.kernels.gdn_step_triton import gdn_step  # noqa: E402
 from hybridspec_hf.kernels.gdn_triton import (  # noqa: E402
     GDNVerifyResult,
     PendingGDNLayer,
-    commit_conv_states_triton,
     commit_gdn_states_triton,
-    gdn_commit_verify_triton,
     gdn_verify_triton,
 )
 from hybridspec_hf.kernels.norm_triton import gated_rms_norm  # noqa: E402
@@ -108,20 +106,7 @@ class InputSet:
                         for x, r in zip(self.layers, self.ours)]
         self.buffer = torch.empty(LAYERS, batch, w, HV, DK, DV, device=DEV) if default_buffer else None
         self.default_pending = None
-        self.folds = None  # the folded method's pending verifications (`fold_pending`)
         self.valid = None  # [B] int32: the valid tokens of a max-shape window (`bench_max_shape`), else all
-
-    def fold_pending(self, i: int) -> tuple:
-        """Layer i's pending commit for the folded method: the previous round's raw k and its verification (one
-        real verify of other inputs, made on first use outside any capture), m = this set's num_committed."""
-        if self.folds is None:
-            self.folds = []
-            for x in self.layers:
-                k_prev = torch.randn_like(x["k"], dtype=torch.float32).to(x["k"].dtype)
-                self.folds.append((k_prev, gdn_verify_triton(x["q"], k_prev, x["v"], x["g"], x["beta"],
-                                                             x["state"])))
-        k_prev, verified = self.folds[i]
-        return k_prev, verified, self.num_committed
 
     def set_accepted(self, mode: str, gen: torch.Generator) -> list[int]:
         if mode == "all":
@@ -133,23 +118,13 @@ class InputSet:
 
 
 def ours_verify(s: InputSet, **cfg) -> None:
-    """cfg["kernel"]: "sliced" (default, `gdn_verify_triton`) or "fold" (`gdn_commit_verify_triton` with the
-    previous round's commit folded in)."""
-    for i, (x, r) in enumerate(zip(s.layers, s.ours)):
-        if cfg.get("kernel", "sliced") == "sliced":
-            gdn_verify_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"], valid_len=s.valid, outputs=r,
-                              **cfg.get("verify", {}))
-        else:
-            gdn_commit_verify_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"], pending=s.fold_pending(i),
-                                     outputs=r, **cfg.get("verify", {}))
+    for x, r in zip(s.layers, s.ours):
+        gdn_verify_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"], valid_len=s.valid, outputs=r,
+                          **cfg.get("verify", {}))
 
 
 def ours_commit(s: InputSet, **cfg) -> None:
-    """The round-end commit: every layer's state and conv roll in one launch; "fold": the conv roll alone."""
-    if cfg.get("kernel") == "fold":
-        commit_conv_states_triton(s.pending, s.num_committed)
-    else:
-        commit_gdn_states_triton(s.pending, s.num_committed, **cfg.get("commit", {}))
+    commit_gdn_states_triton(s.pending, s.num_committed, **cfg.get("commit", {}))
 
 
 def default_verify_all(s: InputSet, **cfg) -> None:
@@ -292,7 +267,6 @@ def bytes_model(batch: int, w: int, m: list[int]) -> dict:
     return {name: LAYERS * b for name, b in dict(
         ours_verify=ours_verify, ours_commit=ours_commit, ours_total=ours_verify + ours_commit,
         default_verify=default_verify, default_commit=default_commit, default_total=default_verify + default_commit,
-        fold_total=ours_verify + ours_commit - committed * state,  # the state read once: by the fold
     ).items()}
 
 
@@ -336,25 +310,6 @@ def check_correctness(cfg: dict, gen: torch.Generator) -> dict:
         decode_step_out_vs_recurrence64=rel(step_out.float(), out64[:, :1].float()),
         decode_step_state_vs_recurrence64=rel(step_state, states64[:, 0]),
     )
-
-
-def check_fold(gen: torch.Generator) -> dict:
-    """The folded kernel at real head sizes (grouped heads, bf16 q/k/v): request b commits m = b of a pending
-    16-token verification, then verifies 16 new tokens from it; state, out and Z against float64."""
-    batch, w = 17, 16
-    prev, x = make_layer(batch, w, gen), make_layer(batch, w, gen)
-    prev["state"] = prev["state"] * 20
-    pending_res = gdn_verify_triton(prev["q"], prev["k"], prev["v"], prev["g"], prev["beta"], prev["state"])
-    _, states64 = ref.gdn_recurrence(prev["q"], prev["k"], prev["v"], prev["g"], prev["beta"], prev["state"])
-    m = torch.arange(batch, dtype=torch.int32, device=DEV)
-    committed64 = torch.stack([states64[b, b - 1] if b else prev["state"][b].double() for b in range(batch)])
-    state = prev["state"].clone()
-    res = gdn_commit_verify_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], state,
-                                   pending=(prev["k"], pending_res, m))
-    out64, _ = ref.gdn_recurrence(x["q"], x["k"], x["v"], x["g"], x["beta"], committed64)
-    verify64 = ref.gdn_verify(*(x[n].double() for n in ("q", "k", "v", "g", "beta")), committed64)
-    return dict(fold_state_every_m_vs_recurrence64=max(rel(state[b], committed64[b]) for b in range(batch)),
-                fold_out_vs_recurrence64=rel(res.out.float(), out64.float()), fold_z_vs_fp64=rel(res.z, verify64.z))
 
 
 def check_default(gen: torch.Generator) -> dict:
@@ -406,9 +361,7 @@ METHODS = {  # {"kernel": ours_verify's kernel, "verify": its keywords, "commit"
     "block": dict(verify=dict(kernel="block"), commit={}),  # the block form at every w
     # the verify token by token (z and G out, no state per token) + the same commit; --sweep: its fastest tiles
     "recurrent": dict(verify=dict(kernel="recurrent"), commit={}),
-    "fold": dict(kernel="fold", verify={}, commit={}),  # the state commit inside the next verify (block form)
 }
-SLICED = [name for name, cfg in METHODS.items() if cfg.get("kernel", "sliced") == "sliced"]
 
 
 def bench_shape(batch: int, w: int, cfgs: dict, gen: torch.Generator, modes=("all", "random")) -> list[dict]:
@@ -449,7 +402,7 @@ def bench_max_shape(batch: int, windows, cfgs: dict, gen: torch.Generator) -> di
     block form's cost is that of 16 tokens; the recurrent one's loop stops at the valid ones). µs of 30 layers'
     verify per method (no commit), {f"w{w}": {method: µs}}."""
     sets = [InputSet(batch, 16, gen) for _ in range(n_sets_for(batch, 16))]
-    methods = {name: cfg for name, cfg in cfgs.items() if name != "default" and cfg.get("kernel") != "fold"}
+    methods = {name: cfg for name, cfg in cfgs.items() if name != "default"}
     result = {}
     for w in windows:
         for s in sets:
@@ -537,9 +490,9 @@ STEP_FUSED_VARIANTS = {  # gdn_step keywords: bv128 = one launch (norm inside), 
     "bv16_w2+norm": dict(block_v=16, num_warps=2),
     "bv8_w1+norm": dict(block_v=8, num_warps=1),
 }
-# gdn_verify_triton keywords. Run 5 (gdn_kernels_gpu_runs.md) also swept, in options since removed, the dk loop
-# unrolled (3.2-6.3 ms: its FMA dots spill), a block-doubling solve (226.6 µs against 226.8 at w = 4) and a commit
-# program per state slice (83-164 µs against 60)
+# gdn_verify_triton keywords. Runs 4-8 (gdn_kernels_gpu_runs.md) also timed, in options since removed, the dk loop
+# unrolled (3.2-6.3 ms: its FMA dots spill), a block-doubling solve (226.6 µs against 226.8 at w = 4), a commit
+# program per state slice (83-164 µs against 60) and the state commit folded into the next verify (+33 µs a round)
 VERIFY_VARIANTS = {
     "block_bv32_bk32_w4": dict(kernel="block", block_v=32, block_k=32, num_warps=4),
     "recurrent_bv8_w1": dict(kernel="recurrent", block_v=8, num_warps=1),
@@ -547,18 +500,7 @@ VERIFY_VARIANTS = {
     "recurrent_bv16_w4": dict(kernel="recurrent", block_v=16, num_warps=4),
     "recurrent_bv32_w4": dict(kernel="recurrent", block_v=32, num_warps=4),
 }
-FOLD_VARIANTS = {name: kw for name, kw in VERIFY_VARIANTS.items() if name.startswith("block")}
-
-
-def fold_round(s: InputSet, **cfg) -> None:
-    """A folded round (sweep kind "fold"): the verify with the commit inside, then the conv roll."""
-    method = dict(kernel="fold", verify=cfg.get("fold", {}))
-    ours_verify(s, **method)
-    ours_commit(s, **method)
-
-
-KINDS = (("default", DEFAULT_VARIANTS, default_verify_all), ("verify", VERIFY_VARIANTS, ours_verify),
-         ("fold", FOLD_VARIANTS, fold_round))
+KINDS = (("default", DEFAULT_VARIANTS, default_verify_all), ("verify", VERIFY_VARIANTS, ours_verify))
 
 
 def sweep(gen: torch.Generator, batches, windows) -> dict:
@@ -598,11 +540,10 @@ def best_config(sweep_result: dict, batch: int) -> dict:
     recurrent = [name for name in VERIFY_VARIANTS if name.startswith("recurrent")]
     return dict(ours=ours, block=METHODS["block"],
                 recurrent=dict(verify=fastest("verify", recurrent, shapes), commit={}),
-                fold=dict(kernel="fold", verify=fastest("fold", list(FOLD_VARIANTS), shapes)),
                 default=dict(default=fastest("default", list(DEFAULT_VARIANTS), shapes)))
 
 
-VARIANTS = dict(default=DEFAULT_VARIANTS, step=STEP_VARIANTS, fold=FOLD_VARIANTS, verify=VERIFY_VARIANTS)
+VARIANTS = dict(default=DEFAULT_VARIANTS, step=STEP_VARIANTS, verify=VERIFY_VARIANTS)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -700,11 +641,8 @@ def markdown(report: dict) -> str:
         "token by token, longer ones in the block form); 'block' = the block verify (one launch per layer, dk in "
         "slices) at every w + the commit; 'recurrent' = "
         "the verify token by token with the state tile in registers, writing the block form's Z and G and no state "
-        "per token (`gdn_verify_triton(kernel='recurrent')`), + the same commit; 'fold' = the verify with the "
-        "previous round's state "
-        "commit inside it (`gdn_commit_verify_triton`, one launch per layer) + the conv roll alone (one launch): "
-        "its 'verify' column holds the state commit. "
-        "'default' = token-by-token verify storing S per token + one-launch copy of the accepted one; fla = "
+        "per token (`gdn_verify_triton(kernel='recurrent')`), + the same commit. 'default' = token-by-token verify "
+        "storing S per token + one-launch copy of the accepted one; fla = "
         "`chunk_gated_delta_rule` (verify only, what transformers runs; it has no commit). accept 'random' = m "
         "uniform in 1..w per request. Goal (issue 12, batch 1): default / ours >= 2 at w = 4, >= 4 at w = 16 (the "
         "goal cell judges the best of our methods).",
@@ -862,10 +800,9 @@ def main() -> None:
         print(table(report))
         return
     if args.check:
-        report["correctness"] = {name: check_correctness(METHODS[name], gen) for name in SLICED}
-        report["correctness"]["fold"] = check_fold(gen)
+        report["correctness"] = {name: check_correctness(cfg, gen) for name, cfg in METHODS.items()}
         report["correctness"]["default"] = check_default(gen)
-        report["drift"] = {name: drift(METHODS[name], args.drift_rounds, gen) for name in SLICED}
+        report["drift"] = {name: drift(cfg, args.drift_rounds, gen) for name, cfg in METHODS.items()}
         print("correctness", json.dumps(report["correctness"]), "\ndrift", json.dumps(report["drift"]), flush=True)
         print(f"[{time.time() - t0:.0f} s]", flush=True)
     if args.sweep:

@@ -28,10 +28,8 @@ from hybridspec_hf.kernels.default_verifier import (  # noqa: E402
     gdn_decode_step,
 )
 from hybridspec_hf.kernels.gdn_triton import (  # noqa: E402
-    commit_conv_states_triton,
     commit_gdn_states_auto,
     commit_gdn_states_triton,
-    gdn_commit_verify_triton,
     gdn_verify_auto,
     gdn_verify_triton,
     select_backend,
@@ -164,6 +162,8 @@ def test_precision_options_name_the_problem():
     layer = ref.PendingGDNLayer(x["state"], conv_state, conv_input, x["k"], gdn_verify_triton(*verify_args(x)))
     with pytest.raises(ValueError, match="precision must be one of"):
         commit_gdn_states_triton([layer], torch.tensor([1]), precision="tf32")
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        gdn_verify_triton(*verify_args(x), kernel="fold")
 
 
 @pytest.mark.parametrize("b, dtype", [(1, torch.bfloat16), (3, torch.float32)])
@@ -263,78 +263,7 @@ def test_valid_len_ignores_trailing_tokens(kernel):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# the commit folded into the next verification
-
-
-@pytest.mark.parametrize(
-    "seed, b, w_prev, w, h, hv, dk, dv, dtype",
-    [
-        (60, 3, 16, 5, 1, 2, 24, 40, torch.float32),  # dk, dv not powers of two; m = 0, all, a prefix
-        (61, 2, 4, 16, 2, 6, 24, 40, torch.bfloat16),  # grouped heads r = 3, bf16 q/k/v
-        (62, 1, 9, 3, 1, 1, 128, 128, torch.bfloat16),  # the real head sizes (4 dv tiles)
-        (63, 2, 1, 1, 1, 2, 16, 16, torch.float32),  # w = 1 after w = 1
-    ],
-)
-def test_folded_commit_then_verify_matches_float64(seed, b, w_prev, w, h, hv, dk, dv, dtype):
-    """One launch = the previous verification's commit (S_m in place) + this verification from S_m: the state, out,
-    Z and G against the float64 recurrence over exactly the committed tokens and then the new window."""
-    prev = make_inputs(seed, b, w_prev, h, hv, dk, dv, "mixed", dtype)
-    prev_res = gdn_verify_triton(*verify_args(prev))
-    m = torch.tensor([0, w_prev, max(1, w_prev // 2)][:b], dtype=torch.int32)
-    _, states64 = oracle(prev)
-    committed64 = torch.stack([expected_state(prev, states64, req, n) for req, n in enumerate(m.tolist())])
-    x = make_inputs(seed + 1000, b, w, h, hv, dk, dv, "mixed", dtype)
-    state = prev["state"].clone()
-    res = gdn_commit_verify_triton(*verify_args(x)[:5], state, pending=(prev["k"], prev_res, m))
-    assert torch.equal(state[0], prev["state"][0]) or m[0] != 0  # m = 0: the state untouched
-    assert rel(state, committed64) < ONE_STEP_TOL
-    x64 = dict(x, state=committed64)
-    out64, _ = oracle(x64)
-    block64 = ref.gdn_verify(*(a.double() for a in verify_args(x64)))
-    assert rel(res.out.float(), out64.float()) < (ONE_STEP_TOL if dtype == torch.float32 else BF16_OUT_TOL)
-    assert rel(res.z, block64.z) < ONE_STEP_TOL and rel(res.g_cum, block64.g_cum) < ONE_STEP_TOL
-    torch_res = ref.gdn_commit_verify(*verify_args(x)[:5], prev["state"].clone(), (prev["k"], prev_res, m))
-    assert rel(res.z, torch_res.z) < ONE_STEP_TOL  # the torch truth of the fold agrees at fp32 level
-
-
-def test_fold_without_pending_is_the_verify_with_valid_len():
-    x = make_inputs(64, 3, 16, 1, 2, 24, 40, "mixed")
-    valid = torch.tensor([16, 6, 1], dtype=torch.int32)
-    x["q"][1, 6:] = float("nan")  # past valid_len: must not leak in
-    state = x["state"].clone()
-    res = gdn_commit_verify_triton(*verify_args(x)[:5], state, valid_len=valid)
-    assert torch.equal(state, x["state"])  # nothing pending: nothing written
-    ref_res = gdn_verify_triton(*verify_args(x), valid_len=valid)
-    assert rel(res.out, ref_res.out) < ONE_STEP_TOL and rel(res.z, ref_res.z) < ONE_STEP_TOL
-    assert not res.out[1, 6:].any() and not res.z[1, :, 6:].any()
-
-
-def test_folded_rounds_equal_verify_then_commit_rounds():
-    """Twenty rounds of folded verifications (two output sets alternating, the conv roll alone at each round end)
-    against verify + commit launches: the same states and outputs at fp32 level, and the same conv windows."""
-    gen = torch.Generator().manual_seed(65)
-    b, hv, d = 2, 2, 24
-    state = torch.randn(b, hv, d, d, generator=gen)
-    conv_state = torch.randn(b, 8, 4, generator=gen)
-    fold_state, fold_conv = state.clone(), conv_state.clone()
-    outputs = [None, None]
-    pending = None
-    for r in range(20):
-        w = int(torch.randint(1, 17, (1,), generator=gen))
-        x = make_inputs(6500 + r, b, w, 1, hv, d, d, ("mixed", "weak", "strong")[r % 3])
-        conv_input = torch.randn(b, 8, w, generator=gen)
-        m = torch.randint(0, w + 1, (b,), generator=gen, dtype=torch.int32)
-        x["state"] = state
-        res = gdn_verify_triton(*verify_args(x))
-        commit_gdn_states_triton([ref.PendingGDNLayer(state, conv_state, conv_input, x["k"], res)], m)
-        fold = gdn_commit_verify_triton(*verify_args(x)[:5], fold_state, pending=pending)
-        outputs[r % 2] = fold
-        commit_conv_states_triton([ref.PendingGDNLayer(fold_state, fold_conv, conv_input, x["k"], fold)], m)
-        pending = (x["k"], fold, m)
-        assert rel(fold.out, res.out) < ONE_STEP_TOL and rel(fold.z, res.z) < ONE_STEP_TOL, r
-        assert torch.equal(fold_conv, conv_state), r
-    gdn_commit_verify_triton(*verify_args(x)[:5], fold_state, pending=pending)  # the last round's commit
-    assert rel(fold_state, state) < DRIFT_TOL
+# the kernel choice
 
 
 def test_auto_verifies_token_by_token_only_while_every_program_has_an_sm(monkeypatch):
@@ -343,29 +272,13 @@ def test_auto_verifies_token_by_token_only_while_every_program_has_an_sm(monkeyp
     share SMs and the merged kernel cost them occupancy, run 9); off with the switch."""
     from hybridspec_hf.kernels import gdn_triton
 
-    properties = type("Properties", (), {"multi_processor_count": 132})
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: properties)
+    monkeypatch.setattr(gdn_triton, "_processors", lambda device: 132)  # the H200
     cuda = torch.device("cuda", 0)
     assert gdn_triton._recurrent_upto(128, cuda) == gdn_triton.RECURRENT_UPTO == 8
     assert gdn_triton._recurrent_upto(1024, cuda) == 0
     assert gdn_triton._recurrent_upto(1024, torch.device("cpu")) == 8  # the interpreter exercises the branch
     monkeypatch.setattr(gdn_triton, "RECURRENT_SHORT", False)
     assert gdn_triton._recurrent_upto(128, cuda) == 0
-
-
-def test_fold_errors_name_the_problem():
-    x = make_inputs(66, 1, 4, 1, 2, 16, 16)
-    res = gdn_verify_triton(*verify_args(x))
-    m = torch.tensor([2], dtype=torch.int32)
-    with pytest.raises(ValueError, match="alternate two output sets"):
-        gdn_commit_verify_triton(*verify_args(x), pending=(x["k"], res, m), outputs=res)
-    with pytest.raises(ValueError, match=r"pending = \(k \[B, T', H, dk\]"):
-        gdn_commit_verify_triton(*verify_args(x), pending=(x["k"][:, :, :, :8], res, m))
-    strided = x["state"].transpose(-1, -2)
-    with pytest.raises(ValueError, match="writes the state in place"):
-        gdn_commit_verify_triton(*verify_args(x)[:5], strided, pending=(x["k"], res, m))
-    with pytest.raises(ValueError, match="kernel must be one of"):
-        gdn_commit_verify_triton(*verify_args(x), pending=(x["k"], res, m), kernel="recurrent")
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -34,13 +34,12 @@ Triton compiles each shape on its first launch (the warm-up before CUDA-graph ca
 """
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
 
 from . import pdl
-from .gdn_triton import HAS_TRITON, _LazyJit, fused_kernels_active, tl, triton
+from .gdn_triton import HAS_TRITON, _LazyJit, _processors, fused_kernels_active, tl, triton
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_HEAD_DIM = 256
@@ -247,15 +246,6 @@ def routed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     tensors (or CPU ones under the tests' switch, with the interpreter), in shapes the kernel takes."""
     return (fused_kernels_active() and (q.is_cuda or _ON_CPU) and not torch.is_grad_enabled()
             and supported(q, k, v))
-
-
-@functools.lru_cache(maxsize=None)
-def _processors(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device; a stand-in of 8 elsewhere (the interpreter runs programs one by
-    one, so the CPU tests keep grids small)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 8
 
 
 class Plan(NamedTuple):

@@ -146,26 +146,6 @@ def gdn_commit(
     state.copy_(new_state.to(state.dtype))
 
 
-def gdn_commit_verify(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    state: torch.Tensor,
-    pending: tuple[torch.Tensor, GDNVerifyResult, torch.Tensor] | None,
-    scale: float | None = None,
-) -> GDNVerifyResult:
-    """The commit of the previous verification folded into this one (the truth for `gdn_triton.
-    gdn_commit_verify_triton`): with pending = (k_prev [B, T', H, dk] raw, its GDNVerifyResult, m [B] int), first
-    S_0 <- S_m of that verification in place (`gdn_commit`; m = 0 leaves it), then `gdn_verify` from it. Without
-    pending it is `gdn_verify`. The state is written only by the commit."""
-    if pending is not None:
-        k_prev, verified, num_committed = pending
-        gdn_commit(state, k_prev, verified, num_committed)
-    return gdn_verify(q, k, v, g, beta, state, scale)
-
-
 def conv_verify(
     conv_state: torch.Tensor,
     x: torch.Tensor,

@@ -11,8 +11,7 @@ same Z comes out of the recurrence token by token, z_t = β_t (v_t - e^{g_t} S_{
 and never stored (kernel "recurrent", `_recurrent_program`): its cost follows the valid tokens, the block form's is
 that of 16. Kernel "auto" (the default) runs windows of up to RECURRENT_UPTO = 8 valid
 tokens token by token and longer ones in the block form, per request on the device when valid_len is given (one
-launch). `gdn_commit_verify_triton` folds the previous verification's state commit into this one (measured slower:
-kept as an option, not used by the rounds).
+launch).
 
 Commit (ONE launch for every layer): per request m from a device tensor,
     S_m = γ_m S_0 + K_{1:m}ᵀ diag(e^{G_m - G_j}) Z_{1:m}   (in place; m = 0 leaves S_0)
@@ -38,10 +37,11 @@ latency-bound at 4-11 µs a layer; the state writes the default verifier adds co
 16-token graphs of the resident rounds the verify alone takes 132 / 187 / 296 / 321 µs at w = 2 / 4 / 8 / 16
 against the block form's 316-321 at every w. Tried and measured slower: the whole state tile per program (FMA dots
 over dk = 128 spill: 3-10x), the dk loop unrolled (spills), a block-doubling solve (no gain at w = 4; refused by the
-compiler at w = 16), a program per commit slice (83-164 µs against 60), the
-commit folded into the next verify (+33 µs a round). A "tile" variant (tensor-core products with a three-part bf16
-split of the state, block doubling, a whole-tile commit) equalled the block form at batch 1 and was 1.5x slower at
-batch 8 (run 24, benchmarks/results/gpu_rounds_runs.md); it was removed after git 57c02b5.
+compiler at w = 16), a program per commit slice (83-164 µs against 60), the commit folded into the next verify (+33
+µs a round); those options were removed (git b2058db has the fold, 0f252d9 the others). A "tile" variant
+(tensor-core products with a three-part bf16 split of the state, block doubling, a whole-tile commit) equalled the
+block form at batch 1 and was 1.5x slower at batch 8 (run 24, benchmarks/results/gpu_rounds_runs.md); it was
+removed after git 57c02b5.
 
 Kernels are bound to `triton.jit` at launch (`_LazyJit`), so `TRITON_INTERPRET=1` set after import (tests) takes
 effect. Launches need no host sync; the commit's per-layer pointer tables are cached by address, so call once
@@ -309,23 +309,19 @@ def _recurrent_program(q, k, v, g, beta, state, out, states, z, g_cum, n, i_v, i
 
 
 def _verify_kernel(
-    q, k, v, g, beta, state, out, z, g_cum, valid_len, pk, pz, pg, pm,
+    q, k, v, g, beta, state, out, z, g_cum, valid_len,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
     stride_gb, stride_gt, stride_gh,
     stride_bb, stride_bt, stride_bh,
     stride_sb, stride_sh, stride_sk,
-    stride_pkb, stride_pkt, stride_pkh,
     HV, GROUP, DK, DV, scale,
-    T: tl.constexpr, TP: tl.constexpr, HAS_VALID: tl.constexpr, PENDING: tl.constexpr, BT: tl.constexpr,
-    BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr, RECURRENT_UPTO: tl.constexpr,
-    DYNAMIC: tl.constexpr,
+    T: tl.constexpr, HAS_VALID: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr,
+    BV: tl.constexpr, PRECISION: tl.constexpr, RECURRENT_UPTO: tl.constexpr, DYNAMIC: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Program (dv tile, value head, request). PENDING: the previous verification's commit first, slice by slice,
-    S_m = γ_m S_0 + K̂_{1:m}ᵀ diag(e^{G_m - G_j}) Z_{1:m}, stored in place and verified from (pending tensors never
-    alias this launch's outputs). RECURRENT_UPTO > 0 (with valid_len, nothing pending): a request whose window holds
+    """Program (dv tile, value head, request). RECURRENT_UPTO > 0 (with valid_len): a request whose window holds
     at most that many valid tokens is verified token by token instead (`_recurrent_program`, the same Z and G; its cost
     follows the valid tokens where the block form's is that of T)."""
     pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
@@ -353,25 +349,6 @@ def _verify_kernel(
         p_k = k + i_b * stride_kb + rt[:, None] * stride_kt + i_hk * stride_kh
         p_s = state + i_b * stride_sb + i_h * stride_sh + rv[None, :]
 
-        committed = False
-        if PENDING:  # the pending Z, G and m; the l2 norms of the pending keys over all of dk
-            m = tl.minimum(tl.load(pm + i_b).to(tl.int32), TP)
-            mp = rt < m
-            committed = m > 0
-            row = (i_b * HV + i_h) * TP
-            p_pk = pk + i_b * stride_pkb + rt[:, None] * stride_pkt + i_hk * stride_pkh
-            b_pg = tl.load(pg + row + rt, mask=mp, other=0.0)
-            b_gm = tl.sum(tl.where(rt == m - 1, b_pg, 0.0), 0)  # G_m
-            b_pz = tl.load(pz + (row + rt[:, None]) * DV + rv[None, :], mask=mp[:, None] & mv[None, :], other=0.0)
-            b_dz = tl.exp(tl.where(mp, b_gm - b_pg, float("-inf")))[:, None] * b_pz  # e^{G_m - G_j} Z_j
-            b_gamma_m = tl.exp(b_gm)
-            b_pk2 = tl.zeros([BT], dtype=tl.float32)
-            for c in range(0, BK, BKC):
-                rk = c + tl.arange(0, BKC)
-                b_pk = tl.load(p_pk + rk[None, :], mask=mp[:, None] & (rk < DK)[None, :], other=0.0).to(tl.float32)
-                b_pk2 += tl.sum(b_pk * b_pk, 1)
-            b_prk = tl.rsqrt(b_pk2 + 1e-6)  # the verify's fp32 l2norm of k, recomputed from raw k
-
         # Raw products over dk in BKC-wide slices (an fp32 FMA dot holds its whole inner slice in registers), then the
         # l2 normalisation as row/column scales: (D_q Q)(D_k K)ᵀ = D_q (Q Kᵀ) D_k, (D_k K) S_0 = D_k (K S_0).
         b_ks = tl.zeros([BT, BV], dtype=tl.float32)  # K S_0
@@ -386,12 +363,6 @@ def _verify_kernel(
             b_q = tl.load(p_q + rk[None, :], mask=mt[:, None] & mk[None, :], other=0.0).to(tl.float32)
             b_k = tl.load(p_k + rk[None, :], mask=mt[:, None] & mk[None, :], other=0.0).to(tl.float32)
             b_s = tl.load(p_s + rk[:, None] * stride_sk, mask=mk[:, None] & mv[None, :], other=0.0).to(tl.float32)
-            if PENDING:
-                b_pk = tl.load(p_pk + rk[None, :], mask=mp[:, None] & mk[None, :], other=0.0).to(tl.float32)
-                b_pk = b_pk * b_prk[:, None]
-                b_s = tl.where(committed, b_gamma_m * b_s + tl.dot(tl.trans(b_pk), b_dz, input_precision=PRECISION),
-                               b_s)
-                tl.store(p_s + rk[:, None] * stride_sk, b_s, mask=mk[:, None] & mv[None, :] & committed)
             b_ks += tl.dot(b_k, b_s, input_precision=PRECISION)
             b_qs += tl.dot(b_q, b_s, input_precision=PRECISION)
             b_kk += tl.dot(b_k, tl.trans(b_k), input_precision=PRECISION)
@@ -461,6 +432,15 @@ def _verify_config(batch: int, num_v_heads: int, dv: int) -> tuple[int, int, int
     return min(64, triton.next_power_of_2(dv)), 16, 4
 
 
+@functools.lru_cache(maxsize=None)
+def _processors(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; a stand-in of 8 elsewhere (the interpreter runs programs one by
+    one, so the CPU tests keep grids small)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8
+
+
 def _recurrent_upto(programs: int, device: torch.device) -> int:
     """The most valid tokens "auto" verifies token by token (0: none): RECURRENT_UPTO while the block kernel's
     `programs` each have an SM of their own (batch 1 at the 35B-A3B shape: 128 programs on 132 SMs). With more,
@@ -469,7 +449,7 @@ def _recurrent_upto(programs: int, device: torch.device) -> int:
     (gdn_kernels_run9.md)."""
     if not RECURRENT_SHORT:
         return 0
-    if device.type == "cuda" and programs > torch.cuda.get_device_properties(device).multi_processor_count:
+    if device.type == "cuda" and programs > _processors(device):  # elsewhere (the interpreter): the branch is tested
         return 0
     return RECURRENT_UPTO
 
@@ -512,52 +492,13 @@ def gdn_verify_triton(
     block_v / num_warps defaults are its own) or "auto" (`VERIFY_KERNEL`, the default: windows of at most
     `RECURRENT_UPTO` valid tokens token by token, per request on the device with valid_len).
     """
-    return _launch_verify(q, k, v, g, beta, state, None, scale, valid_len, block_v, block_k, num_warps, precision,
-                          kernel, outputs)
-
-
-def gdn_commit_verify_triton(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    state: torch.Tensor,
-    pending: tuple[torch.Tensor, GDNVerifyResult, torch.Tensor] | None = None,
-    scale: float | None = None,
-    valid_len: torch.Tensor | None = None,
-    *,
-    block_v: int | None = None,
-    block_k: int | None = None,
-    num_warps: int | None = None,
-    precision: str | None = None,
-    kernel: str | None = None,
-    outputs: GDNVerifyResult | None = None,
-) -> GDNVerifyResult:
-    """Triton `gdn_torch.gdn_commit_verify`: the previous verification's state commit folded into this verification
-    (the same launch; no state commit launch of its own: the conv roll stays one launch for every layer,
-    `commit_conv_states_triton`). Each program first rebuilds its [dk, BV] state tile S_m, slice by slice, writes it
-    back in place where m > 0, and verifies from it. pending = (k_prev [B, T', H, dk] raw keys, its GDNVerifyResult
-    (z [B, HV, T', dv], g_cum [B, HV, T'] fp32), m [B] int device tensor), or None (then `gdn_verify_triton`).
-    Pending tensors must not be this call's outputs (every dv tile of a head reads the head's pending G, which one
-    of them overwrites): the caller alternates two sets. Other arguments and the result as `gdn_verify_triton`."""
-    return _launch_verify(q, k, v, g, beta, state, pending, scale, valid_len, block_v, block_k, num_warps, precision,
-                          kernel, outputs)
-
-
-def _launch_verify(q, k, v, g, beta, state, pending, scale, valid_len, block_v, block_k, num_warps, precision, kernel,
-                   outputs) -> GDNVerifyResult:
     batch, t, num_k_heads, dk = q.shape
     num_v_heads, dv = v.shape[2], v.shape[3]
     _check_verify_shapes(q, k, v, g, beta, state)
-    if pending is not None and (state.stride(-1) != 1 or state.dtype != torch.float32):
-        raise ValueError(f"the folded commit writes the state in place: a float32 state with its last dim contiguous; "
-                         f"got {state.dtype}, strides {state.stride()}")
     kernel = kernel or VERIFY_KERNEL
     precision = _dot_precision(precision or "ieee")  # checked whichever kernel runs
-    if kernel not in VERIFY_KERNELS or (kernel == "recurrent" and pending is not None):
-        raise ValueError(f"kernel must be one of {VERIFY_KERNELS} (the folded commit: 'block' or 'auto'), got "
-                         f"{kernel!r}")
+    if kernel not in VERIFY_KERNELS:
+        raise ValueError(f"kernel must be one of {VERIFY_KERNELS}, got {kernel!r}")
     q, k, v, state = (_last_dim_contiguous(x) for x in (q, k, v, state))
     scale = dk**-0.5 if scale is None else scale
     expected = _empty_verify_result(batch, t, num_v_heads, dv, v.dtype, "meta")
@@ -574,51 +515,25 @@ def _launch_verify(q, k, v, g, beta, state, pending, scale, valid_len, block_v, 
     block_programs = triton.cdiv(dv, block_v or default_bv) * num_v_heads * batch
     upto = _recurrent_upto(block_programs, v.device) if kernel == "auto" else 0
     if kernel == "auto" and valid_len is None:  # the window's length is known here: one kernel or the other
-        kernel = "recurrent" if t <= upto and pending is None else "block"
+        kernel = "recurrent" if t <= upto else "block"
     if kernel == "recurrent":
         from .default_verifier import recurrent_verify_triton  # it imports this module
 
         return recurrent_verify_triton(q, k, v, g, beta, state, scale, valid_len, block_v=block_v,
                                        num_warps=num_warps, outputs=outputs)
-    t_prev = 1
-    if pending is not None:
-        k_prev, verified, num_committed = pending
-        t_prev = k_prev.shape[1]
-        if (k_prev.shape[0] != batch or k_prev.shape[2:] != (num_k_heads, dk) or k_prev.stride(-1) != 1
-                or verified.z.shape != (batch, num_v_heads, t_prev, dv) or not verified.z.is_contiguous()
-                or verified.g_cum.shape != (batch, num_v_heads, t_prev) or not verified.g_cum.is_contiguous()
-                or verified.z.dtype != torch.float32 or verified.g_cum.dtype != torch.float32
-                or num_committed.numel() != batch or not 1 <= t_prev <= MAX_WINDOW):
-            raise ValueError(
-                f"pending = (k [B, T', H, dk] (last dim contiguous), its verification (z [B, HV, T', dv] and g_cum "
-                f"[B, HV, T'] float32, contiguous), m [B]) with B = {batch}, H = {num_k_heads}, HV = {num_v_heads}, "
-                f"dk = {dk}, dv = {dv}, T' <= {MAX_WINDOW}; got k {tuple(k_prev.shape)}, z {tuple(verified.z.shape)}"
-                f" {verified.z.dtype}, g_cum {tuple(verified.g_cum.shape)}, m {tuple(num_committed.shape)}")
-        if any(x.data_ptr() == y.data_ptr() for x in (verified.z, verified.g_cum)
-               for y in (outputs.z, outputs.g_cum)):
-            raise ValueError("the pending verification's z / g_cum are this call's outputs: a program would read a "
-                             "head's pending G after another overwrote it; alternate two output sets")
-        pk, pz, pg, pm = k_prev, verified.z, verified.g_cum, num_committed
-        pk_strides = k_prev.stride()[:3]
-    else:
-        pk = pz = pg = pm = g  # never read
-        pk_strides = (0, 0, 0)
     out, z, g_cum = outputs.out, outputs.z, outputs.g_cum
     block_v = block_v or default_bv
     block_k = min(block_k or default_bk, _padded(dk))
     grid = (triton.cdiv(dv, block_v), num_v_heads, batch)
     _verify_kernel[grid](
-        q, k, v, g, beta, state, out, z, g_cum, valid_len if valid_len is not None else g, pk, pz, pg, pm,
+        q, k, v, g, beta, state, out, z, g_cum, valid_len if valid_len is not None else g,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride(), *beta.stride(), *state.stride()[:3],
-        *pk_strides, num_v_heads, num_v_heads // num_k_heads, dk, dv, scale,
-        T=t, TP=t_prev, HAS_VALID=valid_len is not None, PENDING=pending is not None, BT=MAX_WINDOW,
-        BK=_padded(dk), BKC=block_k, BV=block_v,
-        PRECISION=precision,
-        RECURRENT_UPTO=upto if kernel == "auto" and valid_len is not None and pending is None else 0,
+        num_v_heads, num_v_heads // num_k_heads, dk, dv, scale,
+        T=t, HAS_VALID=valid_len is not None, BT=MAX_WINDOW, BK=_padded(dk), BKC=block_k, BV=block_v,
+        PRECISION=precision, RECURRENT_UPTO=upto if kernel == "auto" and valid_len is not None else 0,
         DYNAMIC=not triton.knobs.runtime.interpret, num_warps=num_warps or default_warps,
     )
     return outputs
-
 
 
 def _empty_verify_result(batch, t, num_v_heads, dv, dtype, device) -> GDNVerifyResult:
@@ -763,11 +678,9 @@ def launch_commit(
     block_c: int = 256,
     num_warps: int = 4,
     precision: str = "ieee",
-    conv_only: bool = False,
 ) -> None:
     """One launch over all layers: S_m into `states` (fold of k/z/g_cum when z is given, else copy of
-    sources[l][b, m-1]) and the conv roll. Layers must share layouts (checked). conv_only: the conv roll alone (the
-    states' commit rides in the next verification: `gdn_commit_verify_triton`).
+    sources[l][b, m-1]) and the conv roll. Layers must share layouts (checked).
 
     Each program updates a [dk, block_v] state tile (default 64 columns) in [block_k, block_v] slices; the fold's
     dots take `tl.dot` precision `precision` ("ieee", "tf32x3" or "bf16x6")."""
@@ -789,7 +702,7 @@ def launch_commit(
     block_k = min(block_k, _padded(dk))
     block_v = block_v or min(64, triton.next_power_of_2(dv))
     nv = triton.cdiv(dv, block_v)
-    n_state_programs = 0 if conv_only else n_layers * batch * num_v_heads * nv
+    n_state_programs = n_layers * batch * num_v_heads * nv
     n_conv_programs = n_layers * batch * triton.cdiv(channels, block_c)
     src_strides = (*src.stride()[:3], 0) if fold else (*src.stride()[:3], src.stride(3))
     z_strides = z[0].stride()[:3] if fold else (0, 0, 0)
@@ -840,15 +753,6 @@ def commit_gdn_states_triton(
         num_warps=num_warps,
         precision=precision,
     )
-
-
-def commit_conv_states_triton(layers: list[PendingGDNLayer], num_committed: torch.Tensor) -> None:
-    """The conv roll of every layer in ONE launch, the states left as they are: the round end of folded
-    verifications, whose state commit runs inside the next `gdn_commit_verify_triton`."""
-    if layers:
-        launch_commit([layer.state for layer in layers], [_last_dim_contiguous(layer.k) for layer in layers],
-                      [layer.conv_state for layer in layers], [layer.conv_input for layer in layers], num_committed,
-                      layers[0].k.shape[2], conv_only=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------
