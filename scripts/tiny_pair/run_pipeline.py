@@ -100,6 +100,9 @@ def main(argv=None) -> None:
     parser.add_argument("--drafter-batch-size", type=int, default=32)
     parser.add_argument("--drafter-lr", type=float, default=1e-3)
     parser.add_argument("--target-dir", default=None, help="use this trained target and skip stage 1")
+    parser.add_argument("--init-target", default=None,
+                        help="stage 1 continues this trained target (a saved folder) with the unlikelihood stage "
+                             "alone (--ul-budget-s), no pre-training; the drafter stages follow unless --target-only")
     parser.add_argument("--init-drafter", default=None, help="continue training this drafter (a saved folder)")
     parser.add_argument("--target-only", action="store_true", help="stop after stage 1 (the target comes back)")
     parser.add_argument("--ul-budget-s", type=float, default=120.0,
@@ -107,8 +110,12 @@ def main(argv=None) -> None:
     parser.add_argument("--ul-lr", type=float, default=3e-4)
     parser.add_argument("--ul-alpha", type=float, default=1.0)
     parser.add_argument("--ul-distinct-goal", type=float, default=0.72)
+    parser.add_argument("--ul-steps-per-round", type=int, default=4,
+                        help="updates per round of greedy continuations (train_target.py --ul-steps-per-round)")
     parser.add_argument("--smoke", action="store_true", help="toy sizes for a CPU dry run")
     args = parser.parse_args(argv)
+    if args.target_dir and args.init_target:
+        parser.error("--target-dir (use a target as it is) and --init-target (train it further) exclude each other")
     work, out, data_dir = Path(args.work), Path(args.out), Path(args.data_dir)
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
@@ -146,7 +153,9 @@ def train_target_stage(args, target_dir: Path, work: Path, out: Path, data_dir: 
     cli = ["--data", str(data_dir / "corpus.safetensors"), "--out", str(target_dir),
            "--log", str(work / "target_log.json"), "--time-budget-s", str(args.target_budget_s),
            "--ul-budget-s", str(args.ul_budget_s), "--ul-lr", str(args.ul_lr), "--ul-alpha", str(args.ul_alpha),
-           "--ul-distinct-goal", str(args.ul_distinct_goal)]
+           "--ul-distinct-goal", str(args.ul_distinct_goal), "--ul-steps-per-round", str(args.ul_steps_per_round)]
+    if args.init_target:
+        cli += ["--init-from", args.init_target, "--skip-pretraining"]
     if args.smoke:
         cli += ["--steps", "3", "--batch-size", "2", "--seq-len", "64", "--eval-every", "2", "--eval-windows", "2",
                 "--heldout-max-windows", "4", "--warmup-steps", "1", "--log-every", "1", "--ul-prompts", "4",
