@@ -187,6 +187,24 @@ def walk(strategy: str, options: dict, latency, estimator, prompt: dict, warm=No
             "ar_seconds": (n - 1) * cost_ar, "tokens": n}
 
 
+def oracle(latency, prompt: dict) -> dict:
+    """The fastest walk along a prompt's text for a selector that knew every round's outcome beforehand: at each
+    position a plain step or a drafted round of the best w (dynamic programming over positions, the same costs and
+    rules as `walk`). No selector can beat it with these round costs and this pair's acceptance: an upper bound."""
+    cost, cost_ar = latency.cost[0].double().tolist(), float(latency.cost_ar[0])
+    block, n = latency.block_size, prompt["n"]
+    best = [0.0] * (n + 1)  # best[m]: least seconds from m tokens made to n
+    drafted = [0] * (n + 1)
+    for made in range(n - 1, 0, -1):
+        best[made], drafted[made] = cost_ar + best[made + 1], drafted[made + 1]
+        a = int(prompt["a"][made - 1]) if n - made > 1 else 0
+        for w in range(2, min(block, n - made) + 1) if n - made > 1 else ():
+            emitted = min(a, w - 1) + 1
+            if cost[w - 1] + best[made + emitted] < best[made]:
+                best[made], drafted[made] = cost[w - 1] + best[made + emitted], drafted[made + emitted] + 1
+    return {"seconds": best[1], "drafted": drafted[1], "ar_seconds": (n - 1) * cost_ar, "tokens": n}
+
+
 def simulate(args) -> None:
     from hybridspec_hf import HybridSpecConfig
     from hybridspec_hf.generation.strategy import _estimator
@@ -222,6 +240,14 @@ def simulate(args) -> None:
                      f"{min(ratios):.3f} / {sum(x < 0.97 for x in ratios)} | {tau:.2f} | {drafted} / "
                      f"{report[name]['rounds']} |")
         print(lines[-1], flush=True)
+    runs = [oracle(latency, p) for p in prompts]
+    ratios = [r["ar_seconds"] / r["seconds"] for r in runs]
+    total = sum(r["ar_seconds"] for r in runs) / sum(r["seconds"] for r in runs)
+    report["oracle"] = {"x_ar": total, "per_prompt": ratios, "drafted": sum(r["drafted"] for r in runs)}
+    lines.append(f"| oracle (knows each round's outcome: the bound for any selector) | {total:.3f} | "
+                 f"{statistics.fmean(ratios):.3f} / {statistics.median(ratios):.3f} / {min(ratios):.3f} / "
+                 f"{sum(x < 0.97 for x in ratios)} | - | {report['oracle']['drafted']} drafted |")
+    print(lines[-1], flush=True)
     payload = {"title": "Verification strategies replayed position by position on the tiny pair (simulated)",
                "environment": environment(), "latency_source": str(args.latency), "results": report}
     write_results(args.name, payload, "\n".join(lines))

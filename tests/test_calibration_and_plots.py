@@ -172,6 +172,33 @@ def test_a_calibration_another_process_published_first_is_the_one_used(pair, tmp
     assert not list(tmp_path.rglob("*.tmp"))
 
 
+def test_a_cached_calibration_is_read_again_only_when_its_file_changed(pair, tmp_path, monkeypatch):
+    """Calls that find the same cache file unchanged share the model read from it (no parse per call); a file
+    rewritten since (here: `hybridspec calibrate` again, other costs) is read again, and a removed one is gone."""
+    import os
+
+    from hybridspec_hf.generation import calibration
+
+    target, drafter, _, _ = pair
+    monkeypatch.setenv("HYBRIDSPEC_CACHE", str(tmp_path))
+    key = cache_key(target, drafter, "auto")
+    model = calibrate_latency(target, drafter, context_lens=(16,), repeats=1, progress=False)
+    model.key = key
+    path = cache_path(key)
+    model.save(path)
+    first = calibration.resolve_latency_model(HybridSpecConfig(), target, drafter)
+    assert calibration.resolve_latency_model(HybridSpecConfig(), target, drafter) is first
+    model.cost = model.cost * 2.0
+    model.save(path)
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))  # a rewrite within the clock's tick
+    second = calibration.resolve_latency_model(HybridSpecConfig(), target, drafter)
+    assert second is not first and torch.allclose(second.cost, first.cost * 2.0)
+    path.unlink()
+    with pytest.raises(ValueError, match="hybridspec calibrate"):
+        calibration.resolve_latency_model(HybridSpecConfig(calibration="require"), target, drafter)
+
+
 def test_plot_helpers_draw(pair, tmp_path):
     import matplotlib
 

@@ -225,13 +225,35 @@ def _load_cached(path: Path, key: dict) -> LatencyModel | None:
     """The cached calibration; under tensor parallelism rank 0 reads it and every rank gets rank 0's copy (ranks
     must agree on whether to calibrate, since calibrating runs collective forwards)."""
     if not distributed():
-        return LatencyModel.load(path, key) if path.exists() else None
+        return _load_file(path, key)
     payload = [None]
     if torch.distributed.get_rank() == 0:
         model = LatencyModel.load(path, key) if path.exists() else None
         payload = [None if model is None else model.to_dict()]
     torch.distributed.broadcast_object_list(payload, src=0)
     return None if payload[0] is None else LatencyModel.from_dict(payload[0])
+
+
+# The models read from the cache, by path: (mtime_ns, size, key, model). A generate() call that reads the same file
+# unchanged gets the model it read before instead of parsing it again (≈ 0.3 ms of a call's set-up on a CPU).
+# LatencyModel is never changed in place (`for_batch` and `to` return new ones).
+_READ: dict[str, tuple[int, int, str, LatencyModel]] = {}
+
+
+def _load_file(path: Path, key: dict) -> LatencyModel | None:
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        _READ.pop(str(path), None)
+        return None
+    wanted = json.dumps(key, sort_keys=True)
+    hit = _READ.get(str(path))
+    if hit is not None and hit[:3] == (stat.st_mtime_ns, stat.st_size, wanted):
+        return hit[3]
+    model = LatencyModel.load(path, key)
+    if model is not None:
+        _READ[str(path)] = (stat.st_mtime_ns, stat.st_size, wanted, model)
+    return model
 
 
 def _mean_over_ranks(model: LatencyModel) -> LatencyModel:
