@@ -24,6 +24,8 @@ SWITCHES = {
                       "plain steps park the drafter's features for the next speculative round"),
     "trust-drafts": ("hybridspec_hf.selector.length_rules", "TRUST_DRAFTS",
                      "HybridSpec's draft decision trusts the drafts' G(w) until emitted tokens confirm it"),
+    "probe-net": ("hybridspec_hf.selector.length_rules", "PROBE_NET",
+                  "HybridSpec spaces its probes by their time less the plain steps their expected tokens replace"),
     "carry-evidence": ("hybridspec_hf.selector.length_rules", "CARRY_EVIDENCE",
                        "HybridSpec's resident rounds keep the speculative evidence of the calls before"),
     "pdl": ("hybridspec_hf.kernels.pdl", "ENABLED",
@@ -63,7 +65,7 @@ SWITCHES = {
 }
 
 # switches the resident rounds' key records (resident._Key): a variant needs no release of the kept rounds
-KEYED = {"defer-appends", "trust-drafts", "carry-evidence"}
+KEYED = {"defer-appends", "trust-drafts", "carry-evidence", "probe-net"}
 
 
 @contextlib.contextmanager

@@ -101,6 +101,7 @@ CALL_VARIANTS = {  # name: (selector options, what a batch round observes: simul
     "never plain": ({"allow_ar": False}, "spread"),
     "explore 0.25": ({"explore": 0.25}, "spread"),
     "explore 0.5": ({"explore": 0.5}, "spread"),
+    "probe_price gross (before 2026-12-04 evening)": ({"probe_price": "gross"}, "spread"),
 }
 WARMUP_TOKENS = 16  # batch.py's warm-up call before each timed call
 REPEATS = 3  # batch.py --repeats 3: timed calls per cell

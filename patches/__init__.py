@@ -5,6 +5,7 @@ MOE_BLOCK_CLASS, ROUTER_CLASS, `router_normalizes` (None for dense families) and
 """
 from __future__ import annotations
 
+import weakref
 from types import ModuleType
 
 import torch
@@ -102,12 +103,32 @@ def moe_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     family = family_of(model)
     if family.MOE_BLOCK_CLASS is None:
         return []
-    return [m for m in text_model(model).modules() if isinstance(m, family.MOE_BLOCK_CLASS)]
+    return _modules_of(model, family.MOE_BLOCK_CLASS)
 
 
 def gdn_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    family = family_of(model)
-    return [m for m in text_model(model).modules() if isinstance(m, family.GDN_CLASS)]
+    return _modules_of(model, family_of(model).GDN_CLASS)
+
+
+# Per model and class: the modules found under the decoder stack, with the stack's layout they were found in (the
+# decoder, its children and every decoder layer's children, by identity: the GDN layers and MoE blocks of every
+# supported family are children of a decoder layer, so replacing or wrapping one changes the layout). A generate()
+# call asks several times, and a walk over every module costs ≈ 0.1 ms on a CPU.
+_FOUND: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+def _modules_of(model: torch.nn.Module, cls: type) -> list[torch.nn.Module]:
+    """The modules of `cls` under the decoder stack, in module order (a new list; walked again when the layout
+    changed)."""
+    decoder = text_model(model)
+    layers = getattr(decoder, "layers", ())
+    tree = (id(decoder), tuple(map(id, decoder._modules.values())),
+            tuple((id(layer), tuple(map(id, layer._modules.values()))) for layer in layers))
+    found = _FOUND.setdefault(model, {})
+    hit = found.get(cls)
+    if hit is None or hit[0] != tree:
+        hit = found[cls] = (tree, [m for m in decoder.modules() if isinstance(m, cls)])
+    return list(hit[1])
 
 
 def attention_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

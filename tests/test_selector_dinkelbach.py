@@ -320,6 +320,27 @@ def test_a_new_call_keeps_the_earlier_calls_evidence_and_decides_its_first_round
         HybridSpec(latency_model(), carry_rounds=-1.0)
 
 
+def test_a_probe_is_priced_net_of_the_plain_steps_its_tokens_spare():
+    """Rounds that emit 2 tokens in 15 ms against plain steps of 6 ms: plain steps (2/15 < 1/6). A probe's extra
+    time is 15 - 2 · 6 = 3 ms ("net", the default), so at probe_share 1 % it comes after 3 / 0.06 = 50 plain steps;
+    priced as one plain step spared ("gross") after (15 - 6) / 0.06 = 150; where the rounds emit one token the two
+    agree (150)."""
+    def stretch(emitted, **options):
+        selector = HybridSpec(latency_model(cost=COST * 3, cost_ar=6e-3), routing_correction=False,
+                              probe_share=0.01, carry_rounds=0.0, draft_price="measured", **options)
+        selector.should_draft(1024)
+        survival = (0.02 ** I)[None].float()  # drafts that predict little: the plain share, not the hopeful one
+        for _ in range(INFORMED_ROUNDS):
+            w = selector.choose(survival, 1024)
+            selector.observe(w, torch.tensor([float(emitted)]), torch.tensor([15e-3]), drafted=True)
+        return int(selector.plain_run(1024)[0])
+
+    assert stretch(2) == 50 and stretch(2, probe_price="gross") == 150
+    assert stretch(1) == stretch(1, probe_price="gross") == 150
+    with pytest.raises(ValueError, match="probe_price"):
+        HybridSpec(latency_model(), probe_price="half")
+
+
 def test_probes_come_sooner_while_the_drafts_predict_that_drafting_pays():
     """Rounds whose drafts predict more tokens than a plain step would make in their time (p̂ = 0.95^i) but emit one:
     plain steps, with probes every hopeful_share-limited stretch ((15 - 6) / (0.04 * 6) -> 38) instead of the

@@ -140,9 +140,9 @@ class RoundStrategy:
             # the module-level defaults a selector read (HybridSpec's trust_tokens, carry_rounds, explore): part
             # of its decisions
             throughput = getattr(selector, "throughput", None)
-            trust, hopeful, explore = (getattr(throughput, k, None) for k in ("trust_tokens", "hopeful_share",
-                                                                             "explore"))
-            identity = (*identity, latency.digest(), trust, hopeful, explore,
+            trust, hopeful, explore, probe = (getattr(throughput, k, None) for k in (
+                "trust_tokens", "hopeful_share", "explore", "probe_price"))
+            identity = (*identity, latency.digest(), trust, hopeful, explore, probe,
                         *(getattr(selector, k, None) for k in ("carry_rounds", "draft_price")))
         selector.reset()
         carried = settings.acceptance_estimator is None and getattr(drafter, "acceptance_estimator", None) is not None

@@ -182,6 +182,10 @@ EXPLORE = 0.0
 # calibrated C_ar: "calibrated" (its C(w), like for like: a machine running slower or faster than when it was calibrated
 # moves both alike) or "measured" (its measured time; ρ takes the measured times either way).
 DRAFT_PRICE = "calibrated"
+# What a probe (a speculative round after a stretch of plain steps) costs when spacing probes: True ("net"), its
+# time less the plain steps its expected tokens replace; False ("gross", before 2026-12-04), its time less one plain
+# step (DinkelbachThroughput._stretch; the benchmarks' probe-net A/B switch)
+PROBE_NET = True
 
 
 class HybridSpec(_Calibrated):
@@ -193,7 +197,8 @@ class HybridSpec(_Calibrated):
     decision trusts the estimator's G(w) before the emitted tokens have confirmed it; 0: the emitted tokens alone);
     carry_rounds: the evidence a new call of the resident rounds keeps (`restart`); explore: the draft decision's
     optimism for what fading evidence no longer rules out (DinkelbachThroughput._spec_gain); draft_price: what a
-    speculative round costs in the draft decision ("calibrated": its C(w); "measured": its measured time).
+    speculative round costs in the draft decision ("calibrated": its C(w); "measured": its measured time);
+    probe_price: how probes are spaced ("net" or "gross", DinkelbachThroughput._stretch; None: PROBE_NET).
     allow_ar=False always drafts.
     """
 
@@ -204,12 +209,13 @@ class HybridSpec(_Calibrated):
                  prior_rounds: float = 4.0, allow_ar: bool = True, probe_share: float = 0.01,
                  trust_tokens: float | None = None, hopeful_share: float = HOPEFUL_SHARE,
                  carry_rounds: float | None = None, explore: float = EXPLORE,
-                 draft_price: str = DRAFT_PRICE):
+                 draft_price: str = DRAFT_PRICE, probe_price: str | None = None):
         super().__init__(latency_model)
         if draft_price not in ("calibrated", "measured"):
             raise ValueError(f"draft_price must be 'calibrated' or 'measured', got {draft_price!r}: the seconds a "
                              "speculative round is priced at when deciding whether to draft, next to C_ar.")
         self.draft_price = draft_price
+        probe_price = ("net" if PROBE_NET else "gross") if probe_price is None else probe_price
         trust_tokens = (TRUST_TOKENS if TRUST_DRAFTS else 0.0) if trust_tokens is None else trust_tokens
         carry_rounds = (CARRY_ROUNDS if CARRY_EVIDENCE else 0.0) if carry_rounds is None else carry_rounds
         if carry_rounds < 0:
@@ -221,7 +227,7 @@ class HybridSpec(_Calibrated):
         self.name = "hybridspec" if routing_correction else "nominal"
         self.throughput = DinkelbachThroughput(forgetting, draft_forgetting, probe_every, prior_rounds, probe_share,
                                                trust_tokens, max(hopeful_share, probe_share), INFORMED_ROUNDS,
-                                               explore)
+                                               explore, probe_price)
         self._batch = None  # a batch_state() before the streams exist
 
     @property
