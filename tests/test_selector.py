@@ -115,6 +115,32 @@ def test_predicted_delta_latency_formula():
     assert delta[3] == float("inf")  # w0 = B: there is no extra token
 
 
+def test_the_routing_correction_is_armed_only_where_it_can_keep_a_token():
+    """Without an expert term (η = 0) and without sunk stage-0 costs, the correction's test of the extra token is the
+    length choice's marginal test of w0 + 1, which the chosen w0 already failed: it never keeps (random survivals,
+    costs, ρ and contexts), and HybridSpec runs without it (`correction_can_act`); with η > 0 or sunk > 0 it can
+    keep, and stays armed."""
+    from hybridspec_hf.generation.strategy import correction_can_act
+    from hybridspec_hf.selector.routing import extra_survival
+
+    g = torch.Generator().manual_seed(5)
+    plain = synthetic_model()
+    plain.sunk.zero_()
+    for _ in range(200):
+        survival = torch.rand(4, B - 1, generator=g).cumprod(-1)
+        rho = torch.rand(4, generator=g) * 900
+        ctx = torch.randint(16, 9000, (4,), generator=g)
+        w0 = select_length(survival, plain.cost_for(ctx), rho)
+        delta = predicted_delta_latency(plain, w0, torch.randint(0, 5, (4,), generator=g), ctx)
+        assert not keep_extra_token(extra_survival(survival, w0), rho, delta).any()
+    assert not correction_can_act(HybridSpec(plain))
+    assert correction_can_act(HybridSpec(synthetic_model()))  # sunk stage-0 costs
+    experts = fit_expert_model([routing_observation(torch.Generator().manual_seed(s)) for s in range(30)], 32)
+    priced = synthetic_model(eta=3e-5, experts=experts)
+    priced.sunk.zero_()
+    assert correction_can_act(HybridSpec(priced))
+
+
 # ---------------------------------------------------------------------------------------------- latency model
 def routing_observation(g, layers=3, w=B, top_k=4, num_experts=32):
     """Tokens of a few "topics": a topic fixes its expert set in every layer, so layer 0 predicts later layers."""

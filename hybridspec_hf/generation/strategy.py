@@ -60,6 +60,23 @@ class Choice:
         self.correction(ids, self.n_new, self.keep, self.valid)
 
 
+def correction_can_act(selector) -> bool:
+    """Whether the routing correction can ever keep the extra token under the selector's latency model.
+
+    It keeps d_{w0} iff p̂_{w0} > ρ·ΔL, ΔL = C(w0+1) - C(w0) - s(w0) + η·(n̄_all(w0 | n_new) - n̄_all(w0))
+    (selector/routing.py). Without an expert term (η = 0: a calibration that measured no cost per distinct expert,
+    as on a CPU, whose experts run densely) and without sunk stage-0 costs (s = 0), that is the length choice's own
+    marginal test of w0 + 1 at the same ρ and p̂, which w0, the argmax of G(w) - ρ·C(w), already failed: the extra
+    token would be verified through stage 0 and the routing masks of every MoE layer, then always dropped. Such a
+    selector runs without the correction (its rounds verify w0 tokens, as "nominal"). Selectors without a latency
+    model keep it."""
+    model = getattr(selector, "latency_model", None)
+    if model is None:
+        return True
+    priced_experts = model.experts is not None and model.eta != 0.0
+    return bool(priced_experts or bool((model.sunk != 0).any()))
+
+
 class RoundStrategy:
     """How a strategy's rounds choose and verify w. `mode` is the one notion of it:
 
@@ -154,8 +171,8 @@ class RoundStrategy:
         if carried:  # the drafter's own estimator: part of what the decisions depend on
             identity = (*identity, json.dumps(estimator.to_dict()))
         shape = resolved_verify_shape(settings, next(target.parameters()).device)
-        return cls(name, None, selector, estimator, bool(selector.routing_correction and has_router), shape,
-                   settings.kernel_backend, identity)
+        corrects = bool(selector.routing_correction and has_router and correction_can_act(selector))
+        return cls(name, None, selector, estimator, corrects, shape, settings.kernel_backend, identity)
 
     def identity(self) -> tuple:
         """Strategies with equal identities take the same decisions from the same device state."""

@@ -360,8 +360,8 @@ class DinkelbachThroughput:
         a medium acceptance: calls that stepped plain after a bad first round stayed plain to their end, 1.0× AR
         against 1.6× when drafting, run 56 of benchmarks/results/gpu_rounds_runs.md). [batch].
 
-        A probe's extra time with probe_price "net" (the default) is spec_cost - g·cost_ar, g the tokens the
-        speculative rounds' mean says it yields (at least 1): its tokens spare that many plain steps, so near
+        A probe's extra time with probe_price "net" (the default) is spec_cost - g·cost_ar, g the speculative
+        rounds' mean emitted tokens (at least 1): a probe's tokens spare that many plain steps, so near
         break-even (g·cost_ar just under spec_cost) probes are cheap and come every probe_every steps, and where
         drafting fails (g near 1) they are as rare as with "gross", spec_cost - cost_ar (one plain step spared).
         Simulated (position_sim.py, selector_sim.py): the tiny pair's held-out text on this CPU 1.504 → 1.539× AR,
@@ -369,11 +369,12 @@ class DinkelbachThroughput:
         predicted = self.spec_expected / self.spec_weight.clamp(min=1e-12)
         hopeful = self._worth(predicted, self.rows_left) * cost_ar > spec_cost
         share = torch.where(hopeful, self.hopeful_share, self.probe_share)
-        # "net": the tokens a probe is expected to yield (the speculative rounds' mean, as the draft decision
-        # counts them, at least the one a plain step makes) would have taken that many plain steps
+        # "net": the tokens a probe is expected to yield (the speculative rounds' mean emitted tokens per row, at
+        # least the one a plain step makes) would have taken that many plain steps. The mean of the discounted sums
+        # keeps its value through a plain stretch (one decay for all), so `plain_run` prices every step alike
         replaced = 1.0
         if self.probe_price == "net":
-            replaced = self._worth(self._spec_gain(1.0), self.rows_left).clamp(min=1.0)
+            replaced = (self.spec_tokens / self.spec_weight.clamp(min=1e-12)).clamp(min=1.0)
         return ((spec_cost - replaced * cost_ar).clamp(min=0) / (share * cost_ar)).ceil().clamp(min=self.probe_every)
 
     def _spec_gain(self, scale) -> torch.Tensor:
