@@ -51,7 +51,6 @@ VARIANTS = {  # name: (strategy, selector options)
     "hybridspec, explore 1": ("nominal", {"explore": 1.0}),
     "hybridspec, probe_price gross": ("nominal", {"probe_price": "gross"}),
     "hybridspec, probe_price gross, explore 0.5": ("nominal", {"probe_price": "gross", "explore": 0.5}),
-    "hybridspec, explore 0.5 (net)": ("nominal", {"explore": 0.5}),
 }
 
 

@@ -73,8 +73,7 @@ def correction_can_act(selector) -> bool:
     model = getattr(selector, "latency_model", None)
     if model is None:
         return True
-    priced_experts = model.experts is not None and model.eta != 0.0
-    return bool(priced_experts or bool((model.sunk != 0).any()))
+    return model.prices_experts or bool((model.sunk != 0).any())
 
 
 class RoundStrategy:

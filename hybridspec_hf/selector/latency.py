@@ -108,6 +108,11 @@ class LatencyModel:
     def block_size(self) -> int:
         return self.cost.shape[1]
 
+    @property
+    def prices_experts(self) -> bool:
+        """Whether the model charges for distinct experts: an expert model with η ≠ 0 (the η term of ΔL)."""
+        return self.experts is not None and self.eta != 0.0
+
     def for_batch(self, batch: int) -> "LatencyModel":
         """The model a batch of `batch` rows chooses with (see the module docstring): this one for 1 row or without
         batch tables, else one whose cost and cost_ar are the tables of the smallest measured batch ≥ `batch` (the

@@ -157,8 +157,9 @@ class DinkelbachThroughput:
     prices the choice of w). While AR is chosen nothing new is learnt about speculation, so after a stretch of consecutive AR
     rounds one round is speculative anyway (a probe); since the speculative averages are discounted every round, a
     probe after a long AR stretch dominates them and can switch drafting back on at once. The stretch is at least
-    `probe_every` rounds, and long enough that a probe's extra time (a speculative round's recent cost over a plain
-    step's) is at most `probe_share` of the plain steps' time since the last speculative round: where drafting is
+    `probe_every` rounds, and long enough that a probe's extra time (a speculative round's recent cost less the plain
+    steps its mean tokens spare, `_stretch`) is at most `probe_share` of the plain steps' time since the last
+    speculative round: where drafting is
     dear next to a plain step (a batch's rounds: run 37 measured C_16(1) = 27 ms against C_ar = 5.8–11.6 ms), a probe
     every 16 steps cost a fifth of the time. The default share, 1 %, puts a probe every ≈ 73 plain steps at batch 1 on
     the H200 (5.1 against 2.95 ms) and ≈ 135 at batch 16 (27 against 11.5 ms): at 3 % the probes alone kept

@@ -45,7 +45,7 @@ def predicted_delta_latency(latency_model: LatencyModel, w0: torch.Tensor, n_new
     i = (w0.long() - 1).clamp(0, B - 2).unsqueeze(1)  # [batch, 1] index of C(w0)
     step = cost.gather(1, i + 1) - cost.gather(1, i) - sunk.gather(1, i)
     delta = step.squeeze(1)  # [batch]
-    if latency_model.experts is not None and latency_model.eta != 0.0:
+    if latency_model.prices_experts:
         delta = delta + latency_model.eta * latency_model.experts.extra_delta(w0, n_new)
     return torch.where(w0 >= B, torch.full_like(delta, float("inf")), delta)
 
