@@ -47,15 +47,23 @@ def test_calibration_prices_a_calls_steady_rounds_not_its_first(pair, monkeypatc
 
 
 @pytest.mark.parametrize("cuda_graphs", ["off", "uncaptured"])
-def test_calibration_rounds_run_hybridspecs_selector_work_at_the_forced_length(pair, cuda_graphs):
-    """The timed rounds cost what HybridSpec's rounds cost at that w: its choice, routing correction (stage 0 runs the
-    extra token, which is dropped) and throughput update all run, on the eager loop and the resident rounds' CPU
-    twin, while every drafted round verifies exactly the forced w and the output stays AR's."""
-    from hybridspec_hf.generation.calibration import ForcedLength, shadow_selector
+@pytest.mark.parametrize("dense", [True, False], ids=["dense_experts", "routed_experts"])
+def test_calibration_rounds_run_hybridspecs_selector_work_at_the_forced_length(pair, cuda_graphs, dense, monkeypatch):
+    """The timed rounds cost what HybridSpec's rounds cost at that w: its choice and throughput update run, and its
+    routing correction (stage 0 runs the extra token, which is dropped) where HybridSpec's rounds can correct, on the
+    eager loop and the resident rounds' CPU twin, while every drafted round verifies exactly the forced w and the
+    output stays AR's. A target that verifies with dense experts (a CPU) never corrects (η = 0: a round costs the
+    same whichever experts it routes to), so its calibration runs no correction either; one whose experts are routed
+    (a GPU; here the CPU's dense path switched off) runs it."""
+    from hybridspec_hf import patches
+    from hybridspec_hf.generation.calibration import ForcedLength, dense_verification, shadow_selector
 
     target, drafter, prompt, reference = pair
+    if not dense:
+        monkeypatch.setattr(patches, "cpu_verification_blocks", lambda blocks, num_tokens: [])
+    assert dense_verification(target, drafter.config.block_size) == dense
     shadow = shadow_selector(target, drafter.config.block_size)
-    assert shadow.name == "hybridspec" and shadow.routing_correction
+    assert shadow.name == ("nominal" if dense else "hybridspec") and shadow.routing_correction == (not dense)
     calls = {"choose": 0, "keep_extra": 0, "observe": 0}
     for name in calls:
         def counted(*args, _name=name, _method=getattr(shadow, name), **kwargs):
@@ -71,11 +79,12 @@ def test_calibration_rounds_run_hybridspecs_selector_work_at_the_forced_length(p
     rounds = []
     for r in hybridspec_hf.get_telemetry(target).rounds:
         if r.drafted:  # the forced w, or the room left before max_length
-            assert r.w == min(3, max_length - length) and r.extra_kept is False
+            assert r.w == min(3, max_length - length) and r.extra_kept is (None if dense else False)
             rounds.append(r)
         length += r.emitted
     assert rounds
-    assert calls["choose"] == calls["keep_extra"] == len(rounds) and calls["observe"] >= len(rounds)
+    assert calls["choose"] == len(rounds) and calls["observe"] >= len(rounds)
+    assert calls["keep_extra"] == (0 if dense else len(rounds))
     assert shadow.throughput.tokens is not None  # its streams learned (and are discarded)
 
 

@@ -183,6 +183,44 @@ def test_out_of_range_w0_from_a_custom_selector_is_clamped(w0, routing_correctio
     assert {r.w0 for r in drafted} == {1} if w0 < 1 else drafted[0].w0 == 8
 
 
+@pytest.mark.parametrize("routing_correction", [False, True])
+@pytest.mark.parametrize("verify_shape", ["max", "exact"])
+def test_masks_only_where_a_token_can_be_past_the_valid_length(routing_correction, verify_shape, monkeypatch,
+                                                               fp64_gdn):
+    """A round masks tokens past its valid length (the experts hooks, the GDN layers' valid_len) only where some can
+    be: with the routing correction (its extra token may be dropped) or the max shape (B tokens, w0 of them valid).
+    One row verifying exactly its w0 ("exact", no correction: a CPU's HybridSpec) masks nothing, and gives AR's
+    output."""
+    from hybridspec_hf.generation.target import TargetRunner
+
+    seen = {"valid": [], "armed": 0}
+    verify, arm = TargetRunner.verify, loop.VerifyWindow.arm
+
+    def spy_verify(self, tokens, valid=None):
+        seen["valid"].append(valid)
+        return verify(self, tokens, valid)
+
+    def spy_arm(self, choice):
+        seen["armed"] += 1
+        return arm(self, choice)
+
+    monkeypatch.setattr(TargetRunner, "verify", spy_verify)
+    monkeypatch.setattr(loop.VerifyWindow, "arm", spy_arm)
+    target = make_target("qwen3_5_moe")
+    prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(2))
+    ar = reference(target, prompt, 20)
+    drafter = make_drafter(target, 8, ar.sequences, error_rate=0.2)
+    out = target.generate(prompt, do_sample=False, max_new_tokens=20, assistant_model=drafter,
+                          generation_strategy="hybridspec",
+                          hybridspec_config=HybridSpecConfig(selector=ConstantSelector(3, routing_correction),
+                                                             verify_shape=verify_shape))
+    assert_same_as_ar(out, ar)
+    drafted = sum(r.drafted for r in hybridspec_hf.get_telemetry(target).rounds)
+    masks = routing_correction or verify_shape == "max"
+    assert drafted > 1 and seen["armed"] == (drafted if masks else 0)
+    assert sum(v is not None for v in seen["valid"]) == (drafted if masks else 0)
+
+
 def test_dropped_extra_token_reads_no_new_experts(fp64_gdn):
     """Tokens beyond the valid length reuse token 0's experts with weight 0 in every MoE layer (stage 1)."""
     from hybridspec_hf import patches

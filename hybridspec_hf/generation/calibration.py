@@ -135,23 +135,38 @@ class ForcedLength(LengthSelector):
             self.shadow.batch_state(rows, left)
 
 
+def dense_verification(target, block_size: int) -> bool:
+    """Whether every MoE layer of the target verifies a block of up to `block_size` tokens with dense experts (on a
+    CPU: patches.cpu_verification_blocks). A round then costs the same whichever experts its tokens route to: η is
+    0 by construction, and the routing correction, which prices extra distinct experts, can never keep a token
+    (strategy.correction_can_act)."""
+    blocks = patches.moe_blocks(target)
+    return bool(blocks) and len(patches.cpu_verification_blocks(blocks, block_size)) == len(blocks)
+
+
 def shadow_selector(target, block_size: int) -> LengthSelector:
     """The selector whose device work calibration rounds run beside the forced length (`ForcedLength`): HybridSpec's
-    own, with the routing correction where the target has MoE routers, over a placeholder latency model (the
-    values do not change which kernels run). "nominal" and "ratio" read the same calibration, so their C(w) carries
-    this work too (a little above their own: their rounds run less of it)."""
+    own, with the routing correction where the target has MoE routers whose experts a verification does not run
+    densely, over a placeholder latency model (the values do not change which kernels run). Where they run densely
+    (`dense_verification`) HybridSpec's rounds never correct, and rounds timed with the correction (stage 0 on an
+    extra token, the routing masks of every MoE layer, the GDN layers' valid-length masks) priced the tiny pair's
+    drafted rounds on a CPU ≈ 2 ms (10 %) above what they cost, so that HybridSpec stepped plain where drafting
+    paid. "nominal" and "ratio" read the same calibration, so their C(w) carries this work too (a little above their
+    own: their rounds run less of it)."""
     cost = torch.linspace(1.0, 2.0, block_size).unsqueeze(0) * 1e-3
     placeholder = LatencyModel(cost=cost, cost_ar=torch.tensor([0.8e-3]), context_lens=torch.tensor([64]))
-    return make_selector("hybridspec" if patches.moe_blocks(target) else "nominal", {"latency_model": placeholder})
+    corrects = bool(patches.moe_blocks(target)) and not dense_verification(target, block_size)
+    return make_selector("hybridspec" if corrects else "nominal", {"latency_model": placeholder})
 
 
 # what a cached calibration was measured with, besides the model and the libraries: bumped when the measurement
 # changes (2: batch tables timed on rounds that verified the forced w; kernels launched with PDL; 3: the rounds run
 # HybridSpec's selector work beside the forced length, `ForcedLength.shadow`; 4: that work compiled on CUDA,
 # HybridSpecConfig.compile_decisions; 5: that compile no longer fails on CUDA, run 83; 6: a call's first round, after
-# its prefill, not timed), so that a cache written
+# its prefill, not timed; 7: no routing correction in the timed rounds where verification runs dense experts, CPU),
+# so that a cache written
 # before is measured again instead of being read
-CALIBRATION_REVISION = 6
+CALIBRATION_REVISION = 7
 
 
 def cache_key(target, drafter, kernel_backend: str, verify_shape: str | None = None,
@@ -402,7 +417,8 @@ def calibrate_latency(
         experts = fit_expert_model(observations, num_experts=blocks[0].experts.num_experts
                                    if hasattr(blocks[0].experts, "num_experts") else None)
         distinct = [float(_distinct_total(obs)) for obs in observations]
-        eta = fit_eta([s for _, s, _ in samples[: len(distinct)]], distinct, [w for w, _, _ in samples[: len(distinct)]])
+        eta = 0.0 if dense_verification(target, block_size) else fit_eta(  # dense experts: no cost per expert
+            [s for _, s, _ in samples[: len(distinct)]], distinct, [w for w, _, _ in samples[: len(distinct)]])
         model = dataclasses.replace(model, experts=experts, eta=eta)
     if any(n > 1 for n in batch_sizes):
         model = calibrate_batches(model, target, drafter, sorted({n for n in batch_sizes if n > 1}), prompt,

@@ -60,9 +60,15 @@ def draft_signals(draft_logits: torch.Tensor) -> dict[str, torch.Tensor]:
     if draft_logits.is_cuda and fused_kernels_active():  # inside resident rounds: one launch, not ≈ 30
         return draft_signals_fused(draft_logits)
     logp = draft_logits.float().log_softmax(-1)  # [batch, B-1, V] fp32
-    top2 = logp.topk(2, dim=-1).values.exp()  # [batch, B-1, 2]
-    entropy = torch.special.entr(logp.exp()).sum(-1)  # [batch, B-1]; entr(0) = 0, no 0·log 0 NaN
-    return {"top1": top2[..., 0], "margin": top2[..., 0] - top2[..., 1], "entropy": entropy}
+    probs = logp.exp()
+    # -Σ p·log p with masked (-inf) logits counted as 0·(finite) = 0, not 0·(-inf) = NaN. Not special.entr, and
+    # the runner-up as the maximum once the top entry is set aside, not topk(2): on a CPU (2 threads, V = 4096,
+    # 15 positions) those two took 170 of the signals' 190 µs (these ops: 90 µs)
+    entropy = -(probs * logp.clamp(min=-1e30)).sum(-1)  # [batch, B-1]
+    top1, index = probs.max(-1, keepdim=True)
+    second = probs.scatter(-1, index, -1.0).amax(-1)  # a tie with the maximum elsewhere: margin 0
+    top1 = top1.squeeze(-1)
+    return {"top1": top1, "margin": top1 - second, "entropy": entropy}
 
 
 def signal_features(signals: Mapping[str, torch.Tensor]) -> torch.Tensor:
