@@ -88,6 +88,34 @@ def test_calibration_rounds_run_hybridspecs_selector_work_at_the_forced_length(p
     assert shadow.throughput.tokens is not None  # its streams learned (and are discarded)
 
 
+@pytest.mark.parametrize("eta", [0.0, 2e-5])
+def test_calibration_retimes_the_rounds_without_a_correction_its_model_never_lets_act(pair, eta, monkeypatch):
+    """Routed experts (a GPU; here the CPU's dense path switched off): the timed rounds run the routing correction.
+    Where the fitted model then prices no distinct expert (η = 0, nothing sunk), HybridSpec's rounds will not
+    correct (strategy.correction_can_act), so C(w) is timed again without it, the expert model and η kept; where it
+    prices them, once."""
+    from hybridspec_hf import patches
+    from hybridspec_hf.generation import calibration
+
+    target, drafter, _, _ = pair
+    monkeypatch.setattr(patches, "cpu_verification_blocks", lambda blocks, num_tokens: [])
+    monkeypatch.setattr(calibration, "fit_eta", lambda *args, **kwargs: eta)
+    timed = []  # whether each timed call's rounds ran the correction
+    forced_set = calibration.ForcedLength.set
+
+    def spy(self, w):
+        timed.append(self.routing_correction)
+        return forced_set(self, w)
+
+    monkeypatch.setattr(calibration.ForcedLength, "set", spy)
+    model = calibrate_latency(target, drafter, context_lens=(16,), repeats=1, progress=False)
+    assert model.eta == eta and model.experts is not None and model.prices_routing == (eta > 0)
+    assert timed[0] and sorted(set(timed)) == ([False, True] if eta == 0 else [True])
+    if eta == 0:  # the first pass with the correction, the second without, one call per shape each
+        first = timed.index(False)
+        assert all(timed[:first]) and not any(timed[first:]) and len(timed) == 2 * first
+
+
 def test_calibration_compiles_the_shadows_decisions_as_resident_rounds_do(pair):
     """With compile_decisions (on CUDA by default) the timed rounds run the shadow's decisions compiled, as a
     compiled HybridSpec round runs them, once for the whole calibration; the forced length's own work stays eager

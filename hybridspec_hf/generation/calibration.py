@@ -139,12 +139,12 @@ def dense_verification(target, block_size: int) -> bool:
     """Whether every MoE layer of the target verifies a block of up to `block_size` tokens with dense experts (on a
     CPU: patches.cpu_verification_blocks). A round then costs the same whichever experts its tokens route to: η is
     0 by construction, and the routing correction, which prices extra distinct experts, can never keep a token
-    (strategy.correction_can_act)."""
+    (LatencyModel.prices_routing)."""
     blocks = patches.moe_blocks(target)
     return bool(blocks) and len(patches.cpu_verification_blocks(blocks, block_size)) == len(blocks)
 
 
-def shadow_selector(target, block_size: int) -> LengthSelector:
+def shadow_selector(target, block_size: int, corrects: bool | None = None) -> LengthSelector:
     """The selector whose device work calibration rounds run beside the forced length (`ForcedLength`): HybridSpec's
     own, with the routing correction where the target has MoE routers whose experts a verification does not run
     densely, over a placeholder latency model (the values do not change which kernels run). Where they run densely
@@ -152,10 +152,12 @@ def shadow_selector(target, block_size: int) -> LengthSelector:
     extra token, the routing masks of every MoE layer, the GDN layers' valid-length masks) priced the tiny pair's
     drafted rounds on a CPU ≈ 2 ms (10 %) above what they cost, so that HybridSpec stepped plain where drafting
     paid. "nominal" and "ratio" read the same calibration, so their C(w) carries this work too (a little above their
-    own: their rounds run less of it)."""
+    own: their rounds run less of it). corrects: with (True) or without (False) the correction, whatever the
+    target (None: as above)."""
     cost = torch.linspace(1.0, 2.0, block_size).unsqueeze(0) * 1e-3
     placeholder = LatencyModel(cost=cost, cost_ar=torch.tensor([0.8e-3]), context_lens=torch.tensor([64]))
-    corrects = bool(patches.moe_blocks(target)) and not dense_verification(target, block_size)
+    if corrects is None:
+        corrects = bool(patches.moe_blocks(target)) and not dense_verification(target, block_size)
     return make_selector("hybridspec" if corrects else "nominal", {"latency_model": placeholder})
 
 
@@ -362,16 +364,23 @@ def calibrate_latency(
     def run(w: int, context: int, cuda_graphs: str):
         forced.set(w)
         ids = prompt(context)
+        # A plain step makes one token, so w = 0 calls stop on max_new_tokens alone (the first round's at most B
+        # tokens, then rounds_per_call steps), without EOS: no host-side criterion, so that the resident rounds know
+        # m on the device, as a user's call does (device_commit). With AfterRounds they did not, and the tiny
+        # pair's C_ar on the H200 was priced 0.35 ms against the 0.28 its plain steps took (gpu_rounds_tiny_pair10)
+        stop = dict(max_new_tokens=block_size + rounds_per_call + 1, eos_token_id=None) if w == 0 else dict(
+            max_new_tokens=block_size * (rounds_per_call + 1), stopping_criteria=StoppingCriteriaList([AfterRounds()]))
         target.generate(
-            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=block_size * (rounds_per_call + 1),
-            assistant_model=drafter, generation_strategy="hybridspec",
-            stopping_criteria=StoppingCriteriaList([AfterRounds()]),
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, assistant_model=drafter,
+            generation_strategy="hybridspec", **stop,
             hybridspec_config=HybridSpecConfig(selector=forced, kernel_backend=kernel_backend,
                                                verify_shape=verify_shape or "auto",
                                                compile_decisions=compile_decisions,
                                                **{"cuda_graphs": cuda_graphs, **timing}),
         )
         return target.hybridspec_telemetry
+
+    record = True  # the routing and the per-shape medians that η is fitted from (the first pass only)
 
     def measure_round(w: int, context: int) -> float:
         first = len(recorder.forwards) if recorder else 0
@@ -384,7 +393,9 @@ def calibrate_latency(
         median = times[len(times) // 2]
         logger.debug("calibration w=%d context=%d (%s): rounds in order (drafted, ms) %s; median %.3f ms", w, context,
                      telemetry.path, [(r.drafted, round(r.wall_s * 1e3, 3)) for r in telemetry.rounds], median * 1e3)
-        if telemetry.path == "cuda_graphs" or routing_profile is not None:  # routing: recorded below
+        if not record:
+            pass
+        elif telemetry.path == "cuda_graphs" or routing_profile is not None:  # routing: recorded below
             medians.setdefault((w, context), []).append(median)
         elif recorder and w > 0:
             for index, r in enumerate(telemetry.rounds):  # forward 0 is the prefill
@@ -420,6 +431,14 @@ def calibrate_latency(
         eta = 0.0 if dense_verification(target, block_size) else fit_eta(  # dense experts: no cost per expert
             [s for _, s, _ in samples[: len(distinct)]], distinct, [w for w, _, _ in samples[: len(distinct)]])
         model = dataclasses.replace(model, experts=experts, eta=eta)
+    if forced.routing_correction and not model.prices_routing:
+        # HybridSpec's rounds under this model will not correct (no cost per distinct expert, nothing sunk): time
+        # C(w) again as they will run, without it. On the H200 the tiny pair's rounds (launch-bound experts, η = 0)
+        # were priced 25 % above their measured time with the correction's work in them (0.73 against 0.58 ms)
+        forced, record = ForcedLength(0, shadow_selector(target, block_size, corrects=False)), False
+        retimed = calibrate(measure_round, measured_lengths(block_size), context_lens, repeats=repeats,
+                            progress=progress)
+        model = dataclasses.replace(retimed, experts=model.experts, eta=model.eta)
     if any(n > 1 for n in batch_sizes):
         model = calibrate_batches(model, target, drafter, sorted({n for n in batch_sizes if n > 1}), prompt,
                                   context_lens, repeats, rounds_per_call, kernel_backend, verify_shape, cuda_graphs,

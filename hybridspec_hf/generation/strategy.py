@@ -73,7 +73,7 @@ def correction_can_act(selector) -> bool:
     model = getattr(selector, "latency_model", None)
     if model is None:
         return True
-    return model.prices_experts or bool((model.sunk != 0).any())
+    return model.prices_routing
 
 
 class RoundStrategy:

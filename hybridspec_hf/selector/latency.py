@@ -113,6 +113,12 @@ class LatencyModel:
         """Whether the model charges for distinct experts: an expert model with η ≠ 0 (the η term of ΔL)."""
         return self.experts is not None and self.eta != 0.0
 
+    @property
+    def prices_routing(self) -> bool:
+        """Whether the routing correction's ΔL differs from the length choice's marginal cost under this model: an
+        expert term or a sunk stage-0 cost (else the correction never keeps a token: strategy.correction_can_act)."""
+        return self.prices_experts or bool((self.sunk != 0).any())
+
     def for_batch(self, batch: int) -> "LatencyModel":
         """The model a batch of `batch` rows chooses with (see the module docstring): this one for 1 row or without
         batch tables, else one whose cost and cost_ar are the tables of the smallest measured batch ≥ `batch` (the
