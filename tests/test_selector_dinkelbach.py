@@ -369,6 +369,30 @@ def test_probes_come_sooner_while_the_drafts_predict_that_drafting_pays():
         HybridSpec(latency_model(), probe_share=0.01, hopeful_share=2.0)
 
 
+def test_a_probe_stretch_longer_than_a_call_still_ends_in_its_probe():
+    """The plain steps since the last speculative round carry into the next call with the evidence (restart with
+    carry_rounds): calls shorter than the probe's stretch still probe once the stretch has passed over them, instead
+    of restarting it with every call and never drafting again (the tiny pair on the H200, gpu_rounds_tiny_pair11)."""
+    survival = (0.95 ** I)[None].float()
+    context = torch.tensor([1024])
+    selector = HybridSpec(latency_model(cost_ar=6e-3), routing_correction=False, carry_rounds=8.0)
+    selector.restart(context)
+    for _ in range(30):  # drafting loses: one token a round
+        selector.should_draft(context)
+        w = selector.choose(survival, context)
+        selector.observe(w, torch.tensor([1.0]), COST[w - 1].float(), drafted=True)
+    call_length, calls, first = 20, 0, None
+    while calls < 50:
+        selector.restart(context)
+        calls += 1
+        k = int(selector.plain_run(context)[0])  # the call's first step is plain, k more come before a draft
+        first = k + 1 if first is None else first
+        if k + 1 < call_length:  # a draft inside this call
+            break
+    assert first > call_length  # the stretch outlasts a call
+    assert 1 < calls <= first // call_length + 1 and bool(selector.throughput.forced[0])  # its probe, in time
+
+
 def test_a_batch_discounts_its_rows_spread_at_the_decision_not_at_the_round():
     """Batch rounds' evidence keeps the rows' mean tokens and spread; the discount for the straggler is taken when
     deciding, with that moment's live rows and room: rounds observed at a short call's end (T = 6 tokens left) say
@@ -420,11 +444,15 @@ def test_evidence_after_a_long_plain_stretch_keeps_its_means_and_its_decision(fl
     for _ in range(700):
         state.update(torch.tensor([1.0]), cost_ar, torch.tensor([False]))
     weight = float(state.spec_weight[0])
-    state.restart(cost_ar, carry=8.0, informed_rounds=3)  # a new call: the probe's streak starts again
+    state.restart(cost_ar, carry=8.0, informed_rounds=3)  # a new call
     state.set_batch(rows, left)
+    assert int(state.ar_streak[0]) == 700  # the probe's streak spans calls with the evidence: a probe is due
+    assert int(state.plain_run(cost_ar)[0]) == 0 and bool(state.forced[0]) == floor  # (no floor: it "pays")
+    state.ar_streak.zero_()  # the evidence's own decision, with no probe due
     k = int(state.plain_run(cost_ar)[0])
     state.restart(cost_ar, carry=8.0, informed_rounds=3)
     state.set_batch(rows, left)
+    state.ar_streak.zero_()
     after = bool(state.draft_decision(cost_ar)[0])
     assert not before
     if floor:
