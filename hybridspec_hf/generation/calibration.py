@@ -364,15 +364,10 @@ def calibrate_latency(
     def run(w: int, context: int, cuda_graphs: str):
         forced.set(w)
         ids = prompt(context)
-        # A plain step makes one token, so w = 0 calls stop on max_new_tokens alone (the first round's at most B
-        # tokens, then rounds_per_call steps), without EOS: no host-side criterion, so that the resident rounds know
-        # m on the device, as a user's call does (device_commit). With AfterRounds they did not, and the tiny
-        # pair's C_ar on the H200 was priced 0.35 ms against the 0.28 its plain steps took (gpu_rounds_tiny_pair10)
-        stop = dict(max_new_tokens=block_size + rounds_per_call + 1, eos_token_id=None) if w == 0 else dict(
-            max_new_tokens=block_size * (rounds_per_call + 1), stopping_criteria=StoppingCriteriaList([AfterRounds()]))
         target.generate(
-            ids, attention_mask=torch.ones_like(ids), do_sample=False, assistant_model=drafter,
-            generation_strategy="hybridspec", **stop,
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=block_size * (rounds_per_call + 1),
+            assistant_model=drafter, generation_strategy="hybridspec",
+            stopping_criteria=StoppingCriteriaList([AfterRounds()]),
             hybridspec_config=HybridSpecConfig(selector=forced, kernel_backend=kernel_backend,
                                                verify_shape=verify_shape or "auto",
                                                compile_decisions=compile_decisions,

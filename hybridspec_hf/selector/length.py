@@ -234,9 +234,10 @@ class DinkelbachThroughput:
         (`informed`), else it is a forced draft, as every call's first round without a carry. ρ restarts from the AR
         prior either way. With a carry the plain steps since the last speculative round (the probe's streak) carry
         too: the evidence is as old as they say, and a stretch longer than a call still ends in its probe. Restarting
-        it with every call kept the tiny pair on the H200 plain throughout 16 calls of 128 tokens (its C_ar priced at
-        the 0.29 ms its plain steps take: a stretch of ≈ 100 steps after a warm-up whose first rounds accepted little;
-        gpu_rounds_tiny_pair11.md, 0.93× AR against DFlash's 1.31×)."""
+        it with every call kept the tiny pair on the H200 plain throughout 16 calls of 128 tokens when its C_ar was
+        priced at the 0.29 ms its plain steps take (a trial calibration; drafting then pays by ≈ 15 % only, and a
+        warm-up whose first rounds accepted little left a stretch of ≈ 100 steps: gpu_rounds_tiny_pair11.md, 0.93×
+        our AR against DFlash's 1.31×)."""
         self.tokens.fill_(float(self.prior_rounds))
         self.latency.copy_(self.prior_rounds * cost_ar.expand_as(self.latency))
         if carry > 0:
