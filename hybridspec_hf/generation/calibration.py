@@ -388,9 +388,9 @@ def calibrate_latency(
         median = times[len(times) // 2]
         logger.debug("calibration w=%d context=%d (%s): rounds in order (drafted, ms) %s; median %.3f ms", w, context,
                      telemetry.path, [(r.drafted, round(r.wall_s * 1e3, 3)) for r in telemetry.rounds], median * 1e3)
-        if not record:
-            pass
-        elif telemetry.path == "cuda_graphs" or routing_profile is not None:  # routing: recorded below
+        if not record:  # a second pass times C(w) only
+            return median
+        if telemetry.path == "cuda_graphs" or routing_profile is not None:  # routing: recorded below
             medians.setdefault((w, context), []).append(median)
         elif recorder and w > 0:
             for index, r in enumerate(telemetry.rounds):  # forward 0 is the prefill
@@ -429,7 +429,8 @@ def calibrate_latency(
     if forced.routing_correction and not model.prices_routing:
         # HybridSpec's rounds under this model will not correct (no cost per distinct expert, nothing sunk): time
         # C(w) again as they will run, without it. On the H200 the tiny pair's rounds (launch-bound experts, η = 0)
-        # were priced 25 % above their measured time with the correction's work in them (0.73 against 0.58 ms)
+        # were priced 25 % above their measured time with the correction's work in them, 3-4 % without (runs 103
+        # and 105 of benchmarks/results/gpu_rounds_runs.md)
         forced, record = ForcedLength(0, shadow_selector(target, block_size, corrects=False)), False
         retimed = calibrate(measure_round, measured_lengths(block_size), context_lens, repeats=repeats,
                             progress=progress)

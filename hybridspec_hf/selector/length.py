@@ -233,7 +233,9 @@ class DinkelbachThroughput:
         rounds observed: with `informed_rounds` of them the call's first round is decided from that evidence
         (`informed`), else it is a forced draft, as every call's first round without a carry. ρ restarts from the AR
         prior either way. With a carry the plain steps since the last speculative round (the probe's streak) carry
-        too: the evidence is as old as they say, and a stretch longer than a call still ends in its probe. Restarting
+        too: the evidence is as old as they say, and a stretch longer than a call still ends in its probe (a call that
+        ended inside a stretch `plain_run` had planned carries the planned steps: its probe may come at the next
+        call's first step, a little early). Restarting
         it with every call kept the tiny pair on the H200 plain throughout 16 calls of 128 tokens when its C_ar was
         priced at the 0.29 ms its plain steps take (a trial calibration; drafting then pays by ≈ 15 % only, and a
         warm-up whose first rounds accepted little left a stretch of ≈ 100 steps: gpu_rounds_tiny_pair11.md, 0.93×
