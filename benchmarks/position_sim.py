@@ -2,6 +2,7 @@
 
     python benchmarks/position_sim.py --record          # once: the pair's drafts at every position (≈ 5 min, CPU)
     python benchmarks/position_sim.py                   # the strategies and selector variants, simulated
+    python benchmarks/position_sim.py --sequence 6      # calls in sequence through one selector (resident carry)
 
 Greedy decoding makes a round's outcome a function of where it starts: the drafter drafts from the committed text
 and the target's features of it, so the drafts a round starting after t tokens makes, and how many of them the target
@@ -255,6 +256,104 @@ def simulate(args) -> None:
     write_results(args.name, payload, "\n".join(lines))
 
 
+class _StreakPerCall:
+    """The rule before 2026-12-04 (night): a new call of the resident rounds restarts the probe's streak, whatever
+    evidence it carries (DinkelbachThroughput.restart then zeroed it)."""
+
+    @staticmethod
+    def install(selector) -> None:
+        throughput = selector.throughput
+        restart = throughput.restart
+
+        def restart_zeroing(cost_ar, carry=0.0, informed_rounds=1):
+            restart(cost_ar, carry, informed_rounds)
+            throughput.ar_streak.zero_()
+
+        throughput.restart = restart_zeroing
+
+
+def sequence(args) -> None:
+    """Calls in sequence through one selector, as GPU-resident rounds run a user's successive generate() calls: the
+    streams restart between calls keeping `carry_rounds` of evidence, and a call whose streams hold enough evidence
+    opens with a deciding plain step (`HybridSpec.informed`), else with a drafted round. Decisions are priced with the
+    calibration of a gpu_rounds.py results file (its selector check; --prices: another's); the clock runs on that
+    file's measured rounds (C(w) of the nearest measured w, a plain step at its measured time).
+    Every order of the prompts (--sequence of them, seeded) is one sequence of calls."""
+    from hybridspec_hf.generation.strategy import _estimator
+    from hybridspec_hf.selector import LatencyModel, make_selector
+    from hybridspec_hf.tiny_pair import ASSETS_DIR
+
+    check = json.loads(Path(args.gpu_rounds).read_text())["selector_check"]
+    priced = json.loads(Path(args.prices).read_text())["selector_check"] if args.prices else check
+    decide_ar = priced["calibrated_C_ar_ms"] * 1e-3
+    latency = LatencyModel(cost=torch.tensor(priced["calibrated_C_ms"])[None] * 1e-3,
+                           cost_ar=torch.tensor([decide_ar]), context_lens=torch.tensor([256]))
+    measured = {int(w): ms * 1e-3 for w, ms in check["measured_round_ms_by_w (0 = plain step)"].items()}
+    known = sorted(w for w in measured if w > 0)
+    clock = [measured[min(known, key=lambda k: (abs(k - w), k))] if w not in measured else measured[w]
+             for w in range(1, latency.block_size + 1)]  # the nearest measured w (ties: the shorter)
+    clock_ar = measured[0]
+    estimator = _estimator(str(ASSETS_DIR / "acceptance_estimator.json"), latency.block_size)
+    prompts = [p for p in load_positions() if p["n"] > 1][: args.prompts]
+    variants = {"hybridspec (default)": False, "hybridspec, streak restarted per call (before)": True}
+    lines = [f"Calls in sequence through one selector (resident rounds' carry), {len(prompts)} held-out prompts in "
+             f"{args.sequence} seeded orders; decisions priced with {Path(args.prices or args.gpu_rounds).name}'s "
+             f"calibration (C(1) = {priced['calibrated_C_ms'][0]:.3f} ms, C(16) = {priced['calibrated_C_ms'][-1]:.3f} "
+             f"ms, C_ar = {decide_ar * 1e3:.3f} ms), the clock on {Path(args.gpu_rounds).name}'s measured rounds (a "
+             f"plain step {clock_ar * 1e3:.3f} ms). "
+             "Predictions, not timings.", "",
+             "| variant | × AR, each order | calls that drafted, each order |", "|---|---|---|"]
+    report = {}
+    for name, per_call in variants.items():
+        speedups, drafting = [], []
+        for seed in range(args.sequence):
+            selector = make_selector("nominal", {"latency_model": latency})
+            if per_call:
+                _StreakPerCall.install(selector)
+            order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(seed)).tolist()
+            seconds = ar_seconds = 0.0
+            calls_drafting = 0
+            for index in order:
+                spent, drafted = _call(selector, estimator, prompts[index], clock, clock_ar, latency.block_size)
+                seconds += spent
+                ar_seconds += (prompts[index]["n"] - 1) * clock_ar
+                calls_drafting += drafted > 0
+            speedups.append(ar_seconds / seconds)
+            drafting.append(calls_drafting)
+        report[name] = {"x_ar": speedups, "calls_drafting": drafting}
+        lines.append(f"| {name} | {' / '.join(f'{x:.3f}' for x in speedups)} | "
+                     f"{' / '.join(f'{d}' for d in drafting)} of {len(prompts)} |")
+        print(lines[-1], flush=True)
+    payload = {"title": "Calls in sequence through one selector on the tiny pair's held-out text (simulated)",
+               "environment": environment(), "clock": str(args.gpu_rounds), "prices": str(args.prices or args.gpu_rounds),
+               "results": report}
+    write_results(args.name, payload, "\n".join(lines))
+
+
+def _call(selector, estimator, prompt: dict, clock: list, clock_ar: float, block: int) -> tuple[float, int]:
+    """One generate() call of the resident rounds along a prompt's text: (seconds on the clock, drafted rounds)."""
+    context = torch.tensor([prompt["prompt_len"]])
+    selector.restart(context)
+    n, made, seconds, drafted = prompt["n"], 1, 0.0, 0
+    draft_next, plain_left = not bool(selector.informed()[0]), 0  # informed: a deciding plain step opens the call
+    while made < n:
+        left = n - made
+        if draft_next and left > 1:
+            row = made - 1
+            signals = {k: v[row: row + 1] for k, v in prompt["signals"].items()}
+            w = int(selector.choose(estimator.survival(signals), context, torch.tensor([min(block, left)]))[0])
+            w = max(1, min(w, block, left))
+            emitted = min(int(prompt["a"][row]), w - 1) + 1
+            draft_next = bool(selector.should_draft(context)[0])  # decided before this round is observed
+            selector.observe(torch.tensor([w]), torch.tensor([float(emitted)]), None, True)  # priced at C(w)
+            made, seconds, drafted = made + emitted, seconds + clock[w - 1], drafted + 1
+        else:
+            plain_left = int(selector.plain_run(context)[0]) if plain_left == 0 else plain_left - 1
+            draft_next = plain_left == 0
+            made, seconds = made + 1, seconds + clock_ar
+    return seconds, drafted
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--record", action="store_true", help="record the positions (runs the pair on the CPU)")
@@ -263,8 +362,20 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--latency", default=str(LATENCY_SOURCE), help="a strategies_cpu results JSON")
     parser.add_argument("--name", default="position_sim_tiny_pair")
+    parser.add_argument("--sequence", type=int, default=0,
+                        help="calls in sequence through one selector, this many prompt orders (see `sequence`)")
+    parser.add_argument("--gpu-rounds", default=str(Path(__file__).resolve().parent / "results" /
+                                                    "gpu_rounds_tiny_pair10.json"),
+                        help="--sequence: a gpu_rounds.py results JSON (its selector check prices and clocks)")
+    parser.add_argument("--prices", default=None,
+                        help="--sequence: price the decisions with this gpu_rounds.py JSON's calibration instead")
     args = parser.parse_args()
-    record(args) if args.record else simulate(args)
+    if args.record:
+        record(args)
+    elif args.sequence:
+        sequence(args)
+    else:
+        simulate(args)
 
 
 if __name__ == "__main__":
