@@ -154,6 +154,33 @@ def test_position_simulation_walks_the_text_as_the_rounds_do(monkeypatch):
     assert 0.8 < run["ar_seconds"] / run["seconds"] < 1.0
 
 
+def test_position_simulation_runs_calls_in_sequence_as_the_resident_rounds_do(monkeypatch):
+    """position_sim.py --sequence's call: the first call of a selector drafts at once (no evidence); a later call
+    holding the evidence of enough rounds opens with a deciding plain step, which drafts next where drafting paid
+    (every position accepts the whole block: 1 plain step, then 127 - 1 tokens in 8 rounds)."""
+    from pathlib import Path
+
+    import torch
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import position_sim
+
+    from hybridspec_hf.selector import AcceptanceEstimator, make_selector
+    from hybridspec_hf.selector.latency import LatencyModel
+
+    n, block = 128, 16
+    signals = {k: torch.full((n - 1, block - 1), v) for k, v in (("top1", 0.9), ("margin", 0.8), ("entropy", 0.3))}
+    text = {"n": n, "prompt_len": 20, "signals": signals, "a": torch.full((n - 1,), block - 1)}
+    flat = LatencyModel(cost=torch.full((1, block), 8e-3), cost_ar=torch.tensor([4e-3]),
+                        context_lens=torch.tensor([64]))
+    selector = make_selector("nominal", {"latency_model": flat})
+    clock = [8e-3] * block
+    first = position_sim._call(selector, AcceptanceEstimator.default(block), text, clock, 4e-3, block)
+    assert first[1] == 8 and abs(first[0] / (8 * 8e-3) - 1) < 1e-6
+    second = position_sim._call(selector, AcceptanceEstimator.default(block), text, clock, 4e-3, block)
+    assert bool(selector.informed()[0]) and second[1] == 8 and abs(second[0] / (4e-3 + 8 * 8e-3) - 1) < 1e-6
+
+
 def test_method_variants_set_one_or_several_switches_and_put_them_back(monkeypatch):
     from pathlib import Path
 
