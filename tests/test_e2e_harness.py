@@ -122,10 +122,9 @@ def test_call_simulation_prices_a_whole_call_and_its_rows(monkeypatch):
     assert spec <= INFORMED_ROUNDS + 1 and 0.85 < speedup < 1.0, (speedup, spec)  # the first rounds, a probe
 
 
-def test_position_simulation_walks_the_text_as_the_rounds_do(monkeypatch):
-    """benchmarks/position_sim.py's walk: a text whose every position accepts the whole block, a flat C(w): DFlash
-    makes 127 tokens in ceil(127 / 16) rounds of C; a text that accepts nothing at a round cost far above C_ar:
-    HybridSpec drafts its first rounds, steps plain after them and stays within a probe of AR."""
+def _position_sim(monkeypatch):
+    """benchmarks/position_sim.py, and a recorded text of 128 tokens whose every position accepts the whole block of
+    16 with confident drafts, and a flat C(w) = 8 ms against C_ar = 4 ms."""
     from pathlib import Path
 
     import torch
@@ -133,7 +132,6 @@ def test_position_simulation_walks_the_text_as_the_rounds_do(monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import position_sim
 
-    from hybridspec_hf.selector import AcceptanceEstimator
     from hybridspec_hf.selector.latency import LatencyModel
 
     n, block = 128, 16
@@ -141,6 +139,20 @@ def test_position_simulation_walks_the_text_as_the_rounds_do(monkeypatch):
     text = {"n": n, "prompt_len": 20, "signals": signals, "a": torch.full((n - 1,), block - 1)}
     flat = LatencyModel(cost=torch.full((1, block), 8e-3), cost_ar=torch.tensor([4e-3]),
                         context_lens=torch.tensor([64]))
+    return position_sim, text, flat
+
+
+def test_position_simulation_walks_the_text_as_the_rounds_do(monkeypatch):
+    """benchmarks/position_sim.py's walk: a text whose every position accepts the whole block, a flat C(w): DFlash
+    makes 127 tokens in ceil(127 / 16) rounds of C; a text that accepts nothing at a round cost far above C_ar:
+    HybridSpec drafts its first rounds, steps plain after them and stays within a probe of AR."""
+    import torch
+
+    from hybridspec_hf.selector import AcceptanceEstimator
+    from hybridspec_hf.selector.latency import LatencyModel
+
+    position_sim, text, flat = _position_sim(monkeypatch)
+    n, block = text["n"], flat.block_size
     estimator = AcceptanceEstimator.default(block)
     run = position_sim.walk("dflash", {}, flat, estimator, text)
     assert run["rounds"] == run["drafted"] == 8 and abs(run["seconds"] / (8 * 8e-3) - 1) < 1e-6  # C in fp32
@@ -158,21 +170,10 @@ def test_position_simulation_runs_calls_in_sequence_as_the_resident_rounds_do(mo
     """position_sim.py --sequence's call: the first call of a selector drafts at once (no evidence); a later call
     holding the evidence of enough rounds opens with a deciding plain step, which drafts next where drafting paid
     (every position accepts the whole block: 1 plain step, then 127 - 1 tokens in 8 rounds)."""
-    from pathlib import Path
-
-    import torch
-
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import position_sim
-
     from hybridspec_hf.selector import AcceptanceEstimator, make_selector
-    from hybridspec_hf.selector.latency import LatencyModel
 
-    n, block = 128, 16
-    signals = {k: torch.full((n - 1, block - 1), v) for k, v in (("top1", 0.9), ("margin", 0.8), ("entropy", 0.3))}
-    text = {"n": n, "prompt_len": 20, "signals": signals, "a": torch.full((n - 1,), block - 1)}
-    flat = LatencyModel(cost=torch.full((1, block), 8e-3), cost_ar=torch.tensor([4e-3]),
-                        context_lens=torch.tensor([64]))
+    position_sim, text, flat = _position_sim(monkeypatch)
+    block = flat.block_size
     selector = make_selector("nominal", {"latency_model": flat})
     clock = [8e-3] * block
     first = position_sim._call(selector, AcceptanceEstimator.default(block), text, clock, 4e-3, block)
