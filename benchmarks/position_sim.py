@@ -146,11 +146,18 @@ def load_positions(path: Path = POSITIONS) -> list[dict]:
     return prompts
 
 
-def walk(strategy: str, options: dict, latency, estimator, prompt: dict, warm=None) -> dict:
-    """One call along a prompt's text as loop.py's eager rounds take it; returns its simulated seconds, rounds."""
+def walk(strategy: str, options: dict, latency, estimator, prompt: dict, warm=None, clock: list | None = None,
+         clock_ar: float | None = None, opens_plain: bool = False) -> dict:
+    """One call along a prompt's text as loop.py's eager rounds take it; returns its simulated seconds, rounds.
+
+    warm: a selector to use as it stands (else a new one of `strategy`); clock, clock_ar: what a drafted round of
+    each w and a plain step take (default: the latency model's prices, which every round is observed at);
+    opens_plain: the call opens with a deciding plain step (resident rounds whose streams are `informed`)."""
     from hybridspec_hf.selector.length_rules import LengthSelector, make_selector
 
     cost, cost_ar = latency.cost[0].double().tolist(), float(latency.cost_ar[0])
+    clock = cost if clock is None else clock
+    clock_ar = cost_ar if clock_ar is None else clock_ar
     block = latency.block_size
     selector = warm if warm is not None else make_selector(
         strategy, {"latency_model": latency, **options} if strategy not in ("dflash", "static") else options)
@@ -159,7 +166,7 @@ def walk(strategy: str, options: dict, latency, estimator, prompt: dict, warm=No
     context = torch.tensor([prompt["prompt_len"]])
     takes_plain = type(selector).should_draft is not LengthSelector.should_draft  # RoundStrategy's test
     n, made, seconds, drafted_rounds, rounds = prompt["n"], 1, 0.0, 0, 0
-    draft_next, plain_left = True, 0
+    draft_next, plain_left = not opens_plain, 0
     ws = []
     while made < n:
         left = n - made
@@ -173,7 +180,7 @@ def walk(strategy: str, options: dict, latency, estimator, prompt: dict, warm=No
             emitted = min(int(prompt["a"][row]), w - 1) + 1
             nxt = bool(selector.should_draft(context).reshape(-1)[0]) if takes_plain else True
             selector.observe(torch.tensor([w]), torch.tensor([float(emitted)]), torch.tensor([cost[w - 1]]), True)
-            made, seconds, drafted_rounds, draft_next = made + emitted, seconds + cost[w - 1], drafted_rounds + 1, nxt
+            made, seconds, drafted_rounds, draft_next = made + emitted, seconds + clock[w - 1], drafted_rounds + 1, nxt
             ws.append(w)
         else:
             if takes_plain:
@@ -184,10 +191,10 @@ def walk(strategy: str, options: dict, latency, estimator, prompt: dict, warm=No
                 draft_next = plain_left == 0
             else:
                 draft_next = True
-            made, seconds = made + 1, seconds + cost_ar
+            made, seconds = made + 1, seconds + clock_ar
             ws.append(1)
     return {"seconds": seconds, "rounds": rounds, "drafted": drafted_rounds, "mean_w": statistics.fmean(ws or [1]),
-            "ar_seconds": (n - 1) * cost_ar, "tokens": n}
+            "ar_seconds": (n - 1) * clock_ar, "tokens": n}
 
 
 def oracle(latency, prompt: dict) -> dict:
@@ -314,10 +321,9 @@ def sequence(args) -> None:
             seconds = ar_seconds = 0.0
             calls_drafting = 0
             for index in order:
-                spent, drafted = _call(selector, estimator, prompts[index], clock, clock_ar, latency.block_size)
-                seconds += spent
-                ar_seconds += (prompts[index]["n"] - 1) * clock_ar
-                calls_drafting += drafted > 0
+                run = _call(selector, latency, estimator, prompts[index], clock, clock_ar)
+                seconds, ar_seconds = seconds + run["seconds"], ar_seconds + run["ar_seconds"]
+                calls_drafting += run["drafted"] > 0
             speedups.append(ar_seconds / seconds)
             drafting.append(calls_drafting)
         report[name] = {"x_ar": speedups, "calls_drafting": drafting}
@@ -325,33 +331,20 @@ def sequence(args) -> None:
                      f"{' / '.join(f'{d}' for d in drafting)} of {len(prompts)} |")
         print(lines[-1], flush=True)
     payload = {"title": "Calls in sequence through one selector on the tiny pair's held-out text (simulated)",
+               "notes": (f"Simulated on a CPU. Trained weights (the shipped tiny pair); acceptance, draft signals and "
+                         f"text from its recorded held-out positions ({POSITIONS.name}); prices and clock from H200 "
+                         "runs of gpu_rounds.py (their JSON files named below). Predictions, not timings."),
                "environment": environment(), "clock": str(args.gpu_rounds), "prices": str(args.prices or args.gpu_rounds),
                "results": report}
     write_results(args.name, payload, "\n".join(lines))
 
 
-def _call(selector, estimator, prompt: dict, clock: list, clock_ar: float, block: int) -> tuple[float, int]:
-    """One generate() call of the resident rounds along a prompt's text: (seconds on the clock, drafted rounds)."""
-    context = torch.tensor([prompt["prompt_len"]])
-    selector.restart(context)
-    n, made, seconds, drafted = prompt["n"], 1, 0.0, 0
-    draft_next, plain_left = not bool(selector.informed()[0]), 0  # informed: a deciding plain step opens the call
-    while made < n:
-        left = n - made
-        if draft_next and left > 1:
-            row = made - 1
-            signals = {k: v[row: row + 1] for k, v in prompt["signals"].items()}
-            w = int(selector.choose(estimator.survival(signals), context, torch.tensor([min(block, left)]))[0])
-            w = max(1, min(w, block, left))
-            emitted = min(int(prompt["a"][row]), w - 1) + 1
-            draft_next = bool(selector.should_draft(context)[0])  # decided before this round is observed
-            selector.observe(torch.tensor([w]), torch.tensor([float(emitted)]), None, True)  # priced at C(w)
-            made, seconds, drafted = made + emitted, seconds + clock[w - 1], drafted + 1
-        else:
-            plain_left = int(selector.plain_run(context)[0]) if plain_left == 0 else plain_left - 1
-            draft_next = plain_left == 0
-            made, seconds = made + 1, seconds + clock_ar
-    return seconds, drafted
+def _call(selector, latency, estimator, prompt: dict, clock: list, clock_ar: float) -> dict:
+    """One generate() call of the resident rounds along a prompt's text (`walk`'s result): the streams restart keeping
+    their carry, and a call whose streams are `informed` opens with a deciding plain step."""
+    selector.restart(torch.tensor([prompt["prompt_len"]]))
+    return walk("nominal", {}, latency, estimator, prompt, warm=selector, clock=clock, clock_ar=clock_ar,
+                opens_plain=bool(selector.informed()[0]))
 
 
 def main() -> None:

@@ -176,10 +176,11 @@ def test_position_simulation_runs_calls_in_sequence_as_the_resident_rounds_do(mo
     block = flat.block_size
     selector = make_selector("nominal", {"latency_model": flat})
     clock = [8e-3] * block
-    first = position_sim._call(selector, AcceptanceEstimator.default(block), text, clock, 4e-3, block)
-    assert first[1] == 8 and abs(first[0] / (8 * 8e-3) - 1) < 1e-6
-    second = position_sim._call(selector, AcceptanceEstimator.default(block), text, clock, 4e-3, block)
-    assert bool(selector.informed()[0]) and second[1] == 8 and abs(second[0] / (4e-3 + 8 * 8e-3) - 1) < 1e-6
+    first = position_sim._call(selector, flat, AcceptanceEstimator.default(block), text, clock, 4e-3)
+    assert first["drafted"] == 8 and abs(first["seconds"] / (8 * 8e-3) - 1) < 1e-6
+    second = position_sim._call(selector, flat, AcceptanceEstimator.default(block), text, clock, 4e-3)
+    assert bool(selector.informed()[0]) and second["drafted"] == 8
+    assert abs(second["seconds"] / (4e-3 + 8 * 8e-3) - 1) < 1e-6
 
 
 def test_method_variants_set_one_or_several_switches_and_put_them_back(monkeypatch):
