@@ -21,7 +21,8 @@ from hybridspec_hf.config import (CALIBRATED_STRATEGIES, HybridSpecConfig, resol
 from hybridspec_hf.generation.calibration import ForcedLength, resolve_latency_model
 from hybridspec_hf.graphs.capture import distributed
 from hybridspec_hf.selector.profiles import AcceptanceProfile, RoutingProfile, load_profile
-from hybridspec_hf.selector import AcceptanceEstimator, LengthSelector, count_new_experts, draft_signals, make_selector
+from hybridspec_hf.selector import (AcceptanceEstimator, LatencyModel, LengthSelector, count_new_experts, draft_signals,
+                                    make_selector)
 from hybridspec_hf.selector import length_rules
 
 # the selectors whose decisions `RoundStrategy.compile_decisions` compiles: this package's (pure torch, no host sync);
@@ -131,7 +132,7 @@ class RoundStrategy:
     @classmethod
     def _build(cls, name: str, settings: HybridSpecConfig, target, drafter, has_router: bool,
                batch: int) -> "RoundStrategy":
-        identity = (name, repr(settings.to_dict()), id(settings.selector))
+        identity = (name, _settings_identity(settings), id(settings.selector))
         plain = dict(kernel_backend=settings.kernel_backend, identity=identity)
         if name == "ar":  # plain decoding through the same machinery: the baseline
             return cls(name, 1, None, None, False, **plain)
@@ -418,4 +419,29 @@ def _estimator(value, block_size: int) -> AcceptanceEstimator:
         return AcceptanceEstimator.default(block_size)
     if isinstance(value, AcceptanceEstimator):
         return value
-    return AcceptanceEstimator.load(value)
+    return AcceptanceEstimator.from_dict(_read_json(Path(value)))  # a new one per call (online updates: in place)
+
+
+# JSON files read by a call's set-up, by path: (mtime_ns, size, parsed). A call that finds the file unchanged parses
+# nothing (as calibration._load_file does for latency models)
+_JSON: dict[str, tuple[int, int, dict]] = {}
+
+
+def _read_json(path: Path) -> dict:
+    stat = path.stat()
+    hit = _JSON.get(str(path))
+    if hit is None or hit[:2] != (stat.st_mtime_ns, stat.st_size):
+        hit = _JSON[str(path)] = (stat.st_mtime_ns, stat.st_size, json.loads(path.read_text()))
+    return hit[2]
+
+
+def _settings_identity(settings: HybridSpecConfig) -> str:
+    """The settings as a string for the strategy's identity, model objects by their content (a latency model's
+    digest, an estimator's dict) instead of the repr of their tensors (≈ 1.4 ms of a CPU call's set-up)."""
+    data = settings.to_dict()
+    for name, value in data.items():
+        if isinstance(value, LatencyModel):
+            data[name] = f"LatencyModel({value.digest()})"
+        elif isinstance(value, AcceptanceEstimator):
+            data[name] = f"AcceptanceEstimator({json.dumps(value.to_dict())})"
+    return repr(data)
