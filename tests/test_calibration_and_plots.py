@@ -253,3 +253,33 @@ def test_plot_helpers_draw(pair, tmp_path):
                  plots.reliability(torch.rand(200), torch.rand(200) < 0.5)):
         assert axes.has_data()
     axes.figure.savefig(tmp_path / "plot.png")
+
+
+def test_resident_calibration_calls_stop_on_max_new_tokens_and_time_whole_w_rounds(pair, monkeypatch):
+    """Resident rounds (their CPU twin here, cuda_graphs="uncaptured") are timed on calls that stop on
+    max_new_tokens alone, without EOS, as a user's call runs them (m known on the device); a host-side criterion
+    makes every round decide m on the host (C_ar 27 % and C(w) up to 11 % high on the H200). Each call has room for
+    more whole-w rounds than one call times, and only drafted rounds that verified the whole w are priced (rounds
+    cut short by max_new_tokens cost 1 ms here; with this drafter they are few, so the median alone hides them too).
+    The eager loop keeps AfterRounds."""
+    target, drafter, _, _ = pair
+    generate, calls = target.generate, []
+
+    def timed(*args, **kwargs):
+        calls.append(kwargs)
+        out = generate(*args, **kwargs)
+        w = kwargs["hybridspec_config"].selector.w
+        for index, r in enumerate(hybridspec_hf.get_telemetry(target).rounds):
+            r.wall_s = 50e-3 if index == 0 else ((10 + r.w) * 1e-3 if r.drafted and r.w == w else
+                                                  1e-3 if r.drafted else 4e-3)
+        return out
+
+    monkeypatch.setattr(target, "generate", timed)
+    model = calibrate_latency(target, drafter, context_lens=(16,), repeats=1, progress=False,
+                              cuda_graphs="uncaptured")
+    assert calls and all("stopping_criteria" not in c and c["eos_token_id"] is None for c in calls)
+    torch.testing.assert_close(model.cost[0], (10.0 + torch.arange(1, 9)) * 1e-3)
+    torch.testing.assert_close(model.cost_ar, torch.tensor([4e-3]))
+    calls.clear()
+    calibrate_latency(target, drafter, context_lens=(16,), repeats=1, progress=False, cuda_graphs="off")
+    assert calls and all("stopping_criteria" in c for c in calls)  # the eager loop: AfterRounds

@@ -41,3 +41,14 @@ def test_an_estimator_from_a_path_is_fresh_per_call_and_follows_the_file(tmp_pat
     path.write_text(json.dumps(data))
     os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))  # a later write, whatever the clock
     assert strategy._estimator(str(path), 8).weight[0, 0] == estimator.weight[0, 0] + 0.5
+
+
+def test_a_latency_models_kept_digest_follows_in_place_changes():
+    model = _latency(1e-3)
+    first = model.digest()
+    assert model.digest() == first == _latency(1e-3).digest()
+    model.cost_ar.mul_(2)  # in place: a new content
+    second = model.digest()
+    assert second != first and second == LatencyModel.from_dict(model.to_dict()).digest()
+    model.eta = 1e-6  # a field set anew
+    assert model.digest() not in (first, second)

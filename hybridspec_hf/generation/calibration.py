@@ -364,10 +364,20 @@ def calibrate_latency(
     def run(w: int, context: int, cuda_graphs: str):
         forced.set(w)
         ids = prompt(context)
+        if cuda_graphs == "uncaptured" or (device.type == "cuda" and cuda_graphs != "off"):
+            # GPU-resident rounds: a call stops on max_new_tokens alone, without EOS, so the rounds know m on the
+            # device as a user's call does (`device_commit`); a host-side criterion (AfterRounds) made every round
+            # decide m on the host, and the tiny pair's C_ar on the H200 was priced 0.35 ms against the 0.28 its
+            # plain steps took, its C(w) 3-11 % high (runs 105 and 109 of benchmarks/results/gpu_rounds_runs.md).
+            # Room for rounds_per_call + 1 rounds of the whole w after the first whatever they accept
+            stop = dict(max_new_tokens=(rounds_per_call + 2) * (w + 1) if w else block_size + rounds_per_call + 1,
+                        eos_token_id=None)
+        else:  # the eager loop: the host drives every round anyway; stop after rounds_per_call rounds
+            stop = dict(max_new_tokens=block_size * (rounds_per_call + 1),
+                        stopping_criteria=StoppingCriteriaList([AfterRounds()]))
         target.generate(
-            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=block_size * (rounds_per_call + 1),
-            assistant_model=drafter, generation_strategy="hybridspec",
-            stopping_criteria=StoppingCriteriaList([AfterRounds()]),
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, assistant_model=drafter,
+            generation_strategy="hybridspec", **stop,
             hybridspec_config=HybridSpecConfig(selector=forced, kernel_backend=kernel_backend,
                                                verify_shape=verify_shape or "auto",
                                                compile_decisions=compile_decisions,
@@ -384,7 +394,9 @@ def calibrate_latency(
         # features; always drafted), while the rounds priced are a call's steady ones; in a median of four it sat in
         # the upper middle and raised C(w). For w = 0: the plain steps that follow it.
         steady = telemetry.rounds[1:] or telemetry.rounds
-        times = sorted(r.wall_s for r in steady if r.drafted == (w > 0)) or sorted(r.wall_s for r in steady)
+        # drafted rounds that verified the whole w (not cut short by max_new_tokens); w = 0: the plain steps
+        times = sorted(r.wall_s for r in steady if r.drafted == (w > 0) and (w == 0 or r.w == w)) or sorted(
+            r.wall_s for r in steady if r.drafted == (w > 0)) or sorted(r.wall_s for r in steady)
         median = times[len(times) // 2]
         logger.debug("calibration w=%d context=%d (%s): rounds in order (drafted, ms) %s; median %.3f ms", w, context,
                      telemetry.path, [(r.drafted, round(r.wall_s * 1e3, 3)) for r in telemetry.rounds], median * 1e3)
