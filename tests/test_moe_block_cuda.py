@@ -146,30 +146,6 @@ def test_the_decode_kernels_match_the_torch_steps_and_repeat_bit_for_bit(dtype):
     patches.release_fused_moe([block])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_tensor_core_gate_up_at_one_token_matches_the_torch_steps(dtype, monkeypatch):
-    """moe_triton.DOT_GATE_UP at full width (one token: the direct rows' tensor-core gate_up, then the decode down
-    kernel): the torch steps' result within the CPU twin's tolerances, the same bits over repeated calls."""
-    from hybridspec_hf.kernels import moe_triton
-    from hybridspec_hf.patches import _moe
-
-    monkeypatch.setattr(moe_triton, "DOT_GATE_UP", moe_triton.Tiles(32, 128, 4, 4))
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    block = full_width_block("qwen3_5_moe", dtype)
-    patches.prepare_fused_moe([block])
-    shared = block.__dict__[_moe._CACHE].weight
-    x, residual = torch.randn(2, 1, 2048, device="cuda", dtype=dtype)
-    with torch.no_grad():
-        _, weights, ids = block.gate(x)
-    args = (x, ids, weights, block.experts.gate_up_proj, block.experts.down_proj, shared,
-            block.shared_expert.down_proj.weight, residual)
-    out = moe_triton.moe_block_triton(*args, mode="decode")
-    assert rel(out, moe_triton.moe_block_reference(*args)) < tol
-    for _ in range(10):
-        assert torch.equal(moe_triton.moe_block_triton(*args, mode="decode"), out)
-    patches.release_fused_moe([block])
-
-
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
 def test_the_add_norm_and_router_in_one_launch_match_transformers_and_replay(family):
     """`norm_route_block_add` (the decoder layer's residual add, post_attention_layernorm and router in one compiled
