@@ -19,8 +19,7 @@ own: "+whole-slice" measures the step with that switch on, "gemv+whole-slice" th
 Tiles can be set per variant for a sweep inside the step (a kernel's tiles timed alone read its weights from a warm
 L2 and see no neighbours): "plain@gate_up=32x256s8w8@down=16x256w4@gdn=32w4@gemv:2048x4096=32x128s8w4t4" sets the
 MoE decode kernels' tiles at one token (BLOCK_N x BLOCK_K, s: split-K, w: warps), the GDN step's (BV, warps) and
-our GEMV's config for one (N x K) shape at M = 1 (t: stages); "@dgu=32x128w4t4" runs the one-token gate_up by the
-direct rows' tensor-core kernel with those tiles (moe_triton.DOT_GATE_UP).
+our GEMV's config for one (N x K) shape at M = 1 (t: stages).
 Random bf16 weights; the AR step at batch 1 (the static cache of `--context` prompt tokens).
 Writes benchmarks/results/<name>.{json,md}.
 """
@@ -97,14 +96,14 @@ def parse_tiles(spec: str) -> dict:
     """"gate_up=32x256s8w8", "down=16x256w4", "gdn=32w4", "gemv:2048x4096=32x128s8w4t4" -> {what: numbers}: the
     tile overrides of one variant (`tiles_set`); a clear SystemExit for anything else."""
     patterns = {"gate_up": r"(\d+)x(\d+)s(\d+)w(\d+)", "down": r"(\d+)x(\d+)w(\d+)", "gdn": r"(\d+)w(\d+)",
-                "gemv": r"(\d+)x(\d+)s(\d+)w(\d+)t(\d+)", "dgu": r"(\d+)x(\d+)w(\d+)t(\d+)"}
+                "gemv": r"(\d+)x(\d+)s(\d+)w(\d+)t(\d+)"}
     what, _, value = spec.partition("=")
     kind, _, shape = what.partition(":")
     match = re.fullmatch(patterns.get(kind, "(?!)"), value)
     shape_match = re.fullmatch(r"(\d+)x(\d+)", shape) if kind == "gemv" else not shape
     if match is None or not shape_match:
-        raise SystemExit(f"unknown tiles {spec!r}: gate_up=BNxBKsSPLITwWARPS, down=BNxBKwWARPS, gdn=BVwWARPS, "
-                         f"gemv:NxK=BNxBKsSPLITwWARPStSTAGES or dgu=BNxBKwWARPStSTAGES (moe_triton.DOT_GATE_UP)")
+        raise SystemExit(f"unknown tiles {spec!r}: gate_up=BNxBKsSPLITwWARPS, down=BNxBKwWARPS, gdn=BVwWARPS or "
+                         f"gemv:NxK=BNxBKsSPLITwWARPStSTAGES")
     numbers = tuple(int(g) for g in match.groups())
     key = what if kind != "gemv" else (kind, int(shape_match.group(1)), int(shape_match.group(2)))
     return {key: numbers}
@@ -112,16 +111,11 @@ def parse_tiles(spec: str) -> dict:
 
 @contextlib.contextmanager
 def tiles_set(tiles: dict):
-    """Inside: the MoE decode kernels at one token, the GDN step and our GEMV at M = 1 take `tiles` (parse_tiles);
-    "dgu": the one-token gate_up by the tensor-core kernel (moe_triton.DOT_GATE_UP)."""
+    """Inside: the MoE decode kernels at one token, the GDN step and our GEMV at M = 1 take `tiles` (parse_tiles)."""
     from hybridspec_hf.kernels import gdn_step_triton, gemv_triton, moe_triton
 
     saved = [(moe_triton, "default_tiles", moe_triton.default_tiles),
-             (gdn_step_triton, "step_config", gdn_step_triton.step_config),
-             (moe_triton, "DOT_GATE_UP", moe_triton.DOT_GATE_UP)]
-    if "dgu" in tiles:  # the one-token gate_up by the direct rows' tensor-core kernel with these tiles
-        bn, bk, warps, stages = tiles["dgu"]
-        moe_triton.DOT_GATE_UP = moe_triton.Tiles(bn, bk, warps, stages)
+             (gdn_step_triton, "step_config", gdn_step_triton.step_config)]
     table = dict(gemv_triton.TABLE)
     if "gate_up" in tiles or "down" in tiles:
         original = moe_triton.default_tiles

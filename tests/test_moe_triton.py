@@ -436,26 +436,3 @@ def test_the_sorted_blocks_with_the_align_kernel_equal_those_without(monkeypatch
     assert torch.equal(fused_experts_triton(**x, mode="sorted"), without) and not calls
     with pytest.raises(ValueError, match="4096 token–expert pairs"):
         moe_triton.align_pairs_triton(torch.zeros(513, 8, dtype=torch.long), 256, 16)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("dot_tiles", [Tiles(16, 16, 4, 2), Tiles(8, 32, 4, 3)])
-@pytest.mark.parametrize("hidden, inter, experts, top_k, gate_up_tiles, down_tiles", DECODE_CASES)
-def test_decode_with_the_tensor_core_gate_up_matches_the_reference(hidden, inter, experts, top_k, gate_up_tiles,
-                                                                   down_tiles, dot_tiles, dtype, monkeypatch):
-    """DOT_GATE_UP: at one token the decode launches' gate_up is the direct rows' tensor-core kernel (same act and
-    logit layout, the decode down kernel after it): the block and the experts alone as the torch steps make them,
-    with the shared expert, masked columns and rows, and an expert listed twice or outside [0, E)."""
-    monkeypatch.setattr(moe_triton, "DOT_GATE_UP", dot_tiles)
-    x = make_block(60, 1, hidden, inter, experts, top_k, dtype)
-    tiles = dict(gate_up_tiles=gate_up_tiles, down_tiles=down_tiles)
-    out = moe_block_triton(**x, mode="decode", **tiles)
-    assert rel(out, moe_block_reference(**x)) < TOL[dtype]
-    routed = {k: v for k, v in x.items() if k not in ("shared_gate_up", "shared_down", "residual")}
-    assert rel(fused_experts_triton(**routed, mode="decode", **tiles), fused_experts_reference(**routed)) < TOL[dtype]
-    x["top_k_index"][0, 1] = x["top_k_index"][0, 0]  # listed twice: counts twice
-    x["top_k_index"][0, -1] = experts  # outside [0, E): counts nothing
-    truth = moe_block_reference(**{k: v.double() if v.is_floating_point() else v for k, v in x.items()})
-    assert rel(moe_block_triton(**x, mode="decode", **tiles), truth) < TOL[dtype]
-    monkeypatch.setattr(moe_triton, "DOT_GATE_UP", None)
-    assert rel(moe_block_triton(**x, mode="decode", **tiles), truth) < TOL[dtype]

@@ -97,12 +97,6 @@ DECODE_PATH = True
 # was 60-72 µs longer with it (runs 75-76, kernel_costs_run75/76.md: the fused router's share and gate_up's both
 # grew; the walls -4 / +20 µs, within those machines' noise). True: A/B (`ar+shared-first`).
 SHARED_FIRST = False
-# At one token, the gate_up of the decode launches by the direct rows' tensor-core kernel (`_gate_up_kernel`, DIRECT,
-# a 16-row x tile of which one row is real) with these tiles instead of `_gate_up_decode_kernel`'s CUDA-core
-# products: its K loop is software-pipelined (num_stages tiles in flight), which the decode kernel's FMA loop is not.
-# It writes the same act and logit layout, so the decode down kernel follows unchanged. None: the decode kernel (A/B
-# in the AR step: kernel_costs.py's "dgu=" tiles).
-DOT_GATE_UP: Tiles | None = None
 MODES = ("auto", "decode", "direct", "sorted")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -1078,23 +1072,12 @@ def _launch_decode(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, 
         lanes = 32 * gate_up.num_warps
         if gate_up.grid[0] * gate_up.grid[1] * lanes < pairs:
             lanes = 0
-    if DOT_GATE_UP is not None and num_tokens == 1:  # the direct rows' tensor-core gate_up, same act and logit
-        tiles = _fit(DOT_GATE_UP, inter, hidden_size)
-        _gate_up_kernel[(triton.cdiv(inter, tiles.block_n), slots)](
-            hidden, ids, ids, ids, gate_up_proj, act, shared_gate_up, logit,
-            num_tokens, pairs, num_experts, *hidden.stride(), *gate_up_proj.stride(),
-            H=hidden_size, INTER=inter, DIRECT=True, K=top_k, KP=triton.next_power_of_2(top_k),
-            SP=triton.next_power_of_2(16 * top_k), BM=16,
-            DOT_FP32=gate_up_proj.dtype == torch.float32 or bool(triton.knobs.runtime.interpret),
-            SHARED=shared is not None, BN=tiles.block_n, BK=tiles.block_k, num_warps=tiles.num_warps,
-            num_stages=tiles.num_stages)
-    else:
-        _gate_up_decode_kernel[gate_up.grid](
-            hidden, ids, gate_up_proj, shared_gate_up, act, partials, logit_partials, logit, counters, down_proj,
-            num_tokens, pairs, num_experts, hidden.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1),
-            down_proj.stride(0), **gate_up.constexprs, PREFETCH_LANES=lanes, PREFETCH_DOWN=l2.DOWN and lanes > 0,
-            ELEMENT_BYTES=esize, num_warps=gate_up.num_warps, num_stages=gate_up.num_stages,
-        )
+    _gate_up_decode_kernel[gate_up.grid](
+        hidden, ids, gate_up_proj, shared_gate_up, act, partials, logit_partials, logit, counters, down_proj,
+        num_tokens, pairs, num_experts, hidden.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1),
+        down_proj.stride(0), **gate_up.constexprs, PREFETCH_LANES=lanes, PREFETCH_DOWN=l2.DOWN and lanes > 0,
+        ELEMENT_BYTES=esize, num_warps=gate_up.num_warps, num_stages=gate_up.num_stages,
+    )
     partials = workspace(math.prod(down.grid) * block_t * down.constexprs["BN"])
     _down_decode_kernel[down.grid](
         act, ids, weights, down_proj, shared_down, partials, logit, residual if residual is not None else out, out,
