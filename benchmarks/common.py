@@ -62,12 +62,6 @@ SWITCHES = {
                   "a speculative round's draft decision and selector update in one compiled region, not two"),
     "gdn-recurrent": ("hybridspec_hf.kernels.gdn_triton", "RECURRENT_SHORT",
                       "GDN verify windows of <= RECURRENT_UPTO valid tokens token by token, not in the block form"),
-    "l2-weights": ("hybridspec_hf.kernels.l2", "WEIGHTS",
-                   "our skinny GEMM's programs bulk-prefetch their weight slices into the L2 before the PDL wait"),
-    "l2-experts": ("hybridspec_hf.kernels.l2", "EXPERTS",
-                   "the MoE decode gate_up's first programs bulk-prefetch the routed experts' gate_up blocks"),
-    "l2-down": ("hybridspec_hf.kernels.l2", "DOWN",
-                "with l2-experts, the routed experts' down blocks too"),
 }
 
 # switches the resident rounds' key records (resident._Key): a variant needs no release of the kept rounds

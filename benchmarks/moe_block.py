@@ -295,34 +295,21 @@ def compile_check(shape: Shape, swept: bool = True) -> list[dict]:
                                               residual=with_shared, gate_up_tiles=gate_up_tiles,
                                               down_tiles=down_tiles)
         for name, launch in zip(kernels, launches):
-            # gate_up: also with the L2 prefetch of the routed experts (kernels/l2.py), gate_up blocks and down blocks
-            variants = [{}] if name == "down" else [
-                dict(PREFETCH_LANES=lanes, PREFETCH_DOWN=down, ELEMENT_BYTES=2)
-                for lanes, down in ((0, False), (32 * launch.num_warps, False), (32 * launch.num_warps, True))]
-            for extra in variants:
-                rows += _compile_one(triton, target, kernels[name], name, tokens, launch,
-                                     dict(launch.constexprs, **extra), pointers, built)
+            key = (name, tuple(sorted(launch.constexprs.items())), launch.num_warps, launch.num_stages)
+            if key in built:
+                continue
+            built.add(key)
+            fn = triton.jit(kernels[name])
+            signature = {arg: pointers.get(arg, "i32") for arg in fn.arg_names if arg not in launch.constexprs}
+            signature.update({arg: "constexpr" for arg in launch.constexprs})
+            source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=launch.constexprs)
+            compiled = triton.compile(source, target=target,
+                                      options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages))
+            rows.append(dict(kernel=name, tokens=tokens, grid=launch.grid, warps=launch.num_warps,
+                             constexprs=launch.constexprs, ptxas=_ptxas_info(compiled.asm["ptx"])))
+            print(rows[-1]["kernel"], tokens, launch.grid, launch.num_warps,
+                  {k: launch.constexprs[k] for k in ("BN", "BK", "STEPS", "SHARED")}, rows[-1]["ptxas"], flush=True)
     return rows
-
-
-def _compile_one(triton, target, kernel, name, tokens, launch, constexprs, pointers, built) -> list[dict]:
-    """One decode kernel built for `target` with these constexprs (none if built already): its row."""
-    key = (name, tuple(sorted(constexprs.items())), launch.num_warps, launch.num_stages)
-    if key in built:
-        return []
-    built.add(key)
-    fn = triton.jit(kernel)
-    signature = {arg: pointers.get(arg, "i32") for arg in fn.arg_names if arg not in constexprs}
-    signature.update({arg: "constexpr" for arg in constexprs})
-    source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-    compiled = triton.compile(source, target=target,
-                              options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages))
-    row = dict(kernel=name, tokens=tokens, grid=launch.grid, warps=launch.num_warps, constexprs=constexprs,
-               ptxas=_ptxas_info(compiled.asm["ptx"]))
-    print(row["kernel"], tokens, launch.grid, launch.num_warps,
-          {k: constexprs[k] for k in ("BN", "BK", "STEPS", "SHARED", "PREFETCH_LANES") if k in constexprs},
-          row["ptxas"], flush=True)
-    return [row]
 
 
 def _ptxas_info(ptx: str) -> str:

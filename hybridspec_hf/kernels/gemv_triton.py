@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import l2, pdl
+from . import pdl
 from .gdn_triton import HAS_TRITON, _LazyJit, select_backend, tl, tl_dtype, triton
 
 MAX_ROWS = 16  # rows of x (tokens) the kernel takes: one 16-row tile
@@ -197,7 +197,7 @@ def _gemv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STEPS: tl.constexpr, SPLIT_K: tl.constexpr,
     DOT: tl.constexpr, DOT_FP32: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     NORM: tl.constexpr, NORM_CHUNK: tl.constexpr, NORM_STEPS: tl.constexpr, OUT_DTYPE: tl.constexpr,
-    PREFETCH_COLS: tl.constexpr, ELEMENT_BYTES: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -212,9 +212,6 @@ def _gemv_kernel(
     # the first W tile before the PDL wait (weights: no kernel writes them), so it streams while the kernel before
     # this one ends; x (that kernel's output) after it
     k_ok = (k_start + rk) < K
-    if PREFETCH_COLS > 0:  # the first PREFETCH_COLS columns of each of this program's rows, into the L2 (kernels/l2.py)
-        span = (tl.minimum(K - k_start, PREFETCH_COLS) * ELEMENT_BYTES) // 16 * 16
-        l2.prefetch(w + rn.to(tl.int64) * stride_wn + k_start, tl.where(rn < N, span, 0).to(tl.int32))
     b_w = tl.load(p_w) if EVEN_K else tl.load(p_w, mask=k_ok[None, :], other=0.0)
     pdl.enter(PDL)
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -334,10 +331,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, confi
         partials = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
         counters = split_counters(x.device)
     interpret = bool(triton.knobs.runtime.interpret)
-    prefetch_cols = 0  # columns of each row prefetched into the L2: the program's slice, within the launch's budget
-    if l2.WEIGHTS and l2.active(interpret) and l2.aligned(weight, weight.stride(0) * weight.element_size(),
-                                                         k_per_split * weight.element_size()):
-        prefetch_cols = min(k_per_split, l2.BUDGET_BYTES // (n * weight.element_size())) // 8 * 8
     block_m = 16 if config.dot else triton.next_power_of_2(m)
     norm_chunk = min(triton.next_power_of_2(k), max(16, NORM_TILE // block_m))  # [block_m, chunk]: ≤ 4096 values
     _gemv_kernel[(triton.cdiv(n, config.block_n), split_k)](
@@ -347,8 +340,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, confi
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         STEPS=steps, SPLIT_K=split_k, DOT=config.dot, DOT_FP32=x.dtype == torch.float32 or interpret,
         EVEN_K=k % k_per_split == 0, HAS_BIAS=bias is not None, NORM=norm is not None, NORM_CHUNK=norm_chunk,
-        NORM_STEPS=triton.cdiv(k, norm_chunk), OUT_DTYPE=tl_dtype(x.dtype), PREFETCH_COLS=prefetch_cols,
-        ELEMENT_BYTES=weight.element_size(), num_warps=config.num_warps, num_stages=config.num_stages,
+        NORM_STEPS=triton.cdiv(k, norm_chunk), OUT_DTYPE=tl_dtype(x.dtype),
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out.view(*x.shape[:-1], n)
 

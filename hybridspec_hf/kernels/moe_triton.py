@@ -59,7 +59,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import l2, pdl
+from . import pdl
 from .gdn_triton import HAS_TRITON, _LazyJit, select_backend
 from .gemv_triton import COUNTERS, split_counters
 from .shared_expert_triton import gated_add_reference, shared_expert_reference
@@ -455,30 +455,13 @@ def _add_row_products(acc, b_w, p_x, stride_x, k_ok, T, TP: tl.constexpr):
     return acc
 
 
-def _prefetch_experts(ids, w, first, S, E, stride_we, EXPERT_BYTES, lanes, LANES: tl.constexpr,
-                      ELEMENT_BYTES: tl.constexpr):
-    """Lanes first .. first + LANES of `lanes` in all: the pairs' expert blocks (EXPERT_BYTES contiguous bytes at
-    w + expert·stride_we each) in lanes // S equal spans per pair, 16-byte multiples; invalid ids ask for nothing."""
-    per_pair = lanes // S
-    chunk = (EXPERT_BYTES // ELEMENT_BYTES + per_pair - 1) // per_pair  # elements per lane, then whole 16 bytes
-    chunk = (chunk * ELEMENT_BYTES + 15) // 16 * (16 // ELEMENT_BYTES)
-    lane = first + tl.arange(0, LANES)
-    pair = lane // per_pair
-    start = (lane % per_pair).to(tl.int64) * chunk  # elements
-    expert = tl.load(ids + pair, mask=pair < S, other=-1).to(tl.int64)
-    span = tl.minimum(EXPERT_BYTES // ELEMENT_BYTES - start, chunk) * ELEMENT_BYTES
-    ok = (pair < S) & (expert >= 0) & (expert < E) & (span > 0)
-    l2.prefetch(w + tl.where(ok, expert, 0) * stride_we + start, tl.where(ok, span, 0).to(tl.int32))
-
-
 def _gate_up_decode_kernel(
-    hidden, ids, w1, shared_w1, act, partials, logit_partials, logit, counters, w2,
+    hidden, ids, w1, shared_w1, act, partials, logit_partials, logit, counters,
     T, S, E,
-    stride_ht, stride_we, stride_wn, stride_w2e,
+    stride_ht, stride_we, stride_wn,
     H: tl.constexpr, INTER: tl.constexpr, SP: tl.constexpr, TP: tl.constexpr, BN: tl.constexpr,
     BK: tl.constexpr, STEPS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, SHARED: tl.constexpr,
-    SHARED_FIRST: tl.constexpr, PREFETCH_LANES: tl.constexpr, PREFETCH_DOWN: tl.constexpr,
-    ELEMENT_BYTES: tl.constexpr, PDL: tl.constexpr,
+    SHARED_FIRST: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (i_n, i_k, slot): BN gate and BN up rows of the slot's expert over K slice i_k, for every token;
     the last of the SPLIT programs of (slot, i_n) sums their partials in slice order and stores SiLU(gate)·up.
@@ -500,15 +483,6 @@ def _gate_up_decode_kernel(
     early_gate = tl.load(shared_w1 + rows, mask=early_ok, other=0.0)
     early_up = tl.load(shared_w1 + INTER * stride_wn + rows, mask=early_ok, other=0.0)
     pdl.enter(PDL)  # PDL: nothing but weights read before the kernel before this one completed
-    if PREFETCH_LANES > 0:
-        if tl.program_id(2) == 0:  # the first programs resident: the routed experts' weights into the L2 (l2.py)
-            first = (i_k * tl.num_programs(0) + i_n) * PREFETCH_LANES
-            _prefetch_experts(ids, w1, first, S, E, stride_we, 2 * INTER * H * ELEMENT_BYTES,
-                              tl.num_programs(0) * tl.num_programs(1) * PREFETCH_LANES, PREFETCH_LANES, ELEMENT_BYTES)
-            if PREFETCH_DOWN:  # and their down blocks [H, I]
-                _prefetch_experts(ids, w2, first, S, E, stride_w2e, H * INTER * ELEMENT_BYTES,
-                                  tl.num_programs(0) * tl.num_programs(1) * PREFETCH_LANES, PREFETCH_LANES,
-                                  ELEMENT_BYTES)
     expert, live = _first_use(ids, slot, S, E, SP, "")
     w_base = w1 + expert * stride_we
     if SHARED:
@@ -716,7 +690,6 @@ def _down_decode_kernel(
 
 if HAS_TRITON:
     _first_use = triton.jit(_first_use)
-    _prefetch_experts = triton.jit(_prefetch_experts)
     _program_rows = triton.jit(_program_rows)
     _shared_slot = triton.jit(_shared_slot)
     _add_gated_shared = triton.jit(_add_gated_shared)
@@ -1064,19 +1037,10 @@ def _launch_decode(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, 
     row_block = block_t * gate_up.constexprs["BN"]
     partials = workspace(math.prod(gate_up.grid) * 2 * row_block if split > 1 else 1)
     logit_partials, logit = workspace(split * block_t), workspace(block_t)
-    lanes = 0  # the first programs' prefetch of the routed experts' weights (l2.py): a lane per thread
-    esize = gate_up_proj.element_size()
-    if l2.EXPERTS and l2.active(bool(triton.knobs.runtime.interpret)) and gate_up_proj.is_contiguous() and \
-            down_proj.is_contiguous() and l2.aligned(gate_up_proj, down_proj, gate_up_proj.stride(0) * esize,
-                                                     down_proj.stride(0) * esize):
-        lanes = 32 * gate_up.num_warps
-        if gate_up.grid[0] * gate_up.grid[1] * lanes < pairs:
-            lanes = 0
     _gate_up_decode_kernel[gate_up.grid](
-        hidden, ids, gate_up_proj, shared_gate_up, act, partials, logit_partials, logit, counters, down_proj,
+        hidden, ids, gate_up_proj, shared_gate_up, act, partials, logit_partials, logit, counters,
         num_tokens, pairs, num_experts, hidden.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1),
-        down_proj.stride(0), **gate_up.constexprs, PREFETCH_LANES=lanes, PREFETCH_DOWN=l2.DOWN and lanes > 0,
-        ELEMENT_BYTES=esize, num_warps=gate_up.num_warps, num_stages=gate_up.num_stages,
+        **gate_up.constexprs, num_warps=gate_up.num_warps, num_stages=gate_up.num_stages,
     )
     partials = workspace(math.prod(down.grid) * block_t * down.constexprs["BN"])
     _down_decode_kernel[down.grid](
