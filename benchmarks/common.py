@@ -148,6 +148,25 @@ def switch_settings() -> dict:
             for module, attribute, _ in SWITCHES.values()}
 
 
+def tiny_pair_setup(prompts: int, block_size: int | None = None):
+    """The CPU strategy benchmarks' common start: the shipped tiny pair (the drafter's block size overridden by
+    `block_size` if given), `prompts` held-out prompts as token ids, C(w) calibrated on them in this process, and HybridSpec settings with that calibration and the shipped
+    acceptance estimator (fitted on training-split traces by acceptance_traces.py, where it exists).
+    Returns (target, drafter, prompts, latency model, settings)."""
+    from hybridspec_hf import HybridSpecConfig
+    from hybridspec_hf.generation.calibration import calibrate_latency
+    from hybridspec_hf.tiny_pair import ASSETS_DIR, heldout_prompts, load_tiny_pair
+
+    target, drafter, tokenizer = load_tiny_pair()
+    if block_size:
+        drafter.config.block_size = block_size
+    ids = [tokenizer(t, return_tensors="pt").input_ids for t in heldout_prompts(prompts)]
+    latency = calibrate_latency(target, drafter, context_lens=(64, 256), repeats=3, prompt_ids=torch.cat(ids, 1))
+    fitted = ASSETS_DIR / "acceptance_estimator.json"
+    settings = HybridSpecConfig(latency_model=latency, acceptance_estimator=str(fitted) if fitted.exists() else None)
+    return target, drafter, ids, latency, settings
+
+
 def environment() -> dict:
     import transformers
 

@@ -12,13 +12,10 @@ import statistics
 import time
 
 import torch
-from common import environment, write_results
+from common import environment, tiny_pair_setup, write_results
 
 import hybridspec_hf
-from hybridspec_hf import HybridSpecConfig
-from hybridspec_hf.generation.calibration import calibrate_latency
 from hybridspec_hf.selector import make_selector
-from hybridspec_hf.tiny_pair import ASSETS_DIR, heldout_prompts, load_tiny_pair
 
 STRATEGIES = ["dflash", "static", "confidence", "ratio", "nominal", "hybridspec"]
 
@@ -38,13 +35,7 @@ def main() -> None:
     parser.add_argument("--name", default="strategies_cpu_tiny_pair")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    target, drafter, tokenizer = load_tiny_pair()
-    if args.block_size:
-        drafter.config.block_size = args.block_size
-    prompts = [tokenizer(t, return_tensors="pt").input_ids for t in heldout_prompts(args.prompts)]
-    latency = calibrate_latency(target, drafter, context_lens=(64, 256), repeats=3, prompt_ids=torch.cat(prompts, 1))
-    fitted = ASSETS_DIR / "acceptance_estimator.json"  # fitted on training-split traces (acceptance_traces.py)
-    settings = HybridSpecConfig(latency_model=latency, acceptance_estimator=str(fitted) if fitted.exists() else None)
+    target, drafter, prompts, latency, settings = tiny_pair_setup(args.prompts, args.block_size)
     runs = {"ar": {}} | {s: dict(assistant_model=drafter, generation_strategy=s, hybridspec_config=settings)
                          for s in args.strategies.split(",")}
     for spec in args.variant:  # HybridSpec with other selector options (its own selector object)

@@ -18,12 +18,9 @@ import collections
 import time
 
 import torch
-from common import environment, write_results
+from common import environment, tiny_pair_setup, write_results
 
 import hybridspec_hf
-from hybridspec_hf import HybridSpecConfig
-from hybridspec_hf.generation.calibration import calibrate_latency
-from hybridspec_hf.tiny_pair import ASSETS_DIR, heldout_prompts, load_tiny_pair
 
 
 def rounds_by_position(target) -> list[tuple[int, int, float, bool]]:
@@ -44,10 +41,7 @@ def main() -> None:
     parser.add_argument("--name", default="strategy_regions_tiny_pair")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    target, drafter, tokenizer = load_tiny_pair()
-    prompts = [tokenizer(t, return_tensors="pt").input_ids for t in heldout_prompts(args.prompts)]
-    latency = calibrate_latency(target, drafter, context_lens=(64, 256), repeats=3, prompt_ids=torch.cat(prompts, 1))
-    settings = HybridSpecConfig(latency_model=latency, acceptance_estimator=str(ASSETS_DIR / "acceptance_estimator.json"))
+    target, drafter, prompts, latency, settings = tiny_pair_setup(args.prompts)
     runs = {"ar": {}, args.against: dict(assistant_model=drafter, generation_strategy=args.against,
                                          hybridspec_config=settings),
             "hybridspec": dict(assistant_model=drafter, generation_strategy="hybridspec", hybridspec_config=settings)}
