@@ -150,9 +150,9 @@ def switch_settings() -> dict:
 
 def tiny_pair_setup(prompts: int, block_size: int | None = None):
     """The CPU strategy benchmarks' common start: the shipped tiny pair (the drafter's block size overridden by
-    `block_size` if given), `prompts` held-out prompts as token ids, C(w) calibrated on them in this process, and HybridSpec settings with that calibration and the shipped
-    acceptance estimator (fitted on training-split traces by acceptance_traces.py, where it exists).
-    Returns (target, drafter, prompts, latency model, settings)."""
+    `block_size` if given), `prompts` held-out prompts as token ids, C(w) calibrated on them in this process, and
+    HybridSpec settings with that calibration and the shipped acceptance estimator (fitted on training-split traces
+    by acceptance_traces.py, where it exists). Returns (target, drafter, prompts, latency model, settings)."""
     from hybridspec_hf import HybridSpecConfig
     from hybridspec_hf.generation.calibration import calibrate_latency
     from hybridspec_hf.tiny_pair import ASSETS_DIR, heldout_prompts, load_tiny_pair

@@ -263,20 +263,17 @@ def simulate(args) -> None:
     write_results(args.name, payload, "\n".join(lines))
 
 
-class _StreakPerCall:
-    """The rule before 2026-12-04 (night): a new call of the resident rounds restarts the probe's streak, whatever
-    evidence it carries (DinkelbachThroughput.restart then zeroed it)."""
+def _restart_streak_per_call(selector) -> None:
+    """The rule before 2026-12-04 (night) on `selector`: a new call of the resident rounds restarts the probe's
+    streak, whatever evidence it carries (DinkelbachThroughput.restart then zeroed it)."""
+    throughput = selector.throughput
+    restart = throughput.restart
 
-    @staticmethod
-    def install(selector) -> None:
-        throughput = selector.throughput
-        restart = throughput.restart
+    def restart_zeroing(cost_ar, carry=0.0, informed_rounds=1):
+        restart(cost_ar, carry, informed_rounds)
+        throughput.ar_streak.zero_()
 
-        def restart_zeroing(cost_ar, carry=0.0, informed_rounds=1):
-            restart(cost_ar, carry, informed_rounds)
-            throughput.ar_streak.zero_()
-
-        throughput.restart = restart_zeroing
+    throughput.restart = restart_zeroing
 
 
 def sequence(args) -> None:
@@ -297,8 +294,8 @@ def sequence(args) -> None:
                            cost_ar=torch.tensor([decide_ar]), context_lens=torch.tensor([256]))
     measured = {int(w): ms * 1e-3 for w, ms in check["measured_round_ms_by_w (0 = plain step)"].items()}
     known = sorted(w for w in measured if w > 0)
-    clock = [measured[min(known, key=lambda k: (abs(k - w), k))] if w not in measured else measured[w]
-             for w in range(1, latency.block_size + 1)]  # the nearest measured w (ties: the shorter)
+    clock = [measured[w] if w in measured else measured[min(known, key=lambda k: (abs(k - w), k))]
+             for w in range(1, latency.block_size + 1)]  # unmeasured w: the nearest measured (ties: the shorter)
     clock_ar = measured[0]
     estimator = _estimator(str(ASSETS_DIR / "acceptance_estimator.json"), latency.block_size)
     prompts = [p for p in load_positions() if p["n"] > 1][: args.prompts]
@@ -316,7 +313,7 @@ def sequence(args) -> None:
         for seed in range(args.sequence):
             selector = make_selector("nominal", {"latency_model": latency})
             if per_call:
-                _StreakPerCall.install(selector)
+                _restart_streak_per_call(selector)
             order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(seed)).tolist()
             seconds = ar_seconds = 0.0
             calls_drafting = 0

@@ -395,8 +395,9 @@ def calibrate_latency(
         # the upper middle and raised C(w). For w = 0: the plain steps that follow it.
         steady = telemetry.rounds[1:] or telemetry.rounds
         # drafted rounds that verified the whole w (not cut short by max_new_tokens); w = 0: the plain steps
-        times = sorted(r.wall_s for r in steady if r.drafted == (w > 0) and (w == 0 or r.w == w)) or sorted(
-            r.wall_s for r in steady if r.drafted == (w > 0)) or sorted(r.wall_s for r in steady)
+        kind = [r for r in steady if r.drafted == (w > 0)]
+        whole = [r for r in kind if w == 0 or r.w == w]
+        times = sorted(r.wall_s for r in whole or kind or steady)
         median = times[len(times) // 2]
         logger.debug("calibration w=%d context=%d (%s): rounds in order (drafted, ms) %s; median %.3f ms", w, context,
                      telemetry.path, [(r.drafted, round(r.wall_s * 1e3, 3)) for r in telemetry.rounds], median * 1e3)
