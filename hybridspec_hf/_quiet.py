@@ -9,7 +9,7 @@ import logging
 
 import torch
 
-_KERNEL_LOGGER = "transformers.integrations.hub_kernels"  # transformers 5.17 .. 5.24
+_KERNEL_LOGGER = "transformers.integrations.hub_kernels"  # transformers 5.17 .. 5.25
 _CUDA_ONLY_PACKAGES = ("`causal_conv1d`", "`causal-conv1d`", "`flash-linear-attention`", "`fla`")
 
 

@@ -9,6 +9,31 @@ def is_linear_cache_layer(layer) -> bool:
     return hasattr(layer, "recurrent_states") and hasattr(layer, "conv_states")
 
 
+def attention_length(cache) -> int:
+    """Positions the cache holds: the first attention layer's length (0 before any is filled). Not
+    `cache.get_seq_length()`: from transformers 5.25 on that reads layer 0, a GDN layer in these models, whose own
+    count (`cumulative_length_linear`) only transformers' conv updates advance, not our commits (`sync_linear_lengths`
+    puts it right at the end of a call)."""
+    for index, layer in enumerate(cache.layers):
+        if not is_linear_cache_layer(layer):
+            return int(cache.get_seq_length(index))
+    return int(cache.get_seq_length())
+
+
+def sync_linear_lengths(cache) -> None:
+    """Set every GDN layer's token count (`cumulative_length_linear`, transformers ≥ 5.25) to the attention layers'
+    length, as transformers' own decoding leaves it: our verifications never touch it and our commits rebuild the
+    states directly, so without this `cache.get_seq_length()` would still count the prompt alone after a call (and
+    a later generate() on the same cache would place its tokens there). No-op where the layers keep no count."""
+    layers = [layer for layer in cache.layers
+              if is_linear_cache_layer(layer) and isinstance(getattr(layer, "cumulative_length_linear", None),
+                                                              torch.Tensor)]
+    if layers:
+        length = attention_length(cache)
+        for layer in layers:
+            layer.cumulative_length_linear.fill_(length)
+
+
 def drop_last_tokens(cache, num_tokens: int) -> None:
     """Remove the last `num_tokens` positions from every attention layer (GDN layers are committed separately).
 

@@ -299,13 +299,16 @@ def route_cpu_to_torch(module) -> None:
 
 
 def _routed(chosen: Callable, reference: Callable) -> Callable:
-    accepted = set(inspect.signature(reference).parameters)
+    parameters = inspect.signature(reference).parameters
+    # keyword arguments the reference does not name are dropped (the kernels' own, e.g. cu_seqlens), unless it
+    # takes **kwargs (transformers ≥ 5.25 with the `kernels` package: a kernel function is a `Func(*args, **kwargs)`)
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
     @functools.wraps(chosen)
     def routed(*args, **kwargs):
         first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
         if first is not None and first.device.type == "cpu":
-            return reference(*args, **{k: v for k, v in kwargs.items() if k in accepted})
+            return reference(*args, **(kwargs if takes_any else {k: v for k, v in kwargs.items() if k in parameters}))
         return chosen(*args, **kwargs)
 
     routed._hybridspec_routed = True

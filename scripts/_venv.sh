@@ -34,5 +34,5 @@ make_venv() {
   # same name") for every editable install with a package_dir mapping (patches/ -> hybridspec_hf.patches)
   "${pip[@]}" -q -c constraints/ci.txt "transformers==$transformers" -e ".[$extras]"
 }
-TRANSFORMERS_NEWEST=5.24.0
+TRANSFORMERS_NEWEST=5.25.0
 TRANSFORMERS_GPU_IMAGE=5.17.0

@@ -175,11 +175,36 @@ def test_unsupported_target_is_reported():
                        generation_strategy="hybridspec")
 
 
-def test_stock_assisted_decoding_still_refuses_stateful_targets(pair):
+def test_a_dflash_drafter_without_generation_strategy_is_refused_with_what_to_pass(pair):
+    """Stock assisted decoding cannot run our drafter (it drafts from the target's features): a clear error in every
+    transformers version (< 5.25 refused the stateful target; 5.25 would fail inside its candidate generator)."""
     target, prompt, drafter, ar = pair
-    with pytest.raises(ValueError, match="stateful"):
+    with pytest.raises(ValueError, match="generation_strategy='hybridspec'"):
         target.generate(prompt, assistant_model=drafter, do_sample=False, max_new_tokens=5)
     assert torch.equal(spec(target, prompt, drafter), ar)
+
+
+def test_stock_assisted_decoding_with_an_ordinary_assistant_is_transformers_own(pair):
+    """An ordinary assistant model without generation_strategy: transformers decides. Before 5.25 it refuses the
+    stateful target (our note says what to do); from 5.25 on it verifies with per-token GDN states, and our patches
+    leave that path exact (greedy output equals AR)."""
+    from test_exactness import assert_same_as_ar
+
+    target, prompt, drafter, expected = pair
+    torch.manual_seed(0)
+    assistant = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=32,
+                                             num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                             pad_token_id=0)).to(torch.float64)
+    if getattr(type(target), "_is_stateful", False):
+        with pytest.raises(ValueError, match="stateful") as raised:
+            target.generate(prompt, assistant_model=assistant, do_sample=False, max_new_tokens=5)
+        assert any("generation_strategy='hybridspec'" in note for note in raised.value.__notes__)
+    else:
+        ar = target.generate(prompt, do_sample=False, max_new_tokens=12, return_dict_in_generate=True,
+                             output_logits=True)
+        stock = target.generate(prompt, assistant_model=assistant, do_sample=False, max_new_tokens=12)
+        assert_same_as_ar(stock, ar)
+    assert torch.equal(spec(target, prompt, drafter), expected)  # the model still runs HybridSpec afterwards
 
 
 def test_plain_generate_is_unaffected_by_the_patches():

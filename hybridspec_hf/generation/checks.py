@@ -9,6 +9,7 @@ from transformers.generation import logits_process
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from hybridspec_hf.graphs.capture import host_syncs
+from hybridspec_hf.patches._cache import sync_linear_lengths
 
 _STATELESS_PROCESSORS = {
     getattr(logits_process, name)
@@ -104,6 +105,9 @@ def check_logits_processors(logits_processor) -> None:
 
 
 def finish_output(generation_config, emitter, cache, cache_key: str):
+    """The call's output (generate()'s: the sequences, or a GenerateDecoderOnlyOutput), its cache's GDN token counts
+    set to the tokens it holds (the cache is the caller's when they passed one)."""
+    sync_linear_lengths(cache)
     if not generation_config.return_dict_in_generate:
         return emitter.input_ids
     fields = {f.name for f in dataclasses.fields(GenerateDecoderOnlyOutput)}

@@ -1,7 +1,9 @@
 """generate() integration: `generation_strategy=` routes to the HybridSpec loop through `custom_generate`.
 
 `enable()` wraps `generate` on the supported hybrid classes only. Without `generation_strategy` the original
-generate runs untouched (including its refusal of `assistant_model=` for stateful models).
+generate runs untouched: its refusal of `assistant_model=` for stateful models (transformers < 5.25) with a note on
+what to do, and from 5.25 on its own assisted decoding (per-token GDN states) with an ordinary assistant model. Our
+DFlashDrafter without `generation_strategy` is refused here with what to pass: stock assisted decoding cannot run it.
 """
 from __future__ import annotations
 
@@ -39,6 +41,15 @@ def _hybridspec_generate(original, self, *args, generation_strategy=None, hybrid
             raise ValueError("hybridspec_config= was given without generation_strategy=; add e.g. generation_strategy='hybridspec'.")
         if kwargs.get("assistant_model") is None:
             return original(self, *args, **kwargs)
+        from hybridspec_hf.drafter import DFlashDrafter
+
+        if isinstance(kwargs["assistant_model"], DFlashDrafter):  # stock assisted decoding cannot run it
+            raise ValueError(
+                "assistant_model= is a hybridspec_hf.DFlashDrafter, which drafts from the target's hidden states "
+                "inside HybridSpec's loop only; transformers' own assisted decoding cannot run it. Pass "
+                f"generation_strategy='hybridspec' (or one of {', '.join(repr(s) for s in STRATEGIES[1:])}) "
+                "together with assistant_model=."
+            )
         try:
             return original(self, *args, **kwargs)
         except ValueError as error:  # transformers' refusal stays as raised; the note says what to do instead

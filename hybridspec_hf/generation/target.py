@@ -8,7 +8,7 @@ import torch
 
 from hybridspec_hf import patches
 from hybridspec_hf.graphs.static_target import FeatureCapture
-from hybridspec_hf.patches._cache import drop_last_tokens, keep_rows, row_snapshot
+from hybridspec_hf.patches._cache import attention_length, drop_last_tokens, keep_rows, row_snapshot
 
 
 class TargetRunner:
@@ -61,7 +61,7 @@ class TargetRunner:
 
     def prefill(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask, **extra):
         """Process the uncached prompt tokens the way AR's prefill does. Returns last logits [B, V], features."""
-        cached = int(self.cache.get_seq_length())
+        cached = attention_length(self.cache)
         new_ids = input_ids[:, cached:]
         position_ids = position_ids[..., cached:]
         self.mask_length = None if attention_mask is None else cached
@@ -132,7 +132,7 @@ class BatchTargetRunner(TargetRunner):
     def _extend_mask(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The mask over the cache's slots and the new tokens: a verification's tokens are real (ones); the
         prefill's mask came with the prompt."""
-        missing = int(self.cache.get_seq_length()) + input_ids.shape[1] - self.attention_mask.shape[1]
+        missing = attention_length(self.cache) + input_ids.shape[1] - self.attention_mask.shape[1]
         if missing > 0:
             new = self.attention_mask.new_ones(input_ids.shape[0], missing)
             self.attention_mask = torch.cat([self.attention_mask, new], dim=1)
@@ -140,7 +140,7 @@ class BatchTargetRunner(TargetRunner):
 
     def prefill(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor, **extra):
         """The prompt as stock generate() runs it, left padding masked. Returns last logits [B, V], features."""
-        cached = int(self.cache.get_seq_length())
+        cached = attention_length(self.cache)
         self.attention_mask = attention_mask
         logits, features = self._forward(input_ids[:, cached:], position_ids[..., cached:], 1, **extra)
         self.positions = position_ids[..., -1:]

@@ -31,7 +31,7 @@ import inspect
 import torch
 
 from hybridspec_hf import patches
-from hybridspec_hf.patches._cache import row_snapshot
+from hybridspec_hf.patches._cache import attention_length, row_snapshot
 
 # True: the dense mask is built only for attention layers that run transformers' function (module docstring);
 # False: every forward builds it (A/B: `--variants plain,-mask-on-demand`)
@@ -255,7 +255,7 @@ class StaticTarget:
         real: [B, P] the prompt's attention mask (None: every column real); row b's real columns go to slots
         0 .. n_b-1 (left padding is dropped). B ≤ N: rows B .. N-1 are inert (length 0, zero states)."""
         if real is None:
-            real = torch.ones(self.rows, int(cache.get_seq_length()), dtype=torch.long)
+            real = torch.ones(self.rows, attention_length(cache), dtype=torch.long)
         real = real.to(torch.bool)
         batch, width = real.shape
         counts = real.sum(1).tolist()
