@@ -1,4 +1,6 @@
 """Greedy HybridSpec ("dflash", "static") output is token-identical to target.generate(do_sample=False)."""
+import copy
+
 import pytest
 import torch
 from _tiny import TARGETS, VOCAB, cache_tensors, make_drafter, make_target, output_cache
@@ -111,10 +113,15 @@ def test_returned_cache_equals_ar_cache_and_generation_continues(name, cache_imp
     assert torch.equal(ours.sequences, ar.sequences)
     for mine, theirs in zip(cache_tensors(output_cache(ours)), cache_tensors(output_cache(ar)), strict=True):
         torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-12)
-    # continue from the returned caches: HybridSpec on ours, AR on AR's
+    # the cache says how many tokens it holds, as AR's does (transformers >= 5.25 asks a GDN layer's own count)
+    assert int(output_cache(ours).get_seq_length()) == int(output_cache(ar).get_seq_length()) == 11 + 13 - 1
+    # continue from the returned caches: HybridSpec on ours, AR on AR's, and stock AR on a copy of ours
+    stock_on_ours = target.generate(ours.sequences, past_key_values=copy.deepcopy(output_cache(ours)),
+                                    do_sample=False, max_new_tokens=9)
     ar2 = target.generate(ar.sequences, past_key_values=output_cache(ar), do_sample=False, max_new_tokens=9)
     ours2 = run(target, ours.sequences, drafter, "dflash", 9, past_key_values=output_cache(ours))
     assert torch.equal(ours2, ar2)
+    assert torch.equal(stock_on_ours, ar2)
 
 
 def test_ar_oracle_without_float64_swap_diverges_only_at_near_ties():
