@@ -106,8 +106,10 @@ def check_logits_processors(logits_processor) -> None:
 
 def finish_output(generation_config, emitter, cache, cache_key: str):
     """The call's output (generate()'s: the sequences, or a GenerateDecoderOnlyOutput), its cache's GDN token counts
-    set to the tokens it holds (the cache is the caller's when they passed one)."""
-    sync_linear_lengths(cache)
+    set to the tokens it holds (the cache is the caller's when they passed one). A static cache's length is on the
+    device: reading it is the call's last allowed sync."""
+    with host_syncs():
+        sync_linear_lengths(cache)
     if not generation_config.return_dict_in_generate:
         return emitter.input_ids
     fields = {f.name for f in dataclasses.fields(GenerateDecoderOnlyOutput)}
