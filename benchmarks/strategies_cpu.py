@@ -2,6 +2,10 @@
 
 Trained weights (hybridspec_hf.load_tiny_pair), held-out stdlib prompts (files never trained on), real acceptance
 and real routing. Reports tokens/s, speedup over AR, τ, mean w, and whether the text equals AR's.
+
+`--strategies ...,prompt_lookup` adds transformers' own speculative decoding that needs no drafter (prompt lookup,
+`prompt_lookup_num_tokens=--lookup-tokens`), which runs on these targets from transformers 5.25 on (it keeps a GDN
+state per drafted token); on older versions, which refuse it, the row is left out with a note.
 """
 from __future__ import annotations
 
@@ -12,12 +16,17 @@ import statistics
 import time
 
 import torch
+import transformers
 from common import environment, tiny_pair_setup, write_results
 
 import hybridspec_hf
 from hybridspec_hf.selector import make_selector
 
 STRATEGIES = ["dflash", "static", "confidence", "ratio", "nominal", "hybridspec"]
+
+
+def _cell(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def main() -> None:
@@ -28,7 +37,9 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=None, help="override the drafter's block size")
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs of every (prompt, strategy), interleaved; per-prompt seconds are their median")
-    parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated, besides AR")
+    parser.add_argument("--strategies", default=",".join(STRATEGIES),
+                        help="comma-separated, besides AR (and 'prompt_lookup': transformers' own, no drafter)")
+    parser.add_argument("--lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens of 'prompt_lookup'")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
                         help="also HybridSpec with these selector options (an A/B), e.g. "
                              "'calibrated={\"draft_price\": \"calibrated\"}'; repeatable")
@@ -36,8 +47,17 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target, drafter, prompts, latency, settings = tiny_pair_setup(args.prompts, args.block_size)
+    names = args.strategies.split(",")
+    stock = {}  # transformers' own speculative decoding: no telemetry, and only where it runs on these targets
+    if "prompt_lookup" in names:
+        names.remove("prompt_lookup")
+        if getattr(type(target), "_is_stateful", False):
+            print(f"prompt_lookup left out: transformers {transformers.__version__} refuses assisted decoding for "
+                  "stateful targets (5.25 and later run it)")
+        else:
+            stock["prompt_lookup"] = dict(prompt_lookup_num_tokens=args.lookup_tokens)
     runs = {"ar": {}} | {s: dict(assistant_model=drafter, generation_strategy=s, hybridspec_config=settings)
-                         for s in args.strategies.split(",")}
+                         for s in names} | stock
     for spec in args.variant:  # HybridSpec with other selector options (its own selector object)
         name, _, options = spec.partition("=")
         selector = make_selector("hybridspec", {"latency_model": latency, **json.loads(options)})
@@ -63,6 +83,8 @@ def main() -> None:
                 row["tokens"].append(out.shape[1] - prompt.shape[1])
                 if name == "ar":
                     reference[index] = out
+                elif name in stock:
+                    row["identical"].append(bool(torch.equal(out, reference[index])))
                 else:
                     telemetry = hybridspec_hf.get_telemetry(target)
                     row["tau"].append(telemetry.mean_emitted)
@@ -78,8 +100,8 @@ def main() -> None:
         summary[name] = {
             "tokens_per_s": rate,
             "speedup_vs_ar": rate / ar_rate,
-            "tau": statistics.mean(row["tau"]) if row["tau"] else 1.0,
-            "mean_w": statistics.mean(row["w"]) if row["w"] else 1.0,
+            "tau": statistics.mean(row["tau"]) if row["tau"] else None if name in stock else 1.0,  # stock: unknown
+            "mean_w": statistics.mean(row["w"]) if row["w"] else None if name in stock else 1.0,
             "identical_to_ar": all(row["identical"]) if row["identical"] else True,
         }
         ratios = [ar / seconds for ar, seconds in zip(rows["ar"]["seconds"], row["seconds"], strict=True)]
@@ -88,9 +110,9 @@ def main() -> None:
     lines = ["| strategy | tokens/s | speedup vs AR | per prompt: median / min / below 0.97× | τ (tokens/round) | "
              "mean w | identical to AR |", "|---|---|---|---|---|---|---|"]
     for name, s in summary.items():
-        lines.append(f"| {name} | {s['tokens_per_s']:.1f} | {s['speedup_vs_ar']:.2f}× | {s['per_prompt_median']:.2f}× / "
-                     f"{s['per_prompt_min']:.2f}× / {s['prompts_below_0.97']} | {s['tau']:.2f} | {s['mean_w']:.2f} | "
-                     f"{s['identical_to_ar']} |")
+        lines.append(f"| {name} | {s['tokens_per_s']:.1f} | {s['speedup_vs_ar']:.2f}× | "
+                     f"{s['per_prompt_median']:.2f}× / {s['per_prompt_min']:.2f}× / {s['prompts_below_0.97']} | "
+                     f"{_cell(s['tau'])} | {_cell(s['mean_w'])} | {s['identical_to_ar']} |")
     payload = {
         "title": "Verification strategies on the tiny trained pair (CPU)",
         "notes": ("Trained weights (shipped tiny qwen3_5_moe target + DFlash drafter); held-out stdlib prompts; "

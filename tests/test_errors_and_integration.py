@@ -186,24 +186,29 @@ def test_a_dflash_drafter_without_generation_strategy_is_refused_with_what_to_pa
 
 def test_stock_assisted_decoding_with_an_ordinary_assistant_is_transformers_own(pair):
     """An ordinary assistant model without generation_strategy: transformers decides. Before 5.25 it refuses the
-    stateful target (our note says what to do); from 5.25 on it verifies with per-token GDN states, and our patches
-    leave that path exact (greedy output equals AR)."""
-    from test_exactness import assert_same_as_ar
-
+    stateful target (our note says what to do); from 5.25 on it runs its own assisted decoding, and our patches
+    leave that path as it is (the same tokens as with the patched methods put back to transformers' own). Not
+    asserted: that it equals AR (benchmarks/results/stock_assisted_tf525.md: 5.25 keeps one GDN state too few)."""
     target, prompt, drafter, expected = pair
     torch.manual_seed(0)
     assistant = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=32,
                                              num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                                              pad_token_id=0)).to(torch.float64)
+    options = dict(assistant_model=assistant, do_sample=False, max_new_tokens=12)
     if getattr(type(target), "_is_stateful", False):
         with pytest.raises(ValueError, match="stateful") as raised:
-            target.generate(prompt, assistant_model=assistant, do_sample=False, max_new_tokens=5)
+            target.generate(prompt, **options)
         assert any("generation_strategy='hybridspec'" in note for note in raised.value.__notes__)
     else:
-        ar = target.generate(prompt, do_sample=False, max_new_tokens=12, return_dict_in_generate=True,
-                             output_logits=True)
-        stock = target.generate(prompt, assistant_model=assistant, do_sample=False, max_new_tokens=12)
-        assert_same_as_ar(stock, ar)
+        patched = target.generate(prompt, **options)
+        gdn_cls, lm_cls = modeling_qwen3_5_moe.Qwen3_5MoeGatedDeltaNet, modeling_qwen3_5_moe.Qwen3_5MoeForCausalLM
+        saved = gdn_cls.forward, lm_cls.generate
+        gdn_cls.forward, lm_cls.generate = gdn_cls._hybridspec_original_forward, lm_cls._hybridspec_original_generate
+        try:
+            stock = target.generate(prompt, **options)
+        finally:
+            gdn_cls.forward, lm_cls.generate = saved
+        assert torch.equal(patched, stock) and patched.shape[1] == prompt.shape[1] + 12
     assert torch.equal(spec(target, prompt, drafter), expected)  # the model still runs HybridSpec afterwards
 
 
