@@ -460,7 +460,7 @@ def _sum_kernel(rows, ids, out, logit, residual, E, S, stride_ot, stride_rt, H: 
 # decode kernels (T <= DECODE_MAX_TOKENS): CUDA-core products, split-K gate_up, the combine in the down launch
 
 
-def _add_row_products(acc, b_w, p_x, stride_x, k_ok, T, TP: tl.constexpr, CACHE: tl.constexpr = ""):
+def _add_row_products(acc, b_w, p_x, stride_x, k_ok, T, TP: tl.constexpr, CACHE: tl.constexpr):
     """acc [BN, TP] fp32 plus b_w x_t in column t for each row t < T of x, as fp32 FMAs: b_w [BN, BK] a weight
     tile, x_t [BK] at p_x + t·stride_x (masked by k_ok), rounded to the weights' dtype first as transformers casts
     activations. A row at a time: the weight tile stays the only large operand in registers. CACHE: the x loads'
@@ -539,8 +539,8 @@ def _gate_up_decode_item(hidden, ids, w1, shared_w1, act, partials, logit_partia
                 b_up = tl.load(p_up, mask=k_ok[None, :] & ~loaded, other=0.0)
             b_gate = tl.where(loaded, early_gate, b_gate)
             b_up = tl.where(loaded, early_up, b_up)
-            acc_gate = _add_row_products(acc_gate, b_gate, p_x, stride_ht, k_ok, T, TP)
-            acc_up = _add_row_products(acc_up, b_up, p_x, stride_ht, k_ok, T, TP)
+            acc_gate = _add_row_products(acc_gate, b_gate, p_x, stride_ht, k_ok, T, TP, "")
+            acc_up = _add_row_products(acc_up, b_up, p_x, stride_ht, k_ok, T, TP, "")
             p_gate += BK
             p_up += BK
             p_x += BK
@@ -554,7 +554,7 @@ def _gate_up_decode_item(hidden, ids, w1, shared_w1, act, partials, logit_partia
                 for step in range(STEPS):
                     k_ok = (k_start + step * BK + rk) < H
                     b_w = tl.load(p_w, mask=k_ok[None, :], other=0.0)
-                    acc_logit = _add_row_products(acc_logit, b_w, p_x, stride_ht, k_ok, T, TP)
+                    acc_logit = _add_row_products(acc_logit, b_w, p_x, stride_ht, k_ok, T, TP, "")
                     p_w += BK
                     p_x += BK
         p_act = act + (slot * TP + rt)[None, :].to(tl.int64) * INTER + rn[:, None]  # act [slots, TP, I] fp32
@@ -593,7 +593,7 @@ def _gate_up_decode_item(hidden, ids, w1, shared_w1, act, partials, logit_partia
 
 
 def _down_tile(acc, p_w, p_a, step, rk, T, INTER: tl.constexpr, TP: tl.constexpr, BK: tl.constexpr,
-               EVEN_K: tl.constexpr, CACHE: tl.constexpr = ""):
+               EVEN_K: tl.constexpr, CACHE: tl.constexpr):
     """acc plus the products of weight tile `step` (at p_w, [BN, BK]) with act at p_a, every token."""
     k_ok = (step * BK + rk) < INTER
     if EVEN_K:
@@ -628,7 +628,7 @@ def _down_decode_rows(act, ids, weights, w2, shared_w2, slot, rn, rt, t_ok, pair
         p_w = w_base + (rn % H).to(tl.int64)[:, None] * stride_wn + rk[None, :]  # [BN, BK]; rows past H: not stored
         p_a = act + (slot * TP).to(tl.int64) * INTER + rk  # [BK] of token 0
         for step in range(STEPS):
-            acc = _down_tile(acc, p_w, p_a, step, rk, T, INTER, TP, BK, EVEN_K)
+            acc = _down_tile(acc, p_w, p_a, step, rk, T, INTER, TP, BK, EVEN_K, "")
             p_w += BK
             p_a += BK
         acc = acc * tl.where(is_shared, 1.0, coef)[None, :]
@@ -1149,19 +1149,14 @@ def _launch_decode(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, 
     layout = one_launch_layout(gate_up, down) if ONE_LAUNCH else None
     if layout is not None:
         up_end, down_end, done_end = layout
-        _experts_decode_kernel[(math.prod(gate_up.grid) + math.prod(down.grid),)](
+        both = one_launch(gate_up, down)
+        _experts_decode_kernel[both.grid](
             hidden, ids, weights, gate_up_proj, shared_gate_up, down_proj, shared_down, act, partials,
             logit_partials, logit, down_partials, residual if residual is not None else out, out,
             counters, counters[up_end:], counters[down_end:], counters[done_end:],
             num_tokens, pairs, num_experts, hidden.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1),
             down_proj.stride(0), down_proj.stride(1), out.stride(0), residual.stride(0) if residual is not None else 0,
-            H=hidden_size, INTER=inter, K=top_k, KP=down.constexprs["KP"], SP=gate_up.constexprs["SP"], TP=block_t,
-            SHARED=shared is not None, RESIDUAL=residual is not None,
-            UP_BN=gate_up.constexprs["BN"], UP_BK=gate_up.constexprs["BK"], UP_STEPS=gate_up.constexprs["STEPS"],
-            SPLIT=split, UP_EVEN_K=gate_up.constexprs["EVEN_K"], DOWN_BN=down.constexprs["BN"],
-            DOWN_BK=down.constexprs["BK"], DOWN_STEPS=down.constexprs["STEPS"],
-            DOWN_EVEN_K=down.constexprs["EVEN_K"],
-            num_warps=max(gate_up.num_warps, down.num_warps), num_stages=max(gate_up.num_stages, down.num_stages),
+            **both.constexprs, num_warps=both.num_warps, num_stages=both.num_stages,
         )
         return out
     _gate_up_decode_kernel[gate_up.grid](
@@ -1176,6 +1171,18 @@ def _launch_decode(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, 
         **down.constexprs, num_warps=down.num_warps, num_stages=down.num_stages,
     )
     return out
+
+
+def one_launch(gate_up: Launch, down: Launch) -> Launch:
+    """`_experts_decode_kernel`'s launch doing the items of these two: one program per item, the warps and stages
+    of the larger."""
+    up, dn = gate_up.constexprs, down.constexprs
+    return Launch((math.prod(gate_up.grid) + math.prod(down.grid),),
+                  dict(H=up["H"], INTER=up["INTER"], K=dn["K"], KP=dn["KP"], SP=up["SP"], TP=up["TP"],
+                       SHARED=up["SHARED"], RESIDUAL=dn["RESIDUAL"], UP_BN=up["BN"], UP_BK=up["BK"],
+                       UP_STEPS=up["STEPS"], SPLIT=up["SPLIT"], UP_EVEN_K=up["EVEN_K"], DOWN_BN=dn["BN"],
+                       DOWN_BK=dn["BK"], DOWN_STEPS=dn["STEPS"], DOWN_EVEN_K=dn["EVEN_K"]),
+                  max(gate_up.num_warps, down.num_warps), max(gate_up.num_stages, down.num_stages))
 
 
 def one_launch_layout(gate_up: Launch, down: Launch) -> tuple[int, int, int] | None:
