@@ -311,7 +311,8 @@ def compile_check(shape: Shape, swept: bool = True) -> list[dict]:
             rows.append(dict(kernel=name, tokens=tokens, grid=launch.grid, warps=launch.num_warps,
                              constexprs=launch.constexprs, ptxas=_ptxas_info(compiled.asm["ptx"])))
             print(rows[-1]["kernel"], tokens, launch.grid, launch.num_warps,
-                  {k: v for k, v in launch.constexprs.items() if "BN" in k or "BK" in k or "STEPS" in k}, rows[-1]["ptxas"], flush=True)
+                  {k: v for k, v in launch.constexprs.items() if k.endswith(("BN", "BK", "STEPS"))}, rows[-1]["ptxas"],
+                  flush=True)
     return rows
 
 
