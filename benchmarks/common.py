@@ -20,8 +20,6 @@ RESULTS = Path(__file__).resolve().parent / "results"
 SWITCHES = {
     "moe-one-pass": ("hybridspec_hf.patches._moe", "SHARED_EXPERT_SLOT", "the one-pass MoE block"),
     "moe-decode": ("hybridspec_hf.kernels.moe_triton", "DECODE_PATH", "the MoE decode kernels up to DECODE_MAX_TOKENS"),
-    "moe-one-launch": ("hybridspec_hf.kernels.moe_triton", "ONE_LAUNCH",
-                       "the MoE decode kernels' gate_up and down in one launch, down waiting per slot on act"),
     "defer-appends": ("hybridspec_hf.generation.resident", "DEFER_CONTEXT_APPENDS",
                       "plain steps park the drafter's features for the next speculative round"),
     "trust-drafts": ("hybridspec_hf.selector.length_rules", "TRUST_DRAFTS",

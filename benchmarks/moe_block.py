@@ -273,8 +273,7 @@ def direct_sweep(calls, replays: int) -> dict:
 
 
 def compile_check(shape: Shape, swept: bool = True) -> list[dict]:
-    """Build the decode kernels for sm_90 (triton.compile, GPUTarget("cuda", 90, 32); gate_up, down and both in
-    one launch, ONE_LAUNCH) for the default tiles at
+    """Build both decode kernels for sm_90 (triton.compile, GPUTarget("cuda", 90, 32)) for the default tiles at
     T = 1..4 with and without the shared expert and residual (the block and the experts-only call), and with
     `swept` every config of the decode sweep (block + residual): the interpreter accepts code the compiler refuses.
     Registers and spills by `ptxas -v`. Needs no GPU."""
@@ -284,10 +283,8 @@ def compile_check(shape: Shape, swept: bool = True) -> list[dict]:
     target = GPUTarget("cuda", 90, 32)
     pointers = dict(hidden="*bf16", ids="*i64", w1="*bf16", shared_w1="*bf16", act="*fp32", partials="*fp32",
                     logit_partials="*fp32", logit="*fp32", counters="*i32", weights="*bf16", w2="*bf16",
-                    shared_w2="*bf16", residual="*bf16", out="*bf16", up_partials="*fp32", down_partials="*fp32",
-                    up_counters="*i32", down_counters="*i32", done="*i32", control="*i32")
-    kernels = {"gate_up": moe_triton._gate_up_decode_kernel.fn, "down": moe_triton._down_decode_kernel.fn,
-               "one launch": moe_triton._experts_decode_kernel.fn}
+                    shared_w2="*bf16", residual="*bf16", out="*bf16")
+    kernels = {"gate_up": moe_triton._gate_up_decode_kernel.fn, "down": moe_triton._down_decode_kernel.fn}
     plans = [(tokens, flag, None, None) for tokens in (1, 2, 3, 4) for flag in (True, False)]
     if swept:
         plans += [(tokens, True, g, None) for tokens in (1, 2, 3, 4) for g in DECODE_GATE_UP_SWEEP]
@@ -297,7 +294,7 @@ def compile_check(shape: Shape, swept: bool = True) -> list[dict]:
         launches = moe_triton.decode_launches(tokens, shape.hidden, shape.inter, shape.top_k, shared=with_shared,
                                               residual=with_shared, gate_up_tiles=gate_up_tiles,
                                               down_tiles=down_tiles)
-        for name, launch in zip(kernels, (*launches, moe_triton.one_launch(*launches))):
+        for name, launch in zip(kernels, launches):
             key = (name, tuple(sorted(launch.constexprs.items())), launch.num_warps, launch.num_stages)
             if key in built:
                 continue
@@ -311,8 +308,7 @@ def compile_check(shape: Shape, swept: bool = True) -> list[dict]:
             rows.append(dict(kernel=name, tokens=tokens, grid=launch.grid, warps=launch.num_warps,
                              constexprs=launch.constexprs, ptxas=_ptxas_info(compiled.asm["ptx"])))
             print(rows[-1]["kernel"], tokens, launch.grid, launch.num_warps,
-                  {k: v for k, v in launch.constexprs.items() if k.endswith(("BN", "BK", "STEPS"))}, rows[-1]["ptxas"],
-                  flush=True)
+                  {k: launch.constexprs[k] for k in ("BN", "BK", "STEPS", "SHARED")}, rows[-1]["ptxas"], flush=True)
     return rows
 
 

@@ -147,39 +147,6 @@ def test_the_decode_kernels_match_the_torch_steps_and_repeat_bit_for_bit(dtype):
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
-def test_the_decode_kernels_in_one_launch_give_the_two_launches_bits(family, monkeypatch):
-    """moe_triton.ONE_LAUNCH (gate_up and down items in one launch, down items waiting per slot on the act blocks,
-    in ticket order): on the GPU its programs really run concurrently and in the hardware's order, so this is the
-    test of the waits the CPU twin (sequential programs) cannot make: the two launches' bits for T = 1..4, eager
-    and replayed from a CUDA graph many times, and the split-K counters all zero afterwards."""
-    from hybridspec_hf.kernels import gemv_triton, moe_triton
-    from hybridspec_hf.patches import _moe
-
-    block = full_width_block(family, torch.bfloat16)
-    patches.prepare_fused_moe([block])
-    shared = block.__dict__[_moe._CACHE].weight
-    for tokens in (1, 2, 3, 4):
-        x, residual = torch.randn(2, tokens, 2048, device="cuda", dtype=torch.bfloat16)
-        with torch.no_grad():
-            _, weights, ids = block.gate(x)
-        args = (x, ids, weights, block.experts.gate_up_proj, block.experts.down_proj, shared,
-                block.shared_expert.down_proj.weight, residual)
-        monkeypatch.setattr(moe_triton, "ONE_LAUNCH", False)
-        two = moe_triton.moe_block_triton(*args, mode="decode")
-        monkeypatch.setattr(moe_triton, "ONE_LAUNCH", True)
-        for _ in range(50):
-            assert torch.equal(moe_triton.moe_block_triton(*args, mode="decode"), two)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = moe_triton.moe_block_triton(*args, mode="decode")
-        for _ in range(50):
-            out.zero_()
-            graph.replay()
-            assert torch.equal(out, two)
-        assert not gemv_triton.split_counters(x.device).any()
-    patches.release_fused_moe([block])
-
-@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
 def test_the_add_norm_and_router_in_one_launch_match_transformers_and_replay(family):
     """`norm_route_block_add` (the decoder layer's residual add, post_attention_layernorm and router in one compiled
     launch, then the one-pass block) at full width in fp32: h + block(norm(h)) eagerly and from a captured graph

@@ -267,50 +267,6 @@ def test_decode_is_bitwise_reproducible_and_leaves_the_counters_zero(tokens, mon
     assert torch.equal(moe_block_triton(**x, **tiles), first)  # "auto" takes them up to DECODE_MAX_TOKENS tokens
 
 
-@pytest.mark.parametrize("tokens", [1, 2, 4])
-@pytest.mark.parametrize("hidden, inter, experts, top_k, gate_up_tiles, down_tiles", DECODE_CASES)
-def test_decode_in_one_launch_gives_the_two_launches_bits(hidden, inter, experts, top_k, gate_up_tiles, down_tiles,
-                                                          tokens, monkeypatch):
-    """ONE_LAUNCH (gate_up and down items of one launch in ticket order, down items waiting per slot) computes the
-    same sums in the same order: the two launches' bits, with and without split K, the shared expert, an expert
-    named twice (a slot without work, whose down items must not wait) and a sentinel; every counter zero after.
-    The interpreter runs programs one after another, so the waits never spin here: tests/test_moe_block_cuda.py
-    runs them concurrently on the GPU."""
-    x = make_block(60 + tokens, tokens, hidden, inter, experts, top_k, torch.bfloat16)
-    x["top_k_index"][0, 1] = x["top_k_index"][0, 0]
-    x["top_k_index"][-1, -1] = experts
-    tiles = dict(gate_up_tiles=gate_up_tiles, down_tiles=down_tiles)
-    outs = []
-    kernel = moe_triton._experts_decode_kernel
-    for one in (False, True):
-        monkeypatch.setattr(moe_triton, "ONE_LAUNCH", one)
-        launched = []
-        monkeypatch.setattr(moe_triton, "_experts_decode_kernel",
-                            type("Spy", (), {"__getitem__": lambda _, grid: launched.append(grid) or kernel[grid]})())
-        outs.append(moe_block_triton(**x, mode="decode", **tiles))
-        assert len(launched) == int(one)
-        assert not gemv_triton._COUNTERS[torch.device("cpu")].any()
-        routed = {k: v for k, v in x.items() if k not in ("shared_gate_up", "shared_down", "residual")}
-        outs.append(fused_experts_triton(**routed, mode="decode", **tiles))
-    assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[3])
-    assert rel(outs[0], moe_block_reference(**x)) < TOL[torch.bfloat16]
-
-
-def test_decode_in_one_launch_falls_back_to_two_when_its_counters_do_not_fit(monkeypatch):
-    """The one launch keeps its counters after the split-K tiles': with too few counters for them the call takes
-    the two launches (same bits), not counters another column block uses."""
-    x = make_block(71, 2, 64, 32, 8, 2)
-    tiles = dict(gate_up_tiles=Tiles(16, 16, 4, 1, split_k=4), down_tiles=Tiles(32, 32, 4, 1))
-    gate_up, down = moe_triton.decode_launches(2, 64, 32, 2, shared=True, residual=True, **tiles)
-    assert moe_triton.one_launch_layout(gate_up, down) is not None
-    monkeypatch.setattr(moe_triton, "COUNTERS", 12)  # the split-K tiles' 10 fit, the one launch's 22 do not
-    gate_up, down = moe_triton.decode_launches(2, 64, 32, 2, shared=True, residual=True, **tiles)
-    assert gate_up.constexprs["SPLIT"] > 1 and moe_triton.one_launch_layout(gate_up, down) is None
-    two = moe_block_triton(**x, mode="decode", **tiles)
-    monkeypatch.setattr(moe_triton, "ONE_LAUNCH", True)
-    monkeypatch.setattr(moe_triton, "_experts_decode_kernel", None)  # would fail if launched
-    assert torch.equal(moe_block_triton(**x, mode="decode", **tiles), two)
-
 def test_decode_flag_and_auto_dispatch(monkeypatch):
     """DECODE_PATH switches "auto" between the decode kernels and the direct rows (A/B), with the same result;
     above DECODE_MAX_TOKENS "auto" takes the direct rows (the H200 sweep's choice), while mode="decode" still takes

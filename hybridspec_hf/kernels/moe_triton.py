@@ -91,9 +91,6 @@ DECODE_KERNEL_MAX_TOKENS = 4  # what the decode kernels accept (mode="decode"; t
 # True: "auto" takes the decode kernels for T <= DECODE_MAX_TOKENS; False: the direct rows (A/B: our AR step 2.97
 # ms/token with them against 3.50 without, run 34).
 DECODE_PATH = True
-# gate_up and down of the decode kernels in one launch (`_experts_decode_kernel`: down items wait per slot on the
-# act blocks instead of on a kernel boundary); A/B switch, off until measured on the H200
-ONE_LAUNCH = False
 # The decode gate_up kernel's shared-expert programs first in its grid, their first weight tiles loaded before the
 # PDL wait (every other expert is known only once the router's ids are): the AR step's gate_up had 15.5 µs a layer
 # against 8.9 of bytes, none of them in flight while the router ran (run 71). Off: on the H200 the step's traced span
@@ -278,21 +275,6 @@ def _first_use(ids, slot, S, E, SP: tl.constexpr, CACHE: tl.constexpr):
     return expert, live
 
 
-def _signal(flag):
-    """Bump the int32 counter at `flag` once every thread's stores of this program are issued (release)."""
-    tl.debug_barrier()
-    tl.atomic_add(flag, 1, sem="release")
-
-
-def _wait_until(flag, target):
-    """Spin until the int32 counter at `flag` reaches `target` (acquire), then align the program's threads. Only for
-    counters that programs already running will reach (`_experts_decode_kernel` orders its items by tickets)."""
-    seen = tl.atomic_add(flag, 0, sem="acquire")
-    while seen < target:
-        seen = tl.atomic_add(flag, 0, sem="acquire")
-    tl.debug_barrier()
-
-
 def _program_rows(ids, block_expert, block_pairs, slot, T, S, E,
                   DIRECT: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, BM: tl.constexpr):
     """(expert int64, live, pair [BM] int32, row_ok [BM]) of program `slot`: the expert it serves (live = it has
@@ -460,17 +442,15 @@ def _sum_kernel(rows, ids, out, logit, residual, E, S, stride_ot, stride_rt, H: 
 # decode kernels (T <= DECODE_MAX_TOKENS): CUDA-core products, split-K gate_up, the combine in the down launch
 
 
-def _add_row_products(acc, b_w, p_x, stride_x, k_ok, T, TP: tl.constexpr, CACHE: tl.constexpr):
+def _add_row_products(acc, b_w, p_x, stride_x, k_ok, T, TP: tl.constexpr):
     """acc [BN, TP] fp32 plus b_w x_t in column t for each row t < T of x, as fp32 FMAs: b_w [BN, BK] a weight
     tile, x_t [BK] at p_x + t·stride_x (masked by k_ok), rounded to the weights' dtype first as transformers casts
-    activations. A row at a time: the weight tile stays the only large operand in registers. CACHE: the x loads'
-    cache modifier (".cg": x written by other programs of the same launch)."""
+    activations. A row at a time: the weight tile stays the only large operand in registers."""
     rt = tl.arange(0, TP)
     dtype = b_w.dtype
     b_w = b_w.to(tl.float32)
     for t in tl.static_range(TP):
-        b_x = tl.load(p_x + t * stride_x, mask=k_ok & (t < T), other=0.0, cache_modifier=CACHE)
-        b_x = b_x.to(dtype).to(tl.float32)
+        b_x = tl.load(p_x + t * stride_x, mask=k_ok & (t < T), other=0.0).to(dtype).to(tl.float32)
         acc += tl.where(rt[None, :] == t, tl.sum(b_w * b_x[None, :], axis=1)[:, None], 0.0)
     return acc
 
@@ -487,21 +467,11 @@ def _gate_up_decode_kernel(
     the last of the SPLIT programs of (slot, i_n) sums their partials in slice order and stores SiLU(gate)·up.
     With SHARED_FIRST the shared expert's programs come first in the grid (z = 0, resident first) and load their
     first tiles before the PDL wait: the only weights known before the router's ids are."""
+    i_n = tl.program_id(0)
+    i_k = tl.program_id(1)
     slot = tl.program_id(2)
     if SHARED and SHARED_FIRST:
         slot = tl.where(slot == 0, S, slot - 1)
-    _gate_up_decode_item(hidden, ids, w1, shared_w1, act, partials, logit_partials, logit, counters, counters,
-                         tl.program_id(0), tl.program_id(1), slot, T, S, E, stride_ht, stride_we, stride_wn,
-                         H, INTER, SP, TP, BN, BK, STEPS, SPLIT, EVEN_K, SHARED, SHARED_FIRST, False, PDL)
-
-
-def _gate_up_decode_item(hidden, ids, w1, shared_w1, act, partials, logit_partials, logit, counters, done,
-                         i_n, i_k, slot, T, S, E, stride_ht, stride_we, stride_wn,
-                         H: tl.constexpr, INTER: tl.constexpr, SP: tl.constexpr, TP: tl.constexpr, BN: tl.constexpr,
-                         BK: tl.constexpr, STEPS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
-                         SHARED: tl.constexpr, SHARED_FIRST: tl.constexpr, SIGNAL: tl.constexpr, PDL: tl.constexpr):
-    """The work of gate_up program (i_n, i_k, slot) (`_gate_up_decode_kernel`). SIGNAL: the program that stores the
-    slot's act rows i_n then bumps done[slot] (release), for `_experts_decode_kernel`'s down items to wait on."""
     rb = tl.arange(0, BN)
     rn = i_n * BN + rb
     rk = tl.arange(0, BK)
@@ -539,8 +509,8 @@ def _gate_up_decode_item(hidden, ids, w1, shared_w1, act, partials, logit_partia
                 b_up = tl.load(p_up, mask=k_ok[None, :] & ~loaded, other=0.0)
             b_gate = tl.where(loaded, early_gate, b_gate)
             b_up = tl.where(loaded, early_up, b_up)
-            acc_gate = _add_row_products(acc_gate, b_gate, p_x, stride_ht, k_ok, T, TP, "")
-            acc_up = _add_row_products(acc_up, b_up, p_x, stride_ht, k_ok, T, TP, "")
+            acc_gate = _add_row_products(acc_gate, b_gate, p_x, stride_ht, k_ok, T, TP)
+            acc_up = _add_row_products(acc_up, b_up, p_x, stride_ht, k_ok, T, TP)
             p_gate += BK
             p_up += BK
             p_x += BK
@@ -554,7 +524,7 @@ def _gate_up_decode_item(hidden, ids, w1, shared_w1, act, partials, logit_partia
                 for step in range(STEPS):
                     k_ok = (k_start + step * BK + rk) < H
                     b_w = tl.load(p_w, mask=k_ok[None, :], other=0.0)
-                    acc_logit = _add_row_products(acc_logit, b_w, p_x, stride_ht, k_ok, T, TP, "")
+                    acc_logit = _add_row_products(acc_logit, b_w, p_x, stride_ht, k_ok, T, TP)
                     p_w += BK
                     p_x += BK
         p_act = act + (slot * TP + rt)[None, :].to(tl.int64) * INTER + rn[:, None]  # act [slots, TP, I] fp32
@@ -563,8 +533,6 @@ def _gate_up_decode_item(hidden, ids, w1, shared_w1, act, partials, logit_partia
             tl.store(p_act, acc_gate * tl.sigmoid(acc_gate) * acc_up, mask=act_ok)
             if takes_logit:
                 tl.store(logit + rt[None, :], acc_logit, mask=t_ok[None, :])
-            if SIGNAL:
-                _signal(done + slot)
         else:  # partials [slots, I / BN, SPLIT, 2, TP, BN]; the last program of (slot, i_n) to arrive sums them
             tile = slot * tl.cdiv(INTER, BN) + i_n
             offsets = rt[None, :] * BN + rb[:, None]
@@ -588,19 +556,17 @@ def _gate_up_decode_item(hidden, ids, w1, shared_w1, act, partials, logit_partia
                         acc_logit += tl.load(logit_partials + s * TP + rt[None, :], cache_modifier=".cg")
                     tl.store(logit + rt[None, :], acc_logit, mask=t_ok[None, :])
                 tl.store(counters + tile, 0)  # zero again for the next launch
-                if SIGNAL:
-                    _signal(done + slot)
 
 
 def _down_tile(acc, p_w, p_a, step, rk, T, INTER: tl.constexpr, TP: tl.constexpr, BK: tl.constexpr,
-               EVEN_K: tl.constexpr, CACHE: tl.constexpr):
+               EVEN_K: tl.constexpr):
     """acc plus the products of weight tile `step` (at p_w, [BN, BK]) with act at p_a, every token."""
     k_ok = (step * BK + rk) < INTER
     if EVEN_K:
         b_w = tl.load(p_w)
     else:
         b_w = tl.load(p_w, mask=k_ok[None, :], other=0.0)
-    return _add_row_products(acc, b_w, p_a, INTER, k_ok, T, TP, CACHE)
+    return _add_row_products(acc, b_w, p_a, INTER, k_ok, T, TP)
 
 
 def _down_decode_rows(act, ids, weights, w2, shared_w2, slot, rn, rt, t_ok, pair, rj, rk, T, S, E, stride_we,
@@ -628,22 +594,19 @@ def _down_decode_rows(act, ids, weights, w2, shared_w2, slot, rn, rt, t_ok, pair
         p_w = w_base + (rn % H).to(tl.int64)[:, None] * stride_wn + rk[None, :]  # [BN, BK]; rows past H: not stored
         p_a = act + (slot * TP).to(tl.int64) * INTER + rk  # [BK] of token 0
         for step in range(STEPS):
-            acc = _down_tile(acc, p_w, p_a, step, rk, T, INTER, TP, BK, EVEN_K, "")
+            acc = _down_tile(acc, p_w, p_a, step, rk, T, INTER, TP, BK, EVEN_K)
             p_w += BK
             p_a += BK
         acc = acc * tl.where(is_shared, 1.0, coef)[None, :]
     return acc
 
 
-def _down_decode_early(act, ids, weights, w2, shared_w2, done, slot, rn, rt, t_ok, pair, rj, rk, T, S, E, stride_we,
+def _down_decode_early(act, ids, weights, w2, shared_w2, slot, rn, rt, t_ok, pair, rj, rk, T, S, E, stride_we,
                        stride_wn, H: tl.constexpr, INTER: tl.constexpr, K: tl.constexpr, SP: tl.constexpr,
                        TP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STEPS: tl.constexpr,
-                       EVEN_K: tl.constexpr, SHARED: tl.constexpr, PDL: tl.constexpr, WAIT_FOR: tl.constexpr,
-                       ACT_CACHE: tl.constexpr):
+                       EVEN_K: tl.constexpr, SHARED: tl.constexpr, PDL: tl.constexpr):
     """`_down_decode_rows` with the routing (the router's, two kernels back) and the first weight tile read before
-    the PDL wait, past L1 (pdl.py), so they stream while gate_up ends; act (gate_up's) after it. WAIT_FOR > 0 (one
-    launch with gate_up, `_experts_decode_kernel`): after the first tile, a slot with work also waits until
-    done[slot] counts WAIT_FOR stored act blocks (then ACT_CACHE ".cg": act past L1)."""
+    the PDL wait, past L1 (pdl.py), so they stream while gate_up ends; act (gate_up's) after it."""
     expert, live = _first_use(ids, slot, S, E, SP, ".cg")
     w_base = w2 + tl.where(live, expert, 0) * stride_we  # an expert without work reads nothing (masked below)
     is_shared = False
@@ -661,14 +624,12 @@ def _down_decode_early(act, ids, weights, w2, shared_w2, done, slot, rn, rt, t_o
     pdl.enter(PDL)  # act (gate_up's) from here on
     acc = tl.zeros([BN, TP], dtype=tl.float32)
     if live:
-        if WAIT_FOR > 0:
-            _wait_until(done + slot, WAIT_FOR)
         p_a = act + (slot * TP).to(tl.int64) * INTER + rk  # [BK] of token 0
-        acc = _add_row_products(acc, b_w, p_a, INTER, k_ok, T, TP, ACT_CACHE)
+        acc = _add_row_products(acc, b_w, p_a, INTER, k_ok, T, TP)
         for step in range(1, STEPS):
             p_w += BK
             p_a += BK
-            acc = _down_tile(acc, p_w, p_a, step, rk, T, INTER, TP, BK, EVEN_K, ACT_CACHE)
+            acc = _down_tile(acc, p_w, p_a, step, rk, T, INTER, TP, BK, EVEN_K)
         acc = acc * tl.where(is_shared, 1.0, coef)[None, :]
     return acc
 
@@ -689,31 +650,21 @@ def _down_decode_kernel(
     tile are read before the PDL wait, so they stream while gate_up ends; act and logit (gate_up's) after it."""
     i_n = tl.program_id(0)
     slot = tl.program_id(1)
-    rn = i_n * BN + tl.arange(0, BN)
+    num_slots = S + 1 if SHARED else S
+    rb = tl.arange(0, BN)
+    rn = i_n * BN + rb
     rt = tl.arange(0, TP)
     t_ok = rt < T
     rj = tl.arange(0, KP)
     pair = rt[:, None] * K + rj[None, :]
     rk = tl.arange(0, BK)
     if EARLY:
-        acc = _down_decode_early(act, ids, weights, w2, shared_w2, counters, slot, rn, rt, t_ok, pair, rj, rk, T, S,
-                                 E, stride_we, stride_wn, H, INTER, K, SP, TP, BN, BK, STEPS, EVEN_K, SHARED, PDL, 0, "")
+        acc = _down_decode_early(act, ids, weights, w2, shared_w2, slot, rn, rt, t_ok, pair, rj, rk, T, S,
+                                 E, stride_we, stride_wn, H, INTER, K, SP, TP, BN, BK, STEPS, EVEN_K, SHARED, PDL)
     else:
         pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
         acc = _down_decode_rows(act, ids, weights, w2, shared_w2, slot, rn, rt, t_ok, pair, rj, rk, T, S,
                                 E, stride_we, stride_wn, H, INTER, K, SP, TP, BN, BK, STEPS, EVEN_K, SHARED)
-    _down_decode_combine(acc, partials, logit, residual, out, counters, i_n, slot, rn, rt, t_ok, S, stride_ot,
-                         stride_rt, H, SP, TP, BN, SHARED, RESIDUAL)
-
-
-def _down_decode_combine(acc, partials, logit, residual, out, counters, i_n, slot, rn, rt, t_ok, S, stride_ot,
-                         stride_rt, H: tl.constexpr, SP: tl.constexpr, TP: tl.constexpr, BN: tl.constexpr,
-                         SHARED: tl.constexpr, RESIDUAL: tl.constexpr):
-    """acc [BN, TP] of down program (i_n, slot) to partials [H / BN, slots, TP, BN]; the last of the column block's
-    programs to bump counters[i_n] sums the routed slots in slot order, adds the gated shared expert and the
-    residual, stores the output and zeroes the counter."""
-    num_slots = S + 1 if SHARED else S
-    rb = tl.arange(0, BN)
     offsets = rt[None, :] * BN + rb[:, None]
     p_part = partials + (i_n * num_slots).to(tl.int64) * (TP * BN) + offsets
     tl.store(p_part + slot * (TP * BN), acc)  # also the zeros of a slot without work: the sum reads every slot
@@ -737,60 +688,6 @@ def _down_decode_combine(acc, partials, logit, residual, out, counters, i_n, slo
         tl.store(counters + i_n, 0)  # zero again for the next launch
 
 
-def _experts_decode_kernel(
-    hidden, ids, weights, w1, shared_w1, w2, shared_w2, act, up_partials, logit_partials, logit, down_partials,
-    residual, out, up_counters, down_counters, done, control,
-    T, S, E,
-    stride_ht, stride_w1e, stride_w1n, stride_w2e, stride_w2n, stride_ot, stride_rt,
-    H: tl.constexpr, INTER: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, TP: tl.constexpr,
-    SHARED: tl.constexpr, RESIDUAL: tl.constexpr,
-    UP_BN: tl.constexpr, UP_BK: tl.constexpr, UP_STEPS: tl.constexpr, SPLIT: tl.constexpr, UP_EVEN_K: tl.constexpr,
-    DOWN_BN: tl.constexpr, DOWN_BK: tl.constexpr, DOWN_STEPS: tl.constexpr, DOWN_EVEN_K: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """gate_up and down in one launch (ONE_LAUNCH): the items of `_gate_up_decode_kernel`'s grid, then those of
-    `_down_decode_kernel`'s, one per program, in the order of a ticket each program takes after the PDL wait (not of
-    its program id). A down item of a slot with work loads its routing and first weight tile, then waits until
-    every act block of its slot is stored (done[slot], bumped by the program that stores each block): it can only
-    wait on items of smaller tickets, whose programs are already running, so the wait ends whatever the hardware's
-    scheduling order, and a slot's down items start while later slots' gate_up items still stream. The last program
-    to finish zeroes the ticket, done and its own counter (control [2]: ticket, finished) for the next launch.
-    The same sums in the same order as the two launches: the same bits."""
-    pdl.enter(PDL)  # everything below reads what the router wrote; the next kernel may start its weight loads
-    num_slots = S + 1 if SHARED else S
-    up_blocks = tl.cdiv(INTER, UP_BN)
-    down_blocks = tl.cdiv(H, DOWN_BN)
-    up_items = up_blocks * SPLIT * num_slots
-    ticket = tl.atomic_add(control, 1)  # relaxed: it orders the items, the data goes through done[]
-    if ticket < up_items:
-        _gate_up_decode_item(hidden, ids, w1, shared_w1, act, up_partials, logit_partials, logit, up_counters, done,
-                             ticket % up_blocks, (ticket // up_blocks) % SPLIT, ticket // (up_blocks * SPLIT),
-                             T, S, E, stride_ht, stride_w1e, stride_w1n, H, INTER, SP, TP, UP_BN, UP_BK, UP_STEPS,
-                             SPLIT, UP_EVEN_K, SHARED, False, True, False)
-    else:
-        item = ticket - up_items
-        i_n = item % down_blocks
-        slot = item // down_blocks
-        rn = i_n * DOWN_BN + tl.arange(0, DOWN_BN)
-        rt = tl.arange(0, TP)
-        t_ok = rt < T
-        rj = tl.arange(0, KP)
-        pair = rt[:, None] * K + rj[None, :]
-        rk = tl.arange(0, DOWN_BK)
-        acc = _down_decode_early(act, ids, weights, w2, shared_w2, done, slot, rn, rt, t_ok, pair, rj, rk, T, S, E,
-                                 stride_w2e, stride_w2n, H, INTER, K, SP, TP, DOWN_BN, DOWN_BK, DOWN_STEPS,
-                                 DOWN_EVEN_K, SHARED, False, up_blocks, ".cg")
-        _down_decode_combine(acc, down_partials, logit, residual, out, down_counters, i_n, slot, rn, rt, t_ok, S,
-                             stride_ot, stride_rt, H, SP, TP, DOWN_BN, SHARED, RESIDUAL)
-    tl.debug_barrier()
-    finished = tl.atomic_add(control + 1, 1, sem="acq_rel")
-    if finished == up_items + down_blocks * num_slots - 1:  # every ticket taken, every item done
-        rs = tl.arange(0, 2 * SP)
-        tl.store(done + rs, 0, mask=rs < num_slots)
-        tl.store(control, 0)
-        tl.store(control + 1, 0)
-
-
 if HAS_TRITON:
     _first_use = triton.jit(_first_use)
     _program_rows = triton.jit(_program_rows)
@@ -800,16 +697,11 @@ if HAS_TRITON:
     _down_tile = triton.jit(_down_tile)
     _down_decode_rows = triton.jit(_down_decode_rows)
     _down_decode_early = triton.jit(_down_decode_early)
-    _down_decode_combine = triton.jit(_down_decode_combine)
-    _gate_up_decode_item = triton.jit(_gate_up_decode_item)
-    _signal = triton.jit(_signal)
-    _wait_until = triton.jit(_wait_until)
     _gate_up_kernel = _LazyJit(_gate_up_kernel, pdl=True)
     _down_kernel = _LazyJit(_down_kernel, pdl=True)
     _sum_kernel = _LazyJit(_sum_kernel, pdl=True)
     _gate_up_decode_kernel = _LazyJit(_gate_up_decode_kernel, pdl=True, do_not_specialize=["T"])
     _down_decode_kernel = _LazyJit(_down_decode_kernel, pdl=True, do_not_specialize=["T"])
-    _experts_decode_kernel = _LazyJit(_experts_decode_kernel, pdl=True, do_not_specialize=["T"])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1145,55 +1037,19 @@ def _launch_decode(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, 
     row_block = block_t * gate_up.constexprs["BN"]
     partials = workspace(math.prod(gate_up.grid) * 2 * row_block if split > 1 else 1)
     logit_partials, logit = workspace(split * block_t), workspace(block_t)
-    down_partials = workspace(math.prod(down.grid) * block_t * down.constexprs["BN"])
-    layout = one_launch_layout(gate_up, down) if ONE_LAUNCH else None
-    if layout is not None:
-        up_end, down_end, done_end = layout
-        both = one_launch(gate_up, down)
-        _experts_decode_kernel[both.grid](
-            hidden, ids, weights, gate_up_proj, shared_gate_up, down_proj, shared_down, act, partials,
-            logit_partials, logit, down_partials, residual if residual is not None else out, out,
-            counters, counters[up_end:], counters[down_end:], counters[done_end:],
-            num_tokens, pairs, num_experts, hidden.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1),
-            down_proj.stride(0), down_proj.stride(1), out.stride(0), residual.stride(0) if residual is not None else 0,
-            **both.constexprs, num_warps=both.num_warps, num_stages=both.num_stages,
-        )
-        return out
     _gate_up_decode_kernel[gate_up.grid](
         hidden, ids, gate_up_proj, shared_gate_up, act, partials, logit_partials, logit, counters,
         num_tokens, pairs, num_experts, hidden.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1),
         **gate_up.constexprs, num_warps=gate_up.num_warps, num_stages=gate_up.num_stages,
     )
+    partials = workspace(math.prod(down.grid) * block_t * down.constexprs["BN"])
     _down_decode_kernel[down.grid](
-        act, ids, weights, down_proj, shared_down, down_partials, logit, residual if residual is not None else out, out,
+        act, ids, weights, down_proj, shared_down, partials, logit, residual if residual is not None else out, out,
         counters, num_tokens, pairs, num_experts, down_proj.stride(0), down_proj.stride(1), out.stride(0),
         residual.stride(0) if residual is not None else 0,
         **down.constexprs, num_warps=down.num_warps, num_stages=down.num_stages,
     )
     return out
-
-
-def one_launch(gate_up: Launch, down: Launch) -> Launch:
-    """`_experts_decode_kernel`'s launch doing the items of these two: one program per item, the warps and stages
-    of the larger."""
-    up, dn = gate_up.constexprs, down.constexprs
-    return Launch((math.prod(gate_up.grid) + math.prod(down.grid),),
-                  dict(H=up["H"], INTER=up["INTER"], K=dn["K"], KP=dn["KP"], SP=up["SP"], TP=up["TP"],
-                       SHARED=up["SHARED"], RESIDUAL=dn["RESIDUAL"], UP_BN=up["BN"], UP_BK=up["BK"],
-                       UP_STEPS=up["STEPS"], SPLIT=up["SPLIT"], UP_EVEN_K=up["EVEN_K"], DOWN_BN=dn["BN"],
-                       DOWN_BK=dn["BK"], DOWN_STEPS=dn["STEPS"], DOWN_EVEN_K=dn["EVEN_K"]),
-                  max(gate_up.num_warps, down.num_warps), max(gate_up.num_stages, down.num_stages))
-
-
-def one_launch_layout(gate_up: Launch, down: Launch) -> tuple[int, int, int] | None:
-    """Where `_experts_decode_kernel` keeps its counters in the split-K counters (ends of: gate_up's split-K tiles,
-    down's column blocks, done per slot; the ticket and finished count after), or None if they do not fit (the two
-    launches then)."""
-    slots = gate_up.grid[2]
-    up_end = slots * gate_up.grid[0] if gate_up.constexprs["SPLIT"] > 1 else 0
-    down_end = up_end + down.grid[0]
-    done_end = down_end + 2 * gate_up.constexprs["SP"]
-    return (up_end, down_end, done_end) if done_end + 2 <= COUNTERS else None
 
 
 def _fit_decode(tiles: Tiles, n: int, k: int, slots: int) -> tuple[Tiles, int, int]:
