@@ -49,11 +49,13 @@ def main() -> None:
     target, drafter, prompts, latency, settings = tiny_pair_setup(args.prompts, args.block_size)
     names = args.strategies.split(",")
     stock = {}  # transformers' own speculative decoding: no telemetry, and only where it runs on these targets
+    left_out = {}  # strategy asked for -> why it has no row (in the results file too)
     if "prompt_lookup" in names:
         names.remove("prompt_lookup")
         if getattr(type(target), "_is_stateful", False):
-            print(f"prompt_lookup left out: transformers {transformers.__version__} refuses assisted decoding for "
-                  "stateful targets (5.25 and later run it)")
+            left_out["prompt_lookup"] = (f"transformers {transformers.__version__} refuses assisted decoding for "
+                                         "stateful targets (5.25 and later run it)")
+            print(f"prompt_lookup left out: {left_out['prompt_lookup']}")
         else:
             stock["prompt_lookup"] = dict(prompt_lookup_num_tokens=args.lookup_tokens)
     runs = {"ar": {}} | {s: dict(assistant_model=drafter, generation_strategy=s, hybridspec_config=settings)
@@ -126,6 +128,8 @@ def main() -> None:
         "summary": summary,
         "per_prompt": rows,
     }
+    lines += [f"\n{name} left out: {why}." for name, why in left_out.items()]
+    payload["left_out"] = left_out
     write_results(args.name, payload, "\n".join(lines))
     print("\n".join(lines))
 
