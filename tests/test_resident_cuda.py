@@ -20,18 +20,24 @@ STRATEGIES = ["ar", "dflash", "static", "hybridspec", "nominal", "ratio", "confi
 def sync_errors(monkeypatch):
     """Device→host syncs raise inside HybridSpec's decoding (generate()'s `custom_generate`, where only `host_syncs`
     may sync), not in transformers' generate() around it: from 5.25 on its set-up checks the attention mask on the
-    host once a call (`(attention_mask == 1).all()`), as it does for stock decoding."""
+    host once a call (`(attention_mask == 1).all()`), as it does for stock decoding. Only the outermost call turns
+    them on: the generate() calls the calibration makes run inside that call's `host_syncs`, where syncs are allowed."""
     from hybridspec_hf.generation import integration
 
     decode = integration.hybridspec_decode
+    depth = [0]
 
     @functools.wraps(decode)
     def strict(*args, **kwargs):
-        torch.cuda.set_sync_debug_mode("error")
+        depth[0] += 1
+        if depth[0] == 1:
+            torch.cuda.set_sync_debug_mode("error")
         try:
             return decode(*args, **kwargs)
         finally:
-            torch.cuda.set_sync_debug_mode(0)
+            depth[0] -= 1
+            if depth[0] == 0:
+                torch.cuda.set_sync_debug_mode(0)
 
     monkeypatch.setattr(integration, "hybridspec_decode", strict)
 
