@@ -44,6 +44,8 @@ SWITCHES = {
                         "the GDN step loads the gates' inputs with the conv's, reads the window counter late"),
     "moe-fused-route": ("hybridspec_hf.patches._moe", "FUSED_ROUTE",
                         "the decoder's residual add, post-attention norm, MoE router GEMM and top-k in one launch"),
+    "route-in-experts": ("hybridspec_hf.patches._moe", "ROUTE_IN_EXPERTS",
+                         "the MoE decode kernels take their top-k from the router's logits (the router stores logits)"),
     "route-one-warp": ("hybridspec_hf.kernels.router_triton", "ROUTE_ONE_WARP",
                        "the one-launch add, norm and router: 2 router rows and one warp per program (else 4 and 4)"),
     "shared-first": ("hybridspec_hf.kernels.moe_triton", "SHARED_FIRST",
