@@ -40,6 +40,10 @@ the CUDA cores (a 16-row tensor-core tile would be >= 75 % padding), one token r
      expert unweighted), into partials [H / BN, slots, T, BN] (zeros for a slot without work); the last program of
      the column block sums the routed slots in slot order, adds sigmoid(logit) · shared and the residual with the
      sum kernel's roundings, and stores the output. No separate sum launch.
+  With `Tiles.items` > 0 gate_up runs as `_gate_up_items_kernel` instead: one wave of programs, each taking that many
+  work items of BN gate and BN up rows over all of K (no split, no counters), the next item's weights loaded before
+  the current one's products. `moe_block_from_logits`: both kernels take the routing from the router's logits
+  (`_route_tile`: route_topk's choice and roundings) instead of ids and weights.
 
 Precision: dots accumulate in fp32; bf16/fp16 weights take dot operands in the weight dtype (act is rounded to it
 before the down dot, as transformers does); fp32 weights use exact fp32 dots (`input_precision="ieee"`). The routing
@@ -1019,14 +1023,19 @@ def moe_block_from_logits(
     after its PDL wait) and each down program (before its wait: the logits are two kernels back) ranks them itself,
     so the router's launch needs no last program to route (router_triton.add_norm_route(route=False))."""
     num_tokens, num_experts = hidden.shape[0], down_proj.shape[0]
-    if (logits.dim() != 2 or logits.shape != (num_tokens, num_experts) or not 0 < top_k <= num_experts
-            or num_experts > 4096 or not decode_fits(num_tokens, gate_up_proj, down_proj)):
-        raise ValueError(f"moe_block_from_logits takes logits [T, E] (E = {num_experts} experts, at most 4096) for "
-                         f"T <= {DECODE_KERNEL_MAX_TOKENS} tokens of the decode kernels and 0 < top_k <= E; got "
-                         f"hidden {tuple(hidden.shape)}, logits {tuple(logits.shape)}, top_k={top_k}")
-    shape_ids = torch.zeros(num_tokens, top_k, dtype=torch.long, device=hidden.device)  # shapes only (no reads)
+    if (hidden.dim() != 2 or logits.dim() != 2 or logits.shape != (num_tokens, num_experts)
+            or not 0 < top_k <= num_experts or num_experts > 4096
+            or not decode_fits(num_tokens, gate_up_proj, down_proj)):
+        raise ValueError(f"moe_block_from_logits takes hidden [T, H] and logits [T, E] (E = {num_experts} experts, at "
+                         f"most 4096) for T <= {DECODE_KERNEL_MAX_TOKENS} tokens of the decode kernels and "
+                         f"0 < top_k <= E; got hidden {tuple(hidden.shape)}, logits {tuple(logits.shape)}, "
+                         f"top_k={top_k}")
     if not shared_slot_fits(gate_up_proj, down_proj, shared_gate_up, shared_down):
         raise ValueError("moe_block_from_logits needs a shared expert of the routed experts' layout (moe_block_triton)")
+    if residual is not None and (residual.shape != hidden.shape or residual.dtype != hidden.dtype):
+        raise ValueError(f"residual must be [T, H] {hidden.dtype} like hidden; got {tuple(residual.shape)} "
+                         f"{residual.dtype}")
+    shape_ids = torch.zeros(num_tokens, top_k, dtype=torch.long, device=hidden.device)  # shapes only (no reads)
     out = torch.empty_like(hidden)
     return _launch_decode(hidden, shape_ids, shape_ids, gate_up_proj, down_proj, out, gate_up_tiles, down_tiles,
                           (shared_gate_up, shared_down), residual, route=(logits, normalize))
@@ -1182,7 +1191,7 @@ class Launch:
     constexprs: dict
     num_warps: int
     num_stages: int
-    kernel: str  # "gate_up", "gate_up_items" or "down": which decode kernel (`DECODE_KERNELS`)
+    kernel: str  # which decode kernel: "gate_up" (split-K), "gate_up_items" (`Tiles.items`) or "down"
 
 
 def decode_launches(num_tokens: int, hidden_size: int, inter: int, top_k: int, *, shared: bool, residual: bool,
