@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from . import pdl
 from .gdn_triton import HAS_TRITON, _LazyJit, select_backend, tl, tl_dtype, triton
+from .norm_triton import gated_rms_norm, gated_rms_norm_reference
 
 MAX_ROWS = 16  # rows of x (tokens) the kernel takes: one 16-row tile
 # A program loads its whole slice of W ([BLOCK_N, K / SPLIT_K], one tile: STEPS = 1) before the PDL wait when the
@@ -438,8 +439,6 @@ def gated_fits(x: torch.Tensor, gated: GatedNorm) -> bool:
 
 def _gated_rows(x: torch.Tensor, gated: GatedNorm) -> torch.Tensor:
     """x after the gated norm of its column groups, in its own launch (or the reference off the Triton backend)."""
-    from .norm_triton import gated_rms_norm, gated_rms_norm_reference
-
     group = gated.weight.numel()
     heads = x.reshape(*x.shape[:-1], x.shape[-1] // group, group)
     z = gated.z.reshape(heads.shape)

@@ -1035,7 +1035,8 @@ def moe_block_from_logits(
     if residual is not None and (residual.shape != hidden.shape or residual.dtype != hidden.dtype):
         raise ValueError(f"residual must be [T, H] {hidden.dtype} like hidden; got {tuple(residual.shape)} "
                          f"{residual.dtype}")
-    shape_ids = torch.zeros(num_tokens, top_k, dtype=torch.long, device=hidden.device)  # shapes only (no reads)
+    # shapes only, never read: empty (a zeros fill would be one more kernel per MoE layer in a captured step)
+    shape_ids = torch.empty(num_tokens, top_k, dtype=torch.long, device=hidden.device)
     out = torch.empty_like(hidden)
     return _launch_decode(hidden, shape_ids, shape_ids, gate_up_proj, down_proj, out, gate_up_tiles, down_tiles,
                           (shared_gate_up, shared_down), residual, route=(logits, normalize))
