@@ -59,3 +59,29 @@ def test_sampling_is_reproducible_with_a_seed():
         outs.append(target.generate(prompt, do_sample=True, max_new_tokens=20, assistant_model=drafter,
                                     generation_strategy="confidence"))
     assert torch.equal(*outs) and outs[0].shape[1] == 25
+
+
+def test_num_return_sequences_gives_independent_samples_of_the_target():
+    """generate(num_return_sequences=n, do_sample=True) expands each prompt to n rows (transformers' order: prompt 0's
+    rows first), which the batched loop samples independently: the same distribution as stock sampling of n rows."""
+    target = make_target("qwen3_5_moe", seed=9, dtype=torch.float32)
+    prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(9))
+    greedy = target.generate(prompt, do_sample=False, max_new_tokens=12)
+    drafter = make_drafter(target, 8, greedy, error_rate=0.0).float()
+    options = dict(do_sample=True, temperature=1.0, top_k=4, max_new_tokens=3, num_return_sequences=400)
+    torch.manual_seed(0)
+    ar = target.generate(prompt, **options)[:, -2:]
+    ours = target.generate(prompt, assistant_model=drafter, generation_strategy="dflash", **options)
+    assert ours.shape == (400, 9) and (ours[:, :6] == prompt).all()
+    for position in range(2):
+        counts = [torch.bincount(x[:, position], minlength=VOCAB).float() for x in (ar, ours[:, -2:])]
+        assert total_variation(*counts) < 0.2, f"token {position + 2}: distributions differ"
+
+    two = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(4))
+    outs = []
+    for _ in range(2):
+        torch.manual_seed(5)
+        outs.append(target.generate(two, assistant_model=drafter, generation_strategy="static", do_sample=True,
+                                    max_new_tokens=6, num_return_sequences=3))
+    assert torch.equal(*outs) and outs[0].shape == (6, 11)
+    assert (outs[0][:3, :5] == two[0]).all() and (outs[0][3:, :5] == two[1]).all()

@@ -62,8 +62,6 @@ def check_generation_config(model, generation_config, input_ids: torch.Tensor, m
     problems = []
     if generation_config.num_beams not in (None, 1):
         problems.append(f"num_beams={generation_config.num_beams} (beam search): use num_beams=1")
-    if (generation_config.num_return_sequences or 1) > 1:
-        problems.append(f"num_return_sequences={generation_config.num_return_sequences}: use 1")
     if generation_config.output_attentions or generation_config.output_hidden_states:
         problems.append("output_attentions/output_hidden_states: not recorded by HybridSpec rounds")
     if not model_kwargs.get("use_cache", True) or generation_config.use_cache is False:
