@@ -109,6 +109,21 @@ def test_target_writes_deterministic_non_degenerate_code(pair):
     assert any(word in text for word in ("    ", "(", "=")), text  # looks like Python, not noise
 
 
+def test_the_tokenizer_pads_a_batch_on_the_left_for_generate(pair):
+    """tokenizer(texts, padding=True) gives what batched generate() needs (left padding): each row's HybridSpec
+    continuation is its own prompt's greedy generate()."""
+    target, drafter, tokenizer = pair
+    texts = [PROMPT, "def add(a, b):\n"]
+    batch = tokenizer(texts, return_tensors="pt", padding=True)
+    assert tokenizer.padding_side == "left" and (batch.attention_mask[:, -1] == 1).all()
+    out = target.generate(**batch, assistant_model=drafter, generation_strategy="dflash", do_sample=False,
+                          max_new_tokens=12, pad_token_id=tokenizer.pad_token_id)
+    for row, text in enumerate(texts):
+        ids = tokenizer(text, return_tensors="pt").input_ids
+        own = target.generate(ids, do_sample=False, max_new_tokens=12, pad_token_id=tokenizer.pad_token_id)
+        assert out[row, -12:].tolist() == own[0, ids.shape[1]:].tolist()
+
+
 def test_drafter_drafts_the_targets_continuation(pair):
     """One real draft round through the inference API: the block must get some tokens right."""
     target, drafter, tokenizer = pair

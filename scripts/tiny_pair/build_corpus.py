@@ -118,7 +118,8 @@ def train_tokenizer(texts: list[str], vocab_size: int):
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(texts, trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>",
-                                   mask_token="<|mask|>", model_max_length=2048, clean_up_tokenization_spaces=False)
+                                   mask_token="<|mask|>", model_max_length=2048, clean_up_tokenization_spaces=False,
+                                   padding_side="left")  # batched generate() pads on the left
 
 
 def token_stream(tokenizer, files: list[StdlibFile], seed: int) -> torch.Tensor:
