@@ -2,7 +2,7 @@
 import pytest
 import torch
 from _tiny import VOCAB, make_drafter, make_target
-from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
 
 import hybridspec_hf
@@ -32,6 +32,13 @@ def spec(target, prompt, drafter, **kwargs):
         (dict(output_attentions=True, return_dict_in_generate=True), "output_attentions"),
         (dict(prompt_lookup_num_tokens=3), "prompt_lookup_num_tokens"),
         (dict(cache_implementation="offloaded"), "cache_implementation"),
+        (dict(num_assistant_tokens=5), "num_assistant_tokens=5 .*static_length"),
+        (dict(generation_config=GenerationConfig(num_assistant_tokens_schedule="heuristic", max_new_tokens=12)),
+         "num_assistant_tokens_schedule='heuristic'"),
+        (dict(assistant_confidence_threshold=0.9), "assistant_confidence_threshold=0.9 .*confidence_threshold"),
+        (dict(penalty_alpha=0.6, top_k=4), r"penalty_alpha=0.6 with top_k=4 \(contrastive search\)"),
+        (dict(dola_layers="high"), r"dola_layers='high' \(dola generation\)"),
+        (dict(token_healing=True), "token_healing=True.*heal_tokens"),
         (dict(hybridspec_config=HybridSpecConfig(static_length=9)), None),  # only an error for "static"
     ],
 )

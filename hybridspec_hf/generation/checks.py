@@ -56,12 +56,40 @@ def check_prompt(model, input_ids: torch.Tensor) -> None:
         )
 
 
+_STATIC = "generation_strategy='static' with HybridSpecConfig(static_length=...)"
+# Knobs of transformers' own assisted decoding, with the value generate() fills in when nobody set them (5.17-5.25):
+# HybridSpec's rounds have their own, so a different value would otherwise be ignored.
+_ASSISTED_KNOBS = {
+    "num_assistant_tokens": (20, "HybridSpec drafts the drafter's whole block and chooses the tokens verified per "
+                             f"round; for a fixed length use {_STATIC}"),
+    "num_assistant_tokens_schedule": ("constant", f"HybridSpec's length rules are its strategies; for a fixed length "
+                                      f"use {_STATIC}"),
+    "assistant_confidence_threshold": (0.4, "use generation_strategy='confidence' with "
+                                       "HybridSpecConfig(confidence_threshold=...)"),
+    "assistant_lookbehind": (10, "the DFlash drafter shares the target's tokenizer"),
+    "target_lookbehind": (10, "the DFlash drafter shares the target's tokenizer"),
+    "max_matching_ngram_size": (None, "prompt lookup is a different drafter"),
+}
+
+
 def check_generation_config(model, generation_config, input_ids: torch.Tensor, model_kwargs: dict) -> bool:
     """Reject what the loop does not support, after generate() merged the model's defaults. Returns whether the
     attention mask has (left) padding."""
     problems = []
     if generation_config.num_beams not in (None, 1):
         problems.append(f"num_beams={generation_config.num_beams} (beam search): use num_beams=1")
+    mode = generation_config.get_generation_mode().value  # the decoding method the options ask for, without a drafter
+    if mode not in ("greedy_search", "sample", "beam_search", "beam_sample"):  # beams: refused above
+        asked = {"contrastive_search": f"penalty_alpha={generation_config.penalty_alpha} with top_k="
+                                       f"{generation_config.top_k}",
+                 "dola_generation": f"dola_layers={getattr(generation_config, 'dola_layers', None)!r}",
+                 "constrained_beam_search": "constraints/force_words_ids"}.get(mode, "")
+        problems.append(f"{asked} ({mode.replace('_', ' ')}): HybridSpec decodes greedily or by sampling; leave "
+                        "that method's options unset")
+    for name, (default, advice) in _ASSISTED_KNOBS.items():
+        value = getattr(generation_config, name, default)
+        if value is not None and value != default:
+            problems.append(f"{name}={value!r} (transformers' assisted decoding): {advice}")
     if generation_config.output_attentions or generation_config.output_hidden_states:
         problems.append("output_attentions/output_hidden_states: not recorded by HybridSpec rounds")
     if not model_kwargs.get("use_cache", True) or generation_config.use_cache is False:

@@ -73,6 +73,13 @@ def _hybridspec_generate(original, self, *args, generation_strategy=None, hybrid
             "generate(..., synced_gpus=True) (DeepSpeed ZeRO-3 / FSDP) is not supported with HybridSpec; "
             "use tp_plan='auto' to spread the target over several GPUs."
         )
+    config = kwargs.get("generation_config", args[1] if len(args) > 1 else None) or self.generation_config
+    if kwargs.get("token_healing", getattr(config, "token_healing", None)):  # generate() heals before our loop runs
+        raise ValueError(
+            f"generate(..., token_healing=True) is not supported with generation_strategy={generation_strategy!r} "
+            "(generate() does not pass the tokenizer on to it): heal the prompt first, "
+            "model.heal_tokens(input_ids, tokenizer=tokenizer), and pass the healed ids."
+        )
     drafter = kwargs.pop("assistant_model", None)
     _check_drafter(self, drafter, generation_strategy)
     _check_block_size(self, drafter, settings)
