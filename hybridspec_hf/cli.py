@@ -1,4 +1,4 @@
-"""`hybridspec demo | calibrate | train-drafter` — the command line. Uses the public API only.
+"""`hybridspec demo | calibrate | train-drafter | bench` — the command line. Uses the public API only.
 
 Every subcommand has its own help: `hybridspec demo --help`. Exit status 0 on success, 1 when the demo's texts
 differ, 2 for usage errors, 3 when `calibrate` refuses to overwrite a cached calibration (see --force).
