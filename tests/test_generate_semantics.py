@@ -61,6 +61,8 @@ def test_streamer_receives_prompt_then_every_token_like_ar(fp64_gdn):
         dict(bad_words_ids=[[4], [9, 10]]),
         dict(min_new_tokens=12, eos_token_id=None),  # eos filled in below
         dict(sequence_bias={(2,): 3.0, (5, 6): -2.0}),
+        dict(watermarking_config={"bias": 4.0, "context_width": 1}),  # green lists seeded by the prefix
+        dict(watermarking_config={"bias": 4.0, "context_width": 2, "seeding_scheme": "selfhash"}),
     ],
 )
 def test_logits_processors_scores_and_logits_equal_ar(options, fp64_gdn):

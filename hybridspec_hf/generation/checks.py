@@ -21,6 +21,7 @@ _STATELESS_PROCESSORS = {
         "RepetitionPenaltyLogitsProcessor", "SequenceBiasLogitsProcessor", "SuppressTokensAtBeginLogitsProcessor",
         "SuppressTokensLogitsProcessor", "TemperatureLogitsWarper", "TopHLogitsWarper", "TopKLogitsWarper",
         "TopPLogitsWarper", "TypicalLogitsWarper",
+        "WatermarkLogitsProcessor",  # its generator is reseeded from the prefix at every call
     )
     if hasattr(logits_process, name)
 }
