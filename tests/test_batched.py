@@ -187,6 +187,41 @@ def test_prefix_constraint_sees_each_rows_own_batch_id(fp64_gdn):
     assert hybridspec_hf.get_telemetry(target).rounds[-1].rows < 3
 
 
+@pytest.mark.parametrize("options", [dict(encoder_repetition_penalty=1.6), dict(encoder_no_repeat_ngram_size=1)])
+def test_encoder_penalties_see_each_rows_own_prompt(options, fp64_gdn):
+    """The encoder penalties hold one row per prompt (built by generate() for the whole batch): each row sees its
+    own, also after earlier rows left the batch, as in transformers' batched generate()."""
+    target = make_target("qwen3_5_moe", seed=6)
+    prompts = []
+    for prompt in random_prompts((3, 7, 5), seed=10):  # each prompt + its first 4 greedy tokens, which then repeat
+        greedy = target.generate(prompt[None], do_sample=False, max_new_tokens=4)[0]
+        prompts.append(greedy)
+    ids, mask = left_pad(prompts)
+    common = dict(attention_mask=mask, do_sample=False, max_new_tokens=14, pad_token_id=PAD, **options)
+    free = target.generate(ids, **common)
+    assert not torch.equal(free, target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=14,
+                                                 pad_token_id=PAD)), "the penalty must matter"
+    common["eos_token_id"] = int(free[0, ids.shape[1] + 2])  # row 0 leaves first
+    stock = target.generate(ids, **common)
+    drafter = make_drafter(target, BLOCK, [torch.cat([p, s[ids.shape[1]:]]) for p, s in zip(prompts, stock)], 0.2)
+    ours = target.generate(ids, assistant_model=drafter, generation_strategy="dflash", **common)
+    assert torch.equal(ours, stock)
+
+
+def test_encoder_penalty_with_several_samples_per_prompt():
+    """num_return_sequences=3: rows 3p..3p+2 are prompt p's samples and see prompt p's n-grams only."""
+    target = make_target("qwen3_5_moe", seed=6, dtype=torch.float32)
+    prompts = random_prompts((6, 6), seed=12)
+    ids = torch.stack(prompts)
+    drafter = make_drafter(target, BLOCK).float()
+    out = target.generate(ids, assistant_model=drafter, generation_strategy="dflash", do_sample=True, max_new_tokens=12,
+                          num_return_sequences=3, encoder_no_repeat_ngram_size=1, pad_token_id=PAD)
+    assert out.shape == (6, 18)
+    for row in range(6):
+        banned = set(prompts[row // 3].tolist())
+        assert not banned & set(out[row, 6:].tolist()), f"row {row} repeats a token of its own prompt"
+
+
 def test_one_left_padded_prompt_runs_the_batched_loop_and_streams(fp64_gdn):
     target = make_target("qwen3_5_dense")
     prompt = random_prompts((5,), seed=7)[0]

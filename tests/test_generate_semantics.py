@@ -61,6 +61,8 @@ def test_streamer_receives_prompt_then_every_token_like_ar(fp64_gdn):
         dict(bad_words_ids=[[4], [9, 10]]),
         dict(min_new_tokens=12, eos_token_id=None),  # eos filled in below
         dict(sequence_bias={(2,): 3.0, (5, 6): -2.0}),
+        dict(encoder_repetition_penalty=1.6),  # applied to the prompt's tokens
+        dict(encoder_no_repeat_ngram_size=1),  # none of the prompt's tokens
         dict(watermarking_config={"bias": 4.0, "context_width": 1}),  # green lists seeded by the prefix
         dict(watermarking_config={"bias": 4.0, "context_width": 2, "seeding_scheme": "selfhash"}),
     ],

@@ -43,7 +43,12 @@ import time
 
 import torch
 from transformers import LogitsProcessorList
-from transformers.generation.logits_process import PrefixConstrainedLogitsProcessor, RepetitionPenaltyLogitsProcessor
+from transformers.generation.logits_process import (
+    EncoderNoRepeatNGramLogitsProcessor,
+    EncoderRepetitionPenaltyLogitsProcessor,
+    PrefixConstrainedLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+)
 
 from hybridspec_hf.drafter.modeling_dflash import StaticDraftContext
 from hybridspec_hf.generation.acceptance import greedy_accept, sample_tokens, score_positions, speculative_sample
@@ -149,11 +154,12 @@ class RowEmitter:
         return tuple(steps)
 
 
-def row_processors(logits_processor, row: int) -> LogitsProcessorList:
-    """The processors as batch row `row` sees them when called with that row alone ([1, L] input_ids).
+def row_processors(logits_processor, row: int, rows: int) -> LogitsProcessorList:
+    """The processors as batch row `row` of `rows` sees them when called with that row alone ([1, L] input_ids).
 
-    Processors hold no per-row state except these two, which transformers builds for the whole batch: the
-    repetition penalty's per-row prompt padding (transformers ≥ 5.2x) and the prefix constraint's batch id."""
+    Processors hold no per-row state except these, which transformers builds for the whole batch: the repetition
+    penalty's per-row prompt padding (transformers ≥ 5.2x), the prefix constraint's batch id, and the encoder
+    penalties' prompt rows (one per prompt: with num_return_sequences=n, rows are the prompts' expanded n times)."""
     views = LogitsProcessorList()
     for processor in logits_processor:
         if isinstance(processor, RepetitionPenaltyLogitsProcessor) and \
@@ -164,6 +170,14 @@ def row_processors(logits_processor, row: int) -> LogitsProcessorList:
             processor = copy.copy(processor)
             allowed = processor._prefix_allowed_tokens_fn
             processor._prefix_allowed_tokens_fn = lambda batch_id, ids, allowed=allowed: allowed(row + batch_id, ids)
+        elif isinstance(processor, EncoderRepetitionPenaltyLogitsProcessor):
+            processor = copy.copy(processor)
+            prompt = row // max(1, rows // processor.encoder_input_ids.shape[0])
+            processor.encoder_input_ids = processor.encoder_input_ids[prompt: prompt + 1]
+        elif isinstance(processor, EncoderNoRepeatNGramLogitsProcessor):
+            processor = copy.copy(processor)
+            prompt = row // max(1, rows // processor.batch_size)
+            processor.generated_ngrams, processor.batch_size = processor.generated_ngrams[prompt: prompt + 1], 1
         views.append(processor)
     return views
 
@@ -202,7 +216,7 @@ def batched_decode(model, input_ids, position_ids, attention_mask, cache, cache_
     feature_ids = drafter.config.target_layer_ids if drafter is not None else []
     runner = BatchTargetRunner(model, cache, cache_key, feature_ids, settings.kernel_backend, settings.gdn_verifier,
                                max_tokens=block_size)
-    processors = [row_processors(logits_processor, row) for row in range(batch)]
+    processors = [row_processors(logits_processor, row, batch) for row in range(batch)]
     start = time.perf_counter()
     active = list(range(batch))  # the batch row each row of the running batch started as
     snapshots: list = [None] * batch  # each finished row's cache (BatchTargetRunner.snapshot)

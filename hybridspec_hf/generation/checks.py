@@ -22,6 +22,8 @@ _STATELESS_PROCESSORS = {
         "SuppressTokensLogitsProcessor", "TemperatureLogitsWarper", "TopHLogitsWarper", "TopKLogitsWarper",
         "TopPLogitsWarper", "TypicalLogitsWarper",
         "WatermarkLogitsProcessor",  # its generator is reseeded from the prefix at every call
+        # the prompt's rows, fixed at construction (batched rows see their own: generation/batched.row_processors)
+        "EncoderNoRepeatNGramLogitsProcessor", "EncoderRepetitionPenaltyLogitsProcessor",
     )
     if hasattr(logits_process, name)
 }
