@@ -73,7 +73,14 @@ def _hybridspec_generate(original, self, *args, generation_strategy=None, hybrid
             "generate(..., synced_gpus=True) (DeepSpeed ZeRO-3 / FSDP) is not supported with HybridSpec; "
             "use tp_plan='auto' to spread the target over several GPUs."
         )
+    # Options generate() acts on before the decoding loop runs (checks.check_generation_config sees the rest)
     config = kwargs.get("generation_config", args[1] if len(args) > 1 else None) or self.generation_config
+    implementation = kwargs.get("cache_implementation", getattr(config, "cache_implementation", None))
+    if implementation not in (None, "dynamic", "static"):  # generate() builds the cache first (an offloaded one
+        raise ValueError(  # needs a device stream)
+            f"Unsupported generation options for HybridSpec: cache_implementation={implementation!r}: use None "
+            "(dynamic) or 'static'."
+        )
     if kwargs.get("token_healing", getattr(config, "token_healing", None)):  # generate() heals before our loop runs
         raise ValueError(
             f"generate(..., token_healing=True) is not supported with generation_strategy={generation_strategy!r} "
