@@ -124,6 +124,23 @@ def test_the_tokenizer_pads_a_batch_on_the_left_for_generate(pair):
         assert out[row, -12:].tolist() == own[0, ids.shape[1]:].tolist()
 
 
+def test_text_generation_pipeline_passes_the_strategy_through(pair):
+    """transformers' text-generation pipeline forwards generate() kwargs: HybridSpec gives the stock pipeline's
+    texts, with its stop_sequence and with batched inputs (the tokenizer pads on the left)."""
+    from transformers import pipeline
+
+    target, drafter, tokenizer = pair
+    pipe = pipeline("text-generation", model=target, tokenizer=tokenizer, device="cpu")
+    spec = dict(assistant_model=drafter, generation_strategy="dflash")
+    common = dict(max_new_tokens=40, do_sample=False, stop_sequence="\n\n")
+    stock = pipe(PROMPT, **common)
+    assert pipe(PROMPT, **common, **spec) == stock
+    assert stock[0]["generated_text"].endswith("\n\n") or len(tokenizer(stock[0]["generated_text"]).input_ids) >= 40
+    texts = [PROMPT, "def add(a, b):\n"]
+    common = dict(max_new_tokens=12, do_sample=False, batch_size=2, return_full_text=False)
+    assert pipe(texts, **common, **spec) == pipe(texts, **common)
+
+
 def test_drafter_drafts_the_targets_continuation(pair):
     """One real draft round through the inference API: the block must get some tokens right."""
     target, drafter, tokenizer = pair
