@@ -74,7 +74,7 @@ class HybridSpecConfig:
     routing_profile: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.static_length, int) or self.static_length < 1:
+        if not isinstance(self.static_length, int) or isinstance(self.static_length, bool) or self.static_length < 1:
             raise ValueError(f"static_length must be an int ≥ 1 (tokens verified per round), got {self.static_length!r}.")
         if not 0.0 <= self.confidence_threshold <= 1.0:
             raise ValueError(f"confidence_threshold is a probability in [0, 1], got {self.confidence_threshold!r}.")

@@ -242,3 +242,31 @@ def test_enable_is_idempotent():
     hybridspec_hf.enable()
     hybridspec_hf.enable()
     assert modeling_qwen3_5_moe.Qwen3_5MoeForCausalLM.generate is before
+
+
+@pytest.mark.parametrize("options, error, message", [
+    (dict(static_length=0), ValueError, "static_length must be an int ≥ 1"),
+    (dict(static_length=True), ValueError, "static_length must be an int ≥ 1"),
+    (dict(static_length=2.5), ValueError, "static_length must be an int ≥ 1"),
+    (dict(confidence_threshold=1.5), ValueError, r"confidence_threshold is a probability in \[0, 1\]"),
+    (dict(kernel_backend="cuda"), ValueError, "kernel_backend must be one of"),
+    (dict(verify_shape="bogus"), ValueError, "verify_shape must be one of"),
+    (dict(cuda_graphs=True), ValueError, "cuda_graphs must be one of"),
+    (dict(calibration="never"), ValueError, "calibration must be one of"),
+    (dict(gdn_verifier="fast"), ValueError, "gdn_verifier must be one of"),
+    (dict(latency_model=3), TypeError, "latency_model must be a LatencyModel or a path"),
+])
+def test_hybridspec_config_rejects_bad_values_by_name(options, error, message):
+    with pytest.raises(error, match=message):
+        HybridSpecConfig(**options)
+
+
+def test_a_missing_file_named_in_the_config_is_reported_at_the_call(pair, tmp_path):
+    target, prompt, drafter, ar = pair
+    missing = tmp_path / "missing.json"
+    for options, message in [(dict(latency_model=str(missing)), "Could not read a latency model"),
+                             (dict(acceptance_profile=str(missing)), "No acceptance profile at .*benchmarks/profiles")]:
+        with pytest.raises((ValueError, FileNotFoundError), match=message):
+            target.generate(prompt, assistant_model=drafter, generation_strategy="hybridspec", do_sample=False,
+                            max_new_tokens=12, hybridspec_config=HybridSpecConfig(**options))
+    assert torch.equal(spec(target, prompt, drafter), ar)

@@ -70,6 +70,9 @@ def load_profile(path: str | Path) -> AcceptanceProfile:
     """A profile from a safetensors trace file (generation.traces) or one written by `save_profile`."""
     from safetensors import safe_open
 
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"No acceptance profile at {str(path)!r}: pass an AcceptanceProfile or the path of a "
+                                "profile or trace file (.safetensors; the declared ones are in benchmarks/profiles/).")
     with safe_open(str(path), "pt") as handle:
         tensors = {k: handle.get_tensor(k) for k in handle.keys()}
         meta = json.loads((handle.metadata() or {}).get("json", "{}"))
