@@ -32,7 +32,7 @@ def spec(target, prompt, drafter, **kwargs):
         (dict(output_attentions=True, return_dict_in_generate=True), "output_attentions"),
         (dict(prompt_lookup_num_tokens=3), "prompt_lookup_num_tokens"),
         (dict(cache_implementation="offloaded"), "cache_implementation"),
-        (dict(num_assistant_tokens=5), "num_assistant_tokens=5 .*static_length"),
+        (dict(num_assistant_tokens=5), "num_assistant_tokens=5 .*leave it at 20.*static_length"),
         (dict(generation_config=GenerationConfig(num_assistant_tokens_schedule="heuristic", max_new_tokens=12)),
          "num_assistant_tokens_schedule='heuristic'"),
         (dict(assistant_confidence_threshold=0.9), "assistant_confidence_threshold=0.9 .*confidence_threshold"),

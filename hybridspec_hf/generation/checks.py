@@ -92,7 +92,8 @@ def check_generation_config(model, generation_config, input_ids: torch.Tensor, m
     for name, (default, advice) in _ASSISTED_KNOBS.items():
         value = getattr(generation_config, name, default)
         if value is not None and value != default:
-            problems.append(f"{name}={value!r} (transformers' assisted decoding): {advice}")
+            problems.append(f"{name}={value!r} (transformers' assisted decoding, which HybridSpec replaces: leave it "
+                            f"at {default!r}): {advice}")
     if generation_config.output_attentions or generation_config.output_hidden_states:
         problems.append("output_attentions/output_hidden_states: not recorded by HybridSpec rounds")
     if not model_kwargs.get("use_cache", True) or generation_config.use_cache is False:
