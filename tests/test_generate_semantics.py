@@ -11,6 +11,8 @@ from transformers import PreTrainedTokenizerFast, StoppingCriteria, StoppingCrit
 from transformers.generation.streamers import BaseStreamer
 
 import hybridspec_hf
+from hybridspec_hf import HybridSpecConfig
+from hybridspec_hf.selector import LatencyModel
 
 
 class Recorder(BaseStreamer):
@@ -159,3 +161,25 @@ def test_telemetry_after_each_call(fp64_gdn):
     assert all(1 <= r.w <= 8 and 0 <= r.accepted <= r.w - 1 and r.emitted <= r.accepted + 1 for r in telemetry.rounds)
     assert sum(r.committed for r in telemetry.rounds) == 32  # the last emitted token is not in the cache, as in AR
     assert telemetry.mean_emitted > 1.0
+
+
+def test_telemetry_says_whether_the_routing_correction_ran(fp64_gdn):
+    """"hybridspec" runs the correction on one unpadded prompt under a latency model that prices experts; the
+    telemetry says when it did not and why (a batch; a model pricing no expert), and has nothing to say for
+    strategies without one."""
+    from test_properties import latency_model
+
+    target, prompt, drafter = setup(seed=7)
+    free = latency_model(8, 0.2)  # no expert model: nothing priced beyond C(w)
+    priced = LatencyModel(cost=free.cost, cost_ar=free.cost_ar, context_lens=free.context_lens,
+                          sunk=torch.full((1, 7), 2e-5))  # stage 0's sunk cost: the correction can keep a token
+    runs = [("hybridspec", priced, prompt, True, None), ("hybridspec", free, prompt, False, "prices no distinct expert"),
+            ("hybridspec", priced, prompt.repeat(2, 1), False, "batched loop"), ("nominal", priced, prompt, False, None),
+            ("dflash", priced, prompt, False, None)]
+    for strategy, model, ids, ran, why in runs:
+        target.generate(ids, assistant_model=drafter, generation_strategy=strategy, do_sample=False, max_new_tokens=9,
+                        hybridspec_config=HybridSpecConfig(latency_model=model))
+        telemetry = hybridspec_hf.get_telemetry(target)
+        assert telemetry.routing_correction is ran, strategy
+        assert (telemetry.routing_correction_off is None) if why is None else why in telemetry.routing_correction_off
+        assert telemetry.to_dict()["routing_correction"] is ran

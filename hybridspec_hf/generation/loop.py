@@ -163,7 +163,9 @@ def hybridspec_decode(
                                    batch=input_ids.shape[0])
     telemetry = GenerationTelemetry(strategy=hybridspec_strategy, block_size=block_size, prompt_tokens=input_ids.shape[1])
     model.hybridspec_telemetry = telemetry
-    if input_ids.shape[0] > 1 or padded:
+    batched = input_ids.shape[0] > 1 or padded
+    telemetry.routing_correction, telemetry.routing_correction_off = strategy.correction_state(batched)
+    if batched:
         from hybridspec_hf.generation.resident import batch_unsupported_reason
 
         check_batched_call(streamer, cache, input_ids.shape[0])

@@ -174,6 +174,20 @@ class RoundStrategy:
         corrects = bool(selector.routing_correction and has_router and correction_can_act(selector))
         return cls(name, None, selector, estimator, corrects, shape, settings.kernel_backend, identity)
 
+    def correction_state(self, batched: bool) -> tuple[bool, str | None]:
+        """(whether a call's rounds run the routing correction, why not where its selector has one)."""
+        if not getattr(self.selector, "routing_correction", False):
+            return False, None
+        if batched:
+            return False, "the batched loop (batch > 1 or a left-padded prompt) verifies without it"
+        if not self.corrects:
+            model = getattr(self.selector, "latency_model", None)
+            if model is not None and not model.prices_routing:
+                return False, ("the latency model prices no distinct expert (η = 0, nothing sunk): the correction "
+                               "could never keep the extra token")
+            return False, "the target has no MoE router"
+        return True, None
+
     def identity(self) -> tuple:
         """Strategies with equal identities take the same decisions from the same device state."""
         return self._identity

@@ -43,6 +43,8 @@ class GenerationTelemetry:
     path_reason: str | None = None  # why cuda_graphs="auto" ran the eager loop, when it did
     capture_s: float = 0.0  # time spent capturing graphs in this call (0 when reused)
     resident_memory_bytes: int = 0  # GPU memory the resident rounds hold (static cache, buffers, graph pools)
+    routing_correction: bool = False  # whether this call's rounds ran the routing correction
+    routing_correction_off: str | None = None  # why a strategy that has one ("hybridspec") ran without it
 
     @property
     def new_tokens(self) -> int:
