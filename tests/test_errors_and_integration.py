@@ -39,6 +39,10 @@ def spec(target, prompt, drafter, **kwargs):
         (dict(penalty_alpha=0.6, top_k=4), r"penalty_alpha=0.6 with top_k=4 \(contrastive search\)"),
         (dict(dola_layers="high"), r"dola_layers='high' \(dola generation\)"),
         (dict(token_healing=True), "token_healing=True.*heal_tokens"),
+        (dict(generation_config=GenerationConfig(max_new_tokens=12, force_words_ids=[[5]])),
+         r"force_words_ids \(constrained beam search\)"),
+        (dict(generation_config=GenerationConfig(max_new_tokens=12, prompt_lookup_num_tokens=3)),
+         "prompt_lookup_num_tokens=.*is not supported"),
         (dict(hybridspec_config=HybridSpecConfig(static_length=9)), None),  # only an error for "static"
     ],
 )

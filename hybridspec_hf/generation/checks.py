@@ -86,7 +86,8 @@ def check_generation_config(model, generation_config, input_ids: torch.Tensor, m
         asked = {"contrastive_search": f"penalty_alpha={generation_config.penalty_alpha} with top_k="
                                        f"{generation_config.top_k}",
                  "dola_generation": f"dola_layers={getattr(generation_config, 'dola_layers', None)!r}",
-                 "constrained_beam_search": "constraints/force_words_ids"}.get(mode, "")
+                 "constrained_beam_search": "constraints/force_words_ids",
+                 "assisted_generation": "prompt_lookup_num_tokens/assistant_early_exit/use_mtp"}.get(mode, "options")
         problems.append(f"{asked} ({mode.replace('_', ' ')}): HybridSpec decodes greedily or by sampling; leave "
                         "that method's options unset")
     for name, (default, advice) in _ASSISTED_KNOBS.items():

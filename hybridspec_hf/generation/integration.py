@@ -65,19 +65,20 @@ def _hybridspec_generate(original, self, *args, generation_strategy=None, hybrid
     settings = HybridSpecConfig() if hybridspec_config is None else hybridspec_config
     if not isinstance(settings, HybridSpecConfig):
         raise TypeError(f"hybridspec_config must be a hybridspec_hf.HybridSpecConfig, got {type(settings).__name__}.")
+    # given as keywords, or in the generation config (generate() acts on some before the decoding loop runs)
+    config = kwargs.get("generation_config", args[1] if len(args) > 1 else None) or self.generation_config
     for key, why in _UNSUPPORTED_KWARGS.items():
-        if kwargs.get(key) is not None:
+        if kwargs.get(key, getattr(config, key, None)) is not None:
             raise ValueError(f"generate(..., {key}=...) is not supported with generation_strategy={generation_strategy!r}: {why}.")
     if kwargs.get("synced_gpus"):  # generate() does not pass it to a custom_generate callable: it would be ignored
         raise ValueError(
             "generate(..., synced_gpus=True) (DeepSpeed ZeRO-3 / FSDP) is not supported with HybridSpec; "
             "use tp_plan='auto' to spread the target over several GPUs."
         )
-    # Options generate() acts on before the decoding loop runs (checks.check_generation_config sees the rest)
-    config = kwargs.get("generation_config", args[1] if len(args) > 1 else None) or self.generation_config
+    # more that generate() acts on before the decoding loop runs (checks.check_generation_config sees the rest)
     implementation = kwargs.get("cache_implementation", getattr(config, "cache_implementation", None))
-    if implementation not in (None, "dynamic", "static"):  # generate() builds the cache first (an offloaded one
-        raise ValueError(  # needs a device stream)
+    if implementation not in (None, "dynamic", "static"):  # generate() builds it first: an offloaded one needs a stream
+        raise ValueError(
             f"Unsupported generation options for HybridSpec: cache_implementation={implementation!r}: use None "
             "(dynamic) or 'static'."
         )
