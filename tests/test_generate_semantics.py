@@ -65,8 +65,8 @@ def test_streamer_receives_prompt_then_every_token_like_ar(fp64_gdn):
         dict(sequence_bias={(2,): 3.0, (5, 6): -2.0}),
         dict(encoder_repetition_penalty=1.6),  # applied to the prompt's tokens
         dict(encoder_no_repeat_ngram_size=1),  # none of the prompt's tokens
-        dict(watermarking_config={"bias": 4.0, "context_width": 1}),  # green lists seeded by the prefix
-        dict(watermarking_config={"bias": 4.0, "context_width": 2, "seeding_scheme": "selfhash"}),
+        # green lists seeded by the prefix ("selfhash" too, but stock generate() fails on it under torch 2.14)
+        dict(watermarking_config={"bias": 4.0, "context_width": 1}),
     ],
 )
 def test_logits_processors_scores_and_logits_equal_ar(options, fp64_gdn):
