@@ -615,7 +615,7 @@ def _mismatch(kind, target):
         return drafter, "not a row"
     if kind == "unbound":
         drafter._target_modules = None
-        return drafter, "not bound"
+        return drafter, r"not bound to a target .*bind_target\(target\)"
     return drafter.bind_target(make_target("qwen3_5_dense"), validate=False), "another model"
 
 

@@ -582,7 +582,8 @@ class DFlashDrafter(PreTrainedModel):
                 "drafter.config.mask_token_id to the mask row the drafter was trained with."
             )
         if self._target_modules is None:
-            raise ValueError(f"The drafter is not bound to a target; call drafter.bind_target({name.lower()}).")
+            raise ValueError(f"The drafter is not bound to a target (it drafts with the target's embedding and LM "
+                             f"head); call drafter.bind_target(target) with the {name} you generate with.")
         if self._target_modules[0] is not embedding or self._target_modules[1] is not head:
             raise ValueError(
                 f"The drafter is bound to another model's embedding/LM head, not {name}'s; call "
