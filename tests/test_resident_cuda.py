@@ -147,3 +147,11 @@ def test_batched_calls_run_captured_without_syncs_and_equal_each_rows_ar(strateg
     assert target.__dict__["_hybridspec_resident"].rows == 4
     for row, (prompt, ar) in enumerate(zip(prompts, own)):
         assert torch.equal(out[row, 14:], ar[0, prompt.numel():]), (strategy, row)
+
+
+def test_image_prompts_run_captured_and_equal_ar():
+    """A vision-language target's image prompt: the rounds continue from the multimodal RoPE positions the prefill
+    set (the cos/sin table is indexed by slot from each row's next position)."""
+    from test_image_inputs import resident_image_calls
+
+    resident_image_calls("cuda")
