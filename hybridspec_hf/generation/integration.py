@@ -91,7 +91,7 @@ def _hybridspec_generate(original, self, *args, generation_strategy=None, hybrid
     drafter = kwargs.pop("assistant_model", None)
     _check_drafter(self, drafter, generation_strategy)
     _check_block_size(self, drafter, settings)
-    _move_stop_strings_to_criteria(self, args, kwargs)
+    _move_stop_strings_to_criteria(config, args, kwargs)
     inputs = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
     if isinstance(inputs, torch.Tensor):
         check_prompt(self, inputs)
@@ -139,17 +139,16 @@ def return_to(output, device: torch.device):
     return output
 
 
-def _move_stop_strings_to_criteria(model, args, kwargs) -> None:
+def _move_stop_strings_to_criteria(config, args, kwargs) -> None:
     """generate() drops `tokenizer` when a custom_generate callable is used, so stop strings would fail there:
-    build their StopStringCriteria here and pass it with the user's stopping criteria."""
+    build their StopStringCriteria here and pass it with the user's stopping criteria. config: the call's generation
+    config (the model's where none was passed)."""
     tokenizer = kwargs.pop("tokenizer", None)
-    config = kwargs.get("generation_config", args[1] if len(args) > 1 else None)
     stop_strings = kwargs.pop("stop_strings", None)
     if stop_strings is None:
-        source = config if config is not None else model.generation_config
-        stop_strings = getattr(source, "stop_strings", None)
+        stop_strings = getattr(config, "stop_strings", None)
         if stop_strings is not None:
-            config = copy.deepcopy(source)
+            config = copy.deepcopy(config)
             config.stop_strings = None
             if len(args) > 1:
                 raise ValueError("Pass generation_config= by keyword together with stop strings and HybridSpec.")
