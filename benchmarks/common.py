@@ -46,6 +46,8 @@ SWITCHES = {
                         "the decoder's residual add, post-attention norm, MoE router GEMM and top-k in one launch"),
     "route-in-experts": ("hybridspec_hf.patches._moe", "ROUTE_IN_EXPERTS",
                          "the MoE decode kernels take their top-k from the router's logits (the router stores logits)"),
+    "packed-topk": ("hybridspec_hf.kernels.router_triton", "PACKED_TOPK",
+                    "the router's top-k passes each one max over packed (logit, id) keys instead of two reductions"),
     "route-one-warp": ("hybridspec_hf.kernels.router_triton", "ROUTE_ONE_WARP",
                        "the one-launch add, norm and router: 2 router rows and one warp per program (else 4 and 4)"),
     "shared-first": ("hybridspec_hf.kernels.moe_triton", "SHARED_FIRST",
