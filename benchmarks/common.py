@@ -44,8 +44,6 @@ SWITCHES = {
                         "the GDN step loads the gates' inputs with the conv's, reads the window counter late"),
     "moe-fused-route": ("hybridspec_hf.patches._moe", "FUSED_ROUTE",
                         "the decoder's residual add, post-attention norm, MoE router GEMM and top-k in one launch"),
-    "route-in-experts": ("hybridspec_hf.patches._moe", "ROUTE_IN_EXPERTS",
-                         "the MoE decode kernels take their top-k from the router's logits (the router stores logits)"),
     "packed-topk": ("hybridspec_hf.kernels.router_triton", "PACKED_TOPK",
                     "the router's top-k passes each one max over packed (logit, id) keys instead of two reductions"),
     "route-one-warp": ("hybridspec_hf.kernels.router_triton", "ROUTE_ONE_WARP",

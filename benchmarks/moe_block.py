@@ -291,40 +291,29 @@ def compile_check(shape: Shape, swept: bool = True) -> list[dict]:
     kernels = {"gate_up": moe_triton._gate_up_decode_kernel.fn, "gate_up_items": moe_triton._gate_up_items_kernel.fn,
                "down": moe_triton._down_decode_kernel.fn}
     plans = [(tokens, flag, None, None) for tokens in (1, 2, 3, 4) for flag in (True, False)]
-    plans += [(tokens, flag, tiles, None) for tokens in (1, 2) for flag in (True, False)
-              for tiles in DECODE_ITEMS_TILES]
-    routes = [None] * len(plans)  # the routing from ids; then from the router's logits (moe_block_from_logits)
-    logit_plans = [(tokens, True, tiles, None) for tokens in (1, 2) for tiles in (None, DECODE_ITEMS_TILES[0])]
-    plans += logit_plans
-    routes += [(shape.experts, True, torch.bfloat16)] * len(logit_plans)
+    plans += [(tokens, flag, tiles, None) for tokens in (1, 2) for flag in (True, False) for tiles in DECODE_ITEMS_TILES]
     if swept:
-        swept_plans = [(tokens, True, g, None) for tokens in (1, 2, 3, 4) for g in DECODE_GATE_UP_SWEEP]
-        swept_plans += [(tokens, True, DECODE_GATE_UP_SWEEP[0], d) for tokens in (1, 2, 3, 4)
-                        for d in DECODE_DOWN_SWEEP]
-        plans += swept_plans
-        routes += [None] * len(swept_plans)
+        plans += [(tokens, True, g, None) for tokens in (1, 2, 3, 4) for g in DECODE_GATE_UP_SWEEP]
+        plans += [(tokens, True, DECODE_GATE_UP_SWEEP[0], d) for tokens in (1, 2, 3, 4) for d in DECODE_DOWN_SWEEP]
     built, rows = set(), []
-    for (tokens, with_shared, gate_up_tiles, down_tiles), route in zip(plans, routes):
+    for tokens, with_shared, gate_up_tiles, down_tiles in plans:
         launches = moe_triton.decode_launches(tokens, shape.hidden, shape.inter, shape.top_k, shared=with_shared,
                                               residual=with_shared, gate_up_tiles=gate_up_tiles,
-                                              down_tiles=down_tiles, route=route)
+                                              down_tiles=down_tiles)
         for launch in launches:
             name = launch.kernel
-            key = (name, tuple(sorted(launch.constexprs.items(), key=str)), launch.num_warps, launch.num_stages)
+            key = (name, tuple(sorted(launch.constexprs.items())), launch.num_warps, launch.num_stages)
             if key in built:
                 continue
             built.add(key)
             fn = triton.jit(kernels[name])
-            routing = dict(ids="*bf16", weights="*bf16") if route is not None else {}  # the logits in their place
-            signature = {arg: routing.get(arg, pointers.get(arg, "i32")) for arg in fn.arg_names
-                         if arg not in launch.constexprs}
+            signature = {arg: pointers.get(arg, "i32") for arg in fn.arg_names if arg not in launch.constexprs}
             signature.update({arg: "constexpr" for arg in launch.constexprs})
             source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=launch.constexprs)
             compiled = triton.compile(source, target=target,
                                       options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages))
             rows.append(dict(kernel=name, tokens=tokens, grid=launch.grid, warps=launch.num_warps,
-                             constexprs=launch.constexprs, from_logits=route is not None,
-                             ptxas=_ptxas_info(compiled.asm["ptx"])))
+                             constexprs=launch.constexprs, ptxas=_ptxas_info(compiled.asm["ptx"])))
             print(rows[-1]["kernel"], tokens, launch.grid, launch.num_warps,
                   {k: launch.constexprs.get(k) for k in ("BN", "BK", "STEPS", "ITEMS", "SHARED")}, rows[-1]["ptxas"], flush=True)
     return rows

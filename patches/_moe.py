@@ -43,7 +43,6 @@ frees it with the resident rounds (`hybridspec_hf.release_graphs`).
 """
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 
 import torch
@@ -72,11 +71,6 @@ SHARED_EXPERT_SLOT = True
 # (`norm_route_block_add`, router_triton.add_norm_route) up to `moe_triton.direct_limit()` tokens; False: add_rms_norm,
 # the GEMM and route_topk (three launches; A/B, `ar-moe-fused-route`)
 FUSED_ROUTE = True
-# With the fused route at the decode kernels' token counts and nothing to see the routing (no router forward hooks,
-# no routing pre-hooks on the experts): the router's launch stores the logits only and the decode kernels take their
-# top-k themselves (moe_triton.moe_block_from_logits): no last program, counter or reload in the router's launch on
-# the critical path. Off until measured on the H200 (A/B `ar+route-in-experts`, benchmarks/kernel_costs.py).
-ROUTE_IN_EXPERTS = False
 _ROUTING_PRE_HOOK = "_hybridspec_routing_pre_hook"
 _NORMALIZES: dict[type, Callable[[torch.nn.Module], bool]] = {}  # patched router class -> renormalises its top-k
 
@@ -282,14 +276,6 @@ def norm_route_block_add(block: torch.nn.Module, hidden_states: torch.Tensor, re
     weights = _fused_add_weights(block, hidden_states, residual)
     if weights is None:
         return None
-    if ROUTE_IN_EXPERTS and _inert(hooks) and _routes_in_experts(block, hidden_states, weights):
-        h, normed, logits, _, _ = router_triton.add_norm_route(hidden_states, residual, norm.weight, norm.eps, weight,
-                                                               gate.top_k, normalizes(gate), route=False)
-        width = h.shape[-1]
-        out = moe_triton.moe_block_from_logits(
-            normed.reshape(-1, width), logits, gate.top_k, normalizes(gate), block.experts.gate_up_proj,
-            block.experts.down_proj, weights, block.shared_expert.down_proj.weight, h.reshape(-1, width))
-        return out.reshape(h.shape)
     h, normed, logits, scores, ids = router_triton.add_norm_route(hidden_states, residual, norm.weight, norm.eps,
                                                                   weight, gate.top_k, normalizes(gate))
     output = (logits, scores, ids)
@@ -299,43 +285,6 @@ def norm_route_block_add(block: torch.nn.Module, hidden_states: torch.Tensor, re
         if result is not None:
             output = result
     return _fused_block_forward(block, normed, weights, h, routing=output)
-
-
-def _inert(hooks: list[Callable]) -> bool:
-    """Whether none of these hooks (a router's forward hooks, an experts module's routing pre-hooks) would see the
-    routing now: a bound method of an owner whose `sees_routing()` says no (VerifyWindow disarmed), or transformers'
-    output-capturing hook (transformers.utils.output_capturing, on every router since 5.x) while no collector asks
-    for its key (it returns at once; `output_router_logits` makes one ask). Anything else sees it."""
-    try:
-        from transformers.utils import output_capturing
-        collector = output_capturing._active_collector.get()
-    except (ImportError, AttributeError):
-        output_capturing = collector = None
-    for hook in hooks:
-        sees = getattr(getattr(hook, "__self__", None), "sees_routing", None)
-        if callable(sees):
-            if sees():
-                return False
-            continue
-        name = getattr(hook, "__qualname__", "")  # (transformers spells its installer "capuring")
-        if output_capturing is None or not name.endswith(".<locals>.output_capturing_hook"):
-            return False
-        key = inspect.getclosurevars(hook).nonlocals.get("key")
-        if collector is not None and (key is None or key in collector):
-            return False
-    return True
-
-
-def _routes_in_experts(block: torch.nn.Module, hidden_states: torch.Tensor, weights: torch.Tensor) -> bool:
-    """Whether the block's experts may take their routing from the router's logits: the one pass with no routing
-    pre-hook that sees the routing now (`_one_pass_hooks`, `_inert`) at a token count the decode kernels take in
-    "auto"."""
-    hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
-    hooks = _one_pass_hooks(block, hidden, weights)
-    if hooks is None or not _inert(hooks):
-        return False
-    experts = block.experts
-    return moe_triton._resolve_mode("auto", hidden.shape[0], experts.gate_up_proj, experts.down_proj) == "decode"
 
 
 def _router_forward_hooks(gate: torch.nn.Module) -> list[Callable] | None:

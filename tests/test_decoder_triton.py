@@ -124,67 +124,6 @@ def test_moe_layers_add_norm_and_route_in_one_launch(name, dtype, calls, monkeyp
     assert calls["add_rms_norm"] == 3 * (layers - len(moe)) + layers  # the dense layers, and all at 17 tokens
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("name", ["qwen3_5_moe", "qwen3_next"])
-def test_moe_layers_route_inside_the_experts_kernels_at_decode_sizes(name, dtype, calls, monkeypatch):
-    """_moe.ROUTE_IN_EXPERTS (A/B switch, off by default): at the decode kernels' token counts every MoE layer's
-    router launch stores the logits only and the decode kernels take the top-k themselves
-    (moe_triton.moe_block_from_logits); at 5 tokens the routed launch as before; the logits and hidden states stay
-    transformers'. A forward hook on a router keeps that layer on the routed launch (it sees scores and ids)."""
-    from hybridspec_hf.kernels import moe_triton
-    from hybridspec_hf.patches import _moe
-
-    monkeypatch.setattr(_moe, "_ON_CPU", True)
-    monkeypatch.setattr(_moe, "ROUTE_IN_EXPERTS", True)
-    from_logits = []
-    launch = moe_triton.moe_block_from_logits
-    monkeypatch.setattr(moe_triton, "moe_block_from_logits", lambda *a, **kw: from_logits.append(1) or launch(*a, **kw))
-    model = prepared(name, dtype)
-    moe = patches.moe_blocks(model)
-    patches.prepare_fused_moe(moe)
-    gen = torch.Generator().manual_seed(9)
-    for tokens in (1, 2, 5):
-        ids = torch.randint(0, VOCAB, (1, tokens), generator=gen)
-        for fused_out, plain in zip(forward(model, ids, True), forward(model, ids, False)):
-            assert_near(fused_out, plain)
-    assert moe and len(from_logits) == 2 * len(moe)
-    seen = []
-    moe[0].gate.register_forward_hook(lambda module, args, output: seen.append(output[2]))
-    ids = torch.randint(0, VOCAB, (1, 1), generator=gen)
-    for fused_out, plain in zip(forward(model, ids, True), forward(model, ids, False)):
-        assert_near(fused_out, plain)
-    assert len(from_logits) == 3 * len(moe) - 1 and len(seen) == 2  # the hooked layer: routed, in both forwards
-
-
-@pytest.mark.parametrize("strategy", ["ar", "hybridspec"])
-@pytest.mark.parametrize("name", ["qwen3_5_moe", "qwen3_next"])
-def test_resident_ar_with_the_routing_in_the_experts_kernels_equals_ar(name, strategy, calls, monkeypatch):
-    """Resident calls with _moe.ROUTE_IN_EXPERTS on: every MoE layer of every plain step routes inside the decode
-    kernels (the verification window's hooks disarmed), verifications keep the routed launch where the window is
-    armed, and the tokens are generate()'s."""
-    from test_exactness import run
-
-    from hybridspec_hf.kernels import moe_triton
-    from hybridspec_hf.patches import _moe
-
-    target = make_target(name, seed=10, dtype=torch.float32)
-    prompt = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(10))
-    with torch.no_grad():
-        ar = target.generate(prompt, do_sample=False, max_new_tokens=12)
-    drafter = make_drafter(target, 4, ar, error_rate=0.3).to(torch.float32)
-    monkeypatch.setattr(_moe, "_ON_CPU", True)
-    monkeypatch.setattr(_moe, "ROUTE_IN_EXPERTS", True)
-    from_logits = []
-    launch = moe_triton.moe_block_from_logits
-    monkeypatch.setattr(moe_triton, "moe_block_from_logits", lambda *a, **kw: from_logits.append(1) or launch(*a, **kw))
-    out = run(target, prompt, drafter, strategy, 12,
-              hybridspec_config=hybridspec_hf.HybridSpecConfig(cuda_graphs="on"))
-    assert torch.equal(out, ar)
-    if strategy == "ar":  # (HybridSpec's rounds here may all verify with the window armed: the routed launch)
-        assert from_logits and len(from_logits) % len(patches.moe_blocks(target)) == 0
-    hybridspec_hf.release_graphs(target)
-
-
 @pytest.mark.parametrize("name", ["qwen3_5_moe", "qwen3_next"])
 def test_the_input_norm_is_left_to_the_mixer_only_where_nothing_sees_the_raw_rows(name, calls, monkeypatch):
     """The fused layer leaves input_layernorm to its token mixer (applied in the projection's prologue or by the

@@ -149,35 +149,6 @@ def test_the_decode_kernels_match_the_torch_steps_and_repeat_bit_for_bit(dtype, 
     patches.release_fused_moe([block])
 
 
-@pytest.mark.parametrize("items", [0, 9])
-@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
-def test_the_decode_kernels_route_from_the_logits_as_the_router(family, items):
-    """moe_triton.moe_block_from_logits compiled at full width (T = 1, 2; split-K and items gate_up): the top-k
-    taken inside the kernels from the router's logits gives the block of route_topk's routing within the bf16
-    tolerance (the softmax sums in another order may move a weight's rounding), the same bits over repeated calls."""
-    from hybridspec_hf.kernels import moe_triton, router_triton
-    from hybridspec_hf.patches import _moe
-
-    block = full_width_block(family, torch.bfloat16)
-    patches.prepare_fused_moe([block])
-    shared = block.__dict__[_moe._CACHE].weight
-    tiles = moe_triton.Tiles(4, 2048, 8, 1, items=items) if items else None
-    normalize = _moe._NORMALIZES[type(block.gate)](block.gate)
-    for tokens in (1, 2):
-        x, residual = torch.randn(2, tokens, 2048, device="cuda", dtype=torch.bfloat16)
-        logits = torch.nn.functional.linear(x, block.gate.weight)
-        weights, ids = router_triton.route_topk(logits, block.gate.top_k, normalize)
-        args = (block.experts.gate_up_proj, block.experts.down_proj, shared, block.shared_expert.down_proj.weight,
-                residual)
-        expected = moe_triton.moe_block_triton(x, ids, weights, *args, mode="decode", gate_up_tiles=tiles)
-        out = moe_triton.moe_block_from_logits(x, logits, block.gate.top_k, normalize, *args, gate_up_tiles=tiles)
-        assert rel(out, expected) < 2e-2
-        for _ in range(10):
-            assert torch.equal(moe_triton.moe_block_from_logits(x, logits, block.gate.top_k, normalize, *args,
-                                                                gate_up_tiles=tiles), out)
-    patches.release_fused_moe([block])
-
-
 @pytest.mark.parametrize("packed", [False, True], ids=["two-reductions", "packed-keys"])
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
 def test_the_add_norm_and_router_in_one_launch_match_transformers_and_replay(family, packed, monkeypatch):

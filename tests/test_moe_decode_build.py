@@ -15,19 +15,15 @@ from hybridspec_hf.kernels import pdl
 rows = moe_block.compile_check(moe_block.FULL, swept=False)
 pdl.EARLY_READS = False  # the down kernel's other path: every read after the PDL wait
 rows += moe_block.compile_check(moe_block.FULL, swept=False)
-print(json.dumps([[r["kernel"], r["constexprs"]["TP"], r["constexprs"]["SHARED"], r["from_logits"], r["ptxas"]]
-                  for r in rows]))
+print(json.dumps([[r["kernel"], r["constexprs"]["TP"], r["constexprs"]["SHARED"], r["ptxas"]] for r in rows]))
 """
 
 
 def test_the_decode_kernels_compile_for_sm90_at_the_default_tiles():
     rows = build(BUILD, ROOT / "benchmarks")
-    built = {(kernel, block_t, shared) for kernel, block_t, shared, from_logits, _ in rows if not from_logits}
+    built = {(kernel, block_t, shared) for kernel, block_t, shared, _ in rows}
     assert built == {(kernel, block_t, shared) for kernel in ("gate_up", "down") for block_t in (1, 2, 4)
                      for shared in (True, False)} | {("gate_up_items", block_t, shared) for block_t in (1, 2)
                                                      for shared in (True, False)}
-    # the routing from the router's logits (moe_block_from_logits): both gate_up kernels and the down kernel
-    assert {(kernel, block_t) for kernel, block_t, _, from_logits, _ in rows if from_logits} == {
-        (kernel, block_t) for kernel in ("gate_up", "gate_up_items", "down") for block_t in (1, 2)}
     spills = [int(n) for *_, ptxas in rows for n in re.findall(r"(\d+) bytes spill stores", ptxas)]
     assert not any(spills), [ptxas for *_, ptxas in rows]  # ptxas -v where triton ships it: no spills

@@ -444,37 +444,3 @@ def test_the_sorted_blocks_with_the_align_kernel_equal_those_without(monkeypatch
     assert torch.equal(fused_experts_triton(**x, mode="sorted"), without) and not calls
     with pytest.raises(ValueError, match="4096 token–expert pairs"):
         moe_triton.align_pairs_triton(torch.zeros(513, 8, dtype=torch.long), 256, 16)
-
-
-@pytest.mark.parametrize("normalize", [True, False])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens", [1, 2, 3])
-@pytest.mark.parametrize("gate_up_tiles", [None, ITEMS_CASES[0][4]], ids=["split", "items"])
-def test_decode_from_logits_routes_as_the_router(gate_up_tiles, tokens, dtype, normalize, monkeypatch):
-    """moe_block_from_logits (the top-k taken inside the decode kernels from the router's logits, the router's
-    launch storing logits only) against moe_block_triton on router_triton.route_topk's routing of the same logits
-    (the same choice: ties to the lowest id; torch.topk's order among equals is unspecified): the same bits, with
-    logits holding equal values across and within tokens, with and without the down kernel's reads before the PDL
-    wait; split-K and items gate_up. The choice itself is route_topk's (tests/test_router_triton.py)."""
-    from hybridspec_hf.kernels import pdl
-    from hybridspec_hf.kernels.router_triton import route_topk, route_topk_reference
-
-    x = make_block(60 + tokens, tokens, 40, 24, 6, 3, dtype)
-    gen = torch.Generator().manual_seed(tokens)
-    logits = torch.randint(-3, 4, (tokens, 6), generator=gen).to(dtype) * 0.5  # many equal logits
-    weights, ids = route_topk(logits, 3, normalize)
-    reference = route_topk_reference(logits, 3, normalize)[0]
-    torch.testing.assert_close(weights.sort(-1).values, reference.sort(-1).values)
-    assert tokens == 1 or ids.unique().numel() < ids.numel()  # experts shared across tokens
-    expected = moe_block_triton(x["hidden"], ids, weights, *(x[k] for k in ("gate_up_proj", "down_proj",
-                                "shared_gate_up", "shared_down", "residual")), mode="decode",
-                                gate_up_tiles=gate_up_tiles)
-    for early in (True, False):
-        monkeypatch.setattr(pdl, "EARLY_READS", early)
-        out = moe_triton.moe_block_from_logits(x["hidden"], logits, 3, normalize, x["gate_up_proj"],
-                                               x["down_proj"], x["shared_gate_up"], x["shared_down"], x["residual"],
-                                               gate_up_tiles=gate_up_tiles)
-        assert torch.equal(out, expected)
-    with pytest.raises(ValueError, match="logits \\[T, E\\]"):
-        moe_triton.moe_block_from_logits(x["hidden"], logits[:, :5], 3, normalize, x["gate_up_proj"],
-                                         x["down_proj"], x["shared_gate_up"], x["shared_down"])

@@ -85,23 +85,21 @@ def test_resident_calls_with_pdl_equal_those_without(strategy, rows, pdl_switch)
 
 
 @pytest.mark.parametrize("rows", [1, 3])
-@pytest.mark.parametrize("switch", ["early_reads", "fold_norm", "loads_first", "norm_in_out_proj", "route_in_experts"])
+@pytest.mark.parametrize("switch", ["early_reads", "fold_norm", "loads_first", "norm_in_out_proj"])
 def test_early_reads_and_the_folded_norm_keep_the_tokens(switch, rows, monkeypatch):
     """Reads before the PDL wait (pdl.EARLY_READS: the MoE decode down kernel's routing and first weight tile, the
     GDN step's state), the GDN step's norm by the head's last program (gdn_step_triton.FOLD_NORM) or left to
     out_proj (patches/_gdn.NORM_IN_OUT_PROJ: at these shapes the table names no config, so the norm's own launch,
-    the same function as the fold), and the MoE decode kernels routing from the router's logits
-    (patches/_moe.ROUTE_IN_EXPERTS) give the same tokens as without, in whole bf16 resident calls with PDL on: AR
-    at batch 1 (the GDN step, T = 1 decode MoE) and HybridSpec in a bucket of 4."""
+    the same function as the fold) give the same tokens as without, in whole bf16 resident calls with PDL on: AR at
+    batch 1 (the GDN step, T = 1 decode MoE) and HybridSpec in a bucket of 4."""
     from _tiny import make_drafter, make_target
 
     from hybridspec_hf.kernels import gdn_step_triton
-    from hybridspec_hf.patches import _gdn, _moe
+    from hybridspec_hf.patches import _gdn
 
     owner, attribute = {"early_reads": (pdl, "EARLY_READS"), "fold_norm": (gdn_step_triton, "FOLD_NORM"),
                         "loads_first": (gdn_step_triton, "LOADS_FIRST"),
-                        "norm_in_out_proj": (_gdn, "NORM_IN_OUT_PROJ"),
-                        "route_in_experts": (_moe, "ROUTE_IN_EXPERTS")}[switch]
+                        "norm_in_out_proj": (_gdn, "NORM_IN_OUT_PROJ")}[switch]
     assert pdl.active(False)
     target = make_target("qwen3_5_moe", dtype=torch.bfloat16)
     if hasattr(target, "set_experts_implementation"):

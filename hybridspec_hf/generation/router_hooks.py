@@ -34,11 +34,6 @@ class VerifyWindow:
     def disarm(self) -> None:
         self.choice = None
 
-    def sees_routing(self) -> bool:
-        """Whether its hooks read or rewrite the routing now (armed): disarmed, a MoE block may route where no hook
-        sees the scores and ids (patches/_moe.py ROUTE_IN_EXPERTS)."""
-        return self.choice is not None
-
     def _router_hook(self, module, args, output) -> None:
         if self.choice is not None and self.choice.corrects:
             self.choice.correct(output[2])  # [T, k] expert ids of the first MoE layer

@@ -42,8 +42,7 @@ the CUDA cores (a 16-row tensor-core tile would be >= 75 % padding), one token r
      sum kernel's roundings, and stores the output. No separate sum launch.
   With `Tiles.items` > 0 gate_up runs as `_gate_up_items_kernel` instead: one wave of programs, each taking that many
   work items of BN gate and BN up rows over all of K (no split, no counters), the next item's weights loaded before
-  the current one's products. `moe_block_from_logits`: both kernels take the routing from the router's logits
-  (`_route_tile`: route_topk's choice and roundings) instead of ids and weights.
+  the current one's products.
 
 Precision: dots accumulate in fp32; bf16/fp16 weights take dot operands in the weight dtype (act is rounded to it
 before the down dot, as transformers does); fp32 weights use exact fp32 dots (`input_precision="ieee"`). The routing
@@ -64,7 +63,7 @@ import torch
 import torch.nn.functional as F
 
 from . import pdl
-from .gdn_triton import HAS_TRITON, _LazyJit, select_backend, tl_dtype
+from .gdn_triton import HAS_TRITON, _LazyJit, select_backend
 from .gemv_triton import COUNTERS, split_counters
 from .shared_expert_triton import gated_add_reference, shared_expert_reference
 
@@ -282,75 +281,6 @@ def _first_use(ids, slot, S, E, SP: tl.constexpr, CACHE: tl.constexpr):
     return expert, live
 
 
-def _route_tile(logits, T, E, K: tl.constexpr, KP: tl.constexpr, TP: tl.constexpr, BLOCK_E: tl.constexpr,
-                NORMALIZE: tl.constexpr, W_DTYPE: tl.constexpr, CACHE: tl.constexpr):
-    """(ids [TP, KP] int64, weights [TP, KP] fp32 holding W_DTYPE values) of every token's top-k from its router
-    logits [T, E] (contiguous rows): router_triton._topk_row's choice (the largest logit, lowest id among equals)
-    and roundings, for all tokens at once; -1 and 0 where no pair is (tokens past T, slots past K)."""
-    rt = tl.arange(0, TP)
-    re = tl.arange(0, BLOCK_E)
-    rj = tl.arange(0, KP)
-    valid = (rt < T)[:, None] & (re < E)[None, :]
-    x = tl.load(logits + rt[:, None] * E + re[None, :], mask=valid, other=float("-inf"),
-                cache_modifier=CACHE).to(tl.float32)
-    row_max = tl.where(rt < T, tl.max(x, axis=1), 0.0)
-    total = tl.sum(tl.where(valid, tl.exp(x - row_max[:, None]), 0.0), axis=1)  # softmax denominators
-    top_p = tl.zeros([TP, KP], dtype=tl.float32)
-    top_i = tl.zeros([TP, KP], dtype=tl.int64)
-    free = valid
-    for j in tl.static_range(K):  # k passes: each token's largest free logit, lowest id among equals
-        best = tl.max(tl.where(free, x, float("-inf")), axis=1)
-        pick = tl.min(tl.where(free & (x == best[:, None]), re[None, :], BLOCK_E), axis=1)
-        free = free & (re[None, :] != pick[:, None])
-        top_p = tl.where(rj[None, :] == j, (tl.exp(best - row_max) / total)[:, None], top_p)
-        top_i = tl.where(rj[None, :] == j, pick.to(tl.int64)[:, None], top_i)
-    if NORMALIZE:
-        top_p = top_p / tl.sum(top_p, axis=1)[:, None]  # padding slots hold 0
-    ok = (rt < T)[:, None] & (rj < K)[None, :]
-    return tl.where(ok, top_i, -1), tl.where(ok, top_p.to(W_DTYPE).to(tl.float32), 0.0)
-
-
-def _tile_first_use(tile, slot, S, E, K: tl.constexpr, KP: tl.constexpr, TP: tl.constexpr):
-    """`_first_use` on a routing tile [TP, KP] (`_route_tile`): pair slot = t·K + j (-1 in the padding columns)."""
-    rj = tl.arange(0, KP)
-    pair = tl.where(rj < K, tl.arange(0, TP)[:, None] * K + rj[None, :], -1)
-    expert = tl.where(slot < S, tl.sum(tl.where(pair == slot, tile, 0)), -1)
-    earlier = (pair < slot) & (tile == expert)
-    live = (tl.sum(earlier.to(tl.int32)) == 0) & (expert >= 0) & (expert < E)
-    return expert, live
-
-
-def _slot_expert(ids, slot, T, S, E, SP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, TP: tl.constexpr,
-                 FROM_LOGITS: tl.constexpr, BLOCK_E: tl.constexpr, NORMALIZE: tl.constexpr, W_DTYPE: tl.constexpr,
-                 CACHE: tl.constexpr):
-    """(expert, live) of pair `slot` (`_first_use`): from the routing's ids [S], or with FROM_LOGITS from the
-    router's logits [T, E] at `ids` (`_route_tile`)."""
-    if FROM_LOGITS:
-        tile, _ = _route_tile(ids, T, E, K, KP, TP, BLOCK_E, NORMALIZE, W_DTYPE, CACHE)
-        expert, live = _tile_first_use(tile, slot, S, E, K, KP, TP)
-    else:
-        expert, live = _first_use(ids, slot, S, E, SP, CACHE)
-    return expert, live
-
-
-def _slot_coef(ids, weights, slot, pair, pair_ok, T, S, E, SP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-               TP: tl.constexpr, FROM_LOGITS: tl.constexpr, BLOCK_E: tl.constexpr, NORMALIZE: tl.constexpr,
-               W_DTYPE: tl.constexpr, CACHE: tl.constexpr):
-    """(expert, live, coef [TP] fp32) of `slot`: its expert as `_slot_expert` and each token's weight of it, Σ_j
-    w[t, j] over the pairs (t, j) naming it (an expert listed twice counts twice), from the routing's ids and
-    weights [S] at `pair` [TP, KP] (masked by pair_ok), or with FROM_LOGITS from the router's logits."""
-    if FROM_LOGITS:
-        tile, tile_w = _route_tile(ids, T, E, K, KP, TP, BLOCK_E, NORMALIZE, W_DTYPE, CACHE)
-        expert, live = _tile_first_use(tile, slot, S, E, K, KP, TP)
-        named = (tile == expert) & pair_ok & (expert >= 0)
-        coef = tl.sum(tl.where(named, tile_w, 0.0), axis=1)
-    else:
-        expert, live = _first_use(ids, slot, S, E, SP, CACHE)
-        named = (tl.load(ids + pair, mask=pair_ok, other=-1, cache_modifier=CACHE) == expert) & pair_ok & (expert >= 0)
-        coef = tl.sum(tl.load(weights + pair, mask=named, other=0.0, cache_modifier=CACHE).to(tl.float32), axis=1)
-    return expert, live, coef
-
-
 def _program_rows(ids, block_expert, block_pairs, slot, T, S, E,
                   DIRECT: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, BM: tl.constexpr):
     """(expert int64, live, pair [BM] int32, row_ok [BM]) of program `slot`: the expert it serves (live = it has
@@ -537,8 +467,7 @@ def _gate_up_decode_kernel(
     stride_ht, stride_we, stride_wn,
     H: tl.constexpr, INTER: tl.constexpr, SP: tl.constexpr, TP: tl.constexpr, BN: tl.constexpr,
     BK: tl.constexpr, STEPS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, SHARED: tl.constexpr,
-    SHARED_FIRST: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, FROM_LOGITS: tl.constexpr,
-    BLOCK_E: tl.constexpr, NORMALIZE: tl.constexpr, W_DTYPE: tl.constexpr, PDL: tl.constexpr,
+    SHARED_FIRST: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (i_n, i_k, slot): BN gate and BN up rows of the slot's expert over K slice i_k, for every token;
     the last of the SPLIT programs of (slot, i_n) sums their partials in slice order and stores SiLU(gate)·up.
@@ -560,7 +489,7 @@ def _gate_up_decode_kernel(
     early_gate = tl.load(shared_w1 + rows, mask=early_ok, other=0.0)
     early_up = tl.load(shared_w1 + INTER * stride_wn + rows, mask=early_ok, other=0.0)
     pdl.enter(PDL)  # PDL: nothing but weights read before the kernel before this one completed
-    expert, live = _slot_expert(ids, slot, T, S, E, SP, K, KP, TP, FROM_LOGITS, BLOCK_E, NORMALIZE, W_DTYPE, "")
+    expert, live = _first_use(ids, slot, S, E, SP, "")
     w_base = w1 + expert * stride_we
     if SHARED:
         is_shared = slot == S
@@ -635,20 +564,15 @@ def _gate_up_decode_kernel(
                 tl.store(counters + tile, 0)  # zero again for the next launch
 
 
-def _gate_up_item(ids, tile, w1, shared_w1, item, n_items, S, E, stride_we, stride_wn, rb, rk, H: tl.constexpr,
-                  INTER: tl.constexpr, SP: tl.constexpr, BN: tl.constexpr, SHARED: tl.constexpr, K: tl.constexpr,
-                  KP: tl.constexpr, TP: tl.constexpr, FROM_LOGITS: tl.constexpr):
+def _gate_up_item(ids, w1, shared_w1, item, n_items, S, E, stride_we, stride_wn, rb, rk, H: tl.constexpr,
+                  INTER: tl.constexpr, SP: tl.constexpr, BN: tl.constexpr, SHARED: tl.constexpr):
     """Work item `item` of `_gate_up_items_kernel`: (gate rows, up rows [BN, BK] of its slot's expert over all of K,
     slot, column block, ok = the item exists and its slot has work, is_shared). The loads are issued here and waited
-    for where the tiles are first used. The slot's expert from the routing's ids, or with FROM_LOGITS from the
-    program's routing tile (`_route_tile`)."""
+    for where the tiles are first used."""
     blocks = tl.cdiv(INTER, BN)
     slot = item // blocks
     i_n = item % blocks
-    if FROM_LOGITS:
-        expert, live = _tile_first_use(tile, slot, S, E, K, KP, TP)
-    else:
-        expert, live = _first_use(ids, slot, S, E, SP, "")
+    expert, live = _first_use(ids, slot, S, E, SP, "")
     w_base = w1 + tl.where(live, expert, 0) * stride_we
     is_shared = slot < 0  # False, as a tensor
     if SHARED:
@@ -669,9 +593,7 @@ def _gate_up_items_kernel(
     T, S, E,
     stride_ht, stride_we, stride_wn,
     H: tl.constexpr, INTER: tl.constexpr, SP: tl.constexpr, TP: tl.constexpr, BN: tl.constexpr,
-    BK: tl.constexpr, ITEMS: tl.constexpr, SHARED: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-    FROM_LOGITS: tl.constexpr, BLOCK_E: tl.constexpr, NORMALIZE: tl.constexpr, W_DTYPE: tl.constexpr,
-    PDL: tl.constexpr,
+    BK: tl.constexpr, ITEMS: tl.constexpr, SHARED: tl.constexpr, PDL: tl.constexpr,
 ):
     """The decode gate_up as a few programs that each take ITEMS work items (slot, column block of BN gate and BN
     up rows over all of K): program p takes items p, p + P, ... (P programs), loads item i + 1's weights before it
@@ -690,19 +612,14 @@ def _gate_up_items_kernel(
     t_ok = rt < T
     k_ok = rk < H
     pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
-    tile = tl.zeros([TP, KP], dtype=tl.int64)
-    if FROM_LOGITS:  # the program's routing, once for all its items
-        tile, _ = _route_tile(ids, T, E, K, KP, TP, BLOCK_E, NORMALIZE, W_DTYPE, "")
-    b_gate, b_up, slot, i_n, ok, is_shared = _gate_up_item(ids, tile, w1, shared_w1, pid, n_items, S, E, stride_we,
-                                                           stride_wn, rb, rk, H, INTER, SP, BN, SHARED, K, KP, TP,
-                                                           FROM_LOGITS)
+    b_gate, b_up, slot, i_n, ok, is_shared = _gate_up_item(ids, w1, shared_w1, pid, n_items, S, E, stride_we,
+                                                           stride_wn, rb, rk, H, INTER, SP, BN, SHARED)
     for it in range(ITEMS):
         # the next item's weights in flight while this one's are multiplied (past the program's last: all masked,
         # since P · ITEMS >= the items)
-        n_gate, n_up, n_slot, n_i_n, n_ok, n_shared = _gate_up_item(ids, tile, w1, shared_w1,
-                                                                    pid + (it + 1) * programs, n_items, S, E,
-                                                                    stride_we, stride_wn, rb, rk, H, INTER, SP, BN,
-                                                                    SHARED, K, KP, TP, FROM_LOGITS)
+        n_gate, n_up, n_slot, n_i_n, n_ok, n_shared = _gate_up_item(ids, w1, shared_w1, pid + (it + 1) * programs,
+                                                                    n_items, S, E, stride_we, stride_wn, rb, rk, H,
+                                                                    INTER, SP, BN, SHARED)
         acc_gate = _add_row_products(tl.zeros([BN, TP], dtype=tl.float32), b_gate, hidden + rk, stride_ht, k_ok,
                                      T, TP)
         acc_up = _add_row_products(tl.zeros([BN, TP], dtype=tl.float32), b_up, hidden + rk, stride_ht, k_ok, T, TP)
@@ -730,17 +647,13 @@ def _down_tile(acc, p_w, p_a, step, rk, T, INTER: tl.constexpr, TP: tl.constexpr
 
 
 def _down_decode_rows(act, ids, weights, w2, shared_w2, slot, rn, rt, t_ok, pair, rj, rk, T, S, E, stride_we,
-                      stride_wn, H: tl.constexpr, INTER: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-                      SP: tl.constexpr, TP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STEPS: tl.constexpr,
-                      EVEN_K: tl.constexpr, SHARED: tl.constexpr, FROM_LOGITS: tl.constexpr, BLOCK_E: tl.constexpr,
-                      NORMALIZE: tl.constexpr, W_DTYPE: tl.constexpr):
+                      stride_wn, H: tl.constexpr, INTER: tl.constexpr, K: tl.constexpr, SP: tl.constexpr,
+                      TP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STEPS: tl.constexpr,
+                      EVEN_K: tl.constexpr, SHARED: tl.constexpr):
     """acc [BN, TP] fp32 of program (i_n, slot), every read after the PDL wait: y = down_e act for BN output columns
-    and every token, times the token's routing weight of that expert (`_slot_coef`: loaded before the weights, so
-    that both are in flight together; the shared expert's output stays unweighted, its gate comes in the combine)."""
-    pair_ok = t_ok[:, None] & (rj[None, :] < K)
-    expert, live, coef = _slot_coef(ids, weights, slot, pair, pair_ok, T, S, E, SP, K, KP, TP, FROM_LOGITS, BLOCK_E,
-                                    NORMALIZE, W_DTYPE, "")
-    w_base = w2 + tl.where(live, expert, 0) * stride_we
+    and every token, times the token's routing weight of that expert."""
+    expert, live = _first_use(ids, slot, S, E, SP, "")
+    w_base = w2 + expert * stride_we
     is_shared = False
     if SHARED:
         is_shared = slot == S
@@ -749,6 +662,12 @@ def _down_decode_rows(act, ids, weights, w2, shared_w2, slot, rn, rt, t_ok, pair
             w_base = shared_w2  # the shared expert's down_proj [H, I]
     acc = tl.zeros([BN, TP], dtype=tl.float32)
     if live:
+        # the token's weight of this expert: Σ_j w[t, j] over the pairs (t, j) naming it (an expert listed twice
+        # counts twice); the shared expert's output stays unweighted (its gate comes in the combine). Loaded
+        # before the weights, so that both are in flight together
+        pair_ok = t_ok[:, None] & (rj[None, :] < K)
+        named = (tl.load(ids + pair, mask=pair_ok, other=-1) == expert) & pair_ok & (expert >= 0)
+        coef = tl.sum(tl.load(weights + pair, mask=named, other=0.0).to(tl.float32), axis=1)  # [TP]
         p_w = w_base + (rn % H).to(tl.int64)[:, None] * stride_wn + rk[None, :]  # [BN, BK]; rows past H: not stored
         p_a = act + (slot * TP).to(tl.int64) * INTER + rk  # [BK] of token 0
         for step in range(STEPS):
@@ -760,16 +679,12 @@ def _down_decode_rows(act, ids, weights, w2, shared_w2, slot, rn, rt, t_ok, pair
 
 
 def _down_decode_early(act, ids, weights, w2, shared_w2, slot, rn, rt, t_ok, pair, rj, rk, T, S, E, stride_we,
-                       stride_wn, H: tl.constexpr, INTER: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-                       SP: tl.constexpr, TP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STEPS: tl.constexpr,
-                       EVEN_K: tl.constexpr, SHARED: tl.constexpr, FROM_LOGITS: tl.constexpr, BLOCK_E: tl.constexpr,
-                       NORMALIZE: tl.constexpr, W_DTYPE: tl.constexpr, PDL: tl.constexpr):
-    """`_down_decode_rows` with the routing (the router's, two kernels back: its ids and weights, or its logits)
-    and the first weight tile read before the PDL wait, past L1 (pdl.py), so they stream while gate_up ends; act
-    (gate_up's) after it."""
-    pair_ok = t_ok[:, None] & (rj[None, :] < K)
-    expert, live, coef = _slot_coef(ids, weights, slot, pair, pair_ok, T, S, E, SP, K, KP, TP, FROM_LOGITS, BLOCK_E,
-                                    NORMALIZE, W_DTYPE, ".cg")
+                       stride_wn, H: tl.constexpr, INTER: tl.constexpr, K: tl.constexpr, SP: tl.constexpr,
+                       TP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STEPS: tl.constexpr,
+                       EVEN_K: tl.constexpr, SHARED: tl.constexpr, PDL: tl.constexpr):
+    """`_down_decode_rows` with the routing (the router's, two kernels back) and the first weight tile read before
+    the PDL wait, past L1 (pdl.py), so they stream while gate_up ends; act (gate_up's) after it."""
+    expert, live = _first_use(ids, slot, S, E, SP, ".cg")
     w_base = w2 + tl.where(live, expert, 0) * stride_we  # an expert without work reads nothing (masked below)
     is_shared = False
     if SHARED:
@@ -777,6 +692,9 @@ def _down_decode_early(act, ids, weights, w2, shared_w2, slot, rn, rt, t_ok, pai
         live = live | is_shared
         if is_shared:
             w_base = shared_w2
+    pair_ok = t_ok[:, None] & (rj[None, :] < K) & live
+    named = (tl.load(ids + pair, mask=pair_ok, other=-1, cache_modifier=".cg") == expert) & pair_ok & (expert >= 0)
+    coef = tl.sum(tl.load(weights + pair, mask=named, other=0.0, cache_modifier=".cg").to(tl.float32), axis=1)
     p_w = w_base + (rn % H).to(tl.int64)[:, None] * stride_wn + rk[None, :]
     k_ok = rk < INTER
     b_w = tl.load(p_w, mask=live & k_ok[None, :], other=0.0)  # the first tile (live: the slot has work)
@@ -799,8 +717,8 @@ def _down_decode_kernel(
     stride_we, stride_wn, stride_ot, stride_rt,
     H: tl.constexpr, INTER: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, TP: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, STEPS: tl.constexpr, EVEN_K: tl.constexpr, SHARED: tl.constexpr,
-    RESIDUAL: tl.constexpr, EARLY: tl.constexpr, FROM_LOGITS: tl.constexpr, BLOCK_E: tl.constexpr,
-    NORMALIZE: tl.constexpr, W_DTYPE: tl.constexpr, PDL: tl.constexpr,
+    RESIDUAL: tl.constexpr, EARLY: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (i_n, slot): BN output columns of the slot's expert, y = down_e act for every token, times the
     token's routing weight of that expert (0 if it did not choose it), to partials [H / BN, slots, TP, BN]; the last
@@ -819,13 +737,11 @@ def _down_decode_kernel(
     rk = tl.arange(0, BK)
     if EARLY:
         acc = _down_decode_early(act, ids, weights, w2, shared_w2, slot, rn, rt, t_ok, pair, rj, rk, T, S,
-                                 E, stride_we, stride_wn, H, INTER, K, KP, SP, TP, BN, BK, STEPS, EVEN_K, SHARED,
-                                 FROM_LOGITS, BLOCK_E, NORMALIZE, W_DTYPE, PDL)
+                                 E, stride_we, stride_wn, H, INTER, K, SP, TP, BN, BK, STEPS, EVEN_K, SHARED, PDL)
     else:
         pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
         acc = _down_decode_rows(act, ids, weights, w2, shared_w2, slot, rn, rt, t_ok, pair, rj, rk, T, S,
-                                E, stride_we, stride_wn, H, INTER, K, KP, SP, TP, BN, BK, STEPS, EVEN_K, SHARED,
-                                FROM_LOGITS, BLOCK_E, NORMALIZE, W_DTYPE)
+                                E, stride_we, stride_wn, H, INTER, K, SP, TP, BN, BK, STEPS, EVEN_K, SHARED)
     offsets = rt[None, :] * BN + rb[:, None]
     p_part = partials + (i_n * num_slots).to(tl.int64) * (TP * BN) + offsets
     tl.store(p_part + slot * (TP * BN), acc)  # also the zeros of a slot without work: the sum reads every slot
@@ -851,10 +767,6 @@ def _down_decode_kernel(
 
 if HAS_TRITON:
     _first_use = triton.jit(_first_use)
-    _route_tile = triton.jit(_route_tile)
-    _tile_first_use = triton.jit(_tile_first_use)
-    _slot_expert = triton.jit(_slot_expert)
-    _slot_coef = triton.jit(_slot_coef)
     _program_rows = triton.jit(_program_rows)
     _shared_slot = triton.jit(_shared_slot)
     _add_gated_shared = triton.jit(_add_gated_shared)
@@ -1001,45 +913,6 @@ def fused_experts_triton(
         raise ValueError(f'mode="direct" takes at most {DIRECT_MAX_TOKENS} tokens, got T={num_tokens}; use "sorted"')
     return _launch(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, mode, block_m, gate_up_tiles,
                    down_tiles)
-
-
-def moe_block_from_logits(
-    hidden: torch.Tensor,
-    logits: torch.Tensor,
-    top_k: int,
-    normalize: bool,
-    gate_up_proj: torch.Tensor,
-    down_proj: torch.Tensor,
-    shared_gate_up: torch.Tensor,
-    shared_down: torch.Tensor,
-    residual: torch.Tensor | None = None,
-    *,
-    gate_up_tiles: Tiles | None = None,
-    down_tiles: Tiles | None = None,
-) -> torch.Tensor:
-    """`moe_block_triton`'s decode kernels (T <= DECODE_KERNEL_MAX_TOKENS) with the routing taken inside them from
-    the router's logits [T, E] (router_triton.route_topk_reference's top-k: softmax, the k largest, lowest id among
-    equal logits, normalized when `normalize`, weights rounded to the logits' dtype): each gate_up program (once,
-    after its PDL wait) and each down program (before its wait: the logits are two kernels back) ranks them itself,
-    so the router's launch needs no last program to route (router_triton.add_norm_route(route=False))."""
-    num_tokens, num_experts = hidden.shape[0], down_proj.shape[0]
-    if (hidden.dim() != 2 or logits.dim() != 2 or logits.shape != (num_tokens, num_experts)
-            or not 0 < top_k <= num_experts or num_experts > 4096
-            or not decode_fits(num_tokens, gate_up_proj, down_proj)):
-        raise ValueError(f"moe_block_from_logits takes hidden [T, H] and logits [T, E] (E = {num_experts} experts, at "
-                         f"most 4096) for T <= {DECODE_KERNEL_MAX_TOKENS} tokens of the decode kernels and "
-                         f"0 < top_k <= E; got hidden {tuple(hidden.shape)}, logits {tuple(logits.shape)}, "
-                         f"top_k={top_k}")
-    if not shared_slot_fits(gate_up_proj, down_proj, shared_gate_up, shared_down):
-        raise ValueError("moe_block_from_logits needs a shared expert of the routed experts' layout (moe_block_triton)")
-    if residual is not None and (residual.shape != hidden.shape or residual.dtype != hidden.dtype):
-        raise ValueError(f"residual must be [T, H] {hidden.dtype} like hidden; got {tuple(residual.shape)} "
-                         f"{residual.dtype}")
-    # shapes only, never read: empty (a zeros fill would be one more kernel per MoE layer in a captured step)
-    shape_ids = torch.empty(num_tokens, top_k, dtype=torch.long, device=hidden.device)
-    out = torch.empty_like(hidden)
-    return _launch_decode(hidden, shape_ids, shape_ids, gate_up_proj, down_proj, out, gate_up_tiles, down_tiles,
-                          (shared_gate_up, shared_down), residual, route=(logits, normalize))
 
 
 def moe_block_triton(
@@ -1196,21 +1069,16 @@ class Launch:
 
 
 def decode_launches(num_tokens: int, hidden_size: int, inter: int, top_k: int, *, shared: bool, residual: bool,
-                    gate_up_tiles: Tiles | None = None, down_tiles: Tiles | None = None,
-                    route: tuple[int, bool, torch.dtype] | None = None) -> tuple[Launch, Launch]:
+                    gate_up_tiles: Tiles | None = None, down_tiles: Tiles | None = None) -> tuple[Launch, Launch]:
     """The decode kernels' gate_up and down launches for a call of this shape (`default_tiles` unless given), fitted
     to it: blocks no larger than the problem, no K slice without columns, column blocks within the split-K
-    counters. route (experts E, normalize, logits dtype): the kernels take the top-k from the router's logits
-    (`moe_block_from_logits`). benchmarks/moe_block.py --compile-check compiles exactly these for sm_90."""
+    counters. benchmarks/moe_block.py --compile-check compiles exactly these for sm_90."""
     if down_tiles is not None and down_tiles.split_k != 1:
         raise ValueError(f"the decode down kernel does not split its reduction; got {down_tiles}")
     block_t, default_gate_up, default_down = default_tiles(num_tokens, "decode")
     pairs = num_tokens * top_k
     slots = pairs + (1 if shared else 0)
-    experts, normalize, dtype = route if route is not None else (1, False, torch.float32)
-    common = dict(H=hidden_size, INTER=inter, SP=triton.next_power_of_2(pairs), TP=block_t, SHARED=shared, K=top_k,
-                  KP=triton.next_power_of_2(top_k), FROM_LOGITS=route is not None,
-                  BLOCK_E=triton.next_power_of_2(experts), NORMALIZE=normalize, W_DTYPE=tl_dtype(dtype))
+    common = dict(H=hidden_size, INTER=inter, SP=triton.next_power_of_2(pairs), TP=block_t, SHARED=shared)
     tiles = gate_up_tiles or default_gate_up
     if tiles.items > 0:  # whole-K rows, `items` work items a program
         block_n = min(tiles.block_n, triton.next_power_of_2(inter))
@@ -1225,27 +1093,22 @@ def decode_launches(num_tokens: int, hidden_size: int, inter: int, top_k: int, *
                          tiles.num_warps, tiles.num_stages, "gate_up")
     tiles, steps, _ = _fit_decode(down_tiles or default_down, hidden_size, inter, 1)
     down = Launch((triton.cdiv(hidden_size, tiles.block_n), slots),
-                  dict(common, BN=tiles.block_n, BK=tiles.block_k, STEPS=steps, EVEN_K=inter % tiles.block_k == 0,
-                       RESIDUAL=residual, EARLY=pdl.EARLY_READS),
+                  dict(common, K=top_k, KP=triton.next_power_of_2(top_k), BN=tiles.block_n, BK=tiles.block_k,
+                       STEPS=steps, EVEN_K=inter % tiles.block_k == 0, RESIDUAL=residual, EARLY=pdl.EARLY_READS),
                   tiles.num_warps, tiles.num_stages, "down")
     return gate_up, down
 
 
 def _launch_decode(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, out, gate_up_tiles, down_tiles,
-                   shared, residual, route=None) -> torch.Tensor:
-    """The decode kernels' two launches into out [T, H] (module docstring). route (logits [T, E], normalize): the
-    kernels take the routing from the router's logits (top_k_index and top_k_weights then only give the shapes)."""
+                   shared, residual) -> torch.Tensor:
+    """The decode kernels' two launches into out [T, H] (module docstring)."""
     num_tokens, hidden_size, num_experts, inter, top_k = _check_shapes(
         hidden, top_k_index, top_k_weights, gate_up_proj, down_proj)
-    from_logits = None if route is None else (num_experts, route[1], route[0].dtype)
     gate_up, down = decode_launches(num_tokens, hidden_size, inter, top_k, shared=shared is not None,
-                                    residual=residual is not None, gate_up_tiles=gate_up_tiles, down_tiles=down_tiles,
-                                    route=from_logits)
+                                    residual=residual is not None, gate_up_tiles=gate_up_tiles, down_tiles=down_tiles)
     pairs = num_tokens * top_k
     ids = top_k_index.reshape(-1).contiguous()  # [S], pair t·k + j
     weights = top_k_weights.reshape(-1).contiguous()  # [S]
-    if route is not None:  # the logits [T, E] in the routing's place (`_route_tile`)
-        ids = weights = route[0].contiguous()
     hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
     shared_gate_up, shared_down = shared if shared is not None else (gate_up_proj, down_proj)  # unused without
     if residual is not None:

@@ -114,7 +114,7 @@ def _add_norm_route_kernel(x, r, norm_w, router_w, h, y, logits, scores, ids, co
                            stride_x, stride_r, stride_h, stride_y, stride_wr, stride_l, stride_s, stride_i,
                            n, E, eps, OFFSET: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_E: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, NORMALIZE: tl.constexpr,
-                           ROUTE: tl.constexpr, OUT_DTYPE: tl.constexpr, PACKED: tl.constexpr, PDL: tl.constexpr):
+                           OUT_DTYPE: tl.constexpr, PACKED: tl.constexpr, PDL: tl.constexpr):
     i_n = tl.program_id(0)  # BLOCK_N router rows
     row = tl.program_id(1).to(tl.int64)  # a token
     cols = tl.arange(0, BLOCK_H)
@@ -140,18 +140,17 @@ def _add_norm_route_kernel(x, r, norm_w, router_w, h, y, logits, scores, ids, co
     # the router GEMM's rows (fp32 products and sum, rounded to the model dtype as F.linear's output)
     dots = tl.sum(b_w.to(tl.float32) * normed.to(tl.float32)[None, :], axis=1)
     tl.store(logits + row * stride_l + rn, dots.to(OUT_DTYPE), mask=mn)
-    if ROUTE:  # the last program of the token to arrive routes it (a barrier, then an acq_rel atomic: gemv_triton's
-        # split-K); else the logits are all (the experts' kernels take their top-k: moe_triton.moe_block_from_logits)
-        tl.debug_barrier()
-        p_count = counters + row
-        arrived = tl.atomic_add(p_count, 1, sem="acq_rel")
-        if arrived == tl.num_programs(0) - 1:
-            e = tl.arange(0, BLOCK_E)
-            valid = e < E
-            lg = tl.load(logits + row * stride_l + e, mask=valid, other=float("-inf"), cache_modifier=".cg")
-            _topk_row(lg.to(tl.float32), e, valid, scores + row * stride_s, ids + row * stride_i, K, KP, BLOCK_E,
-                      NORMALIZE, OUT_DTYPE, PACKED)
-            tl.store(p_count, 0)  # zero again for the next launch
+    # the last program of the token to arrive routes it (a barrier, then an acq_rel atomic: gemv_triton's split-K)
+    tl.debug_barrier()
+    p_count = counters + row
+    arrived = tl.atomic_add(p_count, 1, sem="acq_rel")
+    if arrived == tl.num_programs(0) - 1:
+        e = tl.arange(0, BLOCK_E)
+        valid = e < E
+        lg = tl.load(logits + row * stride_l + e, mask=valid, other=float("-inf"), cache_modifier=".cg")
+        _topk_row(lg.to(tl.float32), e, valid, scores + row * stride_s, ids + row * stride_i, K, KP, BLOCK_E,
+                  NORMALIZE, OUT_DTYPE, PACKED)
+        tl.store(p_count, 0)  # zero again for the next launch
 
 
 def add_norm_route_reference(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
@@ -235,7 +234,7 @@ def route_topk(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch
 
 
 def add_norm_route(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                   router_weight: torch.Tensor, top_k: int, normalize: bool, offset: bool = True, route: bool = True):
+                   router_weight: torch.Tensor, top_k: int, normalize: bool, offset: bool = True):
     """Triton `add_norm_route_reference` in one launch, where transformers runs the residual add, the RMSNorm, the
     router GEMM, softmax and top-k (our unfused route: add_rms_norm, the GEMM, route_topk). Grid (E / 2 or E / 4
     (`ROUTE_ONE_WARP`), T): each program loads its router rows before the PDL wait, then computes the add and the
@@ -243,8 +242,7 @@ def add_norm_route(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.T
     to the model dtype as F.linear's output), and the token's last program to arrive (a counter of gemv_triton's
     split-K kind) routes it from the stored logits as `route_topk`. x, residual [..., H] of one dtype; norm_weight
     [H]; router_weight [E, H] (last dim contiguous); returns (h, normed) shaped as x, logits [T, E], scores [T, k],
-    ids [T, k] long. route False: no top-k (no counter, no last program): scores and ids are None, the logits are
-    for the experts' kernels to route from (`moe_triton.moe_block_from_logits`)."""
+    ids [T, k] long."""
     hidden = x.shape[-1]
     num_experts = router_weight.shape[0]
     if (residual.shape != x.shape or residual.dtype != x.dtype or norm_weight.shape != (hidden,)
@@ -273,7 +271,5 @@ def add_norm_route(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.T
             router_weight.stride(0), logits.stride(0), scores.stride(0), ids.stride(0), hidden, num_experts, eps,
             OFFSET=offset, BLOCK_H=triton.next_power_of_2(hidden), BLOCK_N=block_n,
             BLOCK_E=triton.next_power_of_2(num_experts), K=top_k, KP=triton.next_power_of_2(top_k),
-            NORMALIZE=normalize, ROUTE=route, OUT_DTYPE=tl_dtype(x.dtype), PACKED=PACKED_TOPK, num_warps=warps)
-    if not route:
-        return h.view(x.shape), normed.view(x.shape), logits, None, None
+            NORMALIZE=normalize, OUT_DTYPE=tl_dtype(x.dtype), PACKED=PACKED_TOPK, num_warps=warps)
     return h.view(x.shape), normed.view(x.shape), logits, scores, ids
