@@ -54,8 +54,6 @@ SWITCHES = {
                       "the decoder's input RMSNorm in the prologue of the GDN / q|k|v projection GEMM"),
     "gdn-norm-fold": ("hybridspec_hf.kernels.gdn_step_triton", "FOLD_NORM",
                       "the GDN step's gated RMSNorm by the head's last program, no launch of its own"),
-    "gdn-norm-out-proj": ("hybridspec_hf.patches._gdn", "NORM_IN_OUT_PROJ",
-                          "the GDN step's gated RMSNorm in out_proj's GEMM prologue (the step stores o only)"),
     "rope-table": ("hybridspec_hf.patches._rope", "TABLE",
                    "cos/sin gathered from the static target's RoPE table (one launch instead of ≈ 14)"),
     "mask-on-demand": ("hybridspec_hf.graphs.static_target", "MASK_ON_DEMAND",

@@ -12,8 +12,7 @@ of ~11 small kernels, and the Qwen3.5 layout's four input projections one GEMM o
 table names the shape). A plain decoding step (`VerifySession.decode_step`, one token) takes ONE launch between the
 projections and out_proj (`gdn_step_triton.gdn_step`: conv + window roll, gates, recurrence in place, gated norm)
 while `gdn_step_triton.FUSED_STEP` is on and the norm module has nothing else to run; otherwise four (conv, gates,
-`gdn_decode_step`, the norm). With `NORM_IN_OUT_PROJ` the step stores o only and the gated norm runs in out_proj's
-GEMM prologue (`gemv_triton.GatedNorm`). Elsewhere the torch code runs unchanged.
+`gdn_decode_step`, the norm). Elsewhere the torch code runs unchanged.
 """
 from __future__ import annotations
 
@@ -44,9 +43,8 @@ from hybridspec_hf.kernels import (
 )
 from hybridspec_hf.kernels import gdn_step_triton
 from hybridspec_hf.kernels.gdn_step_triton import gdn_step
-from hybridspec_hf.kernels.gemv_triton import GatedNorm, linear
+from hybridspec_hf.kernels.gemv_triton import linear
 
-from ._linear import is_routed
 from ._norms import normed, take_input_norm
 from ._weight_copies import (
     WeightCopy,
@@ -62,13 +60,6 @@ from ._weight_copies import (
 # z [B, T, HV, dv], b [B, T, HV], a [B, T, HV]
 ProjectFn = Callable[[torch.nn.Module, torch.Tensor, torch.nn.Module | None],
                      tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
-
-# The plain decoding step's gated RMSNorm in the prologue of out_proj's GEMM (each program norms the value heads of
-# its own K tiles, gemv_triton.GatedNorm) instead of by the last of a head's step programs (a second counter, a
-# reload of the head's o): one acq_rel round trip and one L2 read fewer on the step's critical path, for z's loads
-# and the per-head sums in every out_proj program. Only for a plain routed out_proj (patches/_linear.py) with nothing
-# else to run. Off until measured on the H200 (A/B `ar+gdn-norm-out-proj`, benchmarks/kernel_costs.py).
-NORM_IN_OUT_PROJ = False
 
 
 @dataclass
@@ -214,13 +205,6 @@ def _one_launch_step(layer: torch.nn.Module, mixed_qkv: torch.Tensor, state: tor
             and weight.dtype == mixed_qkv.dtype and not hooked([norm]))
 
 
-def _norm_in_out_proj(layer: torch.nn.Module) -> bool:
-    """Whether the one-launch step leaves its gated norm to out_proj's GEMM: the switch is on and out_proj is a plain
-    nn.Linear on our routed forward (patches/_linear.py: what its forward computes is `linear`) without hooks."""
-    out_proj = layer.out_proj
-    return NORM_IN_OUT_PROJ and is_routed(out_proj) and not hooked([out_proj])
-
-
 def verify_forward(layer: torch.nn.Module, session: VerifySession, hidden_states: torch.Tensor, project: ProjectFn,
                    input_norm: torch.nn.Module | None = None):
     """The GDN layer's output for w tokens from the committed state, without writing the cache (a decoding step
@@ -241,13 +225,8 @@ def verify_forward(layer: torch.nn.Module, session: VerifySession, hidden_states
     step = fused and session.decode_step and seq_len == 1  # commit in place, as the layer goes
     if step and _one_launch_step(layer, mixed_qkv, state):  # conv, gates, recurrence and norm: one kernel
         session.stepped += 1
-        in_out_proj = _norm_in_out_proj(layer)
         core = gdn_step(mixed_qkv, conv_state, weight, layer.conv1d.bias, a, b, layer.A_log, layer.dt_bias, state,
-                        z, layer.norm.weight, layer.norm.variance_epsilon, layer.num_k_heads,
-                        apply_norm=not in_out_proj)
-        if in_out_proj:  # o only: out_proj's GEMM applies the gated norm to its K tiles
-            gated = GatedNorm(z, layer.norm.weight, layer.norm.variance_epsilon)
-            return linear(core.reshape(batch, seq_len, -1), layer.out_proj.weight, layer.out_proj.bias, gated=gated)
+                        z, layer.norm.weight, layer.norm.variance_epsilon, layer.num_k_heads)
         return layer.out_proj(core.reshape(batch, seq_len, -1))
     if fused:
         mixed = conv_silu(conv_state, mixed_qkv, weight, layer.conv1d.bias, roll_state=step)  # [B, T, C] contiguous

@@ -141,9 +141,9 @@ def test_fused_projections_take_the_skinny_gemm(fused_calls, monkeypatch):
     eager = _eager_rounds(drafter, steps, 1)
     seen, launch = set(), gemv_triton.gemv
 
-    def counted(x, weight, bias, config, norm=None, gated=None):
+    def counted(x, weight, bias, config, norm=None):
         seen.add(weight.data_ptr())
-        return launch(x, weight, bias, config, norm, gated)
+        return launch(x, weight, bias, config, norm)
 
     monkeypatch.setattr(gemv_triton, "gemv", counted)
     monkeypatch.setattr(gemv_triton, "_FORCE", GemvConfig(16, 16, 2))

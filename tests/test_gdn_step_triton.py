@@ -195,20 +195,3 @@ def test_the_early_state_read_changes_no_bit(monkeypatch):
     for a, b in zip(runs[0][0], runs[1][0]):
         assert torch.equal(a, b)
     assert torch.equal(runs[0][1], runs[1][1]) and torch.equal(runs[0][2], runs[1][2])
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("block_v", [None, 8])
-def test_step_without_its_norm_returns_o_for_out_projs_prologue(block_v, dtype):
-    """apply_norm=False (the norm left to out_proj's GEMM, patches/_gdn.NORM_IN_OUT_PROJ): the same state and conv
-    window, and an output whose gated norm is the step's own output (one program a head, or narrow tiles)."""
-    dims = SHAPES["pow2"]
-    params = layer_params(3, *dims[1:], dtype, True)
-    conv_state, state = caches(4, *dims, dtype)
-    tokens = [token_inputs(20 + i, *dims, dtype) for i in range(STEPS)]
-    normed = run_steps(gdn_step, params, conv_state, state, tokens, block_v=block_v)
-    raw = run_steps(gdn_step, params, conv_state, state, tokens, block_v=block_v, apply_norm=False)
-    assert torch.equal(raw[1], normed[1]) and torch.equal(raw[2], normed[2])
-    for o, y, t in zip(raw[0], normed[0], tokens):
-        assert o.shape == y.shape and not torch.equal(o, y)
-        assert_close_to_scale(gated_rms_norm(o, t["z"], params["norm_weight"], params["norm_eps"]), y, 1e-6)

@@ -153,74 +153,6 @@ def test_norm_prologue_is_the_gemm_of_the_normed_rows(rows, dtype, monkeypatch):
                 assert bool((excess <= 0).all()), f"k {k} whole {whole} {config}: max excess {excess.max()}"
 
 
-def gated_inputs(rows: int, k: int, group: int, dtype: torch.dtype, seed: int):
-    """x [rows, k], a gate z of x's shape sliced from a wider row (strided rows, as the GDN projection's), a norm
-    weight [group] and the weight of a GEMM [40, k]."""
-    gen = torch.Generator().manual_seed(seed)
-    x = (torch.randn(rows, k, generator=gen) * 3).to(dtype)
-    z = (torch.randn(rows, 2 * k + 3, generator=gen) * 2).to(dtype)[:, k : 2 * k]
-    norm = gemv_triton.GatedNorm(z, (1.0 + 0.3 * torch.randn(group, generator=gen)).to(dtype), 1e-6)
-    return x, (torch.randn(40, k, generator=gen) * k**-0.5).to(dtype), norm
-
-
-def gated_reference_rows(x: torch.Tensor, gated: gemv_triton.GatedNorm) -> torch.Tensor:
-    from hybridspec_hf.kernels.norm_triton import gated_rms_norm_reference
-
-    group = gated.weight.numel()
-    heads = x.reshape(*x.shape[:-1], -1, group)
-    return gated_rms_norm_reference(heads, gated.z.reshape(heads.shape), gated.weight, gated.eps).reshape(x.shape)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3])
-def test_gated_prologue_is_the_gemm_of_the_gated_norms_rows(rows, dtype, monkeypatch):
-    """`gemv(..., gated=GatedNorm)` (the GDN layer's gated RMSNorm in out_proj's prologue) against our GEMM of the
-    rows transformers' RMSNormGated returns (torch, per group of 32 columns): the same rounded inputs but where the
-    fp32 sum of squares in another order moves a rounding (a ulp of the model dtype on one input: ULP · the products'
-    magnitude; fp32 2^-20), plus the bound of the module docstring. Tiles of one group, of two groups, narrower than
-    a group (widened to one), a whole slice per program; the gate's rows strided; FMAs and dots."""
-    k, group = 256, 32
-    x, weight, gated = gated_inputs(rows, k, group, dtype, seed=rows)
-    normed = gated_reference_rows(x, gated)
-    exact = normed.double() @ weight.double().T
-    magnitude = normed.double().abs() @ weight.double().abs().T
-    limit = 2 * (ULP[dtype] or 2.0**-20) * magnitude + 2 * (k + 1) * 2.0**-24 * magnitude
-    for whole in (True, False):
-        monkeypatch.setattr(gemv_triton, "WHOLE_SLICE", whole)
-        for config in (GemvConfig(16, 32, 2), GemvConfig(16, 64, 1), GemvConfig(32, 16, 2, dot=False)):
-            y = gemv(x, weight, None, config, gated=gated)
-            assert y.dtype == dtype and y.shape == (rows, 40)
-            excess = (y.double() - exact).abs() - limit
-            assert bool((excess <= 0).all()), f"whole {whole} {config}: max excess {excess.max()}"
-            assert not torch.allclose(y, gemv(x, weight, None, config))  # the norm did apply
-
-
-@torch.no_grad()  # the kernel runs without grad
-def test_linear_with_a_gated_norm_takes_the_prologue_or_norms_first(monkeypatch):
-    """`linear(..., gated=)`: in the prologue where the table (here _FORCE) names the shape and the gate fits; else
-    the norm's own launch (or the reference off the Triton backend) and F.linear: the same rows either way. A group
-    that is not a power of two, or a gate whose rows do not view as [M, K], does not fit."""
-    x, weight, gated = gated_inputs(2, 96, 32, torch.float32, seed=5)
-    expected = F.linear(gated_reference_rows(x, gated), weight)
-    launched = []
-    launch = gemv_triton.gemv
-    monkeypatch.setattr(gemv_triton, "gemv", lambda *args, **kw: launched.append(kw.get("gated", args[5] if len(
-        args) > 5 else None)) or launch(*args, **kw))
-    monkeypatch.setattr(gemv_triton, "_FORCE", GemvConfig(16, 32, 2))
-    torch.testing.assert_close(linear(x, weight, gated=gated), expected, rtol=1e-5, atol=1e-5)
-    assert launched == [gated]
-    odd = gemv_triton.GatedNorm(gated.z, gated.weight[:24], gated.eps)
-    assert not gemv_triton.gated_fits(x, odd)
-    torch.testing.assert_close(linear(x, weight, gated=odd), F.linear(gated_reference_rows(x, odd), weight),
-                               rtol=1e-5, atol=1e-5)
-    transposed = gemv_triton.GatedNorm(torch.randn(96, 2).T, gated.weight, gated.eps)  # rows of stride 1
-    assert not gemv_triton.gated_fits(x, transposed)
-    assert launched == [gated, None]  # the odd group: normed first, then our GEMM without a prologue
-    monkeypatch.setattr(gemv_triton, "_FORCE", None)  # no config: F.linear after the norm
-    torch.testing.assert_close(linear(x, weight, gated=gated), expected, rtol=1e-5, atol=1e-5)
-    assert len(launched) == 2
-
-
 @torch.no_grad()  # the kernel runs without grad
 def test_linear_with_a_norm_takes_the_prologue_or_calls_the_module(monkeypatch):
     """`linear(x, W, norm=module)`: the prologue where the kernel takes the call (same output as the module's norm
@@ -345,11 +277,11 @@ def test_resident_generate_with_the_kernel_on_every_projection_equals_ar(name, m
     seen, normed = set(), set()  # weights the kernel read, by address; those it read with the norm prologue
     launch = gemv_triton.gemv
 
-    def counted(x, weight, bias, config, norm=None, gated=None):
+    def counted(x, weight, bias, config, norm=None):
         seen.add(weight.data_ptr())
         if norm is not None:
             normed.add(weight.data_ptr())
-        return launch(x, weight, bias, config, norm, gated)
+        return launch(x, weight, bias, config, norm)
 
     monkeypatch.setattr(gemv_triton, "gemv", counted)
     monkeypatch.setattr(gemv_triton, "_FORCE", GemvConfig(16, 16, 2))  # every shape, K in two slices
@@ -369,37 +301,6 @@ def test_resident_generate_with_the_kernel_on_every_projection_equals_ar(name, m
     assert normed == copies and bool(copies) == (name == "qwen3_5_moe")
     hybridspec_hf.release_graphs(target)
     assert not any(_linear.is_routed(m) for m in patches.decoder_linears(target))
-
-
-@pytest.mark.parametrize("name", ["qwen3_5_moe", "qwen3_next"])
-def test_resident_ar_with_the_gdn_norm_in_out_projs_prologue_equals_ar(name, monkeypatch):
-    """patches/_gdn.NORM_IN_OUT_PROJ (A/B switch, off by default): every GDN layer's plain decoding step leaves its
-    gated norm to out_proj's GEMM prologue (the step stores o only), and our resident AR still gives generate()'s
-    tokens."""
-    from test_exactness import run
-
-    from hybridspec_hf.patches import _gdn
-
-    target = make_target(name, seed=9, dtype=torch.float32)
-    prompt = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(9))
-    with torch.no_grad():
-        ar = target.generate(prompt, do_sample=False, max_new_tokens=6)
-    drafter = make_drafter(target, 4, ar, error_rate=0.3).to(torch.float32)
-    gated = set()  # the weights read with the gated prologue
-    launch = gemv_triton.gemv
-
-    def counted(x, weight, bias, config, norm=None, gated_norm=None):
-        if gated_norm is not None:
-            gated.add(weight.data_ptr())
-        return launch(x, weight, bias, config, norm, gated_norm)
-
-    monkeypatch.setattr(gemv_triton, "gemv", counted)
-    monkeypatch.setattr(gemv_triton, "_FORCE", GemvConfig(16, 16, 2))  # every shape, K in two slices
-    monkeypatch.setattr(_gdn, "NORM_IN_OUT_PROJ", True)
-    out = run(target, prompt, drafter, "ar", 6, hybridspec_config=hybridspec_hf.HybridSpecConfig(cuda_graphs="on"))
-    assert torch.equal(out, ar)
-    assert gated == {layer.out_proj.weight.data_ptr() for layer in patches.gdn_layers(target)}
-    hybridspec_hf.release_graphs(target)
 
 
 def projection_weights(model) -> set[int]:

@@ -85,21 +85,18 @@ def test_resident_calls_with_pdl_equal_those_without(strategy, rows, pdl_switch)
 
 
 @pytest.mark.parametrize("rows", [1, 3])
-@pytest.mark.parametrize("switch", ["early_reads", "fold_norm", "loads_first", "norm_in_out_proj"])
+@pytest.mark.parametrize("switch", ["early_reads", "fold_norm", "loads_first"])
 def test_early_reads_and_the_folded_norm_keep_the_tokens(switch, rows, monkeypatch):
     """Reads before the PDL wait (pdl.EARLY_READS: the MoE decode down kernel's routing and first weight tile, the
-    GDN step's state), the GDN step's norm by the head's last program (gdn_step_triton.FOLD_NORM) or left to
-    out_proj (patches/_gdn.NORM_IN_OUT_PROJ: at these shapes the table names no config, so the norm's own launch,
-    the same function as the fold) give the same tokens as without, in whole bf16 resident calls with PDL on: AR at
-    batch 1 (the GDN step, T = 1 decode MoE) and HybridSpec in a bucket of 4."""
+    GDN step's state) and the GDN step's norm by the head's last program (gdn_step_triton.FOLD_NORM) give the same
+    tokens as without, in whole bf16 resident calls with PDL on: AR at batch 1 (the GDN step, T = 1 decode MoE) and
+    HybridSpec in a bucket of 4."""
     from _tiny import make_drafter, make_target
 
     from hybridspec_hf.kernels import gdn_step_triton
-    from hybridspec_hf.patches import _gdn
 
     owner, attribute = {"early_reads": (pdl, "EARLY_READS"), "fold_norm": (gdn_step_triton, "FOLD_NORM"),
-                        "loads_first": (gdn_step_triton, "LOADS_FIRST"),
-                        "norm_in_out_proj": (_gdn, "NORM_IN_OUT_PROJ")}[switch]
+                        "loads_first": (gdn_step_triton, "LOADS_FIRST")}[switch]
     assert pdl.active(False)
     target = make_target("qwen3_5_moe", dtype=torch.bfloat16)
     if hasattr(target, "set_experts_implementation"):
@@ -181,23 +178,3 @@ def test_the_gdn_step_reads_early_and_folds_its_norm_without_changing_bits(monke
     assert runs[True, False, True][0].abs().sum() > 0
     torch.testing.assert_close(folded, separate, rtol=2 ** -7, atol=2 ** -7 * separate.abs().max().item())
 
-
-def test_the_gated_prologue_at_the_out_proj_shape_is_the_gemm_of_the_normed_rows():
-    """gemv_triton.GatedNorm at the 35B-A3B GDN out_proj (2048 x 4096 in bf16, TABLE's config at M = 1, PDL on, the
-    gate strided as the input projection's slice): within two bf16 ulps of the products' magnitude of our GEMM of
-    `gated_rms_norm`'s rows (the same roundings; the fp32 sum of squares in another order may move one), and the
-    same bits over repeated calls."""
-    gen = torch.Generator().manual_seed(3)
-    x = (torch.randn(1, 4096, generator=gen) * 2).to(torch.bfloat16).cuda()
-    z = (torch.randn(1, 12352, generator=gen) * 2).to(torch.bfloat16).cuda()[:, 8192:12288]
-    weight = (torch.randn(2048, 4096, generator=gen) / 64).to(torch.bfloat16).cuda()
-    gated = gemv_triton.GatedNorm(z, (1 + 0.3 * torch.randn(128, generator=gen)).to(torch.bfloat16).cuda(), 1e-6)
-    config = gemv_triton.TABLE[(2048, 4096, 1)]
-    y = gemv_triton.gemv(x, weight, None, config, gated=gated)
-    normed = norm_triton.gated_rms_norm(x.view(1, 32, 128), z.view(1, 32, 128), gated.weight, gated.eps)
-    two = gemv_triton.gemv(normed.view(1, 4096), weight, None, config)
-    magnitude = normed.double().abs() @ weight.double().abs().T
-    assert bool(((y.double() - two.double()).abs() <= 2 * 2.0**-7 * magnitude + 1e-3).all())
-    assert not torch.allclose(y, gemv_triton.gemv(x, weight, None, config))
-    for _ in range(10):
-        assert torch.equal(gemv_triton.gemv(x, weight, None, config, gated=gated), y)

@@ -141,18 +141,6 @@ PDL_TABLE: dict[tuple[int, int, int], GemvConfig] = {
 }
 
 @dataclass(frozen=True)
-class GatedNorm:
-    """transformers' RMSNormGated applied to x's rows in the GEMM's prologue, per group of `weight.numel()` columns
-    (a GDN layer's value heads, before its out_proj): y = (w · (x · rsqrt(mean(x²) + eps))) · silu(z), with
-    `norm_triton.gated_norm_row`'s roundings. z [..., K] as x's rows (rows may be strided, the last dim contiguous;
-    e.g. the gate sliced from the GDN input projection), weight [G] in x's dtype, G a power of two dividing K."""
-
-    z: torch.Tensor
-    weight: torch.Tensor
-    eps: float
-
-
-@dataclass(frozen=True)
 class RowNorm:
     """An RMSNorm of the (1 + w) convention applied to x's rows in the GEMM's prologue: weight [K], eps."""
 
@@ -204,31 +192,13 @@ def _normed_tile(b_x, rstd, norm_w, cols, k_ok, NORM: tl.constexpr):
     return b_x
 
 
-def _gated_tile(b_x, z, gate_w, eps, rm, cols, row_ok, k_ok, stride_zm, BLOCK_M: tl.constexpr,
-                BLOCK_K: tl.constexpr, GROUP: tl.constexpr, GATED: tl.constexpr):
-    """x tile [BLOCK_M, BLOCK_K] (columns `cols`, whole groups of GROUP) as transformers' RMSNormGated returns it
-    (`norm_triton.gated_norm_row`'s products and roundings, per group); b_x itself without GATED."""
-    if GATED:
-        v = b_x.to(tl.float32)
-        squares = tl.sum(tl.reshape(v * v, [BLOCK_M, BLOCK_K // GROUP, GROUP]), axis=2)  # [BLOCK_M, groups]
-        rstd = tl.rsqrt(squares / GROUP + eps)
-        rstd = tl.reshape(tl.broadcast_to(rstd[:, :, None], [BLOCK_M, BLOCK_K // GROUP, GROUP]), [BLOCK_M, BLOCK_K])
-        normed = (v * rstd).to(b_x.dtype).to(tl.float32)  # rounded to the model dtype before the weight
-        weight = tl.load(gate_w + cols % GROUP, mask=k_ok, other=0.0).to(tl.float32)
-        scaled = (weight[None, :] * normed).to(b_x.dtype).to(tl.float32)
-        gate = tl.load(z + rm[:, None] * stride_zm + cols[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                       other=0.0).to(tl.float32)
-        b_x = (scaled * (gate / (1.0 + tl.exp(-gate)))).to(b_x.dtype)
-    return b_x
-
-
 def _gemv_kernel(
-    x, w, bias, y, partials, counters, norm_w, z,
-    M, N, K, stride_xm, stride_wn, stride_ym, stride_zm, eps,
+    x, w, bias, y, partials, counters, norm_w,
+    M, N, K, stride_xm, stride_wn, stride_ym, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STEPS: tl.constexpr, SPLIT_K: tl.constexpr,
     DOT: tl.constexpr, DOT_FP32: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    NORM: tl.constexpr, NORM_CHUNK: tl.constexpr, NORM_STEPS: tl.constexpr, GATED: tl.constexpr,
-    GROUP: tl.constexpr, OUT_DTYPE: tl.constexpr, PDL: tl.constexpr,
+    NORM: tl.constexpr, NORM_CHUNK: tl.constexpr, NORM_STEPS: tl.constexpr, OUT_DTYPE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -257,7 +227,6 @@ def _gemv_kernel(
         rstd = tl.rsqrt(squares / K + eps)
     b_x = tl.load(p_x, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
     b_x = _normed_tile(b_x, rstd, norm_w, k_start + rk, k_ok, NORM)
-    b_x = _gated_tile(b_x, z, norm_w, eps, rm, k_start + rk, row_ok, k_ok, stride_zm, BLOCK_M, BLOCK_K, GROUP, GATED)
     acc = _gemv_tile(tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), b_w, b_x, DOT, DOT_FP32)
     for step in range(1, STEPS):  # y block, transposed: W's rows are the long side
         p_w += BLOCK_K
@@ -271,7 +240,6 @@ def _gemv_kernel(
             b_w = tl.load(p_w, mask=k_ok[None, :], other=0.0)
             b_x = tl.load(p_x, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b_x = _normed_tile(b_x, rstd, norm_w, cols, k_ok, NORM)
-        b_x = _gated_tile(b_x, z, norm_w, eps, rm, cols, row_ok, k_ok, stride_zm, BLOCK_M, BLOCK_K, GROUP, GATED)
         acc = _gemv_tile(acc, b_w, b_x, DOT, DOT_FP32)
 
     out_ok = (rn < N)[:, None] & row_ok[None, :]
@@ -295,7 +263,6 @@ def _gemv_kernel(
 if HAS_TRITON:
     _gemv_tile = triton.jit(_gemv_tile)
     _normed_tile = triton.jit(_normed_tile)
-    _gated_tile = triton.jit(_gated_tile)
     _gemv_kernel = _LazyJit(_gemv_kernel, pdl=True, do_not_specialize=["M"])  # one compile for every M of a config
 
 
@@ -331,23 +298,19 @@ def fit_config(config: GemvConfig, rows: int, n: int, k: int) -> GemvConfig:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig,
-         norm: RowNorm | None = None, gated: GatedNorm | None = None) -> torch.Tensor:
+         norm: RowNorm | None = None) -> torch.Tensor:
     """Triton `linear_reference` in one launch: x [..., K] with ≤ MAX_ROWS rows, weight [N, K] (K contiguous),
     bias [N] or None, all of one float dtype -> [..., N] in x's dtype. `config` is fitted to the shape. With `norm`
-    the GEMM's input is the RMSNorm (1 + w) of x's rows (`linear_reference(rms_norm_reference(x, ...), ...)`); with
-    `gated` the RMSNormGated of each group of x's columns (`gated_fits`; tiles of whole groups)."""
+    the GEMM's input is the RMSNorm (1 + w) of x's rows (`linear_reference(rms_norm_reference(x, ...), ...)`)."""
     n, k = weight.shape
     if x.shape[-1] != k or weight.stride(-1) != 1 or x.dtype != weight.dtype or x.dtype not in _DTYPES or \
             (bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype)) or \
-            (norm is not None and (norm.weight.shape != (k,) or norm.weight.dtype != x.dtype)) or \
-            (gated is not None and (norm is not None or not gated_fits(x, gated))):
+            (norm is not None and (norm.weight.shape != (k,) or norm.weight.dtype != x.dtype)):
         raise ValueError(f"gemv takes x [..., K], weight [N, K] with K contiguous, bias [N] or None and a norm "
-                         f"weight [K] or None, or a gated norm (`gated_fits`), all of one dtype "
-                         f"(float32/bfloat16/float16); got x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} "
-                         f"{weight.dtype} strides {weight.stride()}, bias "
+                         f"weight [K] or None, all of one dtype (float32/bfloat16/float16); got x {tuple(x.shape)} "
+                         f"{x.dtype}, weight {tuple(weight.shape)} {weight.dtype} strides {weight.stride()}, bias "
                          f"{None if bias is None else (tuple(bias.shape), bias.dtype)}, norm weight "
-                         f"{None if norm is None else (tuple(norm.weight.shape), norm.weight.dtype)}, gated norm "
-                         f"{None if gated is None else (tuple(gated.z.shape), tuple(gated.weight.shape))}")
+                         f"{None if norm is None else (tuple(norm.weight.shape), norm.weight.dtype)}")
     rows = x.reshape(-1, k)
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
     m = rows.shape[0]
@@ -357,9 +320,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, confi
     if m == 0 or n == 0:
         return out.view(*x.shape[:-1], n)
     config = fit_config(config, m, n, k)
-    group = gated.weight.numel() if gated is not None else 1
-    if config.block_k < group:  # the prologue's tiles hold whole groups
-        config = GemvConfig(config.block_n, group, config.split_k, config.num_warps, config.num_stages, config.dot)
     steps = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k)
     k_per_split = steps * config.block_k
     if WHOLE_SLICE and steps > 1 and config.block_n * k_per_split * x.element_size() <= WHOLE_SLICE_BYTES and \
@@ -374,16 +334,14 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, confi
     interpret = bool(triton.knobs.runtime.interpret)
     block_m = 16 if config.dot else triton.next_power_of_2(m)
     norm_chunk = min(triton.next_power_of_2(k), max(16, NORM_TILE // block_m))  # [block_m, chunk]: ≤ 4096 values
-    z = gated.z.reshape(-1, k) if gated is not None else rows  # a view: gated_fits checked the strides
-    eps = norm.eps if norm is not None else gated.eps if gated is not None else 0.0
     _gemv_kernel[(triton.cdiv(n, config.block_n), split_k)](
         rows, weight, bias if bias is not None else weight, out, partials, counters,
-        norm.weight if norm is not None else gated.weight if gated is not None else weight, z,
-        m, n, k, rows.stride(0), weight.stride(0), out.stride(0), z.stride(0), eps,
+        norm.weight if norm is not None else weight,
+        m, n, k, rows.stride(0), weight.stride(0), out.stride(0), norm.eps if norm is not None else 0.0,
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         STEPS=steps, SPLIT_K=split_k, DOT=config.dot, DOT_FP32=x.dtype == torch.float32 or interpret,
         EVEN_K=k % k_per_split == 0, HAS_BIAS=bias is not None, NORM=norm is not None, NORM_CHUNK=norm_chunk,
-        NORM_STEPS=triton.cdiv(k, norm_chunk), GATED=gated is not None, GROUP=group, OUT_DTYPE=tl_dtype(x.dtype),
+        NORM_STEPS=triton.cdiv(k, norm_chunk), OUT_DTYPE=tl_dtype(x.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out.view(*x.shape[:-1], n)
@@ -402,49 +360,19 @@ def choose_config(rows: int, n: int, k: int) -> GemvConfig | None:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           norm: torch.nn.Module | None = None, gated: GatedNorm | None = None) -> torch.Tensor:
+           norm: torch.nn.Module | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias), by `gemv` where TABLE names a config for the shape and the tensors suit it (≤ 16
     rows, one float dtype, on CUDA or under the interpreter), else by F.linear itself. `norm`: an RMSNorm module of
     the (1 + w) convention (weight [K], `eps` or `variance_epsilon`) to apply to x first: in the GEMM's prologue
-    while NORM_PROLOGUE is on and `gemv` takes the call, else by calling the module. `gated` (not with `norm`): a
-    gated RMSNorm of x's column groups first, in the GEMM's prologue when `gemv` takes the call and the tensors fit
-    (`gated_fits`), else by `norm_triton.gated_rms_norm` (the reference off the Triton backend)."""
-    config = None
+    while NORM_PROLOGUE is on and `gemv` takes the call, else by calling the module."""
     if weight.dim() == 2 and x.dim() >= 1 and x.shape[-1] == weight.shape[1] and x.numel() > 0:
         rows = x.numel() // x.shape[-1]
         config = choose_config(rows, *weight.shape) if rows <= MAX_ROWS else None
-        config = config if config is not None and _suits(x, weight, bias) else None
-    if gated is not None and (config is None or norm is not None or not gated_fits(x, gated)):
-        x, gated = _gated_rows(x, gated), None  # normed first
-    if config is not None:
-        row_norm = None if norm is None else _row_norm(norm, x)
-        if norm is None or row_norm is not None:
-            return gemv(x, weight, bias, config, row_norm, gated)
+        if config is not None and _suits(x, weight, bias):
+            row_norm = None if norm is None else _row_norm(norm, x)
+            if norm is None or row_norm is not None:
+                return gemv(x, weight, bias, config, row_norm)
     return F.linear(x if norm is None else norm(x), weight, bias)
-
-
-def gated_fits(x: torch.Tensor, gated: GatedNorm) -> bool:
-    """Whether `gemv` can apply `gated` in its prologue: z of x's shape whose rows view as [M, K] with the last
-    dim contiguous, a weight [G] in x's dtype, G a power of two dividing K, a float eps."""
-    k, group = x.shape[-1], gated.weight.numel()
-    if (gated.z.numel() != x.numel() or gated.weight.dtype != x.dtype or gated.z.dtype != x.dtype
-            or gated.weight.dim() != 1 or group & (group - 1) or k % group or not isinstance(gated.eps, float)):
-        return False
-    try:
-        z = gated.z.view(-1, k)
-    except RuntimeError:  # rows that do not view as [M, K]
-        return False
-    return z.stride(-1) == 1
-
-
-def _gated_rows(x: torch.Tensor, gated: GatedNorm) -> torch.Tensor:
-    """x after the gated norm of its column groups, in its own launch (or the reference off the Triton backend)."""
-    group = gated.weight.numel()
-    heads = x.reshape(*x.shape[:-1], x.shape[-1] // group, group)
-    z = gated.z.reshape(heads.shape)
-    if select_backend("auto", heads, z, gated.weight) == "triton" and x.dtype in _DTYPES:
-        return gated_rms_norm(heads, z, gated.weight, gated.eps).reshape(x.shape)
-    return gated_rms_norm_reference(heads, z, gated.weight, gated.eps).reshape(x.shape)
 
 
 def _row_norm(norm: torch.nn.Module, x: torch.Tensor) -> RowNorm | None:
