@@ -18,9 +18,8 @@ first and last (its spread is the noise floor). `--variants` adds A/B switches (
 own: "+whole-slice" measures the step with that switch on, "gemv+whole-slice" the doubled GEMV under it.
 Tiles can be set per variant for a sweep inside the step (a kernel's tiles timed alone read its weights from a warm
 L2 and see no neighbours): "plain@gate_up=32x256s8w8@down=16x256w4@gdn=32w4@gemv:2048x4096=32x128s8w4t4" sets the
-MoE decode kernels' tiles at one token (BLOCK_N x BLOCK_K, s: split-K, w: warps; a trailing iITEMS, e.g.
-"gate_up=4x2048s1w8i4", runs the whole-K items kernel with ITEMS work items a program), the GDN step's (BV, warps)
-and our GEMV's config for one (N x K) shape at M = 1 (t: stages).
+MoE decode kernels' tiles at one token (BLOCK_N x BLOCK_K, s: split-K, w: warps), the GDN step's (BV, warps) and
+our GEMV's config for one (N x K) shape at M = 1 (t: stages).
 Random bf16 weights; the AR step at batch 1 (the static cache of `--context` prompt tokens).
 Writes benchmarks/results/<name>.{json,md}.
 """
@@ -50,7 +49,6 @@ from hybridspec_hf.selector.latency import LatencyModel  # noqa: E402
 KERNELS = {
     "_gemv_kernel": "hybridspec_hf.kernels.gemv_triton",
     "_gate_up_decode_kernel": "hybridspec_hf.kernels.moe_triton",
-    "_gate_up_items_kernel": "hybridspec_hf.kernels.moe_triton",
     "_down_decode_kernel": "hybridspec_hf.kernels.moe_triton",
     "_gdn_step_kernel": "hybridspec_hf.kernels.gdn_step_triton",
     "_add_rms_norm_kernel": "hybridspec_hf.kernels.norm_triton",
@@ -97,16 +95,16 @@ def doubled(kernel: str | None):
 def parse_tiles(spec: str) -> dict:
     """"gate_up=32x256s8w8", "down=16x256w4", "gdn=32w4", "gemv:2048x4096=32x128s8w4t4" -> {what: numbers}: the
     tile overrides of one variant (`tiles_set`); a clear SystemExit for anything else."""
-    patterns = {"gate_up": r"(\d+)x(\d+)s(\d+)w(\d+)(?:i(\d+))?", "down": r"(\d+)x(\d+)w(\d+)", "gdn": r"(\d+)w(\d+)",
+    patterns = {"gate_up": r"(\d+)x(\d+)s(\d+)w(\d+)", "down": r"(\d+)x(\d+)w(\d+)", "gdn": r"(\d+)w(\d+)",
                 "gemv": r"(\d+)x(\d+)s(\d+)w(\d+)t(\d+)"}
     what, _, value = spec.partition("=")
     kind, _, shape = what.partition(":")
     match = re.fullmatch(patterns.get(kind, "(?!)"), value)
     shape_match = re.fullmatch(r"(\d+)x(\d+)", shape) if kind == "gemv" else not shape
     if match is None or not shape_match:
-        raise SystemExit(f"unknown tiles {spec!r}: gate_up=BNxBKsSPLITwWARPS[iITEMS], down=BNxBKwWARPS, "
-                         f"gdn=BVwWARPS or gemv:NxK=BNxBKsSPLITwWARPStSTAGES")
-    numbers = tuple(int(g) for g in match.groups() if g is not None)
+        raise SystemExit(f"unknown tiles {spec!r}: gate_up=BNxBKsSPLITwWARPS, down=BNxBKwWARPS, gdn=BVwWARPS or "
+                         f"gemv:NxK=BNxBKsSPLITwWARPStSTAGES")
+    numbers = tuple(int(g) for g in match.groups())
     key = what if kind != "gemv" else (kind, int(shape_match.group(1)), int(shape_match.group(2)))
     return {key: numbers}
 
@@ -126,8 +124,8 @@ def tiles_set(tiles: dict):
             block_m, gate_up, down = original(num_tokens, mode)
             if mode == "decode" and num_tokens == 1:
                 if "gate_up" in tiles:
-                    bn, bk, split, warps, *items = tiles["gate_up"]  # iITEMS: the whole-K items kernel
-                    gate_up = moe_triton.Tiles(bn, bk, warps, 1, split_k=split, items=items[0] if items else 0)
+                    bn, bk, split, warps = tiles["gate_up"]
+                    gate_up = moe_triton.Tiles(bn, bk, warps, 1, split_k=split)
                 if "down" in tiles:
                     bn, bk, warps = tiles["down"]
                     down = moe_triton.Tiles(bn, bk, warps, 1)

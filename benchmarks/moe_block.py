@@ -89,9 +89,6 @@ DECODE_GATE_UP_SWEEP = [
 ]
 DECODE_DOWN_SWEEP = [Tiles(16, 512, 8, 1), Tiles(8, 512, 8, 1), Tiles(8, 512, 4, 1), Tiles(32, 512, 8, 1),
                      Tiles(16, 256, 4, 1), Tiles(4, 512, 4, 1)]
-# the whole-K items kernel (`Tiles.items`: work items a program, the next one's weights in flight), built by
-# compile_check at every T and timed in the AR step by benchmarks/kernel_costs.py ("@gate_up=4x2048s1w8i4")
-DECODE_ITEMS_TILES = [Tiles(4, 2048, 8, 1, items=9), Tiles(2, 2048, 8, 1, items=9), Tiles(4, 2048, 16, 1, items=9)]
 SMOKE_GATE_UP_SWEEP = [Tiles(16, 32, 4, 1, split_k=2)]
 SMOKE_DOWN_SWEEP = [Tiles(32, 32, 4, 1)]
 
@@ -288,10 +285,8 @@ def compile_check(shape: Shape, swept: bool = True) -> list[dict]:
     pointers = dict(hidden="*bf16", ids="*i64", w1="*bf16", shared_w1="*bf16", act="*fp32", partials="*fp32",
                     logit_partials="*fp32", logit="*fp32", counters="*i32", weights="*bf16", w2="*bf16",
                     shared_w2="*bf16", residual="*bf16", out="*bf16")
-    kernels = {"gate_up": moe_triton._gate_up_decode_kernel.fn, "gate_up_items": moe_triton._gate_up_items_kernel.fn,
-               "down": moe_triton._down_decode_kernel.fn}
+    kernels = {"gate_up": moe_triton._gate_up_decode_kernel.fn, "down": moe_triton._down_decode_kernel.fn}
     plans = [(tokens, flag, None, None) for tokens in (1, 2, 3, 4) for flag in (True, False)]
-    plans += [(tokens, flag, tiles, None) for tokens in (1, 2) for flag in (True, False) for tiles in DECODE_ITEMS_TILES]
     if swept:
         plans += [(tokens, True, g, None) for tokens in (1, 2, 3, 4) for g in DECODE_GATE_UP_SWEEP]
         plans += [(tokens, True, DECODE_GATE_UP_SWEEP[0], d) for tokens in (1, 2, 3, 4) for d in DECODE_DOWN_SWEEP]
@@ -300,8 +295,7 @@ def compile_check(shape: Shape, swept: bool = True) -> list[dict]:
         launches = moe_triton.decode_launches(tokens, shape.hidden, shape.inter, shape.top_k, shared=with_shared,
                                               residual=with_shared, gate_up_tiles=gate_up_tiles,
                                               down_tiles=down_tiles)
-        for launch in launches:
-            name = launch.kernel
+        for name, launch in zip(kernels, launches):
             key = (name, tuple(sorted(launch.constexprs.items())), launch.num_warps, launch.num_stages)
             if key in built:
                 continue
@@ -315,7 +309,7 @@ def compile_check(shape: Shape, swept: bool = True) -> list[dict]:
             rows.append(dict(kernel=name, tokens=tokens, grid=launch.grid, warps=launch.num_warps,
                              constexprs=launch.constexprs, ptxas=_ptxas_info(compiled.asm["ptx"])))
             print(rows[-1]["kernel"], tokens, launch.grid, launch.num_warps,
-                  {k: launch.constexprs.get(k) for k in ("BN", "BK", "STEPS", "ITEMS", "SHARED")}, rows[-1]["ptxas"], flush=True)
+                  {k: launch.constexprs[k] for k in ("BN", "BK", "STEPS", "SHARED")}, rows[-1]["ptxas"], flush=True)
     return rows
 
 

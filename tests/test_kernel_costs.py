@@ -106,9 +106,6 @@ def test_tiles_set_overrides_the_one_token_tiles_only_inside(kernel_costs):
     from hybridspec_hf.kernels import gdn_step_triton, gemv_triton, moe_triton
 
     assert kernel_costs.parse_tiles("gate_up=16x128s4w4") == {"gate_up": (16, 128, 4, 4)}
-    assert kernel_costs.parse_tiles("gate_up=4x2048s1w8i9") == {"gate_up": (4, 2048, 1, 8, 9)}
-    with kernel_costs.tiles_set(kernel_costs.parse_tiles("gate_up=4x2048s1w8i9")):
-        assert moe_triton.default_tiles(1, "decode")[1] == moe_triton.Tiles(4, 2048, 8, 1, split_k=1, items=9)
     assert kernel_costs.parse_tiles("gemv:2048x4096=32x128s8w4t4") == {("gemv", 2048, 4096): (32, 128, 8, 4, 4)}
     for bad in ("gate_up=16x128", "gemv=32x128s8w4t4", "route=4w1", "gdn=16"):
         with pytest.raises(SystemExit, match="unknown tiles"):

@@ -187,17 +187,11 @@ def test_moe_block_errors_name_the_problem():
 # decode kernels (T <= DECODE_MAX_TOKENS)
 
 # (hidden, inter, experts, top_k, gate_up tiles, down tiles): the default tiles fitted to H, I not powers of two
-# (masked columns and rows); K in two uneven slices and I in two masked steps; K in four even slices; the whole-K
-# items kernel (`Tiles.items`) with H masked and items past the last (3 a program), and with 4-row blocks and 5 items
-ITEMS_CASES = [
-    (40, 24, 4, 3, Tiles(8, 64, 4, 1, items=3), Tiles(8, 16, 4, 1)),
-    (64, 32, 8, 2, Tiles(4, 64, 4, 1, items=5), Tiles(32, 32, 4, 1)),
-]
+# (masked columns and rows); K in two uneven slices and I in two masked steps; K in four even slices
 DECODE_CASES = [
     (40, 24, 4, 3, None, None),
     (40, 24, 4, 3, Tiles(8, 16, 4, 1, split_k=2), Tiles(8, 16, 4, 1)),
     (64, 32, 8, 2, Tiles(16, 16, 4, 1, split_k=4), Tiles(32, 32, 4, 1)),
-    *ITEMS_CASES,
 ]
 
 
@@ -244,21 +238,19 @@ def test_decode_shared_expert_first_gives_the_same_bits(hidden, inter, experts, 
     assert rel(outs[0], moe_block_reference(**x)) < TOL[torch.bfloat16]
 
 
-@pytest.mark.parametrize("gate_up_tiles", [None, ITEMS_CASES[0][4]])
-def test_decode_duplicates_sentinels_and_zero_weights(gate_up_tiles):
+def test_decode_duplicates_sentinels_and_zero_weights():
     """An expert listed twice by one token counts twice, ids outside [0, E) count nothing, zero weights give exactly
-    the shared expert + residual; the same as the direct rows make of them (split-K and items gate_up alike)."""
+    the shared expert + residual; the same as the direct rows make of them."""
     x = make_block(46, 4, 40, 24, 4, 3)
     x["top_k_index"][1] = torch.tensor([3, 3, 0])
     x["top_k_index"][2, 2] = 4
     x["top_k_index"][3, 0] = -1
     x["top_k_weights"][0] = 0.0
-    out = moe_block_triton(**x, mode="decode", gate_up_tiles=gate_up_tiles)
+    out = moe_block_triton(**x, mode="decode")
     truth = moe_block_reference(**{k: v.double() if v.is_floating_point() else v for k, v in x.items()})
     assert rel(out, truth) < TOL[torch.float32]
     assert rel(out, moe_block_triton(**x, mode="direct")) < TOL[torch.float32]
-    only_shared = moe_block_triton(**dict(x, top_k_weights=torch.zeros_like(x["top_k_weights"])), mode="decode",
-                                   gate_up_tiles=gate_up_tiles)
+    only_shared = moe_block_triton(**dict(x, top_k_weights=torch.zeros_like(x["top_k_weights"])), mode="decode")
     assert torch.equal(out[0], only_shared[0])
 
 

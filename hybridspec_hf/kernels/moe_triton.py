@@ -40,9 +40,6 @@ the CUDA cores (a 16-row tensor-core tile would be >= 75 % padding), one token r
      expert unweighted), into partials [H / BN, slots, T, BN] (zeros for a slot without work); the last program of
      the column block sums the routed slots in slot order, adds sigmoid(logit) · shared and the residual with the
      sum kernel's roundings, and stores the output. No separate sum launch.
-  With `Tiles.items` > 0 gate_up runs as `_gate_up_items_kernel` instead: one wave of programs, each taking that many
-  work items of BN gate and BN up rows over all of K (no split, no counters), the next item's weights loaded before
-  the current one's products.
 
 Precision: dots accumulate in fp32; bf16/fp16 weights take dot operands in the weight dtype (act is rounded to it
 before the down dot, as transformers does); fp32 weights use exact fp32 dots (`input_precision="ieee"`). The routing
@@ -114,16 +111,13 @@ def direct_limit() -> int:
 class Tiles:
     """Tile of one GEMM kernel: block_n output columns (gate_up: per half, so 2·block_n weight rows) by block_k of the
     reduction per step; num_stages: software-pipelined loads in flight; split_k: programs along the reduction (the
-    decode gate_up only, reduced in the same launch; every other kernel takes 1); items: > 0 runs the decode gate_up
-    as `_gate_up_items_kernel` (whole-K rows, no split, `items` work items a program with the next one's weights in
-    flight; block_k and split_k are then ignored), 0 the split-K grid."""
+    decode gate_up only, reduced in the same launch; every other kernel takes 1)."""
 
     block_n: int
     block_k: int
     num_warps: int = 4
     num_stages: int = 4
     split_k: int = 1
-    items: int = 0
 
 
 def default_tiles(num_tokens: int, mode: str) -> tuple[int, Tiles, Tiles]:
@@ -564,77 +558,6 @@ def _gate_up_decode_kernel(
                 tl.store(counters + tile, 0)  # zero again for the next launch
 
 
-def _gate_up_item(ids, w1, shared_w1, item, n_items, S, E, stride_we, stride_wn, rb, rk, H: tl.constexpr,
-                  INTER: tl.constexpr, SP: tl.constexpr, BN: tl.constexpr, SHARED: tl.constexpr):
-    """Work item `item` of `_gate_up_items_kernel`: (gate rows, up rows [BN, BK] of its slot's expert over all of K,
-    slot, column block, ok = the item exists and its slot has work, is_shared). The loads are issued here and waited
-    for where the tiles are first used."""
-    blocks = tl.cdiv(INTER, BN)
-    slot = item // blocks
-    i_n = item % blocks
-    expert, live = _first_use(ids, slot, S, E, SP, "")
-    w_base = w1 + tl.where(live, expert, 0) * stride_we
-    is_shared = slot < 0  # False, as a tensor
-    if SHARED:
-        is_shared = slot == S
-        live = live | is_shared
-        if is_shared:
-            w_base = shared_w1  # [gate_proj; up_proj; shared_expert_gate; padding]
-    ok = (item < n_items) & live
-    rows = ((i_n * BN + rb) % INTER).to(tl.int64)[:, None] * stride_wn + rk[None, :]  # rows past I: never stored
-    mask = ok & (rk < H)[None, :]
-    b_gate = tl.load(w_base + rows, mask=mask, other=0.0)
-    b_up = tl.load(w_base + INTER * stride_wn + rows, mask=mask, other=0.0)
-    return b_gate, b_up, slot, i_n, ok, is_shared
-
-
-def _gate_up_items_kernel(
-    hidden, ids, w1, shared_w1, act, logit,
-    T, S, E,
-    stride_ht, stride_we, stride_wn,
-    H: tl.constexpr, INTER: tl.constexpr, SP: tl.constexpr, TP: tl.constexpr, BN: tl.constexpr,
-    BK: tl.constexpr, ITEMS: tl.constexpr, SHARED: tl.constexpr, PDL: tl.constexpr,
-):
-    """The decode gate_up as a few programs that each take ITEMS work items (slot, column block of BN gate and BN
-    up rows over all of K): program p takes items p, p + P, ... (P programs), loads item i + 1's weights before it
-    multiplies item i's, and stores SiLU(gate)·up of each to act [slots, TP, I] fp32 (the shared slot's block 0
-    also the gate logit). No split of K, so no partials, counters or last-arrival sums; the routing is read once
-    a program, after the PDL wait."""
-    pid = tl.program_id(0)
-    programs = tl.num_programs(0)
-    slots = S
-    if SHARED:
-        slots = S + 1
-    n_items = slots * tl.cdiv(INTER, BN)
-    rb = tl.arange(0, BN)
-    rk = tl.arange(0, BK)
-    rt = tl.arange(0, TP)
-    t_ok = rt < T
-    k_ok = rk < H
-    pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
-    b_gate, b_up, slot, i_n, ok, is_shared = _gate_up_item(ids, w1, shared_w1, pid, n_items, S, E, stride_we,
-                                                           stride_wn, rb, rk, H, INTER, SP, BN, SHARED)
-    for it in range(ITEMS):
-        # the next item's weights in flight while this one's are multiplied (past the program's last: all masked,
-        # since P · ITEMS >= the items)
-        n_gate, n_up, n_slot, n_i_n, n_ok, n_shared = _gate_up_item(ids, w1, shared_w1, pid + (it + 1) * programs,
-                                                                    n_items, S, E, stride_we, stride_wn, rb, rk, H,
-                                                                    INTER, SP, BN, SHARED)
-        acc_gate = _add_row_products(tl.zeros([BN, TP], dtype=tl.float32), b_gate, hidden + rk, stride_ht, k_ok,
-                                     T, TP)
-        acc_up = _add_row_products(tl.zeros([BN, TP], dtype=tl.float32), b_up, hidden + rk, stride_ht, k_ok, T, TP)
-        rn = i_n * BN + rb
-        p_act = act + (slot * TP + rt)[None, :].to(tl.int64) * INTER + rn[:, None]  # act [slots, TP, I] fp32
-        tl.store(p_act, acc_gate * tl.sigmoid(acc_gate) * acc_up, mask=ok & (rn < INTER)[:, None] & t_ok[None, :])
-        if SHARED:
-            if ok & is_shared & (i_n == 0):  # the gate logit, row 2I of the copy
-                b_w = tl.load(shared_w1 + 2 * INTER * stride_wn + rk[None, :], mask=k_ok[None, :], other=0.0)
-                acc_logit = _add_row_products(tl.zeros([1, TP], dtype=tl.float32), b_w, hidden + rk, stride_ht,
-                                              k_ok, T, TP)
-                tl.store(logit + rt[None, :], acc_logit, mask=t_ok[None, :])
-        b_gate, b_up, slot, i_n, ok, is_shared = n_gate, n_up, n_slot, n_i_n, n_ok, n_shared
-
-
 def _down_tile(acc, p_w, p_a, step, rk, T, INTER: tl.constexpr, TP: tl.constexpr, BK: tl.constexpr,
                EVEN_K: tl.constexpr):
     """acc plus the products of weight tile `step` (at p_w, [BN, BK]) with act at p_a, every token."""
@@ -778,8 +701,6 @@ if HAS_TRITON:
     _down_kernel = _LazyJit(_down_kernel, pdl=True)
     _sum_kernel = _LazyJit(_sum_kernel, pdl=True)
     _gate_up_decode_kernel = _LazyJit(_gate_up_decode_kernel, pdl=True, do_not_specialize=["T"])
-    _gate_up_item = triton.jit(_gate_up_item)
-    _gate_up_items_kernel = _LazyJit(_gate_up_items_kernel, pdl=True, do_not_specialize=["T"])
     _down_decode_kernel = _LazyJit(_down_decode_kernel, pdl=True, do_not_specialize=["T"])
 
 
@@ -1065,7 +986,6 @@ class Launch:
     constexprs: dict
     num_warps: int
     num_stages: int
-    kernel: str  # which decode kernel: "gate_up" (split-K), "gate_up_items" (`Tiles.items`) or "down"
 
 
 def decode_launches(num_tokens: int, hidden_size: int, inter: int, top_k: int, *, shared: bool, residual: bool,
@@ -1079,23 +999,16 @@ def decode_launches(num_tokens: int, hidden_size: int, inter: int, top_k: int, *
     pairs = num_tokens * top_k
     slots = pairs + (1 if shared else 0)
     common = dict(H=hidden_size, INTER=inter, SP=triton.next_power_of_2(pairs), TP=block_t, SHARED=shared)
-    tiles = gate_up_tiles or default_gate_up
-    if tiles.items > 0:  # whole-K rows, `items` work items a program
-        block_n = min(tiles.block_n, triton.next_power_of_2(inter))
-        programs = triton.cdiv(slots * triton.cdiv(inter, block_n), tiles.items)
-        gate_up = Launch((programs,), dict(common, BN=block_n, BK=triton.next_power_of_2(hidden_size),
-                                           ITEMS=tiles.items), tiles.num_warps, tiles.num_stages, "gate_up_items")
-    else:
-        tiles, steps, split = _fit_decode(tiles, inter, hidden_size, slots)
-        gate_up = Launch((triton.cdiv(inter, tiles.block_n), split, slots),
-                         dict(common, BN=tiles.block_n, BK=tiles.block_k, STEPS=steps, SPLIT=split,
-                              EVEN_K=hidden_size % (steps * tiles.block_k) == 0, SHARED_FIRST=SHARED_FIRST),
-                         tiles.num_warps, tiles.num_stages, "gate_up")
+    tiles, steps, split = _fit_decode(gate_up_tiles or default_gate_up, inter, hidden_size, slots)
+    gate_up = Launch((triton.cdiv(inter, tiles.block_n), split, slots),
+                     dict(common, BN=tiles.block_n, BK=tiles.block_k, STEPS=steps, SPLIT=split,
+                          EVEN_K=hidden_size % (steps * tiles.block_k) == 0, SHARED_FIRST=SHARED_FIRST),
+                     tiles.num_warps, tiles.num_stages)
     tiles, steps, _ = _fit_decode(down_tiles or default_down, hidden_size, inter, 1)
     down = Launch((triton.cdiv(hidden_size, tiles.block_n), slots),
                   dict(common, K=top_k, KP=triton.next_power_of_2(top_k), BN=tiles.block_n, BK=tiles.block_k,
                        STEPS=steps, EVEN_K=inter % tiles.block_k == 0, RESIDUAL=residual, EARLY=pdl.EARLY_READS),
-                  tiles.num_warps, tiles.num_stages, "down")
+                  tiles.num_warps, tiles.num_stages)
     return gate_up, down
 
 
@@ -1115,28 +1028,20 @@ def _launch_decode(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, 
         residual = residual if residual.stride(-1) == 1 else residual.contiguous()
     device = hidden.device
     counters = split_counters(device)
-    block_t, slots = gate_up.constexprs["TP"], down.grid[1]
+    block_t, split, slots = gate_up.constexprs["TP"], gate_up.constexprs["SPLIT"], gate_up.grid[2]
 
     def workspace(numel: int) -> torch.Tensor:
         return torch.empty(numel, dtype=torch.float32, device=device)
 
     act = workspace(slots * block_t * inter)  # [slots, TP, I]: SiLU(gate)·up per slot and token
-    logit = workspace(block_t)
-    if gate_up.kernel == "gate_up_items":
-        _gate_up_items_kernel[gate_up.grid](
-            hidden, ids, gate_up_proj, shared_gate_up, act, logit, num_tokens, pairs, num_experts, hidden.stride(0),
-            gate_up_proj.stride(0), gate_up_proj.stride(1),
-            **gate_up.constexprs, num_warps=gate_up.num_warps, num_stages=gate_up.num_stages,
-        )
-    else:
-        split = gate_up.constexprs["SPLIT"]
-        row_block = block_t * gate_up.constexprs["BN"]
-        partials = workspace(math.prod(gate_up.grid) * 2 * row_block if split > 1 else 1)
-        _gate_up_decode_kernel[gate_up.grid](
-            hidden, ids, gate_up_proj, shared_gate_up, act, partials, workspace(split * block_t), logit, counters,
-            num_tokens, pairs, num_experts, hidden.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1),
-            **gate_up.constexprs, num_warps=gate_up.num_warps, num_stages=gate_up.num_stages,
-        )
+    row_block = block_t * gate_up.constexprs["BN"]
+    partials = workspace(math.prod(gate_up.grid) * 2 * row_block if split > 1 else 1)
+    logit_partials, logit = workspace(split * block_t), workspace(block_t)
+    _gate_up_decode_kernel[gate_up.grid](
+        hidden, ids, gate_up_proj, shared_gate_up, act, partials, logit_partials, logit, counters,
+        num_tokens, pairs, num_experts, hidden.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1),
+        **gate_up.constexprs, num_warps=gate_up.num_warps, num_stages=gate_up.num_stages,
+    )
     partials = workspace(math.prod(down.grid) * block_t * down.constexprs["BN"])
     _down_decode_kernel[down.grid](
         act, ids, weights, down_proj, shared_down, partials, logit, residual if residual is not None else out, out,
