@@ -21,8 +21,7 @@ kernels, experts "hybridspec") on layer 0; a host-sync check runs each route und
 The experts kernels alone (`moe_triton.moe_block_triton` on each block's own routing, gate_up + down (+ sum)) are
 timed too, per T: the one-pass kernels ("direct") against the decode kernels, in total and per kernel (µs per layer
 of each kernel name, traced over 5 graph replays by the torch profiler), and with --decode-sweep every decode
-gate_up tile / K split of DECODE_GATE_UP_SWEEP (and the whole-K items kernel's DECODE_ITEMS_TILES) at the default
-down tile, then every down tile at the best gate_up
+gate_up tile / K split of DECODE_GATE_UP_SWEEP at the default down tile, then every down tile at the best gate_up
 (each config first checked: error against the direct kernels, equal bits over two calls). --sweep times the one-pass
 kernels' tiles the same way (benchmarks/moe_experts.py's sweep) against `moe_triton.default_tiles`.
 
@@ -232,8 +231,8 @@ def cell(us: float, nbytes: float) -> dict:
 
 def decode_sweep(calls, nbytes: float, replays: int, smoke: bool) -> dict:
     """µs per layer and TB/s of the decode kernels per tile choice (module docstring)."""
-    gate_up_sweep, down_sweep = (SMOKE_GATE_UP_SWEEP, SMOKE_DOWN_SWEEP) if smoke else (
-        DECODE_GATE_UP_SWEEP + DECODE_ITEMS_TILES, DECODE_DOWN_SWEEP)
+    gate_up_sweep, down_sweep = (SMOKE_GATE_UP_SWEEP, SMOKE_DOWN_SWEEP) if smoke else (DECODE_GATE_UP_SWEEP,
+                                                                                       DECODE_DOWN_SWEEP)
     _, default_gate_up, default_down = moe_triton.default_tiles(calls[0][0].shape[0], "decode")
 
     def measure(gate_up: Tiles, down: Tiles) -> dict:
