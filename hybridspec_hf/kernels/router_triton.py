@@ -76,7 +76,7 @@ def _topk_row(x, cols, valid, p_scores, p_ids, K: tl.constexpr, KP: tl.constexpr
             top = (best >> 32).to(tl.int32)
             top = tl.where(top < 0, top ^ 0x7FFFFFFF, top).to(tl.float32, bitcast=True)
             top_x = tl.where(slots == j, top, top_x)
-            top_i = tl.where(slots == j, (BLOCK_E - 1 - (best & 0xFFFF)).to(tl.int64), top_i)
+            top_i = tl.where(slots == j, (BLOCK_E - 1 - (best & 0xFFFF)).to(tl.int64), top_i)  # BLOCK_E <= 4096
         row_max = tl.max(tl.where(slots == 0, top_x, float("-inf")), axis=0)
         total = tl.sum(tl.where(valid, tl.exp(x - row_max), 0.0), axis=0)  # softmax denominator
         top_p = tl.where(slots < K, tl.exp(top_x - row_max) / total, 0.0)
@@ -225,7 +225,8 @@ def route_topk(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch
     if num_tokens == 0:
         return scores, ids
     block = triton.next_power_of_2(num_experts)
-    # 2k+2 row reductions: one warp (shuffles only, no shared-memory round trips) up to 512 experts
+    # 2k + 2 row reductions (k + 2 with PACKED_TOPK): one warp (shuffles only, no shared-memory round trips) up to
+    # 512 experts
     _route_topk_kernel[(num_tokens,)](logits, scores, ids, logits.stride(0), scores.stride(0), ids.stride(0),
                                       num_experts, K=top_k, KP=triton.next_power_of_2(top_k), BLOCK_E=block,
                                       NORMALIZE=normalize, OUT_DTYPE=tl_dtype(logits.dtype), PACKED=PACKED_TOPK,
