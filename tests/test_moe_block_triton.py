@@ -141,9 +141,9 @@ def test_route_topk_packed_keys_give_the_two_reductions_bits(dtype, monkeypatch)
     for packed in (False, True):
         monkeypatch.setattr(router_triton, "PACKED_TOPK", packed)
         results.append(route_topk(logits, 8, True))
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
     assert torch.equal(results[0][1], results[1][1])
-    assert torch.equal(results[0][0].view(torch.int16 if dtype != torch.float32 else torch.int32),
-                       results[1][0].view(torch.int16 if dtype != torch.float32 else torch.int32))
+    assert torch.equal(results[0][0].view(bits), results[1][0].view(bits))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -177,4 +177,3 @@ def test_the_gdn_step_reads_early_and_folds_its_norm_without_changing_bits(monke
     folded, separate = runs[True, True, True][0].float(), runs[True, False, True][0].float()
     assert runs[True, False, True][0].abs().sum() > 0
     torch.testing.assert_close(folded, separate, rtol=2 ** -7, atol=2 ** -7 * separate.abs().max().item())
-

@@ -37,7 +37,6 @@ import torch.nn.functional as F
 
 from . import pdl
 from .gdn_triton import HAS_TRITON, _LazyJit, select_backend, tl, tl_dtype, triton
-from .norm_triton import gated_rms_norm, gated_rms_norm_reference
 
 MAX_ROWS = 16  # rows of x (tokens) the kernel takes: one 16-row tile
 # A program loads its whole slice of W ([BLOCK_N, K / SPLIT_K], one tile: STEPS = 1) before the PDL wait when the
