@@ -70,14 +70,16 @@ def _topk_row(x, cols, valid, p_scores, p_ids, K: tl.constexpr, KP: tl.constexpr
         key = (order.to(tl.int64) << 32) | (BLOCK_E - 1 - cols).to(tl.int64)
         key = tl.where(valid, key, -0x7FFFFFFFFFFFFFFF - 1)
         top_x = tl.zeros([KP], dtype=tl.float32)
+        row_max = 0.0
         for j in tl.static_range(K):
             best = tl.max(key, axis=0)
             key = tl.where(key == best, -0x7FFFFFFFFFFFFFFF - 1, key)  # keys are distinct: exactly one taken
             top = (best >> 32).to(tl.int32)
             top = tl.where(top < 0, top ^ 0x7FFFFFFF, top).to(tl.float32, bitcast=True)
+            if j == 0:  # the first pass's logit is the row's max
+                row_max = top
             top_x = tl.where(slots == j, top, top_x)
             top_i = tl.where(slots == j, (BLOCK_E - 1 - (best & 0xFFFF)).to(tl.int64), top_i)  # BLOCK_E <= 4096
-        row_max = tl.max(tl.where(slots == 0, top_x, float("-inf")), axis=0)
         total = tl.sum(tl.where(valid, tl.exp(x - row_max), 0.0), axis=0)  # softmax denominator
         top_p = tl.where(slots < K, tl.exp(top_x - row_max) / total, 0.0)
     else:
