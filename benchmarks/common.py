@@ -44,8 +44,6 @@ SWITCHES = {
                         "the GDN step loads the gates' inputs with the conv's, reads the window counter late"),
     "moe-fused-route": ("hybridspec_hf.patches._moe", "FUSED_ROUTE",
                         "the decoder's residual add, post-attention norm, MoE router GEMM and top-k in one launch"),
-    "packed-topk": ("hybridspec_hf.kernels.router_triton", "PACKED_TOPK",
-                    "the router's top-k passes each one max over packed (logit, id) keys instead of two reductions"),
     "route-one-warp": ("hybridspec_hf.kernels.router_triton", "ROUTE_ONE_WARP",
                        "the one-launch add, norm and router: 2 router rows and one warp per program (else 4 and 4)"),
     "shared-first": ("hybridspec_hf.kernels.moe_triton", "SHARED_FIRST",

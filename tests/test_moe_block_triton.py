@@ -99,12 +99,10 @@ def assert_routing_matches(logits, scores, ids, top_k, normalize):
     assert torch.equal(ids[distinct], ref_ids[distinct])
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["two-reductions", "packed-keys"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("normalize", [True, False])
 @pytest.mark.parametrize("tokens, experts, top_k", [(1, 256, 8), (5, 512, 10), (17, 200, 8), (3, 4, 2)])
-def test_route_topk_matches_reference(tokens, experts, top_k, normalize, dtype, packed, monkeypatch):
-    monkeypatch.setattr(router_triton, "PACKED_TOPK", packed)
+def test_route_topk_matches_reference(tokens, experts, top_k, normalize, dtype):
     gen = torch.Generator().manual_seed(tokens * experts + top_k)
     logits = (torch.randn(tokens, experts, generator=gen) * 2).to(dtype)
     scores, ids = route_topk(logits, top_k, normalize)
@@ -112,10 +110,8 @@ def test_route_topk_matches_reference(tokens, experts, top_k, normalize, dtype, 
     assert_routing_matches(logits, scores, ids, top_k, normalize)
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["two-reductions", "packed-keys"])
 @pytest.mark.parametrize("normalize", [True, False])
-def test_route_topk_ties_take_the_lowest_expert_id(normalize, packed, monkeypatch):
-    monkeypatch.setattr(router_triton, "PACKED_TOPK", packed)
+def test_route_topk_ties_take_the_lowest_expert_id(normalize):
     logits = torch.zeros(5, 40)
     logits[1, [30, 5, 17, 22]] = 2.0  # 4 equal winners for k = 3, in no id order
     logits[2, [9, 3]] = 3.0
@@ -130,29 +126,12 @@ def test_route_topk_ties_take_the_lowest_expert_id(normalize, packed, monkeypatc
     assert_routing_matches(logits, scores, ids, 3, normalize)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_route_topk_packed_keys_give_the_two_reductions_bits(dtype, monkeypatch):
-    """The packed-key top-k (one max a pass over the logit's bits and the id) routes as the two reductions a pass:
-    the same ids and score bits, on random logits with many bf16 ties, large negatives and -inf-free extremes."""
-    gen = torch.Generator().manual_seed(7)
-    logits = torch.cat([torch.randn(6, 256, generator=gen) * 3, torch.randn(2, 256, generator=gen) * 1e4,
-                        torch.randint(-3, 3, (2, 256), generator=gen).float()]).to(dtype)
-    results = []
-    for packed in (False, True):
-        monkeypatch.setattr(router_triton, "PACKED_TOPK", packed)
-        results.append(route_topk(logits, 8, True))
-    bits = torch.int32 if dtype == torch.float32 else torch.int16
-    assert torch.equal(results[0][1], results[1][1])
-    assert torch.equal(results[0][0].view(bits), results[1][0].view(bits))
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens, hidden, experts, top_k, normalize", [(1, 64, 256, 8, True), (3, 48, 60, 4, False),
                                                                       (5, 96, 7, 2, True)])
-@pytest.mark.parametrize("one_warp, packed", [(True, False), (False, False), (True, True)],
-                         ids=["2-rows-1-warp", "4-rows-4-warps", "2-rows-1-warp-packed-keys"])
+@pytest.mark.parametrize("one_warp", [True, False], ids=["2-rows-1-warp", "4-rows-4-warps"])
 def test_add_norm_route_equals_the_add_the_norm_and_the_router(tokens, hidden, experts, top_k, normalize, dtype,
-                                                               one_warp, packed, monkeypatch):
+                                                               one_warp, monkeypatch):
     """One launch for the residual add, the RMSNorm, the router GEMM and its top-k: h and the normed rows as
     `add_rms_norm` (fp32 sums in another order: one rounding), the logits as F.linear's, and the routing of those
     logits exactly as `route_topk`'s (the same kernel code on the stored logits). Odd H and E mask every block; the
@@ -160,7 +139,6 @@ def test_add_norm_route_equals_the_add_the_norm_and_the_router(tokens, hidden, e
     from hybridspec_hf.kernels import gemv_triton, norm_triton
 
     monkeypatch.setattr(router_triton, "ROUTE_ONE_WARP", one_warp)
-    monkeypatch.setattr(router_triton, "PACKED_TOPK", packed)
     gen = torch.Generator().manual_seed(tokens * hidden + experts)
     x = torch.randn(1, tokens, hidden, generator=gen).to(dtype)
     residual = torch.randn(1, tokens, hidden, generator=gen).to(dtype)

@@ -40,10 +40,6 @@ MAX_EXPERTS = 4096  # one row in registers
 # the one launch took 5.6 µs per MoE layer of the AR step's traced span against ≈ 6.1 for add_rms_norm, the router
 # GEMM and route_topk (the step −14 / −27 µs traced / wall). A/B switch `route-one-warp`.
 ROUTE_ONE_WARP = True
-# The top-k's k passes each one max over 64-bit keys (the logit's bits, then the id), the softmax's max and sum after
-# them (k + 2 reductions), instead of two reductions a pass after the max and sum (2k + 2): the token's last program
-# of `add_norm_route` sits on the AR step's critical path before the experts. A/B switch `packed-topk`.
-PACKED_TOPK = False
 MAX_ROUTE_HIDDEN = 8192  # a program holds its router rows [2 or 4, H] in registers
 
 
@@ -57,42 +53,21 @@ def route_topk_reference(logits: torch.Tensor, top_k: int, normalize: bool) -> t
 
 
 def _topk_row(x, cols, valid, p_scores, p_ids, K: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr,
-              NORMALIZE: tl.constexpr, OUT_DTYPE: tl.constexpr, PACKED: tl.constexpr):
+              NORMALIZE: tl.constexpr, OUT_DTYPE: tl.constexpr):
     """One token's routing from its fp32 logits x [BLOCK_E] (-inf where not valid): scores and ids stored at p_scores
-    / p_ids (k of each). PACKED: each pass is one max over 64-bit keys (the logit's bits in an order-keeping integer
-    form above, BLOCK_E - 1 - id below: the largest logit, lowest id among equals), the max and the softmax sum
-    after the passes; else two reductions a pass (the largest free logit, then its lowest id) after the max and sum."""
+    / p_ids (k of each)."""
+    row_max = tl.max(x, axis=0)
+    total = tl.sum(tl.where(valid, tl.exp(x - row_max), 0.0), axis=0)  # softmax denominator
     slots = tl.arange(0, KP)
+    top_p = tl.zeros([KP], dtype=tl.float32)
     top_i = tl.zeros([KP], dtype=tl.int64)
-    if PACKED:
-        bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)  # -0.0 as +0.0: equal logits tie on the id
-        order = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # integer order = float order
-        key = (order.to(tl.int64) << 32) | (BLOCK_E - 1 - cols).to(tl.int64)
-        key = tl.where(valid, key, -0x7FFFFFFFFFFFFFFF - 1)
-        top_x = tl.zeros([KP], dtype=tl.float32)
-        row_max = 0.0
-        for j in tl.static_range(K):
-            best = tl.max(key, axis=0)
-            key = tl.where(key == best, -0x7FFFFFFFFFFFFFFF - 1, key)  # keys are distinct: exactly one taken
-            top = (best >> 32).to(tl.int32)
-            top = tl.where(top < 0, top ^ 0x7FFFFFFF, top).to(tl.float32, bitcast=True)
-            if j == 0:  # the first pass's logit is the row's max
-                row_max = top
-            top_x = tl.where(slots == j, top, top_x)
-            top_i = tl.where(slots == j, (BLOCK_E - 1 - (best & 0xFFFF)).to(tl.int64), top_i)  # BLOCK_E <= 4096
-        total = tl.sum(tl.where(valid, tl.exp(x - row_max), 0.0), axis=0)  # softmax denominator
-        top_p = tl.where(slots < K, tl.exp(top_x - row_max) / total, 0.0)
-    else:
-        row_max = tl.max(x, axis=0)
-        total = tl.sum(tl.where(valid, tl.exp(x - row_max), 0.0), axis=0)  # softmax denominator
-        top_p = tl.zeros([KP], dtype=tl.float32)
-        free = valid
-        for j in tl.static_range(K):  # k passes: the largest free logit, lowest id among equals
-            best = tl.max(tl.where(free, x, float("-inf")), axis=0)
-            pick = tl.min(tl.where(free & (x == best), cols, BLOCK_E), axis=0)
-            free = free & (cols != pick)
-            top_p = tl.where(slots == j, tl.exp(best - row_max) / total, top_p)
-            top_i = tl.where(slots == j, pick.to(tl.int64), top_i)
+    free = valid
+    for j in tl.static_range(K):  # k passes: the largest free logit, lowest id among equals
+        best = tl.max(tl.where(free, x, float("-inf")), axis=0)
+        pick = tl.min(tl.where(free & (x == best), cols, BLOCK_E), axis=0)
+        free = free & (cols != pick)
+        top_p = tl.where(slots == j, tl.exp(best - row_max) / total, top_p)
+        top_i = tl.where(slots == j, pick.to(tl.int64), top_i)
     if NORMALIZE:
         top_p = top_p / tl.sum(top_p, axis=0)  # padding slots hold 0
     keep = slots < K
@@ -101,22 +76,20 @@ def _topk_row(x, cols, valid, p_scores, p_ids, K: tl.constexpr, KP: tl.constexpr
 
 
 def _route_topk_kernel(logits, scores, ids, stride_l, stride_s, stride_i, E, K: tl.constexpr, KP: tl.constexpr,
-                       BLOCK_E: tl.constexpr, NORMALIZE: tl.constexpr, OUT_DTYPE: tl.constexpr, PACKED: tl.constexpr,
-                       PDL: tl.constexpr):
+                       BLOCK_E: tl.constexpr, NORMALIZE: tl.constexpr, OUT_DTYPE: tl.constexpr, PDL: tl.constexpr):
     pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_E)
     valid = cols < E
     x = tl.load(logits + row * stride_l + cols, mask=valid, other=float("-inf")).to(tl.float32)
-    _topk_row(x, cols, valid, scores + row * stride_s, ids + row * stride_i, K, KP, BLOCK_E, NORMALIZE, OUT_DTYPE,
-              PACKED)
+    _topk_row(x, cols, valid, scores + row * stride_s, ids + row * stride_i, K, KP, BLOCK_E, NORMALIZE, OUT_DTYPE)
 
 
 def _add_norm_route_kernel(x, r, norm_w, router_w, h, y, logits, scores, ids, counters,
                            stride_x, stride_r, stride_h, stride_y, stride_wr, stride_l, stride_s, stride_i,
                            n, E, eps, OFFSET: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_E: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, NORMALIZE: tl.constexpr,
-                           OUT_DTYPE: tl.constexpr, PACKED: tl.constexpr, PDL: tl.constexpr):
+                           OUT_DTYPE: tl.constexpr, PDL: tl.constexpr):
     i_n = tl.program_id(0)  # BLOCK_N router rows
     row = tl.program_id(1).to(tl.int64)  # a token
     cols = tl.arange(0, BLOCK_H)
@@ -151,7 +124,7 @@ def _add_norm_route_kernel(x, r, norm_w, router_w, h, y, logits, scores, ids, co
         valid = e < E
         lg = tl.load(logits + row * stride_l + e, mask=valid, other=float("-inf"), cache_modifier=".cg")
         _topk_row(lg.to(tl.float32), e, valid, scores + row * stride_s, ids + row * stride_i, K, KP, BLOCK_E,
-                  NORMALIZE, OUT_DTYPE, PACKED)
+                  NORMALIZE, OUT_DTYPE)
         tl.store(p_count, 0)  # zero again for the next launch
 
 
@@ -227,11 +200,10 @@ def route_topk(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch
     if num_tokens == 0:
         return scores, ids
     block = triton.next_power_of_2(num_experts)
-    # 2k + 2 row reductions (k + 2 with PACKED_TOPK): one warp (shuffles only, no shared-memory round trips) up to
-    # 512 experts
+    # 2k+2 row reductions: one warp (shuffles only, no shared-memory round trips) up to 512 experts
     _route_topk_kernel[(num_tokens,)](logits, scores, ids, logits.stride(0), scores.stride(0), ids.stride(0),
                                       num_experts, K=top_k, KP=triton.next_power_of_2(top_k), BLOCK_E=block,
-                                      NORMALIZE=normalize, OUT_DTYPE=tl_dtype(logits.dtype), PACKED=PACKED_TOPK,
+                                      NORMALIZE=normalize, OUT_DTYPE=tl_dtype(logits.dtype),
                                       num_warps=1 if block <= 512 else 4)
     return scores, ids
 
@@ -274,5 +246,5 @@ def add_norm_route(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.T
             router_weight.stride(0), logits.stride(0), scores.stride(0), ids.stride(0), hidden, num_experts, eps,
             OFFSET=offset, BLOCK_H=triton.next_power_of_2(hidden), BLOCK_N=block_n,
             BLOCK_E=triton.next_power_of_2(num_experts), K=top_k, KP=triton.next_power_of_2(top_k),
-            NORMALIZE=normalize, OUT_DTYPE=tl_dtype(x.dtype), PACKED=PACKED_TOPK, num_warps=warps)
+            NORMALIZE=normalize, OUT_DTYPE=tl_dtype(x.dtype), num_warps=warps)
     return h.view(x.shape), normed.view(x.shape), logits, scores, ids
