@@ -10,12 +10,15 @@ it: one max-shape graph (draft, choose, verify the whole block with a device-sid
 hand off), beside the same target forward captured alone in a graph of its own (`ResidentRounds._verify_forward`
 with the round's valid length and routing window; no drafting, acceptance or commit) at T = B and T = 1. The round's
 wall minus the forward's is the time outside the target's forward (issue 15; goal <= 1.0 ms at B = 16), of which
-the draft graph's share is printed. Every kernel traced while a graph replays is
+the draft graph's share is printed. `--round-lengths 1,4,16` adds the max-shape round with its length forced to each w
+(`ForcedLength` beside HybridSpec's selector work, as calibration times C(w)): what a round costs at small w that a
+plain step does not. Every kernel traced while a graph replays is
 that graph's, so per replay we report the kernel count, the GPU busy time (sum of kernel durations) and the wall time
 of a replay (CUDA events, no profiler), with kernels grouped by kind (GEMMs, our Triton kernels by name, elementwise,
 reductions, copies, ...). The bytes roofline of each part is printed beside it: weights the part must read (routed
 experts counted as the distinct experts its tokens reach under a uniform router; the embedding as the rows read), the
-GDN state read and written, the KV cache read, at 4.25 TB/s. Random weights, random drafter (acceptance ≈ 0: the
+GDN state read and written, the KV cache read, at 4.25 TB/s. With PDL kernels overlap, so each part also charges every
+µs of its middle traced replay to the kernel the GPU waited for (`common.frontier`, as kernel_costs.py). Random weights, random drafter (acceptance ≈ 0: the
 cache grows by one token per round). Writes benchmarks/results/<name>.{json,md}.
 """
 from __future__ import annotations
@@ -33,11 +36,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (add_switches, apply_switches, environment, switch_settings, traced_kernels,  # noqa: E402
-                    write_results)
+from common import (add_switches, apply_switches, environment, frontier, switch_settings, timeline,  # noqa: E402
+                    traced_kernels, write_results)
 from e2e import HBM_TBPS, build, roofline_bytes  # noqa: E402
 
 from hybridspec_hf import HybridSpecConfig  # noqa: E402
+from hybridspec_hf.generation.calibration import ForcedLength, shadow_selector  # noqa: E402
 from hybridspec_hf.graphs.capture import Replay  # noqa: E402
 from hybridspec_hf.patches.experts import fused_experts_for  # noqa: E402
 from hybridspec_hf.selector.latency import LatencyModel  # noqa: E402
@@ -188,8 +192,14 @@ def target_forward(rounds, tokens: int) -> Replay:
         return Replay(forward, device=rounds.device)
 
 
-def parts_of(rounds, strategy: str, verify_shape: str, lengths: list[int]) -> dict[str, Part]:
-    """The graphs of one set of resident rounds to trace, by label."""
+def forced_label(w: int) -> str:
+    return f"round, max shape, w = {w} forced"
+
+
+def parts_of(rounds, strategy: str, verify_shape: str, lengths: list[int], round_lengths: list[int] = (),
+             forced: ForcedLength | None = None) -> dict[str, Part]:
+    """The graphs of one set of resident rounds to trace, by label. verify_shape "forced": the max-shape round
+    captured with the `forced` selector, replayed at each of `round_lengths` (its device w set before each)."""
     if strategy == "ar":
         return {AR_STEP: Part(rounds.step, 1, False, lambda: None)}
     if verify_shape == "plain":  # HybridSpec's plain step, to set beside AR's (the same forward, m = 1)
@@ -205,6 +215,8 @@ def parts_of(rounds, strategy: str, verify_shape: str, lengths: list[int]) -> di
                                                               lambda n=n: last_draft_all_valid(n))
         return parts
     block = rounds.verify_tokens
+    if verify_shape == "forced":
+        return {forced_label(n): Part(rounds.spec, n, True, lambda n=n: forced.set(n)) for n in round_lengths}
     parts = {ROUND: Part(rounds.spec, block, True, lambda: None)}
     for n in (block, 1):
         parts[forward_label(n)] = Part(target_forward(rounds, n), n, False, rounds.spec)
@@ -243,6 +255,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=1, help="rows per call (the graphs of that batch's bucket)")
     parser.add_argument("--plain-only", action="store_true",
                         help="only the plain steps: AR's and HybridSpec's (where the two differ, kernel by kernel)")
+    parser.add_argument("--round-lengths", default="",
+                        help="also the max-shape round with its length forced to each w (comma list; as "
+                             "calibration times C(w): HybridSpec's selector work runs beside it, its answer discarded)")
     parser.add_argument("--attribute", action="store_true",
                         help="also run each part eagerly under the profiler: kernels by (module, aten op)")
     add_switches(parser, "moe-one-pass", "moe-decode", "defer-appends", "pdl", "early-reads", "gdn-norm-fold",
@@ -258,14 +273,18 @@ def main(argv: list[str] | None = None) -> None:
     lengths = [int(n) for n in args.lengths.split(",")]
     parts = {}
     # the plain step; the exact-length draft and verify graphs; the max-shape round (the default on CUDA)
+    round_lengths = [int(n) for n in args.round_lengths.split(",") if n]
     runs = [("ar", "exact"), ("hybridspec", "plain")] if args.plain_only else \
-        [("ar", "exact"), ("hybridspec", "plain"), ("hybridspec", "exact"), ("hybridspec", "max")]
+        [("ar", "exact"), ("hybridspec", "plain"), ("hybridspec", "exact"), ("hybridspec", "max")] + \
+        ([("hybridspec", "forced")] if round_lengths else [])
+    forced = ForcedLength(drafter.config.block_size, shadow_selector(target, drafter.config.block_size))
     for strategy, verify_shape in runs:
         # a stand-in latency model (what is traced does not depend on it): no calibration needed
         latency = LatencyModel(cost=torch.linspace(7e-3, 10e-3, 16)[None], cost_ar=torch.tensor([5e-3]),
                                context_lens=torch.tensor([context]))
-        settings = HybridSpecConfig(cuda_graphs="on", verify_shape="max" if verify_shape == "plain" else verify_shape,
-                                    latency_model=latency)
+        settings = HybridSpecConfig(cuda_graphs="on", verify_shape=verify_shape if verify_shape == "exact" else "max",
+                                    latency_model=None if verify_shape == "forced" else latency,
+                                    selector=forced if verify_shape == "forced" else None)
         kwargs = dict(generation_strategy=strategy, hybridspec_config=settings, attention_mask=torch.ones_like(prompt),
                       assistant_model=drafter if strategy != "ar" else None, do_sample=False, pad_token_id=0)
         target.generate(prompt, max_new_tokens=capacity_tokens, **kwargs)  # captures for this capacity
@@ -273,16 +292,20 @@ def main(argv: list[str] | None = None) -> None:
         rounds = target.__dict__.get("_hybridspec_resident")
         rounds.limit.fill_(10**9)  # every round may verify the whole block
         rounds.live.fill_(1)  # and commits (the call that ended left its row finished)
-        for label, part in parts_of(rounds, strategy, verify_shape, lengths).items():
+        for label, part in parts_of(rounds, strategy, verify_shape, lengths, round_lengths, forced).items():
             part.before()
             start_length = int(rounds.target.length.max())
-            row = summarize(traced_kernels(part.replay, args.replays), args.replays)
+            kernels = traced_kernels(part.replay, args.replays)
+            row = summarize(kernels, args.replays)
+            row["frontier"] = frontier(timeline(kernels, args.replays))
             committed = int(rounds.target.length.max()) - start_length
             part.before()
             start_length = int(rounds.target.length.max())
             row["wall_ms"] = wall_ms(part.replay, args.replays)
             committed += int(rounds.target.length.max()) - start_length
             row["committed_per_replay"] = committed / (2 * args.replays)
+            if verify_shape == "forced":  # the tokens the last replay verified: the forced w, read back
+                row["verified"] = int(rounds.round_valid.max())
             if args.attribute and device == "cuda":
                 saved = dict(rounds.__dict__)  # the eager call rebinds round buffers; the graphs keep reading these
                 try:  # a diagnostic: a failure here must not cost the run its timings
@@ -342,6 +365,11 @@ def write(args, target, parts: dict, outside: dict) -> None:
         lines += [f"| {k} | {v['kernels']:.1f} | {v['us']:.1f} |" for k, v in row["by_kind"].items()]
         lines += ["", "Top kernels: " + "; ".join(f"`{k}` ×{v['kernels']:.0f} {v['us']:.0f} µs"
                                                   for k, v in list(row["top_kernels"].items())[:12])]
+        if row["frontier"]["by_kernel"]:  # traced (CUDA): each µs of the middle replay charged to one kernel
+            lines += ["", f"By the kernel each µs of the middle replay waited for (`common.frontier`; span "
+                      f"{row['frontier']['total']:.0f} µs): " + "; ".join(
+                          f"`{k[:60]}` ×{v['kernels']} {v['us']:.0f} µs"
+                          for k, v in list(row["frontier"]["by_kernel"].items())[:15])]
     payload = {"title": f"Kernel breakdown of the resident graphs ({args.model})", "environment": environment(),
                "weights": "random", "switches": switch_settings(),
                "parts": parts, "outside_the_forward": outside,

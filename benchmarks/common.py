@@ -1,11 +1,13 @@
 """Shared by the benchmark scripts: environment facts, result writing (JSON + markdown), CUDA-graph timing."""
 from __future__ import annotations
 
+import collections
 import contextlib
 import datetime
 import importlib
 import json
 import platform
+import re
 import statistics
 import sys
 import tempfile
@@ -261,3 +263,42 @@ def traced_kernels(replay, n: int) -> list[dict]:
         events = json.loads(Path(handle.name).read_text())["traceEvents"]
     return [{"name": e["name"], "us": float(e.get("dur", 0.0)), "ts": float(e.get("ts", 0.0))} for e in events
             if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+
+
+def timeline(kernels: list[dict], n: int) -> dict:
+    """The middle one of n traced replays in launch order: [name, start µs from the replay's first kernel, µs], and
+    the spans outside our kernels (before the first, after the last: the step's bookkeeping and the LM head), the
+    other kernels between them by name. Empty on a CPU (nothing traced)."""
+    if not kernels:
+        return {"kernels": [], "head_us": 0.0, "tail_us": 0.0, "between": {}}
+    per = len(kernels) // n
+    replay = sorted(kernels, key=lambda k: k["ts"])[(n // 2) * per: (n // 2 + 1) * per]
+    start = replay[0]["ts"]
+    rows = [[k["name"][:80], round(k["ts"] - start, 2), round(k["us"], 2)] for k in replay]
+    ours = [i for i, k in enumerate(replay) if re.fullmatch(r"_\w+_kernel", k["name"])]
+    if not ours:
+        return {"kernels": rows, "head_us": 0.0, "tail_us": 0.0, "between": {}}
+    first, last = ours[0], ours[-1]
+    end = max(k["ts"] + k["us"] for k in replay)
+    between = collections.Counter(k["name"][:80] for k in replay[first:last] if not re.fullmatch(r"_\w+_kernel",
+                                                                                              k["name"]))
+    return {"kernels": rows, "head_us": replay[first]["ts"] - start, "head_kernels": first,
+            "tail_us": end - (replay[last]["ts"] + replay[last]["us"]), "tail_kernels": len(replay) - 1 - last,
+            "between": dict(between)}
+
+
+def frontier(t: dict) -> dict:
+    """µs by which each kernel (by name) moves the replay's completion frontier: its end less the latest end of the
+    kernels before it (0 for a kernel that ends before another already running). With PDL kernels overlap, so
+    durations double-count; this charges every µs of the replay to exactly one kernel (the sum is the trace's span),
+    the one whose completion the GPU was waiting for. {name: {kernels, us}}, and "total"."""
+    table = collections.defaultdict(lambda: [0, 0.0])
+    front = None
+    for name, start, us in t["kernels"]:
+        end = start + us
+        table[name][0] += 1
+        table[name][1] += max(0.0, end - (start if front is None else front))
+        front = end if front is None else max(front, end)
+    ordered = sorted(table.items(), key=lambda kv: -kv[1][1])
+    rows = {name: {"kernels": c, "us": round(us, 2)} for name, (c, us) in ordered}
+    return {"by_kernel": rows, "total": round(sum(r["us"] for r in rows.values()), 2)}

@@ -38,7 +38,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from breakdown import parts_of, summarize, wall_ms  # noqa: E402
-from common import SWITCHES, environment, method_variant, switch_settings, traced_kernels, write_results  # noqa: E402
+from common import (SWITCHES, environment, frontier, method_variant, switch_settings, timeline,  # noqa: E402
+                    traced_kernels, write_results)
 from e2e import HBM_TBPS, build  # noqa: E402
 
 import hybridspec_hf  # noqa: E402
@@ -189,28 +190,6 @@ def measure(target, prompt: torch.Tensor, variant: str, replays: int, capacity: 
             "timeline": (line := timeline(kernels, 5)), "frontier": frontier(line)}
 
 
-def timeline(kernels: list[dict], n: int) -> dict:
-    """The middle one of n traced replays in launch order: [name, start µs from the replay's first kernel, µs], and
-    the spans outside our kernels (before the first, after the last: the step's bookkeeping and the LM head), the
-    other kernels between them by name. Empty on a CPU (nothing traced)."""
-    if not kernels:
-        return {"kernels": [], "head_us": 0.0, "tail_us": 0.0, "between": {}}
-    per = len(kernels) // n
-    replay = sorted(kernels, key=lambda k: k["ts"])[(n // 2) * per: (n // 2 + 1) * per]
-    start = replay[0]["ts"]
-    rows = [[k["name"][:80], round(k["ts"] - start, 2), round(k["us"], 2)] for k in replay]
-    ours = [i for i, k in enumerate(replay) if re.fullmatch(r"_\w+_kernel", k["name"])]
-    if not ours:
-        return {"kernels": rows, "head_us": 0.0, "tail_us": 0.0, "between": {}}
-    first, last = ours[0], ours[-1]
-    end = max(k["ts"] + k["us"] for k in replay)
-    between = collections.Counter(k["name"][:80] for k in replay[first:last] if not re.fullmatch(r"_\w+_kernel",
-                                                                                              k["name"]))
-    return {"kernels": rows, "head_us": replay[first]["ts"] - start, "head_kernels": first,
-            "tail_us": end - (replay[last]["ts"] + replay[last]["us"]), "tail_kernels": len(replay) - 1 - last,
-            "between": dict(between)}
-
-
 def report(rows: list[dict], base_ms: float) -> str:
     base = rows[0]
     lines = ["| variant | kernels / step | wall ms | Δ wall µs | launches doubled | µs per launch in situ | "
@@ -228,23 +207,6 @@ def report(rows: list[dict], base_ms: float) -> str:
         lines.append(f"| {row['variant']} | {row['kernels']:.0f} | {row['wall_ms']:.3f} | {delta:+.1f} | {extra} | "
                      f"{per} | {traced} |")
     return "\n".join(lines)
-
-
-def frontier(t: dict) -> dict:
-    """µs by which each kernel (by name) moves the replay's completion frontier: its end less the latest end of the
-    kernels before it (0 for a kernel that ends before another already running). With PDL kernels overlap, so
-    durations double-count; this charges every µs of the replay to exactly one kernel (the sum is the trace's span),
-    the one whose completion the GPU was waiting for. {name: {kernels, us}}, and "total"."""
-    table = collections.defaultdict(lambda: [0, 0.0])
-    front = None
-    for name, start, us in t["kernels"]:
-        end = start + us
-        table[name][0] += 1
-        table[name][1] += max(0.0, end - (start if front is None else front))
-        front = end if front is None else max(front, end)
-    ordered = sorted(table.items(), key=lambda kv: -kv[1][1])
-    rows = {name: {"kernels": c, "us": round(us, 2)} for name, (c, us) in ordered}
-    return {"by_kernel": rows, "total": round(sum(r["us"] for r in rows.values()), 2)}
 
 
 def frontier_table(rows: list[dict], top: int = 12) -> str:

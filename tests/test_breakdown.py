@@ -42,3 +42,23 @@ def test_breakdown_sets_the_plain_steps_side_by_side_at_batch_2(tmp_path, monkey
     assert list(report["parts"]) == [breakdown.AR_STEP, breakdown.HS_STEP]
     assert all(row["committed_per_replay"] == 1 for row in report["parts"].values())
     assert report["outside_the_forward"] is None
+
+
+def test_breakdown_times_the_max_shape_round_at_forced_lengths(tmp_path, monkeypatch, cpu_only):
+    """--round-lengths: the max-shape round captured once with a forced length, replayed at each w; a round commits
+    at least its anchor and no more than w + 1 tokens, and its bytes grow with w (the forward's tokens)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import breakdown
+
+    stem = tmp_path / "breakdown_forced"
+    breakdown.main(["--model", "tiny", "--replays", "2", "--lengths", "1", "--round-lengths", "1,4,16",
+                    "--name", str(stem)])
+    parts = json.loads(stem.with_suffix(".json").read_text())["parts"]
+    forced = [breakdown.forced_label(n) for n in (1, 4, 16)]
+    assert list(parts)[-3:] == forced and breakdown.ROUND in parts
+    assert [parts[label]["verified"] for label in forced] == [1, 4, 16]
+    assert all(1 <= parts[label]["committed_per_replay"] <= n + 1 for label, n in zip(forced, (1, 4, 16)))
+    assert all(parts[label]["frontier"] == {"by_kernel": {}, "total": 0} for label in forced)  # CPU: nothing traced
+    roofline = [parts[label]["roofline_ms"] for label in forced]
+    assert roofline[0] < roofline[1] < roofline[2]
+    assert "round, max shape, w = 4 forced" in stem.with_suffix(".md").read_text()
