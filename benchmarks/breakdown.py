@@ -6,20 +6,20 @@
 After warm-up calls of generate() (which capture the graphs), the graphs are replayed on their own under the torch
 profiler: the plain AR step, HybridSpec's exact-length parts — the draft graph (drafting + choosing w0) and the
 verify graphs at w = 1, 4, 8, 16 (each verifies, accepts and commits) — and the round as the default CUDA path runs
-it: one max-shape graph (draft, choose, verify the whole block with a device-side valid length, accept, commit,
-hand off), beside the same target forward captured alone in a graph of its own (`ResidentRounds._verify_forward`
-with the round's valid length and routing window; no drafting, acceptance or commit) at T = B and T = 1. The round's
-wall minus the forward's is the time outside the target's forward (issue 15; goal <= 1.0 ms at B = 16), of which
-the draft graph's share is printed. `--round-lengths 1,4,16` adds the max-shape round with its length forced to each w
+it: one max-shape graph (draft, choose, verify the whole block with a device-side valid length, accept, commit, hand
+off), beside the same target forward captured alone in a graph of its own (`ResidentRounds._verify_forward` with the
+round's valid length and routing window; no drafting, acceptance or commit) at T = B and T = 1. The round's wall
+minus the forward's is the time outside the target's forward (issue 15; goal <= 1.0 ms at B = 16), of which the
+draft graph's share is printed. `--round-lengths 1,4,16` adds the max-shape round with its length forced to each w
 (`ForcedLength` beside HybridSpec's selector work, as calibration times C(w)): what a round costs at small w that a
-plain step does not. Every kernel traced while a graph replays is
-that graph's, so per replay we report the kernel count, the GPU busy time (sum of kernel durations) and the wall time
-of a replay (CUDA events, no profiler), with kernels grouped by kind (GEMMs, our Triton kernels by name, elementwise,
-reductions, copies, ...). The bytes roofline of each part is printed beside it: weights the part must read (routed
-experts counted as the distinct experts its tokens reach under a uniform router; the embedding as the rows read), the
-GDN state read and written, the KV cache read, at 4.25 TB/s. With PDL kernels overlap, so each part also charges every
-µs of its middle traced replay to the kernel the GPU waited for (`common.frontier`, as kernel_costs.py). Random weights, random drafter (acceptance ≈ 0: the
-cache grows by one token per round). Writes benchmarks/results/<name>.{json,md}.
+plain step does not. Every kernel traced while a graph replays is that graph's, so per replay we report the kernel
+count, the GPU busy time (sum of kernel durations) and the wall time of a replay (CUDA events, no profiler), with
+kernels grouped by kind (GEMMs, our Triton kernels by name, elementwise, reductions, copies, ...). The bytes
+roofline of each part is printed beside it: weights the part must read (routed experts counted as the distinct
+experts its tokens reach under a uniform router; the embedding as the rows read), the GDN state read and written,
+the KV cache read, at 4.25 TB/s. With PDL kernels overlap, so each part also charges every µs of its middle traced
+replay to the kernel the GPU waited for (`common.frontier`, as kernel_costs.py). Random weights, random drafter
+(acceptance ≈ 0: the cache grows by one token per round). Writes benchmarks/results/<name>.{json,md}.
 """
 from __future__ import annotations
 
