@@ -2,6 +2,7 @@
 
     python benchmarks/round_tiles.py                     # one H200: Qwen3.5-35B-A3B shape, random bf16 weights
     python benchmarks/round_tiles.py --variants base,g16x128-d32x128,base --lengths 1,2,4,8,16
+    python benchmarks/round_tiles.py --variants base,base+direct-down-early,base   # an A/B switch (common.SWITCHES)
 
 A GPU-resident round verifies the whole block (T = 16 at the 35B-A3B drafter's block) with a device-side valid
 length, so its MoE layers run the direct-rows kernels at T = 16 whatever w the selector chose: the tiles
@@ -12,7 +13,7 @@ decode kernel). Each variant sets the direct rows' tiles at the block's T (gate_
 warps, stages), captures the round afresh with its length forced (`calibration.ForcedLength` beside HybridSpec's
 selector work, as calibration times C(w)), and times a replay at each w (CUDA events, the median of `--replays`,
 three times; the verified length read back). "base" is the code's tiles; put it first and last: the spread of its
-rows is the noise. Random bf16 weights, a random drafter (each replay commits ≈ 1 token).
+rows is the noise. A variant may end in "+SWITCH" / "-SWITCH" (common.SWITCHES: that A/B switch on / off). Random bf16 weights, a random drafter (each replay commits ≈ 1 token).
 Writes benchmarks/results/<name>.{json,md}.
 """
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from breakdown import forced_label, parts_of, wall_ms  # noqa: E402
-from common import environment, write_results  # noqa: E402
+from common import environment, method_variant, variant_switches, write_results  # noqa: E402
 from e2e import build  # noqa: E402
 
 import hybridspec_hf  # noqa: E402
@@ -83,8 +84,8 @@ def measure(target, drafter, prompt: torch.Tensor, spec: str, lengths: list[int]
                   attention_mask=torch.ones_like(prompt), do_sample=False, pad_token_id=0)
     capacity = 3 * replays * len(lengths) + 2 * len(lengths) + 64  # each replay commits ≈ 1 token (random drafter)
     hybridspec_hf.release_graphs(target)
-    row = {"variant": spec, "wall_ms": {}, "wall_ms_all": {}, "verified": {}}
-    with direct_tiles(parse_variant(spec), block):
+    row = {"variant": spec, "wall_ms": {}, "wall_ms_all": {}, "verified": {}, "switches": variant_switches(spec)}
+    with method_variant(spec, target) as tiles, direct_tiles(parse_variant(tiles), block):
         target.generate(prompt, max_new_tokens=capacity, **kwargs)  # captures for this capacity
         target.generate(prompt, max_new_tokens=8, **kwargs)  # reuses the rounds, leaves the cache near the prompt
         rounds = target.__dict__.get("_hybridspec_resident")
@@ -128,8 +129,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--name", default="round_tiles")
     args = parser.parse_args(argv)
     variants = args.variants.split(",")
-    for spec in variants:
-        parse_variant(spec)  # every variant's error before the model is built
+    for spec in variants:  # every variant's error before the model is built
+        with method_variant(spec) as tiles:
+            parse_variant(tiles)
     lengths = [int(n) for n in args.lengths.split(",")]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     target, drafter = build(args.model, args.layers, device)

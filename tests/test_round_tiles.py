@@ -17,12 +17,13 @@ def round_tiles(monkeypatch):
 def test_round_tiles_times_each_forced_length_per_variant(tmp_path, round_tiles, cpu_only):
     stem = tmp_path / "round_tiles_tiny"
     round_tiles.main(["--model", "tiny", "--replays", "1", "--lengths", "1,4,16", "--variants",
-                      "base,g16x64w2s3-d32x64,base", "--name", str(stem)])
+                      "base,g16x64w2s3-d32x64+direct-down-early,base", "--name", str(stem)])
     report = json.loads(stem.with_suffix(".json").read_text())
-    assert [r["variant"] for r in report["rows"]] == ["base", "g16x64w2s3-d32x64", "base"]
+    assert [r["variant"] for r in report["rows"]] == ["base", "g16x64w2s3-d32x64+direct-down-early", "base"]
+    assert [r["switches"]["DIRECT_DOWN_EARLY"] for r in report["rows"]] == [False, True, False]
     assert all(r["verified"] == {"1": 1, "4": 4, "16": 16} for r in report["rows"])
     assert all(len(r["wall_ms_all"]["4"]) == 3 and r["wall_ms"]["4"] > 0 for r in report["rows"])
-    assert "| g16x64w2s3-d32x64 |" in stem.with_suffix(".md").read_text()
+    assert "| g16x64w2s3-d32x64+direct-down-early |" in stem.with_suffix(".md").read_text()
 
 
 def test_round_tiles_variants_parse_or_are_refused(round_tiles):
@@ -32,6 +33,8 @@ def test_round_tiles_variants_parse_or_are_refused(round_tiles):
     assert round_tiles.parse_variant("g16x128-d32x64w8s3") == (Tiles(16, 128, 4, 4), Tiles(32, 64, 8, 3))
     with pytest.raises(SystemExit, match="unknown variant 'g16-d32'"):
         round_tiles.main(["--variants", "base,g16-d32"])
+    with pytest.raises(SystemExit, match="unknown variant 'base\\+nonsense'"):
+        round_tiles.main(["--variants", "base+nonsense"])
 
 
 def test_direct_tiles_apply_at_the_block_only(round_tiles):
