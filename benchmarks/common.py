@@ -22,9 +22,6 @@ RESULTS = Path(__file__).resolve().parent / "results"
 SWITCHES = {
     "moe-one-pass": ("hybridspec_hf.patches._moe", "SHARED_EXPERT_SLOT", "the one-pass MoE block"),
     "moe-decode": ("hybridspec_hf.kernels.moe_triton", "DECODE_PATH", "the MoE decode kernels up to DECODE_MAX_TOKENS"),
-    "direct-down-early": ("hybridspec_hf.kernels.moe_triton", "DIRECT_DOWN_EARLY",
-                          "the direct rows' down kernel reads the routing and its first weight tile before the PDL "
-                          "wait"),
     "defer-appends": ("hybridspec_hf.generation.resident", "DEFER_CONTEXT_APPENDS",
                       "plain steps park the drafter's features for the next speculative round"),
     "trust-drafts": ("hybridspec_hf.selector.length_rules", "TRUST_DRAFTS",

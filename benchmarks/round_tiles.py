@@ -2,7 +2,7 @@
 
     python benchmarks/round_tiles.py                     # one H200: Qwen3.5-35B-A3B shape, random bf16 weights
     python benchmarks/round_tiles.py --variants base,g16x128-d32x128,base --lengths 1,2,4,8,16
-    python benchmarks/round_tiles.py --variants base,base+direct-down-early,base   # an A/B switch (common.SWITCHES)
+    python benchmarks/round_tiles.py --variants base,base-moe-decode,base   # an A/B switch (common.SWITCHES)
 
 A GPU-resident round verifies the whole block (T = 16 at the 35B-A3B drafter's block) with a device-side valid
 length, so its MoE layers run the direct-rows kernels at T = 16 whatever w the selector chose: the tiles

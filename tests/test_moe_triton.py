@@ -436,31 +436,3 @@ def test_the_sorted_blocks_with_the_align_kernel_equal_those_without(monkeypatch
     assert torch.equal(fused_experts_triton(**x, mode="sorted"), without) and not calls
     with pytest.raises(ValueError, match="4096 token–expert pairs"):
         moe_triton.align_pairs_triton(torch.zeros(513, 8, dtype=torch.long), 256, 16)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens, inter, down_tiles", [
-    (16, 24, None),  # the block's T: one step (I < BK of the default tiles)
-    (16, 40, Tiles(16, 16)),  # three steps, the last partial (I = 40, BK = 16)
-    (5, 32, Tiles(32, 16)),  # two whole steps
-    (3, 20, Tiles(16, 32)),  # one partial step
-])
-def test_direct_down_early_reads_give_the_same_bits(tokens, inter, down_tiles, dtype, monkeypatch):
-    """DIRECT_DOWN_EARLY (the direct rows' down kernel reads the routing and its first weight tile before the PDL
-    wait; on the CPU the wait is a no-op, the code path the same): the same bits as the reads after the wait, for
-    the routed experts alone and for the one-pass block (shared expert, residual), with duplicates, a sentinel and
-    the tokens past a valid length routed as a verification's stage 1 routes them."""
-    x = make_block(41, tokens, 48, inter, 6, 3, dtype)
-    x["top_k_index"][0] = torch.tensor([2, 2, 5])  # an expert twice
-    x["top_k_index"][1, 2] = 6  # a sentinel (E = 6)
-    valid = torch.tensor([max(1, tokens // 2)])
-    x["top_k_index"], x["top_k_weights"] = mask_invalid_routes_reference(x["top_k_index"], x["top_k_weights"], valid)
-    routed = {k: x[k] for k in ("hidden", "top_k_index", "top_k_weights", "gate_up_proj", "down_proj")}
-    outs = {}
-    for early in (False, True):
-        monkeypatch.setattr(moe_triton, "DIRECT_DOWN_EARLY", early)
-        outs[early] = (moe_block_triton(**x, mode="direct", down_tiles=down_tiles),
-                       fused_experts_triton(**routed, mode="direct", down_tiles=down_tiles))
-    assert torch.equal(outs[True][0], outs[False][0]) and torch.equal(outs[True][1], outs[False][1])
-    assert rel(outs[True][0], moe_block_reference(**x)) < TOL[dtype]
-    assert rel(outs[True][1], fused_experts_reference(**routed)) < TOL[dtype]

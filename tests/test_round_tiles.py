@@ -17,13 +17,13 @@ def round_tiles(monkeypatch):
 def test_round_tiles_times_each_forced_length_per_variant(tmp_path, round_tiles, cpu_only):
     stem = tmp_path / "round_tiles_tiny"
     round_tiles.main(["--model", "tiny", "--replays", "1", "--lengths", "1,4,16", "--variants",
-                      "base,g16x64w2s3-d32x64+direct-down-early,base", "--name", str(stem)])
+                      "base,g16x64w2s3-d32x64-moe-decode,base", "--name", str(stem)])
     report = json.loads(stem.with_suffix(".json").read_text())
-    assert [r["variant"] for r in report["rows"]] == ["base", "g16x64w2s3-d32x64+direct-down-early", "base"]
-    assert [r["switches"]["DIRECT_DOWN_EARLY"] for r in report["rows"]] == [False, True, False]
+    assert [r["variant"] for r in report["rows"]] == ["base", "g16x64w2s3-d32x64-moe-decode", "base"]
+    assert [r["switches"]["DECODE_PATH"] for r in report["rows"]] == [True, False, True]  # the switch, then back
     assert all(r["verified"] == {"1": 1, "4": 4, "16": 16} for r in report["rows"])
     assert all(len(r["wall_ms_all"]["4"]) == 3 and r["wall_ms"]["4"] > 0 for r in report["rows"])
-    assert "| g16x64w2s3-d32x64+direct-down-early |" in stem.with_suffix(".md").read_text()
+    assert "| g16x64w2s3-d32x64-moe-decode |" in stem.with_suffix(".md").read_text()
 
 
 def test_round_tiles_variants_parse_or_are_refused(round_tiles):

@@ -97,11 +97,6 @@ DECODE_PATH = True
 # was 60-72 µs longer with it (runs 75-76, kernel_costs_run75/76.md: the fused router's share and gate_up's both
 # grew; the walls -4 / +20 µs, within those machines' noise). True: A/B (`ar+shared-first`).
 SHARED_FIRST = False
-# The direct rows' down kernel reads the routing and its first weight tile before the PDL wait (as the decode down
-# kernel does), so that they stream while gate_up ends: in a short max-shape round (T = 16, one to four tokens
-# valid) the direct rows' down took 698 µs a round against 242 for the AR step's decode down (run 123, H100,
-# breakdown_run123.md). Off until measured (A/B `direct-down-early`).
-DIRECT_DOWN_EARLY = False
 MODES = ("auto", "decode", "direct", "sorted")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -281,17 +276,14 @@ def _first_use(ids, slot, S, E, SP: tl.constexpr, CACHE: tl.constexpr):
 
 
 def _program_rows(ids, block_expert, block_pairs, slot, T, S, E,
-                  DIRECT: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, BM: tl.constexpr,
-                  CACHE: tl.constexpr):
+                  DIRECT: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, BM: tl.constexpr):
     """(expert int64, live, pair [BM] int32, row_ok [BM]) of program `slot`: the expert it serves (live = it has
-    work), and per row the token–expert pair whose act row it reads or writes. CACHE: the direct rows' loads' cache
-    modifier (".cg" for a read before the PDL wait, pdl.py)."""
+    work), and per row the token–expert pair whose act row it reads or writes."""
     rm = tl.arange(0, BM)
     if DIRECT:
-        expert, live = _first_use(ids, slot, S, E, SP, CACHE)
+        expert, live = _first_use(ids, slot, S, E, SP, "")
         rj = tl.arange(0, KP)
-        token_ids = tl.load(ids + rm[:, None] * K + rj[None, :], mask=(rm[:, None] < T) & (rj[None, :] < K), other=-1,
-                            cache_modifier=CACHE)
+        token_ids = tl.load(ids + rm[:, None] * K + rj[None, :], mask=(rm[:, None] < T) & (rj[None, :] < K), other=-1)
         j_first = tl.min(tl.where(token_ids == expert, rj[None, :], KP), 1)  # a token lists an expert once, but
         row_ok = j_first < K  # if twice, the first pair holds the act row and the down kernel weights both
         pair = rm * K + tl.where(row_ok, j_first, 0)
@@ -326,7 +318,7 @@ def _gate_up_kernel(
     pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
     i_n = tl.program_id(0)
     slot = tl.program_id(1)
-    expert, live, pair, row_ok = _program_rows(ids, block_expert, block_pairs, slot, T, S, E, DIRECT, K, KP, SP, BM, "")
+    expert, live, pair, row_ok = _program_rows(ids, block_expert, block_pairs, slot, T, S, E, DIRECT, K, KP, SP, BM)
     token = (pair // K).to(tl.int64)  # direct mode: the row itself, for the shared slot too
     w_base = w1 + expert * stride_we
     if SHARED:
@@ -368,60 +360,38 @@ def _gate_up_kernel(
                 tl.store(logit + tl.arange(0, BM), acc_logit, mask=row_ok)
 
 
-def _down_step(acc, b_w, p_act, rk, row_ok, mk, DOT_FP32: tl.constexpr):
-    """acc [BM, BN] += act[rows, rk] · b_w [BK, BN]: one K step of the down GEMM (the act tile rounded to the weights'
-    dtype, as transformers rounds it)."""
-    b_a = tl.load(p_act + rk[None, :], mask=row_ok[:, None] & mk[None, :], other=0.0).to(b_w.dtype)
-    if DOT_FP32:
-        b_a, b_w = b_a.to(tl.float32), b_w.to(tl.float32)
-    return acc + tl.dot(b_a, b_w, input_precision="ieee" if DOT_FP32 else "tf32")
-
-
 def _down_kernel(
     act, ids, weights, block_expert, block_pairs, w2, rows, shared_w2,
     T, S, E,
     stride_we, stride_wn, stride_wk,
     H: tl.constexpr, INTER: tl.constexpr, DIRECT: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
     SP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr,
-    SHARED: tl.constexpr, EARLY: tl.constexpr,
+    SHARED: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Program (i_n, slot): BN output columns of the slot's expert (its rows: the tokens or pairs it serves), to
-    `rows`. EARLY (`DIRECT_DOWN_EARLY`, direct rows): the routing (the router's, two kernels back: gate_up is
-    between, pdl.py) and the first [BK, BN] weight tile are read before the PDL wait, so they stream while gate_up
-    ends; act (gate_up's) after it."""
+    pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
     i_n = tl.program_id(0)
     slot = tl.program_id(1)
-    rn = i_n * BN + tl.arange(0, BN)
-    mn = rn < H
-    rk = tl.arange(0, BK)
-    if EARLY:
-        expert, live, pair, row_ok = _program_rows(ids, block_expert, block_pairs, slot, T, S, E, DIRECT, K, KP, SP,
-                                                   BM, ".cg")
-    else:
-        pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
-        expert, live, pair, row_ok = _program_rows(ids, block_expert, block_pairs, slot, T, S, E, DIRECT, K, KP, SP,
-                                                   BM, "")
-    w_base = w2 + tl.where(live, expert, 0) * stride_we  # an expert without work reads nothing (masked below)
+    expert, live, pair, row_ok = _program_rows(ids, block_expert, block_pairs, slot, T, S, E, DIRECT, K, KP, SP, BM)
+    w_base = w2 + expert * stride_we
     if SHARED:
         is_shared, live, pair, row_ok = _shared_slot(slot, live, pair, row_ok, T, S, BM)
         if is_shared:
             w_base = shared_w2  # the shared expert's down_proj [H, I]
-    p_w = w_base + rn[None, :] * stride_wn  # [BK, BN] tiles of down_e
-    b_w0 = tl.zeros([BK, BN], dtype=w2.dtype.element_ty)
-    if EARLY:  # the first tile, in flight across the wait (live: the slot has work)
-        b_w0 = tl.load(p_w + rk[:, None] * stride_wk, mask=live & (rk < INTER)[:, None] & mn[None, :], other=0.0)
-        pdl.enter(PDL)  # act (gate_up's) from here on
     if live:
+        rn = i_n * BN + tl.arange(0, BN)
+        mn = rn < H
         p_act = act + pair[:, None].to(tl.int64) * INTER
+        p_w = w_base + rn[None, :] * stride_wn  # [BK, BN] tiles of down_e
         acc = tl.zeros([BM, BN], dtype=tl.float32)
-        if EARLY:  # the first step on the tile read before the wait
-            acc = _down_step(acc, b_w0, p_act, rk, row_ok, rk < INTER, DOT_FP32)
-        for k0 in range(BK if EARLY else 0, INTER, BK):
+        for k0 in range(0, INTER, BK):
             rk = k0 + tl.arange(0, BK)
             mk = rk < INTER
             b_w = tl.load(p_w + rk[:, None] * stride_wk, mask=mk[:, None] & mn[None, :], other=0.0)
-            acc = _down_step(acc, b_w, p_act, rk, row_ok, mk, DOT_FP32)
+            b_a = tl.load(p_act + rk[None, :], mask=row_ok[:, None] & mk[None, :], other=0.0).to(b_w.dtype)
+            if DOT_FP32:
+                b_a, b_w = b_a.to(tl.float32), b_w.to(tl.float32)
+            acc += tl.dot(b_a, b_w, input_precision="ieee" if DOT_FP32 else "tf32")
         if DIRECT:  # rows are tokens: write w[t, j] · y_t to every pair (t, j) that names this expert
             rm = tl.arange(0, BM)
             for j in tl.static_range(K):
@@ -721,7 +691,6 @@ def _down_decode_kernel(
 if HAS_TRITON:
     _first_use = triton.jit(_first_use)
     _program_rows = triton.jit(_program_rows)
-    _down_step = triton.jit(_down_step)
     _shared_slot = triton.jit(_shared_slot)
     _add_gated_shared = triton.jit(_add_gated_shared)
     _add_row_products = triton.jit(_add_row_products)
@@ -996,8 +965,7 @@ def _launch(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, mode, b
     _down_kernel[(triton.cdiv(hidden_size, tiles.block_n), num_slots)](
         act, ids, weights, block_expert, block_pairs, down_proj, rows, shared_down,
         num_tokens, pairs, num_experts, *down_proj.stride(),
-        **common, BN=tiles.block_n, BK=tiles.block_k, EARLY=mode == "direct" and DIRECT_DOWN_EARLY and pdl.EARLY_READS,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        **common, BN=tiles.block_n, BK=tiles.block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     if residual is not None:
         residual = residual if residual.stride(-1) == 1 else residual.contiguous()
