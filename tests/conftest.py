@@ -16,6 +16,12 @@ NEAR_TIES: list[dict] = []
 
 
 @pytest.fixture
+def benchmarks(monkeypatch):
+    """benchmarks/ on sys.path for the test (its scripts import one another as top-level modules)."""
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+
+
+@pytest.fixture
 def fp64_gdn():
     with float64_gdn():
         yield

@@ -1,7 +1,6 @@
 """benchmarks/barrier_cost.py's kernels on the CPU (TRITON_INTERPRET=1): the persistent chain with its barrier (one
 program: the interpreter runs programs one after another, so more than one would wait for a program that has not
 run), its give-up path, its barrier-free form, and the chain of skinny GEMM launches, against the float32 truth."""
-from pathlib import Path
 
 import pytest
 import torch
@@ -10,8 +9,7 @@ pytestmark = pytest.mark.usefixtures("triton_interpreter")
 
 
 @pytest.fixture
-def barrier_cost(monkeypatch):
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+def barrier_cost(benchmarks):
     import barrier_cost
 
     return barrier_cost

@@ -1,13 +1,11 @@
 """benchmarks/batch.py (the batched H200 benchmark) runs through on the tiny model (CPU)."""
 import json
-from pathlib import Path
 
 import pytest
 
 
 @pytest.fixture
-def batch_benchmark(monkeypatch):
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+def batch_benchmark(benchmarks):
     import batch
 
     return batch
@@ -77,10 +75,9 @@ def test_results_names_land_where_the_commands_say(batch_benchmark, tmp_path):
     assert results_path(str(tmp_path / "x" / "run.md")) == tmp_path / "x" / "run"
 
 
-def test_round_kernels_prices_plain_steps_as_ar_steps_and_keeps_the_rest(monkeypatch):
+def test_round_kernels_prices_plain_steps_as_ar_steps_and_keeps_the_rest(benchmarks):
     """benchmarks/round_kernels.py: a drafted round's kernels are the call's less its plain steps at AR's per-step
     kernels, over the drafted rounds; names only the plain steps launch cancel out."""
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import round_kernels
 
     ar_step = {"gemv": {"count": 4.0, "us": 8.0}, "tail": {"count": 1.0, "us": 2.0}}

@@ -1,13 +1,11 @@
 """benchmarks/breakdown.py runs through on a tiny model on the CPU (no kernels to trace: timings only), issue 15's
 figure included: the max-shape round against its target forward replayed alone."""
 import json
-from pathlib import Path
 
 import pytest
 
 
-def test_breakdown_times_the_round_and_its_forward_alone(tmp_path, monkeypatch, cpu_only):
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+def test_breakdown_times_the_round_and_its_forward_alone(tmp_path, benchmarks, cpu_only):
     import breakdown
 
     stem = tmp_path / "breakdown_tiny"
@@ -31,9 +29,8 @@ def test_breakdown_times_the_round_and_its_forward_alone(tmp_path, monkeypatch, 
     assert "outside the forward (round - forward)" in stem.with_suffix(".md").read_text()
 
 
-def test_breakdown_sets_the_plain_steps_side_by_side_at_batch_2(tmp_path, monkeypatch, cpu_only):
+def test_breakdown_sets_the_plain_steps_side_by_side_at_batch_2(tmp_path, benchmarks, cpu_only):
     """--plain-only --batch 2: AR's plain step and HybridSpec's, each committing one token per row."""
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import breakdown
 
     stem = tmp_path / "breakdown_plain"
@@ -44,10 +41,9 @@ def test_breakdown_sets_the_plain_steps_side_by_side_at_batch_2(tmp_path, monkey
     assert report["outside_the_forward"] is None
 
 
-def test_breakdown_times_the_max_shape_round_at_forced_lengths(tmp_path, monkeypatch, cpu_only):
+def test_breakdown_times_the_max_shape_round_at_forced_lengths(tmp_path, benchmarks, cpu_only):
     """--round-lengths: the max-shape round captured once with a forced length, replayed at each w; a round commits
     at least its anchor and no more than w + 1 tokens, and its bytes grow with w (the forward's tokens)."""
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import breakdown
 
     stem = tmp_path / "breakdown_forced"

@@ -20,12 +20,9 @@ def test_bench_runs_every_method_under_a_profile_and_writes_results(tmp_path, cp
     assert stem.with_suffix(".md").exists() and stem.with_suffix(".png").exists()
 
 
-def test_a_failing_method_is_written_down_before_the_run_stops(tmp_path, monkeypatch):
-    from pathlib import Path
-
+def test_a_failing_method_is_written_down_before_the_run_stops(benchmarks, tmp_path, monkeypatch):
     import pytest
 
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import e2e
 
     measured = e2e.run_method
@@ -45,12 +42,9 @@ def test_a_failing_method_is_written_down_before_the_run_stops(tmp_path, monkeyp
     assert "failed: RuntimeError" in stem.with_suffix(".md").read_text()
 
 
-def test_length_choice_bound_is_the_oracle_over_whole_block_rounds(monkeypatch):
-    from pathlib import Path
-
+def test_length_choice_bound_is_the_oracle_over_whole_block_rounds(benchmarks):
     import torch
 
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import e2e
 
     cost = torch.arange(1, 17, dtype=torch.float32)  # C(w) = w
@@ -62,14 +56,11 @@ def test_length_choice_bound_is_the_oracle_over_whole_block_rounds(monkeypatch):
     assert e2e.length_choice_bound(torch.ones(16), 1.0, torch.tensor([0, 5, 9, 15])) == 1.0
 
 
-def test_selector_simulation_replays_a_profile_and_prices_plain_steps(monkeypatch):
+def test_selector_simulation_replays_a_profile_and_prices_plain_steps(benchmarks):
     """benchmarks/selector_sim.py: every round takes the next profile row; a plain step costs C_ar and emits one
     token; "never plain" never steps plain; DFlash always verifies the whole block."""
-    from pathlib import Path
-
     import torch
 
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import selector_sim
     from e2e import profile_halves
 
@@ -85,16 +76,13 @@ def test_selector_simulation_replays_a_profile_and_prices_plain_steps(monkeypatc
     assert never["plain_steps"] == 0 and never["tokens_per_s"] > 0
 
 
-def test_call_simulation_prices_a_whole_call_and_its_rows(monkeypatch):
+def test_call_simulation_prices_a_whole_call_and_its_rows(benchmarks):
     """selector_sim.simulate_call: a profile whose every round accepts the whole block, a flat C(w), never plain:
     each round costs C and yields its w tokens per row, so × AR = (tokens - 1)·C_ar / (rounds·C), for one row and
     for a batch's rows; a profile that accepts nothing at a round cost far above C_ar: the call steps plain after its
     first round and probes little (× AR a little below 1)."""
-    from pathlib import Path
-
     import torch
 
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import selector_sim
     from e2e import profile_halves
 
@@ -122,14 +110,12 @@ def test_call_simulation_prices_a_whole_call_and_its_rows(monkeypatch):
     assert spec <= INFORMED_ROUNDS + 1 and 0.85 < speedup < 1.0, (speedup, spec)  # the first rounds, a probe
 
 
-def _position_sim(monkeypatch):
-    """benchmarks/position_sim.py, and a recorded text of 128 tokens whose every position accepts the whole block of
-    16 with confident drafts, and a flat C(w) = 8 ms against C_ar = 4 ms."""
-    from pathlib import Path
-
+def _position_sim():
+    """benchmarks/position_sim.py (the caller asks for the `benchmarks` fixture), and a recorded text of 128 tokens
+    whose every position accepts the whole block of 16 with confident drafts, and a flat C(w) = 8 ms against
+    C_ar = 4 ms."""
     import torch
 
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import position_sim
 
     from hybridspec_hf.selector.latency import LatencyModel
@@ -142,7 +128,7 @@ def _position_sim(monkeypatch):
     return position_sim, text, flat
 
 
-def test_position_simulation_walks_the_text_as_the_rounds_do(monkeypatch):
+def test_position_simulation_walks_the_text_as_the_rounds_do(benchmarks):
     """benchmarks/position_sim.py's walk: a text whose every position accepts the whole block, a flat C(w): DFlash
     makes 127 tokens in ceil(127 / 16) rounds of C; a text that accepts nothing at a round cost far above C_ar:
     HybridSpec drafts its first rounds, steps plain after them and stays within a probe of AR."""
@@ -151,7 +137,7 @@ def test_position_simulation_walks_the_text_as_the_rounds_do(monkeypatch):
     from hybridspec_hf.selector import AcceptanceEstimator
     from hybridspec_hf.selector.latency import LatencyModel
 
-    position_sim, text, flat = _position_sim(monkeypatch)
+    position_sim, text, flat = _position_sim()
     n, block = text["n"], flat.block_size
     estimator = AcceptanceEstimator.default(block)
     run = position_sim.walk("dflash", {}, flat, estimator, text)
@@ -166,13 +152,13 @@ def test_position_simulation_walks_the_text_as_the_rounds_do(monkeypatch):
     assert 0.8 < run["ar_seconds"] / run["seconds"] < 1.0
 
 
-def test_position_simulation_runs_calls_in_sequence_as_the_resident_rounds_do(monkeypatch):
+def test_position_simulation_runs_calls_in_sequence_as_the_resident_rounds_do(benchmarks):
     """position_sim.py --sequence's call: the first call of a selector drafts at once (no evidence); a later call
     holding the evidence of enough rounds opens with a deciding plain step, which drafts next where drafting paid
     (every position accepts the whole block: 1 plain step, then 127 - 1 tokens in 8 rounds)."""
     from hybridspec_hf.selector import AcceptanceEstimator, make_selector
 
-    position_sim, text, flat = _position_sim(monkeypatch)
+    position_sim, text, flat = _position_sim()
     block = flat.block_size
     selector = make_selector("nominal", {"latency_model": flat})
     clock = [8e-3] * block
@@ -183,10 +169,7 @@ def test_position_simulation_runs_calls_in_sequence_as_the_resident_rounds_do(mo
     assert abs(second["seconds"] / (4e-3 + 8 * 8e-3) - 1) < 1e-6
 
 
-def test_method_variants_set_one_or_several_switches_and_put_them_back(monkeypatch):
-    from pathlib import Path
-
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+def test_method_variants_set_one_or_several_switches_and_put_them_back(benchmarks):
     from common import method_variant, variant_switches
 
     from hybridspec_hf.kernels import gdn_step_triton, pdl
@@ -205,15 +188,12 @@ def test_method_variants_set_one_or_several_switches_and_put_them_back(monkeypat
     assert (pdl.EARLY_READS, gdn_step_triton.FOLD_NORM, pdl.ENABLED) == before
 
 
-def test_a_warm_up_replays_another_stretch_of_the_profile(monkeypatch):
+def test_a_warm_up_replays_another_stretch_of_the_profile(benchmarks):
     """common.profile_elsewhere: inside, the profile starts half its rows past the timed call's start row (the
     evidence HybridSpec carries into the timed call must not be its own rows); after, even on an error, it is back;
     None (no profile) passes through."""
-    from pathlib import Path
-
     import pytest
 
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from common import profile_elsewhere
     from e2e import profile_halves
 

@@ -14,7 +14,6 @@ import copy
 import importlib
 import pickle
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -329,8 +328,7 @@ def projection_weights(model) -> set[int]:
     return weights
 
 
-def test_benchmark_smoke_run_writes_results(tmp_path, monkeypatch, cpu_only):
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+def test_benchmark_smoke_run_writes_results(tmp_path, benchmarks, cpu_only):
     benchmark = importlib.import_module("gemv")
     report = benchmark.main(["--smoke", "--replays", "1", "--name", str(tmp_path / "gemv")])
     cells = [cell for shape in report["shapes"] for cell in shape["cells"]]

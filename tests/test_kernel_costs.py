@@ -1,14 +1,12 @@
 """benchmarks/kernel_costs.py: the doubled launches, the variant names, and a run through on a tiny model on the CPU
 (no Triton kernels there: timings only)."""
 import json
-from pathlib import Path
 
 import pytest
 
 
 @pytest.fixture
-def kernel_costs(monkeypatch):
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+def kernel_costs(benchmarks):
     import kernel_costs
 
     return kernel_costs

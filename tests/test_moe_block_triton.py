@@ -529,15 +529,13 @@ def test_mask_invalid_routes_per_batch_row():
     assert torch.equal(got_ids[~invalid], ids[~invalid])
 
 
-def test_moe_block_benchmark_smoke_run_writes_results(tmp_path, monkeypatch, cpu_only):
+def test_moe_block_benchmark_smoke_run_writes_results(tmp_path, benchmarks, cpu_only):
     """benchmarks/moe_block.py on the CPU (tiny shape, the interpreter): the three routes and the kernels alone per
     T, the decode route agreeing with transformers' block, the decode kernels with the direct ones, bit for bit
     reproducible; the results written; the routing switches restored."""
     import importlib
     import sys
-    from pathlib import Path
 
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     defaults = (_moe.SHARED_EXPERT_SLOT, moe_triton.DECODE_PATH)
     benchmark = importlib.import_module("moe_block")
     report = benchmark.main(["--smoke", "--name", str(tmp_path / "moe_block")])

@@ -1,14 +1,12 @@
 """benchmarks/round_tiles.py runs through on a tiny model on the CPU (timings only): each variant's round captured
 with its length forced verifies exactly the forced w, and a malformed variant is refused before any model is built."""
 import json
-from pathlib import Path
 
 import pytest
 
 
 @pytest.fixture
-def round_tiles(monkeypatch):
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+def round_tiles(benchmarks):
     import round_tiles
 
     return round_tiles

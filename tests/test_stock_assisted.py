@@ -2,15 +2,13 @@
 short prompt (transformers >= 5.25: older versions refuse assisted decoding for these targets, and the script says
 so), with the extra-state switch restored afterwards."""
 import json
-from pathlib import Path
 
 import pytest
 from transformers import Qwen3_5MoeForCausalLM, cache_utils
 
 
 @pytest.fixture
-def stock_assisted(monkeypatch):
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+def stock_assisted(benchmarks):
     import stock_assisted
 
     return stock_assisted
