@@ -192,6 +192,17 @@ def target_forward(rounds, tokens: int) -> Replay:
         return Replay(forward, device=rounds.device)
 
 
+def captured_rounds(target, prompt: torch.Tensor, capacity: int, kwargs: dict):
+    """`target`'s resident rounds for generate(prompt, **kwargs), captured for `capacity` new tokens, with the cache
+    left near the prompt and every round free to verify the whole block and commit (for replays on their own)."""
+    target.generate(prompt, max_new_tokens=capacity, **kwargs)  # captures for this capacity
+    target.generate(prompt, max_new_tokens=8, **kwargs)  # reuses the rounds, leaves the cache near the prompt
+    rounds = target.__dict__.get("_hybridspec_resident")
+    rounds.limit.fill_(10**9)  # every round may verify the whole block
+    rounds.live.fill_(1)  # and commits (the call that ended left its row finished)
+    return rounds
+
+
 def forced_label(w: int) -> str:
     return f"round, max shape, w = {w} forced"
 
@@ -277,7 +288,8 @@ def main(argv: list[str] | None = None) -> None:
     runs = [("ar", "exact"), ("hybridspec", "plain")] if args.plain_only else \
         [("ar", "exact"), ("hybridspec", "plain"), ("hybridspec", "exact"), ("hybridspec", "max")] + \
         ([("hybridspec", "forced")] if round_lengths else [])
-    forced = ForcedLength(drafter.config.block_size, shadow_selector(target, drafter.config.block_size))
+    forced = ForcedLength(drafter.config.block_size, shadow_selector(target, drafter.config.block_size)) \
+        if round_lengths else None
     for strategy, verify_shape in runs:
         # a stand-in latency model (what is traced does not depend on it): no calibration needed
         latency = LatencyModel(cost=torch.linspace(7e-3, 10e-3, 16)[None], cost_ar=torch.tensor([5e-3]),
@@ -287,11 +299,7 @@ def main(argv: list[str] | None = None) -> None:
                                     selector=forced if verify_shape == "forced" else None)
         kwargs = dict(generation_strategy=strategy, hybridspec_config=settings, attention_mask=torch.ones_like(prompt),
                       assistant_model=drafter if strategy != "ar" else None, do_sample=False, pad_token_id=0)
-        target.generate(prompt, max_new_tokens=capacity_tokens, **kwargs)  # captures for this capacity
-        target.generate(prompt, max_new_tokens=8, **kwargs)  # reuses the rounds, leaves the cache near the prompt
-        rounds = target.__dict__.get("_hybridspec_resident")
-        rounds.limit.fill_(10**9)  # every round may verify the whole block
-        rounds.live.fill_(1)  # and commits (the call that ended left its row finished)
+        rounds = captured_rounds(target, prompt, capacity_tokens, kwargs)
         for label, part in parts_of(rounds, strategy, verify_shape, lengths, round_lengths, forced).items():
             part.before()
             start_length = int(rounds.target.length.max())

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from breakdown import forced_label, parts_of, wall_ms  # noqa: E402
+from breakdown import captured_rounds, forced_label, parts_of, wall_ms  # noqa: E402
 from common import environment, method_variant, variant_switches, write_results  # noqa: E402
 from e2e import build  # noqa: E402
 
@@ -86,17 +86,14 @@ def measure(target, drafter, prompt: torch.Tensor, spec: str, lengths: list[int]
     hybridspec_hf.release_graphs(target)
     row = {"variant": spec, "wall_ms": {}, "wall_ms_all": {}, "verified": {}, "switches": variant_switches(spec)}
     with method_variant(spec, target) as tiles, direct_tiles(parse_variant(tiles), block):
-        target.generate(prompt, max_new_tokens=capacity, **kwargs)  # captures for this capacity
-        target.generate(prompt, max_new_tokens=8, **kwargs)  # reuses the rounds, leaves the cache near the prompt
-        rounds = target.__dict__.get("_hybridspec_resident")
-        rounds.limit.fill_(10**9)  # every round may verify the whole block
-        rounds.live.fill_(1)  # and commits (the call that ended left its row finished)
-        for n, (label, part) in zip(lengths, parts_of(rounds, "hybridspec", "forced", [], lengths, forced).items()):
+        rounds = captured_rounds(target, prompt, capacity, kwargs)
+        parts = parts_of(rounds, "hybridspec", "forced", [], lengths, forced)
+        for n in lengths:
+            part = parts[forced_label(n)]
             part.before()
             walls = [wall_ms(part.replay, replays) for _ in range(3)]
             row["wall_ms"][n], row["wall_ms_all"][n] = sorted(walls)[1], walls
             row["verified"][n] = int(rounds.round_valid.max())
-            assert label == forced_label(n)
     hybridspec_hf.release_graphs(target)
     return row
 
