@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> dict:
                         help="call r of a method replays the profiles from row r × this (AcceptanceProfile.start_row; "
                              "0: every call from row 0, as runs up to 41)")
     add_switches(parser, "defer-appends", "moe-decode", "trust-drafts", "pdl", "early-reads", "gdn-norm-fold",
-                 "wide-direct", "align-kernel")
+                 "wide-direct", "align-kernel", "short-verify")
     args = parser.parse_args(argv)
     if args.merge:
         if not args.name:

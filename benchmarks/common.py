@@ -62,6 +62,8 @@ SWITCHES = {
                   "a plain step's bookkeeping after its token in one launch instead of ≈ 20 torch launches"),
     "round-end": ("hybridspec_hf.generation.resident", "FUSED_ROUND_END",
                   "a speculative round's draft decision and selector update in one compiled region, not two"),
+    "short-verify": ("hybridspec_hf.generation.resident", "SHORT_VERIFY",
+                     "a max-shape round choosing w <= 2 verifies 2 tokens (a CUDA graph conditional branch)"),
     "gdn-recurrent": ("hybridspec_hf.kernels.gdn_triton", "RECURRENT_SHORT",
                       "GDN verify windows of <= RECURRENT_UPTO valid tokens token by token, not in the block form"),
 }

@@ -526,3 +526,30 @@ def test_a_decision_torch_compile_refuses_runs_eagerly_with_one_warning():
 
     with pytest.raises(RuntimeError, match="while running"):
         _CompiledDecision(eager, broken)(torch.tensor(1))
+
+
+@pytest.mark.parametrize("short", [True, False])
+def test_max_shape_rounds_that_choose_a_short_length_verify_only_that_many(short, monkeypatch, fp64_gdn):
+    """SHORT_VERIFY: a round whose valid tokens fit SHORT_LENGTHS verifies the shortest that holds them (on CUDA a
+    conditional graph branch; here the same choice eagerly), the others the block; greedy output stays AR's."""
+    from hybridspec_hf.generation import resident
+
+    monkeypatch.setattr(resident, "SHORT_VERIFY", short)
+    verified = []  # (tokens verified, valid tokens) of each round
+    verify = resident.ResidentRounds._verify
+
+    def spy(self, n, *args, **kwargs):
+        verified.append((n, int(self.round_valid.max())))
+        return verify(self, n, *args, **kwargs)
+
+    monkeypatch.setattr(resident.ResidentRounds, "_verify", spy)
+    target = make_target("qwen3_next")
+    prompt = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(5))
+    ar = reference(target, prompt, 37)
+    drafter = make_drafter(target, 8, ar.sequences, error_rate=0.7, seed=5)
+    settings = HybridSpecConfig(cuda_graphs="on", verify_shape="max")
+    assert_same_as_ar(run(target, prompt, drafter, "hybridspec", 37, hybridspec_config=settings), ar)
+    assert len(verified) == len([r for r in hybridspec_hf.get_telemetry(target).rounds if r.drafted])
+    assert all(n == (2 if short and valid <= 2 else 8) for n, valid in verified), verified
+    assert min(valid for _, valid in verified) <= 2 < max(valid for _, valid in verified)
+    assert target.__dict__["_hybridspec_resident"].short_lengths == ((2,) if short else ())

@@ -19,7 +19,8 @@ def greedy_accept(drafts: torch.Tensor, target_tokens: torch.Tensor, valid: torc
 
 
 def speculative_sample(
-    drafts: torch.Tensor, probs: torch.Tensor, valid: torch.Tensor | None = None, generator: torch.Generator | None = None
+    drafts: torch.Tensor, probs: torch.Tensor, valid: torch.Tensor | None = None, generator: torch.Generator | None = None,
+    coins: torch.Tensor | None = None, races: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Lossless acceptance when sampling, for drafts proposed deterministically (target-only verification).
 
@@ -29,11 +30,14 @@ def speculative_sample(
     verification length must be chosen from draft-side information only (it is), never from the target's outputs.
 
     drafts: [B, T-1]; probs: [B, T, V] target probabilities after logits processors/warpers at each verified
-    position; valid: [B] tokens that count. Returns (a [B] drafts accepted, token [B] the token emitted after them).
+    position; valid: [B] tokens that count. coins [B, T-1] uniform and races [B, V] Exp(1): the random numbers, drawn
+    here if not given (what the function would draw, in the same order). Returns (a [B] drafts accepted, token [B]
+    the token emitted after them).
     """
     batch, tokens, vocab = probs.shape
     p_draft = probs[:, :-1].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)  # [B, T-1]
-    coins = torch.rand(p_draft.shape, device=probs.device, generator=generator)
+    if coins is None:
+        coins = torch.rand(p_draft.shape, device=probs.device, generator=generator)
     accept = coins < p_draft
     limit = torch.full((batch,), tokens, device=probs.device) if valid is None else valid.view(-1)
     positions = torch.arange(tokens - 1, device=probs.device)
@@ -45,16 +49,19 @@ def speculative_sample(
     if rejected_token is not None:
         removed = torch.zeros_like(row).scatter_(1, rejected_token, 1.0) * rejected.view(-1, 1)
         row = row * (1 - removed)
-    return a, sample_tokens(row, generator)
+    return a, sample_tokens(row, generator, races)
 
 
-def sample_tokens(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+def sample_tokens(probs: torch.Tensor, generator: torch.Generator | None = None,
+                  races: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row of probs [..., V] (any non-negative weights), without a host sync.
 
     argmax_i p_i / E_i with E_i ~ Exp(1) picks i with probability p_i / Σ p (E_i / p_i are exponential races with
-    rates p_i) — `torch.multinomial` reads the row sums on the host, which a CUDA graph cannot capture.
+    rates p_i) — `torch.multinomial` reads the row sums on the host, which a CUDA graph cannot capture. `races`:
+    the E_i (probs' shape, fp32), drawn here if not given.
     """
-    races = torch.empty_like(probs, dtype=torch.float32).exponential_(generator=generator)
+    if races is None:
+        races = torch.empty_like(probs, dtype=torch.float32).exponential_(generator=generator)
     return (probs.float() / races).argmax(dim=-1)
 
 

@@ -65,7 +65,7 @@ from hybridspec_hf.generation.checks import ROW_WISE_PROCESSORS
 from hybridspec_hf.generation.router_hooks import RoutingReplay, VerifyWindow
 from hybridspec_hf.generation.strategy import Choice
 from hybridspec_hf.generation.telemetry import RoundRecord
-from hybridspec_hf.graphs.capture import Replay, host_syncs
+from hybridspec_hf.graphs.capture import Replay, branch, branches_capture, host_syncs
 from hybridspec_hf.graphs.static_target import StaticTarget
 from hybridspec_hf.kernels import gdn_triton, step_tail_triton
 from hybridspec_hf.kernels.step_tail_triton import rows_ended, step_tail, step_tail_reference
@@ -91,6 +91,16 @@ FUSED_STEP_TAIL = True
 # (should_draft reads the selector before this round's update in both). A/B: the strategy
 # "hybridspec-round-end" in benchmarks/round_kernels.py.
 FUSED_ROUND_END = True
+# True: a speculative round of the max shape whose chosen length fits one of SHORT_LENGTHS verifies only that many
+# tokens (the shortest that holds it): its verify is captured once per length, each in the body of a CUDA graph
+# conditional node after the draft (graphs/capture.py `branch`), so a replay runs the one the round chose and the
+# round stays one graph and one hand-off. At T <= 4 the MoE runs its decode kernels, which read each of the round's
+# experts once at the bandwidth; the block's direct rows (T = 16) take 1.4-3.1x the bytes' time at w <= 4 (run 123
+# of benchmarks/results/gpu_rounds_runs.md: a w = 1 round's verify 1.07 ms dearer than the exact length's on the
+# H100). Needs the commit on the device (`device_commit`) and, on CUDA, conditional nodes (CUDA >= 12.4); the CPU runs
+# the same choice eagerly. False: every round verifies the block's shape (A/B: `--variants base,base-short-verify`).
+SHORT_VERIFY = True
+SHORT_LENGTHS = (2,)  # verify lengths captured besides the block's, ascending
 _ACTIVE = "_hybridspec_resident"  # the target's most recently used rounds
 _KEPT = "_hybridspec_resident_kept"  # every rounds the target keeps, least recently used first
 
@@ -315,7 +325,7 @@ class ResidentRounds:
         # hand-off: [target tokens (N·T), a (N), m (N, device_commit), live after the round (N), w, kept, n_new,
         # draft_next]: `unpack` reads it
         self.handoff = torch.zeros(rows * (self.verify_tokens + 3) + 4, dtype=torch.long, pin_memory=pinned)
-        self.handoff_values = torch.zeros(self.handoff.shape, **long)  # a plain step's, by `step_tail`
+        self.handoff_values = torch.zeros(self.handoff.shape, **long)  # what the copy reads (`_write_handoff`, `step_tail`)
         self.handoff_ready = torch.cuda.Event() if pinned else None
         self.pending: patches.VerifySession | None = None
         self.waited_s = 0.0  # host time spent waiting for hand-offs (telemetry: host time = wall - wait)
@@ -329,6 +339,12 @@ class ResidentRounds:
         # exact-length verification: a draft graph (draft + choose) hands w0 to the host, which replays the verify
         # graph of that length (and, when the host decides m, the commit graph that reads that verify's outputs)
         self.exact = self.speculative and strategy.mode == "exact"
+        # the max shape's shorter verifies (SHORT_VERIFY): rounds whose length the strategy chooses, committed on the
+        # device; captured only where conditional nodes exist (the uncaptured CUDA path would sync on each choice)
+        branches = self.device.type != "cuda" or (key.capture and branches_capture(self.device))
+        self.short_lengths = tuple(n for n in SHORT_LENGTHS if n < self.verify_tokens) if (
+            SHORT_VERIFY and self.speculative and not self.exact and strategy.mode != "fixed" and device_commit
+            and branches) else ()
         self.verify_length = torch.zeros(1, dtype=torch.long, pin_memory=pinned)
         self.verified = self.verify_tokens  # tokens the last round verified (its commit graph, in "exact")
         self.step = self.step_append = self.spec = self.draft = self.decide = None
@@ -459,12 +475,14 @@ class ResidentRounds:
         return torch.full((1,), int(bool(value)), dtype=torch.long, device=self.device)
 
     def _write_handoff(self, target_tokens: torch.Tensor, accepted: torch.Tensor, live: torch.Tensor,
-                       w: torch.Tensor, keep: torch.Tensor, n_new: torch.Tensor, draft_next: torch.Tensor) -> None:
-        """The round's one device→host copy (non-blocking into pinned memory): target_tokens [N, T], accepted and
-        live [N], the rest [1]; m is `count`."""
-        values = torch.cat([target_tokens.reshape(-1), accepted.reshape(-1), self.count, live.reshape(-1),
-                            w.reshape(1), keep.reshape(1), n_new.reshape(1), draft_next.reshape(1)])
-        self.handoff.copy_(values, non_blocking=True)
+                       w: torch.Tensor, keep: torch.Tensor, n_new: torch.Tensor, draft_next: torch.Tensor,
+                       copy: bool = True) -> None:
+        """The round's hand-off values into `handoff_values`: target_tokens [N, T], accepted and live [N], the rest
+        [1] (m is `count`); `copy`: then the round's one device→host copy (non-blocking into pinned memory)."""
+        torch.cat([target_tokens.reshape(-1), accepted.reshape(-1), self.count, live.reshape(-1), w.reshape(1),
+                   keep.reshape(1), n_new.reshape(1), draft_next.reshape(1)], out=self.handoff_values)
+        if copy:
+            self.handoff.copy_(self.handoff_values, non_blocking=True)
 
     def unpack(self, handoff: list[int]) -> tuple:
         """(tokens [N][T], a [N], m [N], live [N], w, kept, n_new, draft_next) of a hand-off read on the host."""
@@ -551,9 +569,37 @@ class ResidentRounds:
         self._append_deferred()
 
     def _spec(self):
-        """A whole speculative round over the block's shape (modes "fixed" and "max"): draft, then verify."""
+        """A whole speculative round (modes "fixed" and "max"): draft, then verify the block's shape, or the shortest
+        of `short_lengths` that holds every row's valid tokens (one conditional branch per length, SHORT_VERIFY);
+        the branches write the same buffers, and the hand-off is copied after them."""
         self._draft()
-        self._verify(self.verify_tokens)
+        if not self.short_lengths:
+            self._verify(self.verify_tokens)
+            return
+        draws = self._draws()
+        valid = self.round_valid.reshape(-1).max().reshape(1)
+
+        def shortest(lengths: tuple[int, ...]) -> None:
+            n, longer = lengths[0], lengths[1:]
+            if not longer:
+                self._verify(n, draws, hand_off=False)
+                return
+            branch(valid <= n, functools.partial(self._verify, n, draws, hand_off=False),
+                   functools.partial(shortest, longer))
+
+        shortest(self.short_lengths + (self.verify_tokens,))
+        self.handoff.copy_(self.handoff_values, non_blocking=True)
+
+    def _draws(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Sampling: the random numbers a round's acceptance reads, drawn before its verify branches (none may draw
+        inside a conditional body): coins [N, T-1] for the drafts, exponential races [N, V] for the emitted token;
+        the same draws, in the same order, as `speculative_sample` makes over the block's shape."""
+        if not self.do_sample:
+            return None
+        vocab = self.model.get_output_embeddings().weight.shape[0]
+        coins = torch.rand(self.rows, self.verify_tokens - 1, device=self.device)
+        races = torch.empty(self.rows, vocab, dtype=torch.float32, device=self.device).exponential_()
+        return coins, races
 
     def _draft(self):
         """Draft, choose w0 (and arm the routing correction): what the round verifies. A batch shares one w (the
@@ -593,15 +639,18 @@ class ResidentRounds:
         if self.exact:  # the host reads how many tokens stage 0 verifies (w0, + 1 for the extra token)
             self.verify_length.copy_(self.round_w, non_blocking=True)
 
-    def _verify(self, n: int):
-        """Verify the block's first n tokens (n = T in modes "fixed"/"max"; n = w0 (+1) in "exact"), accept,
-        commit when m is known on the device, hand off."""
+    def _verify(self, n: int, draws: tuple[torch.Tensor, torch.Tensor] | None = None, hand_off: bool = True):
+        """Verify the block's first n tokens (n = T in modes "fixed"/"max", or a short length holding the valid ones;
+        n = w0 (+1) in "exact"), accept, commit when m is known on the device, hand off (the values; their copy to
+        the host unless `hand_off` is False). `draws`: sampling's random numbers, drawn before (`_draws`)."""
         t, choice, valid = self.verify_tokens, self.choice, self.round_valid
         tokens = self.block[:, :n]
         session, logits, features = self._verify_forward(tokens, valid, choice)
         scores = self._scores(logits.float())  # [N, n, V]
         if self.do_sample:
-            accepted, sampled = speculative_sample(tokens[:, 1:], scores.softmax(-1), valid)
+            coins, races = draws if draws is not None else (None, None)
+            accepted, sampled = speculative_sample(tokens[:, 1:], scores.softmax(-1), valid,
+                                                   coins=None if coins is None else coins[:, : n - 1], races=races)
             target_tokens = torch.cat([tokens[:, 1:], sampled[:, None]], dim=1)
             target_tokens = target_tokens.scatter(1, accepted.view(-1, 1), sampled.view(-1, 1))
         else:
@@ -633,7 +682,7 @@ class ResidentRounds:
                                                                 *self._round_tokens()))
             self._commit(observe=not fused_end)
             live = self._end_rows(positions.view(1, -1) < self.count.view(-1, 1), target_tokens)
-        self._write_handoff(target_tokens, accepted, live, self.round_w, keep, n_new, draft_next)
+        self._write_handoff(target_tokens, accepted, live, self.round_w, keep, n_new, draft_next, copy=hand_off)
 
     def _verify_forward(self, tokens: torch.Tensor, valid: torch.Tensor, choice):
         """The round's target forward: tokens [N, n] verified after each row's committed ones (GDN states not

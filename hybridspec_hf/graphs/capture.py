@@ -13,6 +13,8 @@ from collections.abc import Callable
 
 import torch
 
+_warming = False  # inside a Replay's warm-up calls (`branch` then runs both functions)
+
 
 class Replay:
     """fn() captured into a CUDA graph (after `warmup` eager calls on a side stream, which also compiles Triton
@@ -42,9 +44,14 @@ class Replay:
         try:
             stream = torch.cuda.Stream(device)
             stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):
-                for _ in range(warmup):
-                    fn()
+            global _warming
+            _warming = True
+            try:
+                with torch.cuda.stream(stream):
+                    for _ in range(warmup):
+                        fn()
+            finally:
+                _warming = False
             torch.cuda.current_stream(device).wait_stream(stream)
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph, pool=pool, capture_error_mode=_capture_mode()):
@@ -68,6 +75,45 @@ class Replay:
             return self.fn()
         self.graph.replay()
         return self.outputs
+
+
+def branches_capture(device: torch.device) -> bool:
+    """Whether `branch` captures into CUDA graph conditional nodes on `device`: torch exposes them (2.6 and later)
+    and its CUDA runtime is 12.4 or newer (not ROCm)."""
+    if torch.device(device).type != "cuda" or torch.version.hip is not None or torch.version.cuda is None:
+        return False
+    major, minor = (int(part) for part in torch.version.cuda.split(".")[:2])
+    graph = getattr(torch.cuda, "CUDAGraph", None)
+    return (major, minor) >= (12, 4) and all(hasattr(graph, name) for name in (
+        "get_currently_capturing_graph", "begin_capture_to_if_node", "end_capture_to_conditional_node"))
+
+
+def branch(pred: torch.Tensor, if_true: Callable[[], None], if_false: Callable[[], None]) -> None:
+    """if_true() where the one-element bool `pred` holds, else if_false(), with no host read of pred in a capture.
+
+    Captured, each function becomes the body of a CUDA graph conditional node (an "if" on pred, one on its negation;
+    CUDA >= 12.4, `branches_capture`): a replay launches only the chosen body's kernels. Both functions must leave
+    their results in buffers that exist before the branch (what they allocate is not for after it), draw no random
+    numbers (torch refuses RNG inside a conditional body) and return nothing. Eagerly the host reads pred (a sync
+    on CUDA) and runs one of them, except in a Replay's warm-up on CUDA, which runs both in turn (each must have
+    compiled its Triton kernels and any recompiles before the capture): a warm-up's results are never used."""
+    if pred.is_cuda and torch.cuda.is_current_stream_capturing():
+        graph = torch.cuda.CUDAGraph.get_currently_capturing_graph()
+        condition = pred.reshape(1).to(torch.bool)
+        for holds, fn in ((condition, if_true), (~condition, if_false)):
+            graph.begin_capture_to_if_node(holds)
+            try:
+                fn()
+            finally:
+                graph.end_capture_to_conditional_node()
+        return
+    if _warming and pred.is_cuda:
+        if_true()
+        if_false()
+        return
+    with host_syncs():
+        holds = bool(pred.reshape(-1)[0])
+    (if_true if holds else if_false)()
 
 
 def distributed() -> bool:
