@@ -325,7 +325,8 @@ class ResidentRounds:
         # hand-off: [target tokens (N·T), a (N), m (N, device_commit), live after the round (N), w, kept, n_new,
         # draft_next]: `unpack` reads it
         self.handoff = torch.zeros(rows * (self.verify_tokens + 3) + 4, dtype=torch.long, pin_memory=pinned)
-        self.handoff_values = torch.zeros(self.handoff.shape, **long)  # what the copy reads (`_write_handoff`, `step_tail`)
+        # what the hand-off copy reads (`_write_handoff`, `step_tail`)
+        self.handoff_values = torch.zeros(self.handoff.shape, **long)
         self.handoff_ready = torch.cuda.Event() if pinned else None
         self.pending: patches.VerifySession | None = None
         self.waited_s = 0.0  # host time spent waiting for hand-offs (telemetry: host time = wall - wait)
