@@ -62,8 +62,10 @@ SWITCHES = {
                   "a plain step's bookkeeping after its token in one launch instead of ≈ 20 torch launches"),
     "round-end": ("hybridspec_hf.generation.resident", "FUSED_ROUND_END",
                   "a speculative round's draft decision and selector update in one compiled region, not two"),
+    "direct-shared-first": ("hybridspec_hf.kernels.moe_triton", "DIRECT_SHARED_FIRST",
+                            "the MoE direct rows' shared-expert programs first, dead slots leaving before row loads"),
     "short-verify": ("hybridspec_hf.generation.resident", "SHORT_VERIFY",
-                     "a max-shape round choosing w <= 2 verifies 2 tokens (a CUDA graph conditional branch)"),
+                     "a max-shape round choosing w <= 2 verifies 2 tokens (a CUDA graph conditional branch; torch 2.13)"),
     "gdn-recurrent": ("hybridspec_hf.kernels.gdn_triton", "RECURRENT_SHORT",
                       "GDN verify windows of <= RECURRENT_UPTO valid tokens token by token, not in the block form"),
 }

@@ -146,6 +146,53 @@ def test_the_decode_kernels_match_the_torch_steps_and_repeat_bit_for_bit(dtype):
     patches.release_fused_moe([block])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_direct_rows_with_the_shared_slot_first_give_the_same_bits_in_a_graph(dtype, monkeypatch):
+    """moe_triton.DIRECT_SHARED_FIRST at full width (T = 16, a round's block; the tokens past valid lengths 1, 4 and
+    16 routed as stage 1 routes them): the shared expert's programs first and dead slots leaving early give the old
+    order's bits, eagerly and replayed in a CUDA graph with the router's mask launch before them (PDL on where the
+    GPU has it), and the torch steps' result within the CPU twin's tolerances."""
+    from hybridspec_hf.kernels import moe_triton, router_triton
+    from hybridspec_hf.patches import _moe
+
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    block = full_width_block("qwen3_5_moe", dtype)
+    patches.prepare_fused_moe([block])
+    shared = block.__dict__[_moe._CACHE].weight
+    x, residual = torch.randn(2, 16, 2048, device="cuda", dtype=dtype)
+    with torch.no_grad():
+        _, weights, ids = block.gate(x)
+    valid = torch.ones(1, dtype=torch.long, device="cuda")
+    outs = {}
+
+    def step():
+        masked_ids, masked_weights = router_triton.mask_invalid_routes(ids, weights, valid)
+        return moe_triton.moe_block_triton(x, masked_ids, masked_weights, block.experts.gate_up_proj,
+                                           block.experts.down_proj, shared, block.shared_expert.down_proj.weight,
+                                           residual, mode="direct")
+
+    for first in (False, True):
+        monkeypatch.setattr(moe_triton, "DIRECT_SHARED_FIRST", first)
+        step()  # compiles before the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = step()
+        for n in (1, 4, 16):
+            valid.fill_(n)
+            eager = step()
+            graph.replay()
+            assert torch.equal(captured, eager), (first, n)
+            masked = router_triton.mask_invalid_routes_reference(ids, weights, valid)
+            truth = moe_triton.moe_block_reference(x, *masked, block.experts.gate_up_proj, block.experts.down_proj,
+                                                   shared, block.shared_expert.down_proj.weight, residual)
+            assert rel(eager, truth) < tol, (first, n)
+            if first:
+                assert torch.equal(eager, outs[n]), n
+            else:
+                outs[n] = eager.clone()
+    patches.release_fused_moe([block])
+
+
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
 def test_the_add_norm_and_router_in_one_launch_match_transformers_and_replay(family):
     """`norm_route_block_add` (the decoder layer's residual add, post_attention_layernorm and router in one compiled

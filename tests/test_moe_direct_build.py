@@ -18,7 +18,7 @@ built = []
 for tokens in (16, 32, 64):
     block_m, gate_up, down = moe_triton.default_tiles(tokens, "direct")
     common = dict(H=2048, INTER=512, DIRECT=True, K=8, KP=8, SP=triton.next_power_of_2(block_m * 8), BM=block_m,
-                  DOT_FP32=False, SHARED=True, PDL=True)
+                  DOT_FP32=False, SHARED=True, SHARED_FIRST=True, PDL=True)
     for name, tiles in (("_gate_up_kernel", gate_up), ("_down_kernel", down)):
         fn = triton.jit(getattr(moe_triton, name).fn)
         constexprs = dict(common, BN=tiles.block_n, BK=tiles.block_k)

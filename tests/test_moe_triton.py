@@ -413,6 +413,24 @@ def test_the_early_reads_of_the_decode_down_kernel_change_no_bit(tokens, monkeyp
     assert rel(outs[0], moe_block_reference(**x)) < TOL[torch.float32]
 
 
+@pytest.mark.parametrize("tokens, valid", [(16, 1), (16, 4), (16, 16), (7, 3), (32, 9)])
+def test_the_direct_rows_with_the_shared_slot_first_change_no_bit(tokens, valid, monkeypatch):
+    """DIRECT_SHARED_FIRST (the shared expert's programs first in the grid, dead slots leaving before their row
+    loads) against the old order, as a max-shape round runs them: the tokens past the valid length routed to -1
+    (`mask_invalid_routes`), a duplicate expert and a sentinel among the valid ones."""
+    x = make_block(32, tokens, 40, 24, 6, 3)
+    x["top_k_index"][0, 1] = x["top_k_index"][0, 0]
+    x["top_k_index"][min(1, valid - 1), 2] = 6
+    x["top_k_index"][valid:] = -1
+    outs = []
+    for first in (True, False):
+        monkeypatch.setattr(moe_triton, "DIRECT_SHARED_FIRST", first)
+        outs.append(moe_block_triton(**x, mode="direct"))
+    assert torch.equal(outs[0], outs[1])
+    truth = moe_block_reference(**{k: v.double() if v.is_floating_point() else v for k, v in x.items()})
+    assert rel(outs[0], truth) < TOL[torch.float32]
+
+
 @pytest.mark.parametrize("tokens, top_k, experts, block_m", [(1, 2, 4, 16), (5, 3, 6, 16), (40, 3, 5, 16),
                                                              (33, 8, 256, 16), (256, 8, 256, 64), (512, 8, 256, 16)])
 def test_the_align_kernel_equals_align_pairs(tokens, top_k, experts, block_m):

@@ -10,6 +10,8 @@ from _tiny import VOCAB, make_drafter, make_target
 
 import hybridspec_hf
 from hybridspec_hf import HybridSpecConfig
+from hybridspec_hf.generation import resident
+from hybridspec_hf.graphs import capture
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -108,10 +110,28 @@ def test_both_verify_shapes_run_captured_and_equal_ar(verify_shape, sync_errors)
     target.generate(prompt, **kwargs)
     out = target.generate(prompt, **kwargs)
     assert torch.equal(out, ar)
-    rounds = target.__dict__["_hybridspec_resident"]
-    assert rounds.exact == (verify_shape == "exact")
-    # the max shape's short verify is captured as a conditional branch (CUDA >= 12.4 everywhere we run)
-    assert rounds.short_lengths == ((2,) if verify_shape == "max" else ())
+    assert target.__dict__["_hybridspec_resident"].exact == (verify_shape == "exact")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not capture.branches_capture(torch.device("cuda")),
+                    reason="needs torch's conditional graph nodes (CUDA >= 12.4, torch 2.13)")
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_short_verify_branches_run_captured_without_syncs_and_equal_ar(do_sample, monkeypatch, sync_errors):
+    monkeypatch.setattr(resident, "SHORT_VERIFY", True)
+    target, _ = _pair("qwen3_next")
+    prompt = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(3)).cuda()
+    ar = target.generate(prompt, do_sample=False, max_new_tokens=40)
+    target, drafter = _pair("qwen3_next", reference=ar.cpu())
+    drafter.steer(ar.cpu(), 0.7, seed=5)  # many rejections: rounds choose short lengths
+    kwargs = dict(do_sample=do_sample, max_new_tokens=40, assistant_model=drafter, generation_strategy="hybridspec",
+                  hybridspec_config=HybridSpecConfig(cuda_graphs="on", verify_shape="max"))
+    target.generate(prompt, **kwargs)
+    out = target.generate(prompt, **kwargs)
+    assert target.__dict__["_hybridspec_resident"].short_lengths == (2,)
+    rounds = [r for r in hybridspec_hf.get_telemetry(target).rounds if r.drafted]
+    assert rounds and min(r.w for r in rounds) <= 2
+    if not do_sample:
+        assert torch.equal(out, ar)
 
 
 @pytest.mark.parametrize("strategy", ["ar", "dflash", "hybridspec"])

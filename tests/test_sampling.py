@@ -93,6 +93,7 @@ def test_resident_rounds_sample_the_target_distribution_through_short_verifies(m
     from hybridspec_hf import HybridSpecConfig
     from hybridspec_hf.generation import resident
 
+    monkeypatch.setattr(resident, "SHORT_VERIFY", True)
     monkeypatch.setattr(resident, "SHORT_LENGTHS", (2, 4, 6, 7))
     verified = []
     verify = resident.ResidentRounds._verify

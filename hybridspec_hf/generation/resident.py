@@ -94,12 +94,13 @@ FUSED_ROUND_END = True
 # True: a speculative round of the max shape whose chosen length fits one of SHORT_LENGTHS verifies only that many
 # tokens (the shortest that holds it): its verify is captured once per length, each in the body of a CUDA graph
 # conditional node after the draft (graphs/capture.py `branch`), so a replay runs the one the round chose and the
-# round stays one graph and one hand-off. At T <= 4 the MoE runs its decode kernels, which read each of the round's
-# experts once at the bandwidth; the block's direct rows (T = 16) take 1.4-3.1x the bytes' time at w <= 4 (run 123
+# round stays one graph and one hand-off. At T <= 2 the MoE runs its decode kernels, which read each of the round's
+# experts once near the bandwidth; the block's direct rows (T = 16) take 1.4-3.1x the bytes' time at w <= 4 (run 123
 # of benchmarks/results/gpu_rounds_runs.md: a w = 1 round's verify 1.07 ms dearer than the exact length's on the
-# H100). Needs the commit on the device (`device_commit`) and, on CUDA, conditional nodes (CUDA >= 12.4); the CPU runs
-# the same choice eagerly. False: every round verifies the block's shape (A/B: `--variants base,base-short-verify`).
-SHORT_VERIFY = True
+# H100). Needs the commit on the device (`device_commit`) and, on CUDA, torch's conditional-node capture API
+# (`capture.branches_capture`: torch 2.13 has it, the GPU image's 2.11 does not, so run 127 could not measure it);
+# the CPU runs the same choice eagerly (tests). Off until measured on a GPU (A/B: `hybridspec+short-verify`).
+SHORT_VERIFY = False
 SHORT_LENGTHS = (2,)  # verify lengths captured besides the block's, ascending
 _ACTIVE = "_hybridspec_resident"  # the target's most recently used rounds
 _KEPT = "_hybridspec_resident_kept"  # every rounds the target keeps, least recently used first

@@ -97,6 +97,12 @@ DECODE_PATH = True
 # was 60-72 µs longer with it (runs 75-76, kernel_costs_run75/76.md: the fused router's share and gate_up's both
 # grew; the walls -4 / +20 µs, within those machines' noise). True: A/B (`ar+shared-first`).
 SHARED_FIRST = False
+# The direct rows' programs (gate_up and down) with the shared expert's slot first in the grid, and a slot whose pair
+# names no live expert (a token past the round's valid length: its ids are -1; a repeated expert) leaving before it
+# loads the token rows. Inside a max-shape round at w = 1 the shared expert's programs ran after 1 920 early exits
+# (run 123 of gpu_rounds_runs.md: the round's MoE 1.4-3.1x its bytes at w <= 4). False: the shared slot last and
+# every program loads its rows first (A/B: `base-direct-shared-first`).
+DIRECT_SHARED_FIRST = True
 MODES = ("auto", "decode", "direct", "sorted")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -275,35 +281,47 @@ def _first_use(ids, slot, S, E, SP: tl.constexpr, CACHE: tl.constexpr):
     return expert, live
 
 
-def _program_rows(ids, block_expert, block_pairs, slot, T, S, E,
-                  DIRECT: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, BM: tl.constexpr):
-    """(expert int64, live, pair [BM] int32, row_ok [BM]) of program `slot`: the expert it serves (live = it has
-    work), and per row the token–expert pair whose act row it reads or writes."""
-    rm = tl.arange(0, BM)
+def _program_slot(pid, S, DIRECT: tl.constexpr, SHARED: tl.constexpr, FIRST: tl.constexpr):
+    """The slot grid row `pid` serves: itself, or with the shared expert's slot first (direct rows with the shared
+    expert and DIRECT_SHARED_FIRST) slot S at row 0 and pair slot p at row p + 1."""
+    if DIRECT and SHARED and FIRST:
+        return tl.where(pid == 0, S, pid - 1)
+    return pid
+
+
+def _program_expert(ids, block_expert, slot, S, E, DIRECT: tl.constexpr, SP: tl.constexpr, SHARED: tl.constexpr):
+    """(expert int64, live, is_shared) of program `slot`: the expert it serves and whether it has work (direct rows:
+    the pair's expert is valid and named by no earlier pair; sorted blocks: a block within the padded count);
+    is_shared: slot S of the direct rows with the shared expert, always live."""
     if DIRECT:
         expert, live = _first_use(ids, slot, S, E, SP, "")
+    else:
+        expert = tl.load(block_expert + slot).to(tl.int64)  # -1: a block past the padded count
+        live = expert >= 0
+    if SHARED:
+        is_shared = slot == S
+    else:
+        is_shared = slot < 0  # never
+    return expert, live | is_shared, is_shared
+
+
+def _program_rows(ids, block_pairs, slot, expert, is_shared, T, S,
+                  DIRECT: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr):
+    """(pair [BM] int32, row_ok [BM]) of a live program: per row the token–expert pair whose act row it reads or
+    writes (the shared expert's program: every token a row, act/rows row S + t)."""
+    rm = tl.arange(0, BM)
+    if DIRECT:
         rj = tl.arange(0, KP)
         token_ids = tl.load(ids + rm[:, None] * K + rj[None, :], mask=(rm[:, None] < T) & (rj[None, :] < K), other=-1)
         j_first = tl.min(tl.where(token_ids == expert, rj[None, :], KP), 1)  # a token lists an expert once, but
         row_ok = j_first < K  # if twice, the first pair holds the act row and the down kernel weights both
         pair = rm * K + tl.where(row_ok, j_first, 0)
+        pair = tl.where(is_shared, S + rm, pair)
+        row_ok = tl.where(is_shared, rm < T, row_ok)
     else:
-        expert = tl.load(block_expert + slot).to(tl.int64)  # -1: a block past the padded count
-        live = expert >= 0
         pair = tl.load(block_pairs + slot * BM + rm)
         row_ok = pair < S  # padding rows hold S
-    return expert, live, pair, row_ok
-
-
-def _shared_slot(slot, live, pair, row_ok, T, S, BM: tl.constexpr):
-    """(is_shared, live, pair, row_ok) with slot S (direct mode) turned into the shared expert's program: live, every
-    token a row, act/rows row S + t."""
-    rm = tl.arange(0, BM)
-    is_shared = slot == S
-    live = live | is_shared
-    pair = tl.where(is_shared, S + rm, pair)
-    row_ok = tl.where(is_shared, rm < T, row_ok)
-    return is_shared, live, pair, row_ok
+    return pair, row_ok
 
 
 def _gate_up_kernel(
@@ -312,20 +330,22 @@ def _gate_up_kernel(
     stride_ht, stride_hh, stride_we, stride_wn, stride_wk,
     H: tl.constexpr, INTER: tl.constexpr, DIRECT: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
     SP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr,
-    SHARED: tl.constexpr,
+    SHARED: tl.constexpr, SHARED_FIRST: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
     i_n = tl.program_id(0)
-    slot = tl.program_id(1)
-    expert, live, pair, row_ok = _program_rows(ids, block_expert, block_pairs, slot, T, S, E, DIRECT, K, KP, SP, BM)
-    token = (pair // K).to(tl.int64)  # direct mode: the row itself, for the shared slot too
-    w_base = w1 + expert * stride_we
-    if SHARED:
-        is_shared, live, pair, row_ok = _shared_slot(slot, live, pair, row_ok, T, S, BM)
+    slot = _program_slot(tl.program_id(1), S, DIRECT, SHARED, SHARED_FIRST)
+    expert, live, is_shared = _program_expert(ids, block_expert, slot, S, E, DIRECT, SP, SHARED)
+    if live:
+        pair, row_ok = _program_rows(ids, block_pairs, slot, expert, is_shared, T, S, DIRECT, K, KP, BM)
+        if DIRECT:  # rows are tokens, for the shared slot too
+            token = tl.arange(0, BM).to(tl.int64)
+        else:
+            token = (pair // K).to(tl.int64)
+        w_base = w1 + expert * stride_we
         if is_shared:
             w_base = shared_w1  # [gate_proj; up_proj; shared_expert_gate; padding]: the experts' row layout
-    if live:
         rn = i_n * BN + tl.arange(0, BN)
         mn = rn < INTER
         p_x = hidden + token[:, None] * stride_ht
@@ -366,19 +386,18 @@ def _down_kernel(
     stride_we, stride_wn, stride_wk,
     H: tl.constexpr, INTER: tl.constexpr, DIRECT: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
     SP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr,
-    SHARED: tl.constexpr,
+    SHARED: tl.constexpr, SHARED_FIRST: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
     i_n = tl.program_id(0)
-    slot = tl.program_id(1)
-    expert, live, pair, row_ok = _program_rows(ids, block_expert, block_pairs, slot, T, S, E, DIRECT, K, KP, SP, BM)
-    w_base = w2 + expert * stride_we
-    if SHARED:
-        is_shared, live, pair, row_ok = _shared_slot(slot, live, pair, row_ok, T, S, BM)
+    slot = _program_slot(tl.program_id(1), S, DIRECT, SHARED, SHARED_FIRST)
+    expert, live, is_shared = _program_expert(ids, block_expert, slot, S, E, DIRECT, SP, SHARED)
+    if live:
+        pair, row_ok = _program_rows(ids, block_pairs, slot, expert, is_shared, T, S, DIRECT, K, KP, BM)
+        w_base = w2 + expert * stride_we
         if is_shared:
             w_base = shared_w2  # the shared expert's down_proj [H, I]
-    if live:
         rn = i_n * BN + tl.arange(0, BN)
         mn = rn < H
         p_act = act + pair[:, None].to(tl.int64) * INTER
@@ -690,8 +709,9 @@ def _down_decode_kernel(
 
 if HAS_TRITON:
     _first_use = triton.jit(_first_use)
+    _program_slot = triton.jit(_program_slot)
+    _program_expert = triton.jit(_program_expert)
     _program_rows = triton.jit(_program_rows)
-    _shared_slot = triton.jit(_shared_slot)
     _add_gated_shared = triton.jit(_add_gated_shared)
     _add_row_products = triton.jit(_add_row_products)
     _down_tile = triton.jit(_down_tile)
@@ -952,7 +972,7 @@ def _launch(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, mode, b
     common = dict(H=hidden_size, INTER=inter, DIRECT=mode == "direct", K=top_k, KP=triton.next_power_of_2(top_k),
                   SP=triton.next_power_of_2(block_m * top_k) if mode == "direct" else 1, BM=block_m,
                   DOT_FP32=gate_up_proj.dtype == torch.float32 or bool(triton.knobs.runtime.interpret),
-                  SHARED=shared is not None)
+                  SHARED=shared is not None, SHARED_FIRST=DIRECT_SHARED_FIRST)
     num_slots += 1 if shared is not None else 0
 
     tiles = _fit(gate_up_tiles, inter, hidden_size)
