@@ -115,7 +115,9 @@ def method_variant(method: str, target=None):
     every switch it sets (KEYED)."""
     base, settings = method, []
     while True:
-        found = next(((mark, flag) for flag in SWITCHES for mark in "+-" if base.endswith(mark + flag)), None)
+        # the longest flag first: "direct-shared-first" also ends with the flag "shared-first"
+        found = next(((mark, flag) for flag in sorted(SWITCHES, key=len, reverse=True) for mark in "+-"
+                      if base.endswith(mark + flag)), None)
         if found is None:
             break
         mark, flag = found
