@@ -15,7 +15,8 @@ from hybridspec_hf.kernels import moe_triton
 pointers = dict(hidden="*bf16", ids="*i64", block_expert="*i32", block_pairs="*i32", w1="*bf16", act="*fp32",
                 shared_w1="*bf16", logit="*fp32", weights="*bf16", w2="*bf16", rows="*fp32", shared_w2="*bf16")
 built = []
-for tokens in (16, 32, 64):
+for tokens, deep in ((16, False), (16, True), (32, False), (64, False)):
+    moe_triton.DIRECT_DEEP_K = deep
     block_m, gate_up, down = moe_triton.default_tiles(tokens, "direct")
     common = dict(H=2048, INTER=512, DIRECT=True, K=8, KP=8, SP=triton.next_power_of_2(block_m * 8), BM=block_m,
                   DOT_FP32=False, SHARED=True, SHARED_FIRST=True, PDL=True)
@@ -44,6 +45,7 @@ print(json.dumps(built))
 
 def test_the_direct_kernels_and_the_align_kernel_compile_for_sm90():
     built = build(BUILD)
-    assert [(t, m) for t, m, *_ in built] == [(16, 16), (16, 16), (32, 32), (32, 32), (64, 64), (64, 64),
+    assert [(t, m) for t, m, *_ in built] == [(16, 16), (16, 16), (16, 16), (16, 16), (32, 32), (32, 32), (64, 64),
+                                              (64, 64),
                                               (256, 256), (2048, 2048), (4096, 4096)]
     assert all(0 < shared <= 160 * 1024 for *_, shared in built), built  # fits an H200 SM with room to spare

@@ -431,6 +431,18 @@ def test_the_direct_rows_with_the_shared_slot_first_change_no_bit(tokens, valid,
     assert rel(outs[0], truth) < TOL[torch.float32]
 
 
+@pytest.mark.parametrize("deep", [True, False])
+def test_the_direct_rows_deep_k_tiles_match_the_reference(deep, monkeypatch):
+    """DIRECT_DEEP_K (256-deep K steps in 3 stages at 5-16 tokens) at H = 512, so that the 256-deep step is not
+    clamped to a small test shape, with the round's tokens past the valid length routed to -1."""
+    monkeypatch.setattr(moe_triton, "DIRECT_DEEP_K", deep)
+    assert moe_triton.default_tiles(16, "direct")[1].block_k == (256 if deep else 128)
+    x = make_block(33, 16, 512, 64, 6, 3)
+    x["top_k_index"][11:] = -1
+    truth = moe_block_reference(**{k: v.double() if v.is_floating_point() else v for k, v in x.items()})
+    assert rel(moe_block_triton(**x, mode="direct"), truth) < TOL[torch.float32]
+
+
 @pytest.mark.parametrize("tokens, top_k, experts, block_m", [(1, 2, 4, 16), (5, 3, 6, 16), (40, 3, 5, 16),
                                                              (33, 8, 256, 16), (256, 8, 256, 64), (512, 8, 256, 16)])
 def test_the_align_kernel_equals_align_pairs(tokens, top_k, experts, block_m):

@@ -103,6 +103,11 @@ SHARED_FIRST = False
 # (run 123 of gpu_rounds_runs.md: the round's MoE 1.4-3.1x its bytes at w <= 4). False: the shared slot last and
 # every program loads its rows first (A/B: `base-direct-shared-first`).
 DIRECT_SHARED_FIRST = True
+# The direct rows' tiles at 5-16 tokens (a round's block) with a 256-deep K step in 3 stages instead of 128 in 4
+# (gate_up 32 x 256, down 64 x 256): run 130 (round_tiles_run130.md, one row each, H100) had the round −173 / −110 /
+# −53 µs at w = 2 / 4 / 8 and +36 at w = 16 with them. False: 32 x 128 / 64 x 128 in 4 stages (A/B:
+# `hybridspec+direct-deep-k`).
+DIRECT_DEEP_K = False
 MODES = ("auto", "decode", "direct", "sorted")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -145,8 +150,11 @@ def default_tiles(num_tokens: int, mode: str) -> tuple[int, Tiles, Tiles]:
     if mode == "direct":
         if num_tokens > 16:  # a 32- or 64-row tile: half the K step keeps 4 stages of x and W in shared memory
             return triton.next_power_of_2(num_tokens), Tiles(32, 64), Tiles(64, 64)
-        small = num_tokens <= 4
-        return 16, Tiles(16 if small else 32, 128), Tiles(32 if small else 64, 128)
+        if num_tokens <= 4:
+            return 16, Tiles(16, 128), Tiles(32, 128)
+        if DIRECT_DEEP_K:
+            return 16, Tiles(32, 256, 4, 3), Tiles(64, 256, 4, 3)
+        return 16, Tiles(32, 128), Tiles(64, 128)
     if num_tokens <= 32:  # sorted blocks at verification sizes: 16-row blocks, as the direct rows' narrow tiles
         return 16, Tiles(32, 128), Tiles(64, 128)
     return 64, Tiles(64, 64, 4, 3), Tiles(64, 64, 4, 3)
