@@ -100,14 +100,17 @@ SHARED_FIRST = False
 # The direct rows' programs (gate_up and down) with the shared expert's slot first in the grid, and a slot whose pair
 # names no live expert (a token past the round's valid length: its ids are -1; a repeated expert) leaving before it
 # loads the token rows. Inside a max-shape round at w = 1 the shared expert's programs ran after 1 920 early exits
-# (run 123 of gpu_rounds_runs.md: the round's MoE 1.4-3.1x its bytes at w <= 4). False: the shared slot last and
-# every program loads its rows first (A/B: `base-direct-shared-first`).
+# (run 123 of gpu_rounds_runs.md: the round's MoE 1.4-3.1x its bytes at w <= 4). Measured on an H100 (runs 128-129,
+# A/B in one run): the round −200 / −125 / −400 / −385 / −250 µs at w = 1 / 2 / 4 / 8 / 16 (the shared expert's
+# dense programs no longer the kernels' last wave), HybridSpec at batch 1 1.63 → 1.69x AR (medium), 2.46 → 2.54x
+# (high). False: the shared slot last and every program loads its rows first (A/B: `base-direct-shared-first`).
 DIRECT_SHARED_FIRST = True
 # The direct rows' tiles at 5-16 tokens (a round's block) with a 256-deep K step in 3 stages instead of 128 in 4
-# (gate_up 32 x 256, down 64 x 256): run 130 (round_tiles_run130.md, one row each, H100) had the round −173 / −110 /
-# −53 µs at w = 2 / 4 / 8 and +36 at w = 16 with them. False: 32 x 128 / 64 x 128 in 4 stages (A/B:
-# `hybridspec+direct-deep-k`).
-DIRECT_DEEP_K = False
+# (gate_up 32 x 256, down 64 x 256). Measured on an H100 (run 131, round_tiles_run131.md / batch_b1_run131.md, A/B
+# in one run): the round −25 / −115 / −65 / −12 µs at w = 1 / 2 / 4 / 8, +30 at w = 16 (its spread 32); HybridSpec
+# at batch 1 1.70 → 1.71x AR (medium), 2.56 → 2.57x (high). False: 32 x 128 / 64 x 128 in 4 stages (A/B:
+# `hybridspec-direct-deep-k`).
+DIRECT_DEEP_K = True
 MODES = ("auto", "decode", "direct", "sorted")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
