@@ -3,10 +3,10 @@ into CUDA graph conditional nodes (a replay runs the body its predicate chose, n
 inside). A body may not draw random numbers (torch refuses it when the capture ends): resident rounds draw before. The CUDA tests skip without a GPU; the resident rounds that use it are tested in test_resident*.py."""
 import pytest
 import torch
+from test_pdl_cuda import _chain, chain_inputs  # dependent launches (PDL on Hopper): norm → gemv → gemv → add
 
 from hybridspec_hf.graphs import capture
 from hybridspec_hf.graphs.capture import Replay, branch, branches_capture
-from hybridspec_hf.kernels import gemv_triton, norm_triton
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available() or not branches_capture(torch.device("cuda")),
                           reason="needs CUDA with conditional graph nodes (CUDA >= 12.4)")
@@ -38,24 +38,9 @@ def test_a_cpu_replay_reads_the_predicate_at_each_call():
     assert not capture._warming
 
 
-def _chain(h: torch.Tensor, weights, norm_weight) -> torch.Tensor:
-    """Dependent launches with PDL on Hopper: norm → gemv → gemv (split-K) → add, per weight pair."""
-    for w_in, w_out in weights:
-        y = norm_triton.rms_norm(h, norm_weight, 1e-6)
-        y = gemv_triton.gemv(y, w_in, None, gemv_triton.GemvConfig(64, 128, 1, 4, 4, True))
-        y = gemv_triton.gemv(y, w_out, None, gemv_triton.GemvConfig(32, 128, 8, 4, 4, True))
-        h = h + y
-    return h
-
-
 @cuda
 def test_captured_branches_replay_the_chosen_body_nested_with_pdl_launches():
-    torch.manual_seed(0)
-    hidden, inter = 1024, 2048
-    pairs = [(torch.randn(inter, hidden, device="cuda", dtype=torch.bfloat16) * hidden ** -0.5,
-              torch.randn(hidden, inter, device="cuda", dtype=torch.bfloat16) * inter ** -0.5) for _ in range(3)]
-    norm_weight = torch.rand(hidden, device="cuda", dtype=torch.bfloat16) + 0.5
-    x = torch.randn(2, hidden, device="cuda", dtype=torch.bfloat16)
+    pairs, norm_weight, x = chain_inputs(1024, 2048, 3, 2)
     out = torch.zeros_like(x)
     length = torch.zeros(1, dtype=torch.long, device="cuda")
     # three bodies: length <= 1 → one pair of the chain, <= 2 → two pairs, else all three (and a scale)

@@ -31,13 +31,17 @@ def _chain(x, weights, norm_weight):
     return h
 
 
-def test_a_captured_chain_of_overlapping_launches_gives_the_same_bits(pdl_switch):
+def chain_inputs(hidden: int, inter: int, pairs: int, rows: int):
+    """(weight pairs, norm weight, x [rows, hidden]) of `_chain`, random bf16 on CUDA (seeded)."""
     torch.manual_seed(0)
-    hidden, inter = 2048, 4096
     weights = [(torch.randn(inter, hidden, device="cuda", dtype=torch.bfloat16) * hidden ** -0.5,
-                torch.randn(hidden, inter, device="cuda", dtype=torch.bfloat16) * inter ** -0.5) for _ in range(6)]
+                torch.randn(hidden, inter, device="cuda", dtype=torch.bfloat16) * inter ** -0.5) for _ in range(pairs)]
     norm_weight = torch.rand(hidden, device="cuda", dtype=torch.bfloat16) + 0.5
-    x = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
+    return weights, norm_weight, torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+
+
+def test_a_captured_chain_of_overlapping_launches_gives_the_same_bits(pdl_switch):
+    weights, norm_weight, x = chain_inputs(2048, 4096, 6, 1)
     outputs = {}
     for on in (False, True):
         pdl_switch(on)
