@@ -78,8 +78,8 @@ class Replay:
 
 
 def branches_capture(device: torch.device) -> bool:
-    """Whether `branch` captures into CUDA graph conditional nodes on `device`: torch exposes them (2.6 and later)
-    and its CUDA runtime is 12.4 or newer (not ROCm)."""
+    """Whether `branch` captures into CUDA graph conditional nodes on `device`: torch exposes them (2.13 does; the
+    GPU image's 2.11 does not) and its CUDA runtime is 12.4 or newer (not ROCm)."""
     if torch.device(device).type != "cuda" or torch.version.hip is not None or torch.version.cuda is None:
         return False
     major, minor = (int(part) for part in torch.version.cuda.split(".")[:2])
