@@ -146,12 +146,11 @@ def test_the_decode_kernels_match_the_torch_steps_and_repeat_bit_for_bit(dtype):
     patches.release_fused_moe([block])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_direct_rows_with_the_shared_slot_first_give_the_same_bits_in_a_graph(dtype, monkeypatch):
-    """moe_triton.DIRECT_SHARED_FIRST at full width (T = 16, a round's block; the tokens past valid lengths 1, 4 and
-    16 routed as stage 1 routes them): the shared expert's programs first and dead slots leaving early give the old
-    order's bits, eagerly and replayed in a CUDA graph with the router's mask launch before them (PDL on where the
-    GPU has it), and the torch steps' result within the CPU twin's tolerances."""
+def _direct_rows_both_ways(dtype, monkeypatch, switch: str) -> dict:
+    """The direct rows at full width (T = 16, a round's block; the tokens past valid lengths 1, 4 and 16 routed as
+    stage 1 routes them) with moe_triton.`switch` off and on, eagerly and replayed in a CUDA graph with the router's
+    mask launch before them (PDL on where the GPU has it): each replay the eager call's bits, each within the CPU
+    twin's tolerance of the torch steps. Returns {(on, valid length): output}."""
     from hybridspec_hf.kernels import moe_triton, router_triton
     from hybridspec_hf.patches import _moe
 
@@ -171,8 +170,8 @@ def test_the_direct_rows_with_the_shared_slot_first_give_the_same_bits_in_a_grap
                                            block.experts.down_proj, shared, block.shared_expert.down_proj.weight,
                                            residual, mode="direct")
 
-    for first in (False, True):
-        monkeypatch.setattr(moe_triton, "DIRECT_SHARED_FIRST", first)
+    for on in (False, True):
+        monkeypatch.setattr(moe_triton, switch, on)
         step()  # compiles before the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -181,16 +180,32 @@ def test_the_direct_rows_with_the_shared_slot_first_give_the_same_bits_in_a_grap
             valid.fill_(n)
             eager = step()
             graph.replay()
-            assert torch.equal(captured, eager), (first, n)
+            assert torch.equal(captured, eager), (on, n)
             masked = router_triton.mask_invalid_routes_reference(ids, weights, valid)
             truth = moe_triton.moe_block_reference(x, *masked, block.experts.gate_up_proj, block.experts.down_proj,
                                                    shared, block.shared_expert.down_proj.weight, residual)
-            assert rel(eager, truth) < tol, (first, n)
-            if first:
-                assert torch.equal(eager, outs[n]), n
-            else:
-                outs[n] = eager.clone()
+            assert rel(eager, truth) < tol, (on, n)
+            outs[on, n] = eager.clone()
     patches.release_fused_moe([block])
+    return outs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_direct_rows_with_the_shared_slot_first_give_the_same_bits_in_a_graph(dtype, monkeypatch):
+    """moe_triton.DIRECT_SHARED_FIRST: the shared expert's programs first and dead slots leaving early give the old
+    order's bits."""
+    outs = _direct_rows_both_ways(dtype, monkeypatch, "DIRECT_SHARED_FIRST")
+    assert all(torch.equal(outs[True, n], outs[False, n]) for n in (1, 4, 16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_direct_rows_as_live_items_replay_in_a_graph(dtype, monkeypatch):
+    """moe_triton.DIRECT_SPLIT: the live items with K split at small valid lengths (their slices summed in the same
+    launch, the split-K counters zero again) replay the eager bits and keep the tolerance."""
+    from hybridspec_hf.kernels import gemv_triton
+
+    _direct_rows_both_ways(dtype, monkeypatch, "DIRECT_SPLIT")
+    assert int(gemv_triton.split_counters(torch.device("cuda", torch.cuda.current_device())).abs().sum()) == 0
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
