@@ -546,9 +546,10 @@ def test_max_shape_rounds_that_choose_a_short_length_verify_only_that_many(short
     target = make_target("qwen3_next")
     prompt = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(5))
     ar = reference(target, prompt, 37)
-    drafter = make_drafter(target, 8, ar.sequences, error_rate=0.7, seed=5)
+    drafter = make_drafter(target, 8, ar.sequences, error_rate=0.3, seed=5)
     settings = HybridSpecConfig(cuda_graphs="on", verify_shape="max")
-    assert_same_as_ar(run(target, prompt, drafter, "hybridspec", 37, hybridspec_config=settings), ar)
+    # "confidence" chooses w from the drafts alone (no clock): the same lengths on every machine
+    assert_same_as_ar(run(target, prompt, drafter, "confidence", 37, hybridspec_config=settings), ar)
     assert len(verified) == len([r for r in hybridspec_hf.get_telemetry(target).rounds if r.drafted])
     assert all(n == (2 if short and valid <= 2 else 8) for n, valid in verified), verified
     assert min(valid for _, valid in verified) <= 2 < max(valid for _, valid in verified)

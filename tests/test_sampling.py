@@ -106,8 +106,8 @@ def test_resident_rounds_sample_the_target_distribution_through_short_verifies(m
     options = dict(do_sample=True, temperature=1.0, top_k=4, max_new_tokens=3)
     torch.manual_seed(0)
     ar = torch.stack([target.generate(prompt, **options)[0, -2:] for _ in range(600)])
-    settings = HybridSpecConfig(cuda_graphs="on", verify_shape="max", static_length=3)
-    ours = torch.stack([target.generate(prompt, assistant_model=drafter, generation_strategy="hybridspec",
+    settings = HybridSpecConfig(cuda_graphs="on", verify_shape="max")
+    ours = torch.stack([target.generate(prompt, assistant_model=drafter, generation_strategy="confidence",
                                         hybridspec_config=settings, **options)[0, -2:] for _ in range(600)])
     assert target.__dict__["_hybridspec_resident"].short_lengths == (2, 4, 6, 7)
     assert set(verified) & {2, 4, 6, 7}, verified
