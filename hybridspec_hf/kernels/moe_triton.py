@@ -345,6 +345,16 @@ def _program_rows(ids, block_pairs, slot, expert, is_shared, T, S,
     return pair, row_ok
 
 
+def _k_step(k0, k_lo, k_hi, KTOTAL: tl.constexpr, BK: tl.constexpr, SLICED: tl.constexpr):
+    """(rk [BK], mk [BK]) of the reduction step at k0: its indices and those inside KTOTAL (SLICED: and inside the
+    slice [k_lo, k_hi))."""
+    rk = k0 + tl.arange(0, BK)
+    mk = rk < KTOTAL
+    if SLICED:
+        mk = mk & (rk >= k_lo) & (rk < k_hi)
+    return rk, mk
+
+
 def _gate_up_dots(p_x, p_gate, p_up, stride_hh, stride_wk, row_ok, mn, k_lo, k_hi, H: tl.constexpr,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr,
                   SLICED: tl.constexpr):
@@ -354,10 +364,7 @@ def _gate_up_dots(p_x, p_gate, p_up, stride_hh, stride_wk, row_ok, mn, k_lo, k_h
     acc_gate = tl.zeros([BM, BN], dtype=tl.float32)
     acc_up = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, H, BK):
-        rk = k0 + tl.arange(0, BK)
-        mk = rk < H
-        if SLICED:
-            mk = mk & (rk >= k_lo) & (rk < k_hi)
+        rk, mk = _k_step(k0, k_lo, k_hi, H, BK, SLICED)
         b_w_gate = tl.load(p_gate + rk[:, None] * stride_wk, mask=mk[:, None] & mn[None, :], other=0.0)
         b_w_up = tl.load(p_up + rk[:, None] * stride_wk, mask=mk[:, None] & mn[None, :], other=0.0)
         b_x = tl.load(p_x + rk[None, :] * stride_hh, mask=row_ok[:, None] & mk[None, :], other=0.0)
@@ -375,8 +382,7 @@ def _shared_logit(shared_w1, p_x, stride_hh, stride_wn, stride_wk, row_ok, logit
     p_logit = shared_w1 + 2 * INTER * stride_wn
     acc_logit = tl.zeros([BM], dtype=tl.float32)
     for k0 in range(0, H, BK):
-        rk = k0 + tl.arange(0, BK)
-        mk = rk < H
+        rk, mk = _k_step(k0, 0, H, H, BK, False)
         b_w = tl.load(p_logit + rk * stride_wk, mask=mk, other=0.0)
         b_x = tl.load(p_x + rk[None, :] * stride_hh, mask=row_ok[:, None] & mk[None, :], other=0.0)
         b_x = b_x.to(b_w.dtype).to(tl.float32)
@@ -390,10 +396,7 @@ def _down_dots(p_act, p_w, stride_wk, row_ok, mn, k_lo, k_hi, INTER: tl.constexp
     time (masked at INTER); SLICED: only I in [k_lo, k_hi), as `_gate_up_dots`."""
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, INTER, BK):
-        rk = k0 + tl.arange(0, BK)
-        mk = rk < INTER
-        if SLICED:
-            mk = mk & (rk >= k_lo) & (rk < k_hi)
+        rk, mk = _k_step(k0, k_lo, k_hi, INTER, BK, SLICED)
         b_w = tl.load(p_w + rk[:, None] * stride_wk, mask=mk[:, None] & mn[None, :], other=0.0)
         b_a = tl.load(p_act + rk[None, :], mask=row_ok[:, None] & mk[None, :], other=0.0).to(b_w.dtype)
         if DOT_FP32:
@@ -520,6 +523,21 @@ def _k_slice(i_k, split, KTOTAL: tl.constexpr, BK: tl.constexpr):
     return k_lo, tl.minimum(k_lo + steps * BK, KTOTAL)
 
 
+def _live_program(ids, w, shared_w, stride_we, T, S, E, n_tiles, K: tl.constexpr, KP: tl.constexpr,
+                  BM: tl.constexpr, LOG_SPLIT: tl.constexpr, SPP: tl.constexpr):
+    """A live-items program's set-up (`_live_item`): (has, pair, row_ok, w_base, expert, is_shared, tile, i_n, i_k,
+    split), its rows and its expert's weights (the shared expert's copy for its slot) loaded only with an item."""
+    has, slot, expert, is_shared, tile, i_n, i_k, split = _live_item(ids, S, E, n_tiles, LOG_SPLIT, SPP)
+    pair = tl.zeros([BM], dtype=tl.int32)
+    row_ok = pair < 0
+    if has:
+        pair, row_ok = _program_rows(ids, ids, slot, expert, is_shared, T, S, True, K, KP, BM)
+    w_base = w + expert * stride_we
+    if is_shared:
+        w_base = shared_w
+    return has, pair, row_ok, w_base, expert, is_shared, tile, i_n, i_k, split
+
+
 def _gate_up_live_kernel(
     hidden, ids, w1, act, shared_w1, logit, partials, counters,
     T, S, E, n_tiles,
@@ -528,14 +546,12 @@ def _gate_up_live_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, LOG_SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """The direct rows' gate_up with the shared expert as work items over the live slots (`DIRECT_SPLIT`)."""
+    """The direct rows' gate_up with the shared expert as work items over the live slots (`DIRECT_SPLIT`); the
+    shared expert's weights: [gate_proj; up_proj; shared_expert_gate; padding], the experts' row layout."""
     pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
-    has, slot, expert, is_shared, tile, i_n, i_k, split = _live_item(ids, S, E, n_tiles, LOG_SPLIT, SPP)
+    has, pair, row_ok, w_base, expert, is_shared, tile, i_n, i_k, split = _live_program(
+        ids, w1, shared_w1, stride_we, T, S, E, n_tiles, K, KP, BM, LOG_SPLIT, SPP)
     if has:
-        pair, row_ok = _program_rows(ids, ids, slot, expert, is_shared, T, S, True, K, KP, BM)
-        w_base = w1 + expert * stride_we
-        if is_shared:
-            w_base = shared_w1  # [gate_proj; up_proj; shared_expert_gate; padding]: the experts' row layout
         rm = tl.arange(0, BM)
         rn = i_n * BN + tl.arange(0, BN)
         mn = rn < INTER
@@ -579,12 +595,9 @@ def _down_live_kernel(
 ):
     """The direct rows' down with the shared expert as work items over the live slots (`DIRECT_SPLIT`)."""
     pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
-    has, slot, expert, is_shared, tile, i_n, i_k, split = _live_item(ids, S, E, n_tiles, LOG_SPLIT, SPP)
+    has, pair, row_ok, w_base, expert, is_shared, tile, i_n, i_k, split = _live_program(
+        ids, w2, shared_w2, stride_we, T, S, E, n_tiles, K, KP, BM, LOG_SPLIT, SPP)
     if has:
-        pair, row_ok = _program_rows(ids, ids, slot, expert, is_shared, T, S, True, K, KP, BM)
-        w_base = w2 + expert * stride_we
-        if is_shared:
-            w_base = shared_w2  # the shared expert's down_proj [H, I]
         rm = tl.arange(0, BM)
         rn = i_n * BN + tl.arange(0, BN)
         mn = rn < H
@@ -893,6 +906,7 @@ if HAS_TRITON:
     _program_slot = triton.jit(_program_slot)
     _program_expert = triton.jit(_program_expert)
     _program_rows = triton.jit(_program_rows)
+    _k_step = triton.jit(_k_step)
     _gate_up_dots = triton.jit(_gate_up_dots)
     _shared_logit = triton.jit(_shared_logit)
     _down_dots = triton.jit(_down_dots)
@@ -905,6 +919,7 @@ if HAS_TRITON:
     _gate_up_kernel = _LazyJit(_gate_up_kernel, pdl=True)
     _down_kernel = _LazyJit(_down_kernel, pdl=True)
     _live_item = triton.jit(_live_item)
+    _live_program = triton.jit(_live_program)
     _k_slice = triton.jit(_k_slice)
     _gate_up_live_kernel = _LazyJit(_gate_up_live_kernel, pdl=True)
     _down_live_kernel = _LazyJit(_down_live_kernel, pdl=True)
