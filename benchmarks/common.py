@@ -42,6 +42,8 @@ SWITCHES = {
                     "our skinny GEMM loads a program's whole weight slice (≤ 32 KB) before the PDL wait"),
     "pdl-shapes": ("hybridspec_hf.kernels.gemv_triton", "PDL_SHAPES",
                    "our skinny GEMM (PDL) also where it only ties cuBLAS alone (the attention's q|k|v copy)"),
+    "pdl-wide": ("hybridspec_hf.kernels.gemv_triton", "PDL_WIDE",
+                 "our skinny GEMM (PDL) for the q|k|v copies of verifications and drafts (M = 2-16), not cuBLAS"),
     "gdn-loads-first": ("hybridspec_hf.kernels.gdn_step_triton", "LOADS_FIRST",
                         "the GDN step loads the gates' inputs with the conv's, reads the window counter late"),
     "moe-fused-route": ("hybridspec_hf.patches._moe", "FUSED_ROUTE",

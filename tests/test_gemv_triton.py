@@ -238,6 +238,29 @@ def test_pdl_shapes_are_taken_only_with_the_switch_on(monkeypatch):
     assert calls == [GemvConfig(16, 32), GemvConfig(32, 32)]
 
 
+def test_wide_pdl_shapes_are_taken_only_with_their_switch_on(monkeypatch):
+    """PDL_WIDE_TABLE's shapes (M > 1) run F.linear unless PDL_WIDE is on; TABLE and PDL_TABLE win where they name
+    the shape; each config fits its shape (the kernel's rules) and gives F.linear's result."""
+    for (n, k, bucket), config in gemv_triton.PDL_WIDE_TABLE.items():
+        assert bucket in (4, 8, 16) and (n, k, bucket) not in gemv_triton.TABLE
+        assert n % config.block_n == 0 and k % (config.block_k * config.split_k) == 0 and config.dot
+    calls = []
+    monkeypatch.setattr(gemv_triton, "gemv", lambda *args: calls.append(args[3]) or F.linear(*args[:3]))
+    monkeypatch.setattr(gemv_triton, "PDL_WIDE_TABLE", {(48, 64, 4): GemvConfig(16, 64), (48, 64, 1): GemvConfig(8, 8)})
+    monkeypatch.setattr(gemv_triton, "PDL_TABLE", {(48, 64, 1): GemvConfig(16, 32)})
+    x, weight, _ = inputs(3, 48, 64, torch.float32, seed=3)
+    with torch.no_grad():
+        monkeypatch.setattr(gemv_triton, "PDL_WIDE", False)
+        linear(x, weight)
+        assert not calls
+        monkeypatch.setattr(gemv_triton, "PDL_WIDE", True)
+        assert torch.allclose(linear(x, weight), F.linear(x, weight))
+        linear(x[:1], weight)  # PDL_TABLE's M = 1 entry wins
+        monkeypatch.setattr(gemv_triton, "PDL_SHAPES", False)
+        linear(x[:1], weight)  # without PDL_SHAPES the wide table's own M = 1 entry
+    assert calls == [GemvConfig(16, 64), GemvConfig(16, 32), GemvConfig(8, 8)]
+
+
 def test_routed_linears_are_installed_inert_outside_the_flag_and_released(monkeypatch):
     model = make_target("qwen3_5_moe", seed=2, dtype=torch.float32)
     linears = patches.decoder_linears(model)

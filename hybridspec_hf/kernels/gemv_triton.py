@@ -138,6 +138,16 @@ PDL_SHAPES = True
 PDL_TABLE: dict[tuple[int, int, int], GemvConfig] = {
     (9216, 2048, 1): GemvConfig(64, 128, 1, 4, 4, True),  # 11.64 µs alone (F.linear 11.75)
 }
+# The same for the buckets of a verification or a draft (M = 2..16), which still run cuBLAS outside the PDL chain:
+# the target attention's q|k|v copy (10 a round at the 35B-A3B shape; run 130's round at w = 4: the 10 cuBLAS
+# launches 162 µs on an H100 for ≈ 375 MB, 2.3 TB/s) and the drafter's q|k|v (5 a draft, 53 µs). Configs by analogy
+# with TABLE's 12288 x 2048 rows (one 64-row block of W per program, whole K; 32 rows for 5120: 160 programs on 132
+# SMs), not swept. Off until measured in the round (A/B `+pdl-wide`, round_tiles.py).
+PDL_WIDE = False
+PDL_WIDE_TABLE: dict[tuple[int, int, int], GemvConfig] = {
+    **{(9216, 2048, m): GemvConfig(64, 128, 1, 4, 4, True) for m in (4, 8, 16)},
+    **{(5120, 2048, m): GemvConfig(32, 128, 1, 4, 4, True) for m in (4, 8, 16)},
+}
 
 @dataclass(frozen=True)
 class RowNorm:
@@ -351,11 +361,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, confi
 
 
 def choose_config(rows: int, n: int, k: int) -> GemvConfig | None:
-    """TABLE's config for (N, K, M bucket) (or PDL_TABLE's, with PDL_SHAPES on), or None: F.linear."""
+    """TABLE's config for (N, K, M bucket), else PDL_TABLE's (with PDL_SHAPES on), else PDL_WIDE_TABLE's (with
+    PDL_WIDE on), or None: F.linear."""
     if _FORCE is not None:
         return _FORCE
     key = (n, k, m_bucket(rows))
-    return TABLE.get(key, PDL_TABLE.get(key) if PDL_SHAPES else None)
+    config = TABLE.get(key, PDL_TABLE.get(key) if PDL_SHAPES else None)
+    return PDL_WIDE_TABLE.get(key) if config is None and PDL_WIDE else config
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
