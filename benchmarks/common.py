@@ -50,6 +50,8 @@ SWITCHES = {
                         "the decoder's residual add, post-attention norm, MoE router GEMM and top-k in one launch"),
     "route-one-warp": ("hybridspec_hf.kernels.router_triton", "ROUTE_ONE_WARP",
                        "the one-launch add, norm and router: 2 router rows and one warp per program (else 4 and 4)"),
+    "route-wide-rounds": ("hybridspec_hf.kernels.router_triton", "ROUTE_WIDE_ROUNDS",
+                          "the one-launch add, norm and router past 2 tokens: 4 router rows and 4 warps per program"),
     "shared-first": ("hybridspec_hf.kernels.moe_triton", "SHARED_FIRST",
                      "the MoE decode gate_up's shared-expert programs first, their weights loaded before the PDL wait"),
     "norm-prologue": ("hybridspec_hf.kernels.gemv_triton", "NORM_PROLOGUE",

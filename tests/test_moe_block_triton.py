@@ -126,6 +126,16 @@ def test_route_topk_ties_take_the_lowest_expert_id(normalize):
     assert_routing_matches(logits, scores, ids, 3, normalize)
 
 
+def test_the_router_programs_follow_the_switches(monkeypatch):
+    """(router rows, warps) of an add_norm_route program: ROUTE_ONE_WARP's at every token count, and 4 rows and 4
+    warps past 2 tokens with ROUTE_WIDE_ROUNDS (both configurations' results: the test below)."""
+    for one_warp, wide, expected in [(True, False, [(2, 1)] * 4), (False, False, [(4, 4)] * 4),
+                                     (True, True, [(2, 1), (2, 1), (4, 4), (4, 4)]), (False, True, [(4, 4)] * 4)]:
+        monkeypatch.setattr(router_triton, "ROUTE_ONE_WARP", one_warp)
+        monkeypatch.setattr(router_triton, "ROUTE_WIDE_ROUNDS", wide)
+        assert [router_triton.route_program(t) for t in (1, 2, 3, 16)] == expected
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens, hidden, experts, top_k, normalize", [(1, 64, 256, 8, True), (3, 48, 60, 4, False),
                                                                       (5, 96, 7, 2, True)])

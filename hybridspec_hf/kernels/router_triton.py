@@ -40,6 +40,11 @@ MAX_EXPERTS = 4096  # one row in registers
 # the one launch took 5.6 µs per MoE layer of the AR step's traced span against ≈ 6.1 for add_rms_norm, the router
 # GEMM and route_topk (the step −14 / −27 µs traced / wall). A/B switch `route-one-warp`.
 ROUTE_ONE_WARP = True
+# At more than 2 tokens (verifications; a max-shape round's 16) 4 router rows and 4 warps a program whatever
+# ROUTE_ONE_WARP says: every program adds and norms its token's whole row, 64 values a thread with one warp, and at
+# T = 16 the one-warp grid is 2 048 programs (run 130, H100: 9.4 µs a MoE layer in a max-shape round against 5.1 at
+# the AR step). Off until measured (A/B `route-wide-rounds`).
+ROUTE_WIDE_ROUNDS = False
 MAX_ROUTE_HIDDEN = 8192  # a program holds its router rows [2 or 4, H] in registers
 
 
@@ -208,11 +213,18 @@ def route_topk(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch
     return scores, ids
 
 
+def route_program(tokens: int) -> tuple[int, int]:
+    """`add_norm_route`'s (router rows, warps) a program for a call of `tokens` rows: ROUTE_ONE_WARP's (2, 1) or
+    (4, 4), and (4, 4) past 2 tokens with ROUTE_WIDE_ROUNDS."""
+    one_warp = ROUTE_ONE_WARP and not (ROUTE_WIDE_ROUNDS and tokens > 2)
+    return (2, 1) if one_warp else (4, 4)
+
+
 def add_norm_route(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                    router_weight: torch.Tensor, top_k: int, normalize: bool, offset: bool = True):
     """Triton `add_norm_route_reference` in one launch, where transformers runs the residual add, the RMSNorm, the
     router GEMM, softmax and top-k (our unfused route: add_rms_norm, the GEMM, route_topk). Grid (E / 2 or E / 4
-    (`ROUTE_ONE_WARP`), T): each program loads its router rows before the PDL wait, then computes the add and the
+    (`route_program`), T): each program loads its router rows before the PDL wait, then computes the add and the
     norm of its token (every program; the first stores h and the normed row), its rows' logits (fp32 sums, rounded
     to the model dtype as F.linear's output), and the token's last program to arrive (a counter of gemv_triton's
     split-K kind) routes it from the stored logits as `route_topk`. x, residual [..., H] of one dtype; norm_weight
@@ -238,7 +250,7 @@ def add_norm_route(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.T
     scores = torch.empty(tokens, top_k, dtype=x.dtype, device=x.device)
     ids = torch.empty(tokens, top_k, dtype=torch.long, device=x.device)
     if tokens:
-        block_n, warps = (2, 1) if ROUTE_ONE_WARP else (4, 4)
+        block_n, warps = route_program(tokens)
         block_n = min(block_n, triton.next_power_of_2(num_experts))
         _add_norm_route_kernel[(triton.cdiv(num_experts, block_n), tokens)](
             rows, residual_rows, norm_weight, router_weight, h, normed, logits, scores, ids,
