@@ -44,6 +44,8 @@ SWITCHES = {
                    "our skinny GEMM (PDL) also where it only ties cuBLAS alone (the attention's q|k|v copy)"),
     "pdl-wide": ("hybridspec_hf.kernels.gemv_triton", "PDL_WIDE",
                  "our skinny GEMM (PDL) for the q|k|v copies of verifications and drafts (M = 2-16), not cuBLAS"),
+    "conv-gates": ("hybridspec_hf.kernels.gdn_prologue_triton", "ONE_LAUNCH",
+                   "a GDN verification's conv + silu and gates in one launch instead of two"),
     "gdn-loads-first": ("hybridspec_hf.kernels.gdn_step_triton", "LOADS_FIRST",
                         "the GDN step loads the gates' inputs with the conv's, reads the window counter late"),
     "moe-fused-route": ("hybridspec_hf.patches._moe", "FUSED_ROUTE",

@@ -25,9 +25,10 @@ from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as modeling  # 
 
 from hybridspec_hf import patches  # noqa: E402
 from hybridspec_hf.kernels import commit_conv_state, commit_gdn_states, conv_verify, fused_kernels  # noqa: E402
-from hybridspec_hf.kernels import gdn_step_triton  # noqa: E402
+from hybridspec_hf.kernels import gdn_prologue_triton, gdn_step_triton  # noqa: E402
 from hybridspec_hf.kernels.gdn_prologue_triton import (  # noqa: E402
     conv_silu,
+    conv_silu_gates,
     conv_silu_reference,
     gdn_gates,
     gdn_gates_reference,
@@ -120,6 +121,32 @@ def test_gdn_gates_equal_the_reference(t, dtype):
     torch.testing.assert_close(beta, beta_ref, **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch, t, channels, heads, roll", [(1, 16, 200, 6, False), (2, 5, 130, 3, False),
+                                                             (1, 1, 72, 32, True), (2, 17, 64, 5, True)])
+def test_conv_and_gates_in_one_launch_give_the_two_launches_bits(batch, t, channels, heads, roll, dtype):
+    """conv_silu_gates runs conv_silu's and gdn_gates' code in one grid: the same bits as the two launches, the
+    window rolled alike (ROLL), for several requests, T past one gates program (17 > GATE_ROWS = 16), channels past
+    one conv block and column slices of a projection output as inputs."""
+    state, x, weight, bias = conv_inputs(channels + t, batch, t, channels, True, dtype)
+    gen = torch.Generator().manual_seed(t * heads)
+    wide = torch.randn(batch, t, 2 * heads + 3, generator=gen) * 4.0
+    a, b = wide.to(dtype)[..., 1 : 1 + heads], wide.to(dtype)[..., 1 + heads : 1 + 2 * heads]
+    a_log = torch.linspace(-2.0, 1.0, heads).to(dtype)
+    dt_bias = torch.linspace(-5.0, 22.0, heads).to(dtype)
+    two_state, one_state = state.clone(), state.clone()
+    mixed = conv_silu(two_state, x, weight, bias, roll_state=roll)
+    g, beta = gdn_gates(a, b, a_log, dt_bias)
+    one_mixed, one_g, one_beta = conv_silu_gates(one_state, x, weight, bias, a, b, a_log, dt_bias, roll_state=roll)
+    assert torch.equal(one_mixed, mixed) and torch.equal(one_g, g) and torch.equal(one_beta, beta)
+    assert torch.equal(one_state, two_state) and torch.equal(one_state, state) != roll
+    assert one_g.abs().min() > 0 and one_mixed.abs().max() > 0
+    with pytest.raises(ValueError, match="a, b"):
+        conv_silu_gates(state, x, weight, bias, a[..., 1:], b[..., 1:], a_log, dt_bias)
+    with pytest.raises(ValueError, match="conv_state"):
+        conv_silu_gates(state[:, 1:], x, weight, bias, a, b, a_log, dt_bias)
+
+
 # --------------------------------------------------------------------------------------------------- verify_forward
 
 
@@ -143,9 +170,12 @@ def assert_close_to_scale(actual: torch.Tensor, expected: torch.Tensor, rel: flo
 @pytest.mark.parametrize("name,dtype", [("qwen3_5_moe_odd", torch.float32), ("qwen3_5_moe", torch.bfloat16),
                                         ("qwen3_next", torch.float32)])
 @pytest.mark.parametrize("t", [1, 7])
-def test_fused_verify_forward_equals_the_torch_glue(name, dtype, t, monkeypatch):
+@pytest.mark.parametrize("one_launch", [False, True], ids=["", "conv_gates_one_launch"])
+def test_fused_verify_forward_equals_the_torch_glue(name, dtype, t, one_launch, monkeypatch):
     """Tolerance: fp32 1e-5 of scale (measured 2e-7); bf16 2^-5 of scale, a few bf16 ulps (the interpreter's
-    truncated q/k/v carried through the verify, the norm and out_proj's bf16 GEMM; measured 2^-7)."""
+    truncated q/k/v carried through the verify, the norm and out_proj's bf16 GEMM; measured 2^-7). With
+    gdn_prologue_triton.ONE_LAUNCH the conv and gates run as one launch (conv_silu_gates)."""
+    monkeypatch.setattr(gdn_prologue_triton, "ONE_LAUNCH", one_launch)
     target = make_target(name, seed=3, dtype=dtype)
     family = patches.family_of(target)
     layers = patches.gdn_layers(target)
@@ -156,7 +186,7 @@ def test_fused_verify_forward_equals_the_torch_glue(name, dtype, t, monkeypatch)
     state = torch.randn(1, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, generator=gen) * 0.1
     unfused, plain = verify_once(layer, family.project_gdn_inputs, hidden, conv_state, state, fused=False)
     launches = []
-    for kernel in ("conv_silu", "gdn_gates"):
+    for kernel in ("conv_silu", "gdn_gates", "conv_silu_gates"):
         original = getattr(_gdn, kernel)
         monkeypatch.setattr(_gdn, kernel,
                             lambda *args, _f=original, _n=kernel, **kw: launches.append(_n) or _f(*args, **kw))
@@ -167,7 +197,7 @@ def test_fused_verify_forward_equals_the_torch_glue(name, dtype, t, monkeypatch)
         fused, pending = verify_once(layer, family.project_gdn_inputs, hidden, conv_state, state, fused=True)
     finally:
         patches.release_gdn_projections(layers)
-    assert launches == ["conv_silu", "gdn_gates"]
+    assert launches == (["conv_silu_gates"] if one_launch else ["conv_silu", "gdn_gates"])
     if separate:  # the conv input is a column slice of the one GEMM's output [B, T, C + HV·dv + 2·HV]
         assert pending.conv_input.stride(2) > plain.conv_input.stride(2) == layer.conv_dim
     rel = 1e-5 if dtype == torch.float32 else 2**-5

@@ -46,7 +46,7 @@ from .gdn_triton import (
     gdn_verify_auto,
     select_backend,
 )
-from .gdn_prologue_triton import conv_silu, conv_silu_reference, gdn_gates, gdn_gates_reference
+from .gdn_prologue_triton import conv_silu, conv_silu_gates, conv_silu_reference, gdn_gates, gdn_gates_reference
 from .moe_triton import fused_experts, fused_experts_reference
 from .attention_triton import attention_reference, static_attention
 
@@ -59,6 +59,7 @@ __all__ = [
     "commit_default_states",
     "commit_gdn_states_auto",
     "conv_silu",
+    "conv_silu_gates",
     "conv_silu_reference",
     "default_verify",
     "fused_experts",
