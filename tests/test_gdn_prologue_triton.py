@@ -174,8 +174,8 @@ def assert_close_to_scale(actual: torch.Tensor, expected: torch.Tensor, rel: flo
 def test_fused_verify_forward_equals_the_torch_glue(name, dtype, t, one_launch, monkeypatch):
     """Tolerance: fp32 1e-5 of scale (measured 2e-7); bf16 2^-5 of scale, a few bf16 ulps (the interpreter's
     truncated q/k/v carried through the verify, the norm and out_proj's bf16 GEMM; measured 2^-7). With
-    gdn_prologue_triton.ONE_LAUNCH the conv and gates run as one launch (conv_silu_gates)."""
-    monkeypatch.setattr(gdn_prologue_triton, "ONE_LAUNCH", one_launch)
+    gdn_prologue_triton.CONV_GATES the conv and gates run as one launch (conv_silu_gates)."""
+    monkeypatch.setattr(gdn_prologue_triton, "CONV_GATES", one_launch)
     target = make_target(name, seed=3, dtype=dtype)
     family = patches.family_of(target)
     layers = patches.gdn_layers(target)

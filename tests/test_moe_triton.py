@@ -431,6 +431,45 @@ def test_the_direct_rows_with_the_shared_slot_first_change_no_bit(tokens, valid,
     assert rel(outs[0], truth) < TOL[torch.float32]
 
 
+class NoLaunch:
+    """A kernel that must not be launched."""
+
+    def __getitem__(self, grid):
+        raise AssertionError("launched")
+
+
+@pytest.mark.parametrize("tokens, valid, dtype, shared, residual", [
+    (16, 1, torch.float32, True, True), (16, 9, torch.bfloat16, True, True), (7, 7, torch.float32, True, False),
+    (16, 4, torch.float32, False, False), (32, 20, torch.bfloat16, True, True)])
+def test_the_sum_folded_into_the_down_launch_changes_no_bit(tokens, valid, dtype, shared, residual, monkeypatch):
+    """FOLD_SUM: the direct rows' sum (pairs in order, the gated shared expert, the residual) by the down kernel's
+    last program of each column block gives `_sum_kernel`'s bits, with and without the shared expert and the
+    residual, several column blocks (down tiles 16 wide over H = 40: 3 blocks, the last masked), tokens past the
+    valid length routed to -1, a duplicate expert and a sentinel; the split-K counters are zero again after."""
+    x = make_block(35, tokens, 40, 24, 6, 3, dtype)
+    x["top_k_index"][0, 1] = x["top_k_index"][0, 0]
+    x["top_k_index"][min(1, valid - 1), 2] = 6
+    x["top_k_index"][valid:] = -1
+    if not residual:
+        x["residual"] = None
+    routed = {k: x[k] for k in ("hidden", "top_k_index", "top_k_weights", "gate_up_proj", "down_proj")}
+    tiles = dict(gate_up_tiles=Tiles(16, 16), down_tiles=Tiles(16, 16))
+    outs = []
+    sum_kernel = moe_triton._sum_kernel
+    for fold in (True, False):
+        monkeypatch.setattr(moe_triton, "FOLD_SUM", fold)
+        monkeypatch.setattr(moe_triton, "_sum_kernel", NoLaunch() if fold else sum_kernel)  # folded: none of its own
+        if shared:
+            outs.append(moe_block_triton(**x, mode="direct", **tiles))
+        else:  # the routed experts alone (fused_experts: no shared expert, no residual)
+            outs.append(fused_experts_triton(**routed, mode="direct", **tiles))
+        assert int(gemv_triton.split_counters(torch.device("cpu")).abs().sum()) == 0
+    assert torch.equal(outs[0], outs[1])
+    double = {k: v.double() if v is not None and v.is_floating_point() else v for k, v in x.items()}
+    truth = moe_block_reference(**double) if shared else fused_experts_reference(**{k: double[k] for k in routed})
+    assert rel(outs[0], truth) < TOL[dtype]
+
+
 @pytest.mark.parametrize("deep", [True, False])
 def test_the_direct_rows_deep_k_tiles_match_the_reference(deep, monkeypatch):
     """DIRECT_DEEP_K (256-deep K steps in 3 stages at 5-16 tokens) at H = 512, so that the 256-deep step is not

@@ -93,7 +93,7 @@ def test_resident_calls_with_pdl_equal_those_without(strategy, rows, pdl_switch)
 def test_early_reads_and_the_folded_norm_keep_the_tokens(switch, rows, monkeypatch):
     """Reads before the PDL wait (pdl.EARLY_READS: the MoE decode down kernel's routing and first weight tile, the
     GDN step's state), the GDN step's norm by the head's last program (gdn_step_triton.FOLD_NORM) and a
-    verification's conv and gates in one launch (gdn_prologue_triton.ONE_LAUNCH) give the same tokens as without,
+    verification's conv and gates in one launch (gdn_prologue_triton.CONV_GATES) give the same tokens as without,
     in whole bf16 resident calls with PDL on: AR at batch 1 (the GDN step, T = 1 decode MoE) and HybridSpec in a
     bucket of 4."""
     from _tiny import make_drafter, make_target
@@ -102,7 +102,7 @@ def test_early_reads_and_the_folded_norm_keep_the_tokens(switch, rows, monkeypat
 
     owner, attribute = {"early_reads": (pdl, "EARLY_READS"), "fold_norm": (gdn_step_triton, "FOLD_NORM"),
                         "loads_first": (gdn_step_triton, "LOADS_FIRST"),
-                        "conv_gates": (gdn_prologue_triton, "ONE_LAUNCH")}[switch]
+                        "conv_gates": (gdn_prologue_triton, "CONV_GATES")}[switch]
     assert pdl.active(False)
     target = make_target("qwen3_5_moe", dtype=torch.bfloat16)
     if hasattr(target, "set_experts_implementation"):

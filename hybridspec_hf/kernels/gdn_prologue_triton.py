@@ -3,7 +3,7 @@
 transformers' torch code runs it as ~11 small kernels per layer (cat, depthwise conv1d, silu; casts, add,
 softplus, exp, neg, mul, sigmoid), and the [B, C, T] conv output makes q/k/v strided, so the verify kernel copies
 them (3 more kernels at T > 1). Here it is one launch for the conv and one for the gates, with a contiguous output
-(or both in one launch, `conv_silu_gates`, with ONE_LAUNCH):
+(or both in one launch, `conv_silu_gates`, with CONV_GATES):
 
     conv_silu: out[t] = silu(bias + Σ_j w[:, j] · full[t + j + 1]),  full = [conv_state (K columns) ‖ x (T columns)]
                (`gdn_torch.conv_verify` with silu: the last T outputs of a valid conv over K + T inputs)
@@ -30,7 +30,7 @@ GATE_ROWS = 16  # tokens per program of the gates
 # The verify path's conv and gates in one launch (`conv_silu_gates`: one grid, the gates' programs after the conv's)
 # instead of two: 30 launches fewer a verification at the 35B-A3B shape, where run 130 (H100) charged the gates'
 # launches 66-73 µs of a round's traced span. Off until measured (A/B `conv-gates`).
-ONE_LAUNCH = False
+CONV_GATES = False
 
 
 def conv_silu_reference(conv_state: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,

@@ -121,6 +121,11 @@ DIRECT_DEEP_K = True
 # until measured (A/B: `+direct-split`).
 DIRECT_SPLIT = False
 DIRECT_SPLIT_MAX = 8
+# The direct rows' sum (the pairs' weighted rows, the gated shared expert, the residual) by the down kernel's last
+# program of each column block to arrive (a counter per column block, as the split-K reductions), not by a launch of
+# its own: 40 launches fewer a round at the 35B-A3B shape, where run 130 (H100) charged the sum's 99-124 µs of a
+# round's traced span. The same sums in the same order (the same bits). Off until measured (A/B `+fold-sum`).
+FOLD_SUM = False
 MODES = ("auto", "decode", "direct", "sorted")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -457,14 +462,16 @@ def _gate_up_kernel(
 
 
 def _down_kernel(
-    act, ids, weights, block_expert, block_pairs, w2, rows, shared_w2,
-    T, S, E,
+    act, ids, weights, block_expert, block_pairs, w2, rows, shared_w2, out, logit, residual, counters,
+    T, S, E, stride_ot, stride_rt,
     stride_we, stride_wn, stride_wk,
     H: tl.constexpr, INTER: tl.constexpr, DIRECT: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
     SP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr,
-    SHARED: tl.constexpr, SHARED_FIRST: tl.constexpr,
+    SHARED: tl.constexpr, SHARED_FIRST: tl.constexpr, FOLD: tl.constexpr, RESIDUAL: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """Program (i_n, slot): the slot's expert's down rows for column block i_n. FOLD (direct rows): the last
+    program of column block i_n to arrive also sums its columns' rows into `out` (`_sum_rows`)."""
     pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
     i_n = tl.program_id(0)
     slot = _program_slot(tl.program_id(1), S, DIRECT, SHARED, SHARED_FIRST)
@@ -485,6 +492,12 @@ def _down_kernel(
             b_wt = tl.load(weights + pair, mask=row_ok, other=0.0).to(tl.float32)
             p_out = rows + pair[:, None].to(tl.int64) * H + rn[None, :]
             tl.store(p_out, acc * b_wt[:, None], mask=row_ok[:, None] & mn[None, :])
+    if FOLD:  # every program of the column block arrives, live or not; the last one sums (in order, as _sum_kernel)
+        tl.debug_barrier()  # every thread's rows are written before the signal (release below)
+        if tl.atomic_add(counters + i_n, 1, sem="acq_rel") == tl.num_programs(1) - 1:
+            _sum_rows(rows, ids, out, logit, residual, E, S, T, stride_ot, stride_rt, i_n * BN + tl.arange(0, BN),
+                      H, K, BM, BN, SHARED, RESIDUAL)
+            tl.store(counters + i_n, 0)  # zero again for the next launch
 
 
 def _live_item(ids, S, E, n_tiles, LOG_SPLIT: tl.constexpr, SPP: tl.constexpr):
@@ -627,6 +640,32 @@ def _add_gated_shared(routed, shared, gate_logit, dtype: tl.constexpr):
     shared = shared.to(dtype).to(tl.float32)
     gate = (1.0 / (1.0 + tl.exp(-gate_logit.to(dtype).to(tl.float32)))).to(dtype).to(tl.float32)
     return (routed.to(dtype).to(tl.float32) + (gate * shared).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+
+
+def _sum_rows(rows, ids, out, logit, residual, E, S, T, stride_ot, stride_rt, rn, H: tl.constexpr, K: tl.constexpr,
+              BM: tl.constexpr, BN: tl.constexpr, SHARED: tl.constexpr, RESIDUAL: tl.constexpr):
+    """`_sum_kernel`'s sums for columns rn of every token (BM >= T rows), by the down kernel's last program of a
+    column block (FOLD_SUM): the rows written by the other programs of the launch read past L1 (.cg)."""
+    rm = tl.arange(0, BM)
+    rt = rm.to(tl.int64)
+    mn = rn < H
+    m_t = rm < T
+    dtype = out.dtype.element_ty
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for j in tl.static_range(K):  # j in order: the same sum whatever the routing
+        expert = tl.load(ids + rt * K + j, mask=m_t, other=-1)
+        ok = m_t & (expert >= 0) & (expert < E)  # sentinel pairs were never written
+        acc += tl.load(rows + (rt * K + j)[:, None] * H + rn[None, :], mask=ok[:, None] & mn[None, :], other=0.0,
+                       cache_modifier=".cg")
+    value = acc.to(dtype).to(tl.float32)  # the experts' output, in the model dtype
+    tile = m_t[:, None] & mn[None, :]
+    if SHARED:
+        shared = tl.load(rows + (S + rt)[:, None] * H + rn[None, :], mask=tile, other=0.0, cache_modifier=".cg")
+        gate_logit = tl.load(logit + rt, mask=m_t, other=0.0, cache_modifier=".cg")
+        value = _add_gated_shared(value, shared, gate_logit[:, None], dtype)
+    if RESIDUAL:  # the decoder layer's residual + block output
+        value = tl.load(residual + rt[:, None] * stride_rt + rn[None, :], mask=tile, other=0.0).to(tl.float32) + value
+    tl.store(out + rt[:, None] * stride_ot + rn[None, :], value.to(dtype), mask=tile)
 
 
 def _sum_kernel(rows, ids, out, logit, residual, E, S, stride_ot, stride_rt, H: tl.constexpr, K: tl.constexpr,
@@ -912,6 +951,7 @@ if HAS_TRITON:
     _down_dots = triton.jit(_down_dots)
     _store_direct_rows = triton.jit(_store_direct_rows)
     _add_gated_shared = triton.jit(_add_gated_shared)
+    _sum_rows = triton.jit(_sum_rows)
     _add_row_products = triton.jit(_add_row_products)
     _down_tile = triton.jit(_down_tile)
     _down_decode_rows = triton.jit(_down_decode_rows)
@@ -1211,6 +1251,10 @@ def _launch(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, mode, b
             num_warps=down_tiles.num_warps, num_stages=down_tiles.num_stages,
         )
     else:
+        if residual is not None:
+            residual = residual if residual.stride(-1) == 1 else residual.contiguous()
+        # the sum in the down launch (FOLD_SUM): direct rows, a counter per column block
+        fold = FOLD_SUM and mode == "direct" and down_grid[0] <= COUNTERS
         _gate_up_kernel[gate_up_grid](
             hidden, ids, block_expert, block_pairs, gate_up_proj, act, shared_gate_up, logit,
             num_tokens, pairs, num_experts, *hidden.stride(), *gate_up_proj.stride(),
@@ -1218,11 +1262,14 @@ def _launch(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, mode, b
             num_stages=gate_up_tiles.num_stages,
         )
         _down_kernel[down_grid](
-            act, ids, weights, block_expert, block_pairs, down_proj, rows, shared_down,
-            num_tokens, pairs, num_experts, *down_proj.stride(),
-            **common, BN=down_tiles.block_n, BK=down_tiles.block_k, num_warps=down_tiles.num_warps,
-            num_stages=down_tiles.num_stages,
+            act, ids, weights, block_expert, block_pairs, down_proj, rows, shared_down, out, logit,
+            residual if residual is not None else out, split_counters(hidden.device) if fold else ids,
+            num_tokens, pairs, num_experts, out.stride(0), residual.stride(0) if residual is not None else 0,
+            *down_proj.stride(), **common, BN=down_tiles.block_n, BK=down_tiles.block_k, FOLD=fold,
+            RESIDUAL=residual is not None, num_warps=down_tiles.num_warps, num_stages=down_tiles.num_stages,
         )
+        if fold:
+            return out
     if residual is not None:
         residual = residual if residual.stride(-1) == 1 else residual.contiguous()
     block_sum = min(1024, triton.next_power_of_2(hidden_size))
