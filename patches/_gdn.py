@@ -32,6 +32,7 @@ from hybridspec_hf.kernels import (
     commit_default_states,
     commit_gdn_states_auto,
     conv_silu,
+    conv_silu_gates,
     conv_verify,
     default_verify,
     fused_kernels_active,
@@ -41,7 +42,7 @@ from hybridspec_hf.kernels import (
     gdn_verify_auto,
     select_backend,
 )
-from hybridspec_hf.kernels import gdn_step_triton
+from hybridspec_hf.kernels import gdn_prologue_triton, gdn_step_triton
 from hybridspec_hf.kernels.gdn_step_triton import gdn_step
 from hybridspec_hf.kernels.gemv_triton import linear
 
@@ -228,7 +229,10 @@ def verify_forward(layer: torch.nn.Module, session: VerifySession, hidden_states
         core = gdn_step(mixed_qkv, conv_state, weight, layer.conv1d.bias, a, b, layer.A_log, layer.dt_bias, state,
                         z, layer.norm.weight, layer.norm.variance_epsilon, layer.num_k_heads)
         return layer.out_proj(core.reshape(batch, seq_len, -1))
-    if fused:
+    if fused and gdn_prologue_triton.CONV_GATES:  # [B, T, C] contiguous; g, beta [B, T, HV]
+        mixed, g, beta = conv_silu_gates(conv_state, mixed_qkv, weight, layer.conv1d.bias, a, b, layer.A_log,
+                                         layer.dt_bias, roll_state=step)
+    elif fused:
         mixed = conv_silu(conv_state, mixed_qkv, weight, layer.conv1d.bias, roll_state=step)  # [B, T, C] contiguous
         g, beta = gdn_gates(a, b, layer.A_log, layer.dt_bias)
     else:
