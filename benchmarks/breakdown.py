@@ -69,9 +69,9 @@ def kind_of(name: str) -> str:
 
 
 def attributed_kernels(model, drafter, fn) -> dict:
-    """fn() run eagerly once under the profiler, each kernel charged to the innermost module it ran under and the aten
-    op that launched it: {"module | op": {kernels, us}}. Matches a kernel to its launch by correlation id and the
-    launch to the CPU ops around it by time on the launching thread (the graphs replay exactly these kernels)."""
+    """fn() run eagerly once under the profiler (with Python stacks), each kernel charged to the innermost module it
+    ran under, the aten op and the Python line that launched it (`attribute_events`; the graphs replay exactly these
+    kernels)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     handles, ranges = [], []
@@ -91,7 +91,7 @@ def attributed_kernels(model, drafter, fn) -> dict:
         handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
     torch.cuda.synchronize()
     try:
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
             fn()
             torch.cuda.synchronize()
     finally:
@@ -100,23 +100,43 @@ def attributed_kernels(model, drafter, fn) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as handle:
         prof.export_chrome_trace(handle.name)
         events = json.loads(Path(handle.name).read_text())["traceEvents"]
+    return attribute_events(events)
+
+
+SITE_PACKAGES = ("hybridspec_hf/", "transformers/")  # the Python frames a launch's site is named by
+
+
+def attribute_events(events: list[dict]) -> dict:
+    """A profiler's chrome-trace events -> {"module | op | site": {kernels, us}}: each kernel (memcpy, memset) matched
+    to its launch by correlation id, the launch to the CPU ops, module ranges ("hs:" annotations) and Python frames
+    around it by time on the launching thread; module and op the innermost of each, site the innermost Python frame
+    of our package or transformers ("file(line): function", with_stack), else "?"."""
     launches = {e["args"]["correlation"]: e for e in events
                 if e.get("cat") == "cuda_runtime" or e.get("cat") == "cuda_driver"
                 if "correlation" in e.get("args", {})}
-    cpu = sorted((e for e in events if e.get("cat") in ("cpu_op", "user_annotation")), key=lambda e: e["ts"])
+    cpu = sorted((e for e in events if e.get("cat") in ("cpu_op", "user_annotation", "python_function")),
+                 key=lambda e: e["ts"])
     table = collections.defaultdict(lambda: [0, 0.0])
     for kernel in (e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")):
         launch = launches.get(kernel.get("args", {}).get("correlation"))
-        module, op = "(round code)", "?"
+        module, op, site = "(round code)", "?", "?"
         if launch is not None:
             around = [e for e in cpu if e["tid"] == launch["tid"] and e["ts"] <= launch["ts"] <= e["ts"] + e["dur"]]
-            names = [e["name"] for e in around]
+            names = [e["name"] for e in around if e.get("cat") != "python_function"]
             module = next((n[3:] for n in reversed(names) if n.startswith("hs:")), module)
             op = next((n for n in reversed(names) if not n.startswith("hs:")), kernel["name"][:40])
-        entry = table[f"{module} | {op}"]
+            frames = [e["name"] for e in around if e.get("cat") == "python_function"]
+            site = next((_site(n) for n in reversed(frames) if any(p in n for p in SITE_PACKAGES)), site)
+        entry = table[f"{module} | {op} | {site}"]
         entry[0] += 1
         entry[1] += float(kernel.get("dur", 0.0))
     return {k: {"kernels": c, "us": us} for k, (c, us) in sorted(table.items(), key=lambda kv: -kv[1][1])}
+
+
+def _site(frame: str) -> str:
+    """"…/site-packages/hybridspec_hf/x/y.py(12): f" -> "hybridspec_hf/x/y.py(12): f" (from the package down)."""
+    starts = [frame.rfind(p) for p in SITE_PACKAGES if p in frame]
+    return frame[max(starts):] if starts else frame
 
 
 def wall_ms(replay, n: int) -> float:
@@ -270,7 +290,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="also the max-shape round with its length forced to each w (comma list; as "
                              "calibration times C(w): HybridSpec's selector work runs beside it, its answer discarded)")
     parser.add_argument("--attribute", action="store_true",
-                        help="also run each part eagerly under the profiler: kernels by (module, aten op)")
+                        help="also run each part eagerly under the profiler: kernels by (module, aten op, the "
+                             "Python line of our package or transformers that launched it)")
     add_switches(parser, "moe-one-pass", "moe-decode", "defer-appends", "pdl", "early-reads", "gdn-norm-fold",
                  "wide-direct", "align-kernel")
     args = parser.parse_args(argv)
@@ -323,7 +344,7 @@ def main(argv: list[str] | None = None) -> None:
                     row["attributed"] = {f"failed: {type(error).__name__}: {error}": {"kernels": 0, "us": 0.0}}
                 finally:
                     rounds.__dict__.update(saved)
-                for key, value in list(row["attributed"].items())[:40]:
+                for key, value in list(row["attributed"].items())[:80]:
                     print(f"    {value['kernels']:5d} {value['us']:8.1f} us  {key}", flush=True)
             length = int(rounds.target.length.max())
             row["bytes"] = part_bytes(target, drafter, part.tokens * args.batch, length, part.drafting)

@@ -58,3 +58,36 @@ def test_breakdown_times_the_max_shape_round_at_forced_lengths(tmp_path, benchma
     roofline = [parts[label]["roofline_ms"] for label in forced]
     assert roofline[0] < roofline[1] < roofline[2]
     assert "round, max shape, w = 4 forced" in stem.with_suffix(".md").read_text()
+
+
+def test_kernels_are_attributed_to_module_op_and_the_python_line_that_launched_them(benchmarks):
+    """`attribute_events` on a chrome trace of two launches: each kernel charged (by correlation id, then by time on
+    the launching thread) to the innermost module range, aten op and Python frame of our package or transformers;
+    a kernel whose launch is unknown or has nothing around it goes to the round code."""
+    from breakdown import attribute_events
+
+    def span(cat, name, ts, dur, tid=1, **args):
+        return dict(cat=cat, name=name, ts=ts, dur=dur, tid=tid, args=args)
+
+    events = [
+        span("user_annotation", "hs:layers.N.mlp", 0, 100),
+        span("python_function", "/x/site-packages/transformers/models/m.py(7): forward", 1, 90),
+        span("python_function", "/work/repo/hybridspec_hf/kernels/moe_triton.py(1260): _launch", 2, 50),
+        span("python_function", "/usr/lib/python3/functools.py(9): wrapper", 3, 20),  # not ours: skipped
+        span("cpu_op", "aten::copy_", 60, 10),
+        span("cuda_runtime", "cudaLaunchKernel", 5, 1, correlation=11),
+        span("cuda_runtime", "cudaLaunchKernel", 62, 1, correlation=12),
+        span("cuda_runtime", "cudaLaunchKernel", 63, 1, tid=2, correlation=13),  # another thread: no CPU op
+        span("kernel", "_down_kernel", 200, 4.0, correlation=11),
+        span("kernel", "direct_copy_kernel_cuda", 210, 1.5, correlation=12),
+        span("kernel", "direct_copy_kernel_cuda", 220, 2.5, correlation=12),
+        span("kernel", "lonely", 230, 3.0, correlation=99),
+        span("kernel", "elsewhere", 240, 0.5, correlation=13),
+    ]
+    table = attribute_events(events)
+    assert table == {
+        "layers.N.mlp | _down_kernel | hybridspec_hf/kernels/moe_triton.py(1260): _launch": {"kernels": 1, "us": 4.0},
+        "layers.N.mlp | aten::copy_ | transformers/models/m.py(7): forward": {"kernels": 2, "us": 4.0},
+        "(round code) | ? | ?": {"kernels": 1, "us": 3.0},
+        "(round code) | elsewhere | ?": {"kernels": 1, "us": 0.5},  # its launch's thread ran no op around it
+    }
