@@ -1,6 +1,7 @@
 """The MoE direct-row kernels (kernels/moe_triton.py) build for sm_90 on any machine at every tile they take at the
 Qwen3.5-35B-A3B shape (16, 32 and 64 rows: up to 4 batch rows verifying 16 tokens; the live items at 16; the down
-kernel with the folded sum at 16), with the launch's stages, and so
+kernel with the folded sum at 16; the live items' K loops over their own slice, as compiled, and masked, as
+interpreted), with the launch's stages, and so
 does the align kernel at up to 4,096 pairs: the interpreter, which the CPU tests run them in, accepts code the GPU
 compiler refuses. In a fresh process (see test_moe_decode_build.py)."""
 import pytest
@@ -35,10 +36,11 @@ for tokens, deep, fold in ((16, False, False), (16, True, False), (16, True, Tru
                                   options=dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages))
         built.append([tokens, block_m, name, compiled.metadata.shared])
 block_m, gate_up, down = moe_triton.default_tiles(16, "direct")  # the live items (DIRECT_SPLIT) at a round's block
-for name, tiles, log_split in (("_gate_up_live_kernel", gate_up, 3), ("_down_live_kernel", down, 1)):
+for name, tiles, log_split, bounded in (("_gate_up_live_kernel", gate_up, 3, True), ("_down_live_kernel", down, 1, True),
+                                        ("_gate_up_live_kernel", gate_up, 3, False)):
     fn = triton.jit(getattr(moe_triton, name).fn)
     constexprs = dict(H=2048, INTER=512, K=8, KP=8, SPP=128, BM=block_m, BN=tiles.block_n, BK=tiles.block_k,
-                      LOG_SPLIT=log_split, DOT_FP32=False, PDL=True)
+                      LOG_SPLIT=log_split, DOT_FP32=False, BOUNDED=bounded, PDL=True)
     signature = {arg: dict(pointers, partials="*fp32", counters="*i32").get(arg, "i32") for arg in fn.arg_names
                  if arg not in constexprs}
     signature.update({arg: "constexpr" for arg in constexprs})
@@ -63,6 +65,6 @@ print(json.dumps(built))
 def test_the_direct_kernels_and_the_align_kernel_compile_for_sm90():
     built = build(BUILD)
     assert [(t, m) for t, m, *_ in built] == [(16, 16), (16, 16), (16, 16), (16, 16), (16, 16), (16, 16), (32, 32),
-                                              (32, 32), (64, 64), (64, 64), (16, 16), (16, 16),
+                                              (32, 32), (64, 64), (64, 64), (16, 16), (16, 16), (16, 16),
                                               (256, 256), (2048, 2048), (4096, 4096)]
     assert all(0 < shared <= 160 * 1024 for *_, shared in built), built  # fits an H200 SM with room to spare

@@ -360,24 +360,38 @@ def _k_step(k0, k_lo, k_hi, KTOTAL: tl.constexpr, BK: tl.constexpr, SLICED: tl.c
     return rk, mk
 
 
+def _gate_up_step(acc_gate, acc_up, k0, k_lo, k_hi, p_x, p_gate, p_up, stride_hh, stride_wk, row_ok, mn,
+                  H: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr, SLICED: tl.constexpr):
+    """`_gate_up_dots`' step at k0: the accumulators plus that K step's products."""
+    rk, mk = _k_step(k0, k_lo, k_hi, H, BK, SLICED)
+    b_w_gate = tl.load(p_gate + rk[:, None] * stride_wk, mask=mk[:, None] & mn[None, :], other=0.0)
+    b_w_up = tl.load(p_up + rk[:, None] * stride_wk, mask=mk[:, None] & mn[None, :], other=0.0)
+    b_x = tl.load(p_x + rk[None, :] * stride_hh, mask=row_ok[:, None] & mk[None, :], other=0.0)
+    b_x = b_x.to(b_w_gate.dtype)  # fp32 activations under bf16 weights: transformers casts them too
+    if DOT_FP32:
+        b_x, b_w_gate, b_w_up = b_x.to(tl.float32), b_w_gate.to(tl.float32), b_w_up.to(tl.float32)
+    acc_gate += tl.dot(b_x, b_w_gate, input_precision="ieee" if DOT_FP32 else "tf32")
+    acc_up += tl.dot(b_x, b_w_up, input_precision="ieee" if DOT_FP32 else "tf32")
+    return acc_gate, acc_up
+
+
 def _gate_up_dots(p_x, p_gate, p_up, stride_hh, stride_wk, row_ok, mn, k_lo, k_hi, H: tl.constexpr,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr,
-                  SLICED: tl.constexpr):
+                  SLICED: tl.constexpr, BOUNDED: tl.constexpr = False):
     """(gate, up) [BM, BN] fp32: the rows' x (p_x [BM, 1]) times the gate and up tiles ([1, BN] column pointers)
-    over K, BK at a time (masked at H); SLICED: only K in [k_lo, k_hi), runtime bounds, as masks over every step
-    (a loop with runtime bounds does not run in the Triton interpreter under numpy 2)."""
+    over K, BK at a time (masked at H); SLICED: only K in [k_lo, k_hi), runtime bounds: with BOUNDED the loop walks
+    those steps alone (compiled code), else every step with the others masked (a loop with runtime bounds does not
+    run in the Triton interpreter under numpy 2)."""
     acc_gate = tl.zeros([BM, BN], dtype=tl.float32)
     acc_up = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(0, H, BK):
-        rk, mk = _k_step(k0, k_lo, k_hi, H, BK, SLICED)
-        b_w_gate = tl.load(p_gate + rk[:, None] * stride_wk, mask=mk[:, None] & mn[None, :], other=0.0)
-        b_w_up = tl.load(p_up + rk[:, None] * stride_wk, mask=mk[:, None] & mn[None, :], other=0.0)
-        b_x = tl.load(p_x + rk[None, :] * stride_hh, mask=row_ok[:, None] & mk[None, :], other=0.0)
-        b_x = b_x.to(b_w_gate.dtype)  # fp32 activations under bf16 weights: transformers casts them too
-        if DOT_FP32:
-            b_x, b_w_gate, b_w_up = b_x.to(tl.float32), b_w_gate.to(tl.float32), b_w_up.to(tl.float32)
-        acc_gate += tl.dot(b_x, b_w_gate, input_precision="ieee" if DOT_FP32 else "tf32")
-        acc_up += tl.dot(b_x, b_w_up, input_precision="ieee" if DOT_FP32 else "tf32")
+    if BOUNDED:
+        for k0 in range(k_lo, k_hi, BK):
+            acc_gate, acc_up = _gate_up_step(acc_gate, acc_up, k0, k_lo, k_hi, p_x, p_gate, p_up, stride_hh,
+                                             stride_wk, row_ok, mn, H, BK, DOT_FP32, SLICED)
+    else:
+        for k0 in range(0, H, BK):
+            acc_gate, acc_up = _gate_up_step(acc_gate, acc_up, k0, k_lo, k_hi, p_x, p_gate, p_up, stride_hh,
+                                             stride_wk, row_ok, mn, H, BK, DOT_FP32, SLICED)
     return acc_gate, acc_up
 
 
@@ -395,18 +409,30 @@ def _shared_logit(shared_w1, p_x, stride_hh, stride_wn, stride_wk, row_ok, logit
     tl.store(logit + tl.arange(0, BM), acc_logit, mask=row_ok)
 
 
+def _down_step(acc, k0, k_lo, k_hi, p_act, p_w, stride_wk, row_ok, mn, INTER: tl.constexpr, BK: tl.constexpr,
+               DOT_FP32: tl.constexpr, SLICED: tl.constexpr):
+    """`_down_dots`' step at k0: the accumulator plus that step's products."""
+    rk, mk = _k_step(k0, k_lo, k_hi, INTER, BK, SLICED)
+    b_w = tl.load(p_w + rk[:, None] * stride_wk, mask=mk[:, None] & mn[None, :], other=0.0)
+    b_a = tl.load(p_act + rk[None, :], mask=row_ok[:, None] & mk[None, :], other=0.0).to(b_w.dtype)
+    if DOT_FP32:
+        b_a, b_w = b_a.to(tl.float32), b_w.to(tl.float32)
+    acc += tl.dot(b_a, b_w, input_precision="ieee" if DOT_FP32 else "tf32")
+    return acc
+
+
 def _down_dots(p_act, p_w, stride_wk, row_ok, mn, k_lo, k_hi, INTER: tl.constexpr, BM: tl.constexpr,
-               BN: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr, SLICED: tl.constexpr):
+               BN: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr, SLICED: tl.constexpr,
+               BOUNDED: tl.constexpr = False):
     """[BM, BN] fp32: the rows' act (p_act [BM, 1]) times the down tile ([1, BN] column pointers) over I, BK at a
-    time (masked at INTER); SLICED: only I in [k_lo, k_hi), as `_gate_up_dots`."""
+    time (masked at INTER); SLICED: only I in [k_lo, k_hi), BOUNDED as `_gate_up_dots`."""
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(0, INTER, BK):
-        rk, mk = _k_step(k0, k_lo, k_hi, INTER, BK, SLICED)
-        b_w = tl.load(p_w + rk[:, None] * stride_wk, mask=mk[:, None] & mn[None, :], other=0.0)
-        b_a = tl.load(p_act + rk[None, :], mask=row_ok[:, None] & mk[None, :], other=0.0).to(b_w.dtype)
-        if DOT_FP32:
-            b_a, b_w = b_a.to(tl.float32), b_w.to(tl.float32)
-        acc += tl.dot(b_a, b_w, input_precision="ieee" if DOT_FP32 else "tf32")
+    if BOUNDED:
+        for k0 in range(k_lo, k_hi, BK):
+            acc = _down_step(acc, k0, k_lo, k_hi, p_act, p_w, stride_wk, row_ok, mn, INTER, BK, DOT_FP32, SLICED)
+    else:
+        for k0 in range(0, INTER, BK):
+            acc = _down_step(acc, k0, k_lo, k_hi, p_act, p_w, stride_wk, row_ok, mn, INTER, BK, DOT_FP32, SLICED)
     return acc
 
 
@@ -557,10 +583,11 @@ def _gate_up_live_kernel(
     stride_ht, stride_hh, stride_we, stride_wn, stride_wk,
     H: tl.constexpr, INTER: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, SPP: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, LOG_SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
-    PDL: tl.constexpr,
+    BOUNDED: tl.constexpr, PDL: tl.constexpr,
 ):
     """The direct rows' gate_up with the shared expert as work items over the live slots (`DIRECT_SPLIT`); the
-    shared expert's weights: [gate_proj; up_proj; shared_expert_gate; padding], the experts' row layout."""
+    shared expert's weights: [gate_proj; up_proj; shared_expert_gate; padding], the experts' row layout. BOUNDED:
+    a K slice's loop walks its own steps (compiled), else all steps masked (the interpreter)."""
     pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
     has, pair, row_ok, w_base, expert, is_shared, tile, i_n, i_k, split = _live_program(
         ids, w1, shared_w1, stride_we, T, S, E, n_tiles, K, KP, BM, LOG_SPLIT, SPP)
@@ -573,7 +600,7 @@ def _gate_up_live_kernel(
         p_up = p_gate + INTER * stride_wn
         k_lo, k_hi = _k_slice(i_k, split, H, BK)
         acc_gate, acc_up = _gate_up_dots(p_x, p_gate, p_up, stride_hh, stride_wk, row_ok, mn, k_lo, k_hi, H, BM, BN,
-                                         BK, DOT_FP32, True)
+                                         BK, DOT_FP32, True, BOUNDED)
         done = split == 1
         if split > 1:  # partials [grid, 2, BM, BN]: the tile's slices at items tile·split + i_k
             p_part = partials + (tile * split).to(tl.int64) * (2 * BM * BN) + rm[:, None] * BN + tl.arange(0, BN)
@@ -604,9 +631,10 @@ def _down_live_kernel(
     stride_we, stride_wn, stride_wk,
     H: tl.constexpr, INTER: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, SPP: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, LOG_SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
-    PDL: tl.constexpr,
+    BOUNDED: tl.constexpr, PDL: tl.constexpr,
 ):
-    """The direct rows' down with the shared expert as work items over the live slots (`DIRECT_SPLIT`)."""
+    """The direct rows' down with the shared expert as work items over the live slots (`DIRECT_SPLIT`; BOUNDED as
+    the gate_up's)."""
     pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
     has, pair, row_ok, w_base, expert, is_shared, tile, i_n, i_k, split = _live_program(
         ids, w2, shared_w2, stride_we, T, S, E, n_tiles, K, KP, BM, LOG_SPLIT, SPP)
@@ -617,7 +645,7 @@ def _down_live_kernel(
         p_act = act + pair[:, None].to(tl.int64) * INTER
         p_w = w_base + rn[None, :] * stride_wn
         k_lo, k_hi = _k_slice(i_k, split, INTER, BK)
-        acc = _down_dots(p_act, p_w, stride_wk, row_ok, mn, k_lo, k_hi, INTER, BM, BN, BK, DOT_FP32, True)
+        acc = _down_dots(p_act, p_w, stride_wk, row_ok, mn, k_lo, k_hi, INTER, BM, BN, BK, DOT_FP32, True, BOUNDED)
         done = split == 1
         if split > 1:  # partials [grid, BM, BN]: the tile's slices at items tile·split + i_k
             p_part = partials + (tile * split).to(tl.int64) * (BM * BN) + rm[:, None] * BN + tl.arange(0, BN)
@@ -946,8 +974,10 @@ if HAS_TRITON:
     _program_expert = triton.jit(_program_expert)
     _program_rows = triton.jit(_program_rows)
     _k_step = triton.jit(_k_step)
+    _gate_up_step = triton.jit(_gate_up_step)
     _gate_up_dots = triton.jit(_gate_up_dots)
     _shared_logit = triton.jit(_shared_logit)
+    _down_step = triton.jit(_down_step)
     _down_dots = triton.jit(_down_dots)
     _store_direct_rows = triton.jit(_store_direct_rows)
     _add_gated_shared = triton.jit(_add_gated_shared)
@@ -1227,7 +1257,8 @@ def _launch(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, mode, b
     if (mode == "direct" and shared is not None and DIRECT_SPLIT and num_tokens <= NARROW_DIRECT_TOKENS
             and max(math.prod(gate_up_grid), math.prod(down_grid)) // 2 <= COUNTERS):
         live = dict(K=top_k, KP=common["KP"], SPP=triton.next_power_of_2(pairs), BM=block_m,
-                    DOT_FP32=common["DOT_FP32"], H=hidden_size, INTER=inter)
+                    DOT_FP32=common["DOT_FP32"], H=hidden_size, INTER=inter,
+                    BOUNDED=not triton.knobs.runtime.interpret)
         counters = split_counters(hidden.device)
 
         def log_split(steps: int) -> int:  # the most slices: a power of two <= DIRECT_SPLIT_MAX and <= the K steps
