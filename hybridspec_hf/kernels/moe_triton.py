@@ -1253,6 +1253,8 @@ def _launch(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, mode, b
     down_tiles = _fit(down_tiles, hidden_size, inter)
     gate_up_grid = (triton.cdiv(inter, gate_up_tiles.block_n), num_slots)
     down_grid = (triton.cdiv(hidden_size, down_tiles.block_n), num_slots)
+    if residual is not None:
+        residual = residual if residual.stride(-1) == 1 else residual.contiguous()
     # the live items (DIRECT_SPLIT): a split tile's index stays below half the grid, within the split-K counters
     if (mode == "direct" and shared is not None and DIRECT_SPLIT and num_tokens <= NARROW_DIRECT_TOKENS
             and max(math.prod(gate_up_grid), math.prod(down_grid)) // 2 <= COUNTERS):
@@ -1282,8 +1284,6 @@ def _launch(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, mode, b
             num_warps=down_tiles.num_warps, num_stages=down_tiles.num_stages,
         )
     else:
-        if residual is not None:
-            residual = residual if residual.stride(-1) == 1 else residual.contiguous()
         # the sum in the down launch (FOLD_SUM): direct rows, a counter per column block
         fold = FOLD_SUM and mode == "direct" and down_grid[0] <= COUNTERS
         _gate_up_kernel[gate_up_grid](
@@ -1301,8 +1301,6 @@ def _launch(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, mode, b
         )
         if fold:
             return out
-    if residual is not None:
-        residual = residual if residual.stride(-1) == 1 else residual.contiguous()
     block_sum = min(1024, triton.next_power_of_2(hidden_size))
     _sum_kernel[(triton.cdiv(hidden_size, block_sum), num_tokens)](
         rows, ids, out, logit, residual if residual is not None else out, num_experts, pairs, out.stride(0),
