@@ -277,6 +277,44 @@ def test_resident_rounds_run_the_fused_layers_and_release_the_copies(name, calls
     assert all(_attention._QKV not in a.__dict__ for a in layers)
 
 
+@pytest.mark.parametrize("switches", [(), ("FOLD_SUM", "CONV_GATES", "ROUTE_WIDE_ROUNDS"), ("DIRECT_SPLIT",)],
+                         ids=["defaults", "fold_sum-conv_gates-route_wide", "direct_split"])
+def test_resident_rounds_with_the_fused_moe_stay_exact_under_the_prepared_switches(switches, calls, monkeypatch):
+    """Whole HybridSpec calls through the fused decoder, MoE blocks included, equal AR (fp32) with the switches that
+    wait for a GPU A/B on as with the defaults: the direct rows' folded sum (none of its own launches), a GDN
+    verification's conv and gates in one launch, the wide router programs, the direct rows' live items (which keep
+    the sum's launch)."""
+    from test_exactness import run
+
+    from hybridspec_hf.kernels import gdn_prologue_triton, moe_triton, router_triton
+    from hybridspec_hf.patches import _gdn, _moe
+
+    monkeypatch.setattr(_moe, "_ON_CPU", True)
+    owners = {"DIRECT_SPLIT": moe_triton, "FOLD_SUM": moe_triton, "CONV_GATES": gdn_prologue_triton,
+              "ROUTE_WIDE_ROUNDS": router_triton}
+    for name, owner in owners.items():
+        monkeypatch.setattr(owner, name, name in switches)
+    launched, routed, conv_gates = [], [], []
+    sum_kernel = moe_triton._sum_kernel
+    monkeypatch.setattr(moe_triton, "_sum_kernel", type("Counted", (), {
+        "__getitem__": lambda self, grid: launched.append(grid) or sum_kernel[grid]})())
+    fused_route, one_launch = router_triton.add_norm_route, _gdn.conv_silu_gates
+    monkeypatch.setattr(router_triton, "add_norm_route", lambda *a: routed.append(1) or fused_route(*a))
+    monkeypatch.setattr(_gdn, "conv_silu_gates", lambda *a, **k: conv_gates.append(1) or one_launch(*a, **k))
+    target = make_target("qwen3_5_moe", seed=9, dtype=torch.float32)
+    prompt = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        ar = target.generate(prompt, do_sample=False, max_new_tokens=6)
+    drafter = make_drafter(target, 4, ar, error_rate=0.3).to(torch.float32)
+    out = run(target, prompt, drafter, "dflash", 6, hybridspec_config=hybridspec_hf.HybridSpecConfig(cuda_graphs="on"))
+    hybridspec_hf.release_graphs(target)
+    assert torch.equal(out, ar)
+    assert routed  # the fused MoE route ran
+    # the direct rows ran (a verification's block): their sum by a launch of its own unless folded
+    assert bool(launched) == ("FOLD_SUM" not in switches)
+    assert bool(conv_gates) == ("CONV_GATES" in switches)
+
+
 def test_the_environment_switch_keeps_transformers_layers_and_makes_no_copy(calls, monkeypatch):
     monkeypatch.setenv("HYBRIDSPEC_FUSED_DECODER", "0")
     model = prepared("qwen3_5_moe", torch.float32)

@@ -124,7 +124,8 @@ DIRECT_SPLIT_MAX = 8
 # The direct rows' sum (the pairs' weighted rows, the gated shared expert, the residual) by the down kernel's last
 # program of each column block to arrive (a counter per column block, as the split-K reductions), not by a launch of
 # its own: 40 launches fewer a round at the 35B-A3B shape, where run 130 (H100) charged the sum's 99-124 µs of a
-# round's traced span. The same sums in the same order (the same bits). Off until measured (A/B `+fold-sum`).
+# round's traced span. The same sums in the same order (the same bits); the live items (DIRECT_SPLIT) keep the sum's
+# launch. Off until measured (A/B `+fold-sum`).
 FOLD_SUM = False
 MODES = ("auto", "decode", "direct", "sorted")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
