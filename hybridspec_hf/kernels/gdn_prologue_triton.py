@@ -29,7 +29,11 @@ CONV_BLOCK = 128  # channels per program: 64 programs for C = 8192 at batch 1
 GATE_ROWS = 16  # tokens per program of the gates
 # The verify path's conv and gates in one launch (`conv_silu_gates`: one grid, the gates' programs after the conv's)
 # instead of two: 30 launches fewer a verification at the 35B-A3B shape, where run 130 (H100) charged the gates'
-# launches 66-73 µs of a round's traced span. Off until measured (A/B `conv-gates`).
+# launches 66-73 µs of a round's traced span. Off by the rule set before its measurement (a switch may lose at no w
+# beyond the base rows' spread): on an H100 (run 133, round_tiles_run133.md) the max-shape round −32 / −59, −71 / −65,
+# −51 / −44, −19 / −12 µs at w = 1 / 2 / 4 / 8 but +28 / +37 at w = 16 (spread 11); at batch 1 with PDL_WIDE (run 134,
+# batch_b1_run134.md, one run) HybridSpec 1.70 → 1.72x AR (medium), 2.58 → 2.59x (high), within the run-to-run spread.
+# True: A/B (`+conv-gates`).
 CONV_GATES = False
 
 

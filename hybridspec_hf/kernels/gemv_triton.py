@@ -142,8 +142,10 @@ PDL_TABLE: dict[tuple[int, int, int], GemvConfig] = {
 # the target attention's q|k|v copy (10 a round at the 35B-A3B shape; run 130's round at w = 4: the 10 cuBLAS
 # launches 162 µs on an H100 for ≈ 375 MB, 2.3 TB/s) and the drafter's q|k|v (5 a draft, 53 µs). Configs by analogy
 # with TABLE's 12288 x 2048 rows (one 64-row block of W per program, whole K; 32 rows for 5120: 160 programs on 132
-# SMs), not swept. Off until measured in the round (A/B `+pdl-wide`, round_tiles.py).
-PDL_WIDE = False
+# SMs), not swept. On since run 133 (H100, benchmarks/results/round_tiles_run133.md, two A/B rows in one run): the
+# max-shape round −1 / −31, −42 / −27, −42 / −39, −57 / −37, −57 / −53 µs at w = 1 / 2 / 4 / 8 / 16; batch 1 (run 134,
+# batch_b1_run134.md) HybridSpec 1.69 → 1.70x AR (medium), 2.56 → 2.58x (high). False: cuBLAS (A/B `-pdl-wide`).
+PDL_WIDE = True
 PDL_WIDE_TABLE: dict[tuple[int, int, int], GemvConfig] = {
     **{(9216, 2048, m): GemvConfig(64, 128, 1, 4, 4, True) for m in (4, 8, 16)},
     **{(5120, 2048, m): GemvConfig(32, 128, 1, 4, 4, True) for m in (4, 8, 16)},

@@ -117,15 +117,18 @@ DIRECT_DEEP_K = True
 # the largest power of two <= DIRECT_SPLIT_MAX slices for which every item has a program (a w = 1 round's gate_up:
 # 9 live slots x 16 column blocks x 8 slices, where the grid row of each slot had one program of all K); the slices
 # reduce in the same launch (partials and the split-K counters, summed in slice order by the last to arrive), and
-# programs past the items leave at once. Aimed at the round's MoE at w <= 4 (1.2-2.2x its bytes in run 130). Off
-# until measured (A/B: `+direct-split`).
+# programs past the items leave at once. Aimed at the round's MoE at w <= 4 (1.2-2.2x its bytes in run 130). Off: on
+# an H100 (run 133, round_tiles_run133.md) the max-shape round +3.4 to +3.7 ms at w = 1-8 and +2.1 at w = 16 with it
+# (not analysed further). True: A/B (`+direct-split`).
 DIRECT_SPLIT = False
 DIRECT_SPLIT_MAX = 8
 # The direct rows' sum (the pairs' weighted rows, the gated shared expert, the residual) by the down kernel's last
 # program of each column block to arrive (a counter per column block, as the split-K reductions), not by a launch of
 # its own: 40 launches fewer a round at the 35B-A3B shape, where run 130 (H100) charged the sum's 99-124 µs of a
 # round's traced span. The same sums in the same order (the same bits); the live items (DIRECT_SPLIT) keep the sum's
-# launch. Off until measured (A/B `+fold-sum`).
+# launch. Off: on an H100 (run 133, round_tiles_run133.md) the max-shape round +450 to +580 µs at every w with it
+# (each column block's 129 programs meet at one counter, and its last program's sum of 16 tokens x 9 rows then runs
+# alone at the kernel's tail). True: A/B (`+fold-sum`).
 FOLD_SUM = False
 MODES = ("auto", "decode", "direct", "sorted")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)

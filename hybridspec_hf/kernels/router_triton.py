@@ -43,7 +43,8 @@ ROUTE_ONE_WARP = True
 # At more than 2 tokens (verifications; a max-shape round's 16) 4 router rows and 4 warps a program whatever
 # ROUTE_ONE_WARP says: every program adds and norms its token's whole row, 64 values a thread with one warp, and at
 # T = 16 the one-warp grid is 2 048 programs (run 130, H100: 9.4 µs a MoE layer in a max-shape round against 5.1 at
-# the AR step). Off until measured (A/B `route-wide-rounds`).
+# the AR step). Off: on an H100 (run 133, benchmarks/results/round_tiles_run133.md) the max-shape round −3 to −25 µs
+# at w <= 4 but +144 / +159 at w = 8 and +361 / +378 at w = 16 with it. True: A/B (`+route-wide-rounds`).
 ROUTE_WIDE_ROUNDS = False
 MAX_ROUTE_HIDDEN = 8192  # a program holds its router rows [2 or 4, H] in registers
 
