@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from _tiny import VOCAB, make_drafter, make_target  # noqa: E402
+from _tiny import VOCAB, make_target  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
 import hybridspec_hf  # noqa: E402,F401  (installs the patches)
@@ -260,15 +260,10 @@ def test_qkv_copy_follows_in_place_updates_at_the_same_address_and_is_released(c
 
 @pytest.mark.parametrize("name", ["qwen3_5_moe", "qwen3_5_dense"])
 def test_resident_rounds_run_the_fused_layers_and_release_the_copies(name, calls):
-    from test_exactness import run
+    from test_exactness import resident_and_ar
 
     target = make_target(name, seed=8, dtype=torch.float32)
-    prompt = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(8))
-    with torch.no_grad():
-        ar = target.generate(prompt, do_sample=False, max_new_tokens=6)
-    drafter = make_drafter(target, 4, ar, error_rate=0.3).to(torch.float32)
-    settings = hybridspec_hf.HybridSpecConfig(cuda_graphs="on")
-    out = run(target, prompt, drafter, "dflash", 6, hybridspec_config=settings)
+    out, ar = resident_and_ar(target, 8, 5, 6)
     assert torch.equal(out, ar)
     assert calls["add_rms_norm"] > 0 and calls["qkv"] > 0
     layers = patches.attention_layers(target)
@@ -284,7 +279,7 @@ def test_resident_rounds_with_the_fused_moe_stay_exact_under_the_prepared_switch
     wait for a GPU A/B on as with the defaults: the direct rows' folded sum (none of its own launches), a GDN
     verification's conv and gates in one launch, the wide router programs, the direct rows' live items (which keep
     the sum's launch)."""
-    from test_exactness import run
+    from test_exactness import resident_and_ar
 
     from hybridspec_hf.kernels import gdn_prologue_triton, moe_triton, router_triton
     from hybridspec_hf.patches import _gdn, _moe
@@ -302,11 +297,7 @@ def test_resident_rounds_with_the_fused_moe_stay_exact_under_the_prepared_switch
     monkeypatch.setattr(router_triton, "add_norm_route", lambda *a: routed.append(1) or fused_route(*a))
     monkeypatch.setattr(_gdn, "conv_silu_gates", lambda *a, **k: conv_gates.append(1) or one_launch(*a, **k))
     target = make_target("qwen3_5_moe", seed=9, dtype=torch.float32)
-    prompt = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(9))
-    with torch.no_grad():
-        ar = target.generate(prompt, do_sample=False, max_new_tokens=6)
-    drafter = make_drafter(target, 4, ar, error_rate=0.3).to(torch.float32)
-    out = run(target, prompt, drafter, "dflash", 6, hybridspec_config=hybridspec_hf.HybridSpecConfig(cuda_graphs="on"))
+    out, ar = resident_and_ar(target, 9, 5, 6)
     hybridspec_hf.release_graphs(target)
     assert torch.equal(out, ar)
     assert routed  # the fused MoE route ran

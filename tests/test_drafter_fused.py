@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from _tiny import VOCAB, make_drafter, make_target  # noqa: E402
+from _tiny import make_target  # noqa: E402
 from test_drafter import _SCHEDULE, _eager_rounds, _round_inputs, _static_drafter, _static_rounds  # noqa: E402
 
 import hybridspec_hf  # noqa: E402
@@ -199,14 +199,10 @@ def test_eager_and_training_paths_never_take_the_fused_path(fused_calls):
 
 def test_resident_generate_with_the_fused_drafter_equals_ar(fused_calls):
     """A whole resident generate() (greedy, float32) with the drafter's fused path: AR's tokens."""
-    from test_exactness import run
+    from test_exactness import resident_and_ar
 
     target = make_target("qwen3_5_moe", seed=9, dtype=torch.float32)
-    prompt = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(9))
-    with torch.no_grad():
-        ar = target.generate(prompt, do_sample=False, max_new_tokens=12)
-    drafter = make_drafter(target, 4, ar, error_rate=0.3).to(torch.float32)
-    out = run(target, prompt, drafter, "dflash", 12, hybridspec_config=hybridspec_hf.HybridSpecConfig(cuda_graphs="on"))
+    out, ar = resident_and_ar(target, 9, 7, 12)
     assert torch.equal(out, ar)
     assert fused_calls["draft"] > 0 and fused_calls["append"] > 0
     hybridspec_hf.release_graphs(target)

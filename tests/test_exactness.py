@@ -40,6 +40,16 @@ def run(target, prompt, drafter, strategy, max_new_tokens, **kwargs):
     )
 
 
+def resident_and_ar(target, seed: int, prompt_len: int, max_new_tokens: int):
+    """(a resident greedy DFlash call's tokens, AR's) for a random prompt, an oracle drafter of block 4 in fp32."""
+    prompt = torch.randint(0, VOCAB, (1, prompt_len), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        ar = target.generate(prompt, do_sample=False, max_new_tokens=max_new_tokens)
+    drafter = make_drafter(target, 4, ar, error_rate=0.3).to(torch.float32)
+    settings = hybridspec_hf.HybridSpecConfig(cuda_graphs="on")
+    return run(target, prompt, drafter, "dflash", max_new_tokens, hybridspec_config=settings), ar
+
+
 @pytest.mark.parametrize("name", list(TARGETS))
 @pytest.mark.parametrize("block_size", [4, 8, 16])
 def test_dflash_matches_ar_over_prompts(name, block_size, fp64_gdn):
