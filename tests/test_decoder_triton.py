@@ -272,21 +272,19 @@ def test_resident_rounds_run_the_fused_layers_and_release_the_copies(name, calls
     assert all(_attention._QKV not in a.__dict__ for a in layers)
 
 
-@pytest.mark.parametrize("switches", [(), ("FOLD_SUM", "CONV_GATES", "ROUTE_WIDE_ROUNDS"), ("DIRECT_SPLIT",)],
-                         ids=["defaults", "fold_sum-conv_gates-route_wide", "direct_split"])
+@pytest.mark.parametrize("switches", [(), ("CONV_GATES", "ROUTE_WIDE_ROUNDS")],
+                         ids=["defaults", "conv_gates-route_wide"])
 def test_resident_rounds_with_the_fused_moe_stay_exact_under_the_prepared_switches(switches, calls, monkeypatch):
     """Whole HybridSpec calls through the fused decoder, MoE blocks included, equal AR (fp32) with the switches that
-    wait for a GPU A/B on as with the defaults: the direct rows' folded sum (none of its own launches), a GDN
-    verification's conv and gates in one launch, the wide router programs, the direct rows' live items (which keep
-    the sum's launch)."""
+    are off by default on as with them off: a GDN verification's conv and gates in one launch, the wide router
+    programs."""
     from test_exactness import resident_and_ar
 
     from hybridspec_hf.kernels import gdn_prologue_triton, moe_triton, router_triton
     from hybridspec_hf.patches import _gdn, _moe
 
     monkeypatch.setattr(_moe, "_ON_CPU", True)
-    owners = {"DIRECT_SPLIT": moe_triton, "FOLD_SUM": moe_triton, "CONV_GATES": gdn_prologue_triton,
-              "ROUTE_WIDE_ROUNDS": router_triton}
+    owners = {"CONV_GATES": gdn_prologue_triton, "ROUTE_WIDE_ROUNDS": router_triton}
     for name, owner in owners.items():
         monkeypatch.setattr(owner, name, name in switches)
     launched, routed, conv_gates = [], [], []
@@ -301,8 +299,7 @@ def test_resident_rounds_with_the_fused_moe_stay_exact_under_the_prepared_switch
     hybridspec_hf.release_graphs(target)
     assert torch.equal(out, ar)
     assert routed  # the fused MoE route ran
-    # the direct rows ran (a verification's block): their sum by a launch of its own unless folded
-    assert bool(launched) == ("FOLD_SUM" not in switches)
+    assert launched  # the direct rows ran (a verification's block)
     assert bool(conv_gates) == ("CONV_GATES" in switches)
 
 

@@ -198,27 +198,6 @@ def test_the_direct_rows_with_the_shared_slot_first_give_the_same_bits_in_a_grap
     assert all(torch.equal(outs[True, n], outs[False, n]) for n in (1, 4, 16))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_direct_rows_as_live_items_replay_in_a_graph(dtype, monkeypatch):
-    """moe_triton.DIRECT_SPLIT: the live items with K split at small valid lengths (their slices summed in the same
-    launch, the split-K counters zero again) replay the eager bits and keep the tolerance."""
-    from hybridspec_hf.kernels import gemv_triton
-
-    _direct_rows_both_ways(dtype, monkeypatch, "DIRECT_SPLIT")
-    assert int(gemv_triton.split_counters(torch.device("cuda", torch.cuda.current_device())).abs().sum()) == 0
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_direct_rows_with_the_folded_sum_give_the_same_bits_in_a_graph(dtype, monkeypatch):
-    """moe_triton.FOLD_SUM: the sum by the down kernel's last program of each column block (no launch of its own)
-    gives the sum kernel's bits, eagerly and replayed; the split-K counters zero again."""
-    from hybridspec_hf.kernels import gemv_triton
-
-    outs = _direct_rows_both_ways(dtype, monkeypatch, "FOLD_SUM")
-    assert all(torch.equal(outs[True, n], outs[False, n]) for n in (1, 4, 16))
-    assert int(gemv_triton.split_counters(torch.device("cuda", torch.cuda.current_device())).abs().sum()) == 0
-
-
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
 def test_the_add_norm_and_router_in_one_launch_match_transformers_and_replay(family):
     """`norm_route_block_add` (the decoder layer's residual add, post_attention_layernorm and router in one compiled

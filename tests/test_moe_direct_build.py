@@ -1,7 +1,5 @@
 """The MoE direct-row kernels (kernels/moe_triton.py) build for sm_90 on any machine at every tile they take at the
-Qwen3.5-35B-A3B shape (16, 32 and 64 rows: up to 4 batch rows verifying 16 tokens; the live items at 16; the down
-kernel with the folded sum at 16; the live items' K loops over their own slice, as compiled, and masked, as
-interpreted), with the launch's stages, and so
+Qwen3.5-35B-A3B shape (16, 32 and 64 rows: up to 4 batch rows verifying 16 tokens), with the launch's stages, and so
 does the align kernel at up to 4,096 pairs: the interpreter, which the CPU tests run them in, accepts code the GPU
 compiler refuses. In a fresh process (see test_moe_decode_build.py)."""
 import pytest
@@ -15,11 +13,9 @@ from triton.backends.compiler import GPUTarget
 from hybridspec_hf.kernels import moe_triton
 
 pointers = dict(hidden="*bf16", ids="*i64", block_expert="*i32", block_pairs="*i32", w1="*bf16", act="*fp32",
-                shared_w1="*bf16", logit="*fp32", weights="*bf16", w2="*bf16", rows="*fp32", shared_w2="*bf16",
-                out="*bf16", residual="*bf16", counters="*i32")
+                shared_w1="*bf16", logit="*fp32", weights="*bf16", w2="*bf16", rows="*fp32", shared_w2="*bf16")
 built = []
-for tokens, deep, fold in ((16, False, False), (16, True, False), (16, True, True), (32, False, False),
-                           (64, False, False)):
+for tokens, deep in ((16, False), (16, True), (32, False), (64, False)):
     moe_triton.DIRECT_DEEP_K = deep
     block_m, gate_up, down = moe_triton.default_tiles(tokens, "direct")
     common = dict(H=2048, INTER=512, DIRECT=True, K=8, KP=8, SP=triton.next_power_of_2(block_m * 8), BM=block_m,
@@ -27,27 +23,12 @@ for tokens, deep, fold in ((16, False, False), (16, True, False), (16, True, Tru
     for name, tiles in (("_gate_up_kernel", gate_up), ("_down_kernel", down)):
         fn = triton.jit(getattr(moe_triton, name).fn)
         constexprs = dict(common, BN=tiles.block_n, BK=tiles.block_k)
-        if name == "_down_kernel":  # FOLD: the sum by each column block's last program (FOLD_SUM)
-            constexprs.update(FOLD=fold, RESIDUAL=fold)
         signature = {arg: pointers.get(arg, "i32") for arg in fn.arg_names if arg not in constexprs}
         signature.update({arg: "constexpr" for arg in constexprs})
         source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                                   options=dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages))
         built.append([tokens, block_m, name, compiled.metadata.shared])
-block_m, gate_up, down = moe_triton.default_tiles(16, "direct")  # the live items (DIRECT_SPLIT) at a round's block
-for name, tiles, log_split, bounded in (("_gate_up_live_kernel", gate_up, 3, True), ("_down_live_kernel", down, 1, True),
-                                        ("_gate_up_live_kernel", gate_up, 3, False)):
-    fn = triton.jit(getattr(moe_triton, name).fn)
-    constexprs = dict(H=2048, INTER=512, K=8, KP=8, SPP=128, BM=block_m, BN=tiles.block_n, BK=tiles.block_k,
-                      LOG_SPLIT=log_split, DOT_FP32=False, BOUNDED=bounded, PDL=True)
-    signature = {arg: dict(pointers, partials="*fp32", counters="*i32").get(arg, "i32") for arg in fn.arg_names
-                 if arg not in constexprs}
-    signature.update({arg: "constexpr" for arg in constexprs})
-    source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages))
-    built.append([16, block_m, name, compiled.metadata.shared])
 for pairs in (256, 2048, 4096):  # the align kernel: one program sorting up to 4,096 pairs
     spp = triton.next_power_of_2(pairs)
     fn = triton.jit(moe_triton._align_kernel.fn)
@@ -64,7 +45,7 @@ print(json.dumps(built))
 
 def test_the_direct_kernels_and_the_align_kernel_compile_for_sm90():
     built = build(BUILD)
-    assert [(t, m) for t, m, *_ in built] == [(16, 16), (16, 16), (16, 16), (16, 16), (16, 16), (16, 16), (32, 32),
-                                              (32, 32), (64, 64), (64, 64), (16, 16), (16, 16), (16, 16),
+    assert [(t, m) for t, m, *_ in built] == [(16, 16), (16, 16), (16, 16), (16, 16), (32, 32), (32, 32), (64, 64),
+                                              (64, 64),
                                               (256, 256), (2048, 2048), (4096, 4096)]
     assert all(0 < shared <= 160 * 1024 for *_, shared in built), built  # fits an H200 SM with room to spare

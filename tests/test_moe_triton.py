@@ -431,45 +431,6 @@ def test_the_direct_rows_with_the_shared_slot_first_change_no_bit(tokens, valid,
     assert rel(outs[0], truth) < TOL[torch.float32]
 
 
-class NoLaunch:
-    """A kernel that must not be launched."""
-
-    def __getitem__(self, grid):
-        raise AssertionError("launched")
-
-
-@pytest.mark.parametrize("tokens, valid, dtype, shared, residual", [
-    (16, 1, torch.float32, True, True), (16, 9, torch.bfloat16, True, True), (7, 7, torch.float32, True, False),
-    (16, 4, torch.float32, False, False), (32, 20, torch.bfloat16, True, True)])
-def test_the_sum_folded_into_the_down_launch_changes_no_bit(tokens, valid, dtype, shared, residual, monkeypatch):
-    """FOLD_SUM: the direct rows' sum (pairs in order, the gated shared expert, the residual) by the down kernel's
-    last program of each column block gives `_sum_kernel`'s bits, with and without the shared expert and the
-    residual, several column blocks (down tiles 16 wide over H = 40: 3 blocks, the last masked), tokens past the
-    valid length routed to -1, a duplicate expert and a sentinel; the split-K counters are zero again after."""
-    x = make_block(35, tokens, 40, 24, 6, 3, dtype)
-    x["top_k_index"][0, 1] = x["top_k_index"][0, 0]
-    x["top_k_index"][min(1, valid - 1), 2] = 6
-    x["top_k_index"][valid:] = -1
-    if not residual:
-        x["residual"] = None
-    routed = {k: x[k] for k in ("hidden", "top_k_index", "top_k_weights", "gate_up_proj", "down_proj")}
-    tiles = dict(gate_up_tiles=Tiles(16, 16), down_tiles=Tiles(16, 16))
-    outs = []
-    sum_kernel = moe_triton._sum_kernel
-    for fold in (True, False):
-        monkeypatch.setattr(moe_triton, "FOLD_SUM", fold)
-        monkeypatch.setattr(moe_triton, "_sum_kernel", NoLaunch() if fold else sum_kernel)  # folded: none of its own
-        if shared:
-            outs.append(moe_block_triton(**x, mode="direct", **tiles))
-        else:  # the routed experts alone (fused_experts: no shared expert, no residual)
-            outs.append(fused_experts_triton(**routed, mode="direct", **tiles))
-        assert int(gemv_triton.split_counters(torch.device("cpu")).abs().sum()) == 0
-    assert torch.equal(outs[0], outs[1])
-    double = {k: v.double() if v is not None and v.is_floating_point() else v for k, v in x.items()}
-    truth = moe_block_reference(**double) if shared else fused_experts_reference(**{k: double[k] for k in routed})
-    assert rel(outs[0], truth) < TOL[dtype]
-
-
 @pytest.mark.parametrize("deep", [True, False])
 def test_the_direct_rows_deep_k_tiles_match_the_reference(deep, monkeypatch):
     """DIRECT_DEEP_K (256-deep K steps in 3 stages at 5-16 tokens) at H = 512, so that the 256-deep step is not
@@ -480,70 +441,6 @@ def test_the_direct_rows_deep_k_tiles_match_the_reference(deep, monkeypatch):
     x["top_k_index"][11:] = -1
     truth = moe_block_reference(**{k: v.double() if v.is_floating_point() else v for k, v in x.items()})
     assert rel(moe_block_triton(**x, mode="direct"), truth) < TOL[torch.float32]
-
-
-@pytest.mark.parametrize("ids, n_tiles, grid_rows, log_split, split", [
-    ([3, 5, 3, 7, -1, -1], 2, 16, 3, 4),  # 4 live slots (a repeat, two past the valid length) x 2 blocks x 4 = 32
-    ([0, 1, 2, 3, 4, 9], 4, 7, 3, 1),  # 6 live slots (9: a sentinel, E = 8) x 4 blocks = 24 of 28 programs
-    ([-1, -1, -1, -1, -1, -1], 2, 7, 1, 2),  # the shared slot alone, at most 2 slices
-])
-def test_the_live_items_give_each_slice_of_each_live_tile_one_program(ids, n_tiles, grid_rows, log_split, split):
-    """`_live_item` (DIRECT_SPLIT) against its rule: the shared slot first, then the live pairs in order; the
-    largest power of two of slices <= 2**log_split that the grid holds; programs in dispatch order take the items,
-    the rest none."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def items(ids, out, S, E, n_tiles, LOG_SPLIT: tl.constexpr, SPP: tl.constexpr):
-        has, slot, expert, is_shared, tile, i_n, i_k, split = moe_triton._live_item(ids, S, E, n_tiles, LOG_SPLIT, SPP)
-        pid = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-        p = out + pid * 7
-        tl.store(p, has.to(tl.int64))
-        tl.store(p + 1, slot.to(tl.int64))
-        tl.store(p + 2, expert)
-        tl.store(p + 3, tile.to(tl.int64))
-        tl.store(p + 4, i_n.to(tl.int64))
-        tl.store(p + 5, i_k.to(tl.int64))
-        tl.store(p + 6, split.to(tl.int64))
-
-    S = len(ids)
-    out = torch.full((n_tiles * grid_rows, 7), -9, dtype=torch.long)
-    items[(n_tiles, grid_rows)](torch.tensor(ids), out, S, 8, n_tiles, LOG_SPLIT=log_split, SPP=8)
-    live = [s for s, e in enumerate(ids) if 0 <= e < 8 and e not in ids[:s]]
-    order = [(S, -1)] + [(s, ids[s]) for s in live]
-    assert (out[:, 6] == split).all()
-    for pid, (has, slot, expert, tile, i_n, i_k, _) in enumerate(out.tolist()):
-        if pid >= len(order) * n_tiles * split:
-            assert has == 0
-            continue
-        assert has == 1 and (tile, i_k) == divmod(pid, split) and i_n == tile % n_tiles
-        assert (slot, expert) == order[tile // n_tiles]
-
-
-@pytest.mark.parametrize("valid", [1, 16])
-def test_the_direct_rows_as_live_items_split_k_and_match_the_reference(valid, monkeypatch):
-    """DIRECT_SPLIT: the live (slot, column block) tiles split over K in as many slices as the grid holds (gate_up:
-    8 slices at valid length 1, 4 at 16; down: 2, its I = 32 being two 16-deep steps), reduced in slice order by
-    the last to arrive: the reference's result, the same bits on a second call, the split-K counters zero again;
-    tokens past the valid length routed to -1, a duplicate expert and a sentinel among the valid ones."""
-    from hybridspec_hf.kernels import gemv_triton
-
-    monkeypatch.setattr(moe_triton, "DIRECT_SPLIT", True)
-    x = make_block(34, 16, 128, 32, 8, 3)
-    x["top_k_index"][0, 1] = x["top_k_index"][0, 0]
-    x["top_k_index"][min(1, valid - 1), 2] = 8
-    x["top_k_index"][valid:] = -1
-    tiles = dict(gate_up_tiles=Tiles(16, 16), down_tiles=Tiles(16, 16))
-    outs = [moe_block_triton(**x, mode="direct", **tiles) for _ in range(2)]
-    assert torch.equal(outs[0], outs[1])
-    assert int(gemv_triton.split_counters(torch.device("cpu")).abs().sum()) == 0
-    truth = moe_block_reference(**{k: v.double() if v.is_floating_point() else v for k, v in x.items()})
-    assert rel(outs[0], truth) < TOL[torch.float32]
-    monkeypatch.setattr(moe_triton, "DIRECT_SPLIT_MAX", 1)  # the live items whole
-    assert rel(moe_block_triton(**x, mode="direct", **tiles), truth) < TOL[torch.float32]
-    monkeypatch.setattr(moe_triton, "DIRECT_SPLIT", False)
-    assert rel(moe_block_triton(**x, mode="direct", **tiles), outs[0]) < TOL[torch.float32]
 
 
 @pytest.mark.parametrize("tokens, top_k, experts, block_m", [(1, 2, 4, 16), (5, 3, 6, 16), (40, 3, 5, 16),

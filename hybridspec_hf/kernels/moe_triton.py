@@ -111,25 +111,6 @@ DIRECT_SHARED_FIRST = True
 # at batch 1 1.70 → 1.71x AR (medium), 2.56 → 2.57x (high). False: 32 x 128 / 64 x 128 in 4 stages (A/B:
 # `hybridspec-direct-deep-k`).
 DIRECT_DEEP_K = True
-# The direct rows at up to 16 tokens (a round's block) as work items over the live slots only: every program of
-# the static (S + 1) x column-block grid ranks the live slots (the shared expert's first, then each pair whose
-# expert no earlier pair names) and takes one (live slot, column block, K slice) item, the K of each tile split in
-# the largest power of two <= DIRECT_SPLIT_MAX slices for which every item has a program (a w = 1 round's gate_up:
-# 9 live slots x 16 column blocks x 8 slices, where the grid row of each slot had one program of all K); the slices
-# reduce in the same launch (partials and the split-K counters, summed in slice order by the last to arrive), and
-# programs past the items leave at once. Aimed at the round's MoE at w <= 4 (1.2-2.2x its bytes in run 130). Off: on
-# an H100 (run 133, round_tiles_run133.md) the max-shape round +3.4 to +3.7 ms at w = 1-8 and +2.1 at w = 16 with it
-# (not analysed further). True: A/B (`+direct-split`).
-DIRECT_SPLIT = False
-DIRECT_SPLIT_MAX = 8
-# The direct rows' sum (the pairs' weighted rows, the gated shared expert, the residual) by the down kernel's last
-# program of each column block to arrive (a counter per column block, as the split-K reductions), not by a launch of
-# its own: 40 launches fewer a round at the 35B-A3B shape, where run 130 (H100) charged the sum's 99-124 µs of a
-# round's traced span. The same sums in the same order (the same bits); the live items (DIRECT_SPLIT) keep the sum's
-# launch. Off: on an H100 (run 133, round_tiles_run133.md) the max-shape round +450 to +580 µs at every w with it
-# (each column block's 129 programs meet at one counter, and its last program's sum of 16 tokens x 9 rows then runs
-# alone at the kernel's tail). True: A/B (`+fold-sum`).
-FOLD_SUM = False
 MODES = ("auto", "decode", "direct", "sorted")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -354,107 +335,6 @@ def _program_rows(ids, block_pairs, slot, expert, is_shared, T, S,
     return pair, row_ok
 
 
-def _k_step(k0, k_lo, k_hi, KTOTAL: tl.constexpr, BK: tl.constexpr, SLICED: tl.constexpr):
-    """(rk [BK], mk [BK]) of the reduction step at k0: its indices and those inside KTOTAL (SLICED: and inside the
-    slice [k_lo, k_hi))."""
-    rk = k0 + tl.arange(0, BK)
-    mk = rk < KTOTAL
-    if SLICED:
-        mk = mk & (rk >= k_lo) & (rk < k_hi)
-    return rk, mk
-
-
-def _gate_up_step(acc_gate, acc_up, k0, k_lo, k_hi, p_x, p_gate, p_up, stride_hh, stride_wk, row_ok, mn,
-                  H: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr, SLICED: tl.constexpr):
-    """`_gate_up_dots`' step at k0: the accumulators plus that K step's products."""
-    rk, mk = _k_step(k0, k_lo, k_hi, H, BK, SLICED)
-    b_w_gate = tl.load(p_gate + rk[:, None] * stride_wk, mask=mk[:, None] & mn[None, :], other=0.0)
-    b_w_up = tl.load(p_up + rk[:, None] * stride_wk, mask=mk[:, None] & mn[None, :], other=0.0)
-    b_x = tl.load(p_x + rk[None, :] * stride_hh, mask=row_ok[:, None] & mk[None, :], other=0.0)
-    b_x = b_x.to(b_w_gate.dtype)  # fp32 activations under bf16 weights: transformers casts them too
-    if DOT_FP32:
-        b_x, b_w_gate, b_w_up = b_x.to(tl.float32), b_w_gate.to(tl.float32), b_w_up.to(tl.float32)
-    acc_gate += tl.dot(b_x, b_w_gate, input_precision="ieee" if DOT_FP32 else "tf32")
-    acc_up += tl.dot(b_x, b_w_up, input_precision="ieee" if DOT_FP32 else "tf32")
-    return acc_gate, acc_up
-
-
-def _gate_up_dots(p_x, p_gate, p_up, stride_hh, stride_wk, row_ok, mn, k_lo, k_hi, H: tl.constexpr,
-                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr,
-                  SLICED: tl.constexpr, BOUNDED: tl.constexpr = False):
-    """(gate, up) [BM, BN] fp32: the rows' x (p_x [BM, 1]) times the gate and up tiles ([1, BN] column pointers)
-    over K, BK at a time (masked at H); SLICED: only K in [k_lo, k_hi), runtime bounds: with BOUNDED the loop walks
-    those steps alone (compiled code), else every step with the others masked (a loop with runtime bounds does not
-    run in the Triton interpreter under numpy 2)."""
-    acc_gate = tl.zeros([BM, BN], dtype=tl.float32)
-    acc_up = tl.zeros([BM, BN], dtype=tl.float32)
-    if BOUNDED:
-        for k0 in range(k_lo, k_hi, BK):
-            acc_gate, acc_up = _gate_up_step(acc_gate, acc_up, k0, k_lo, k_hi, p_x, p_gate, p_up, stride_hh,
-                                             stride_wk, row_ok, mn, H, BK, DOT_FP32, SLICED)
-    else:
-        for k0 in range(0, H, BK):
-            acc_gate, acc_up = _gate_up_step(acc_gate, acc_up, k0, k_lo, k_hi, p_x, p_gate, p_up, stride_hh,
-                                             stride_wk, row_ok, mn, H, BK, DOT_FP32, SLICED)
-    return acc_gate, acc_up
-
-
-def _shared_logit(shared_w1, p_x, stride_hh, stride_wn, stride_wk, row_ok, logit, H: tl.constexpr,
-                  INTER: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
-    """The shared expert's gate logit per row (row 2I of its [gate; up; gate row] copy: a GEMV over all of K)."""
-    p_logit = shared_w1 + 2 * INTER * stride_wn
-    acc_logit = tl.zeros([BM], dtype=tl.float32)
-    for k0 in range(0, H, BK):
-        rk, mk = _k_step(k0, 0, H, H, BK, False)
-        b_w = tl.load(p_logit + rk * stride_wk, mask=mk, other=0.0)
-        b_x = tl.load(p_x + rk[None, :] * stride_hh, mask=row_ok[:, None] & mk[None, :], other=0.0)
-        b_x = b_x.to(b_w.dtype).to(tl.float32)
-        acc_logit += tl.sum(b_x * b_w.to(tl.float32)[None, :], 1)
-    tl.store(logit + tl.arange(0, BM), acc_logit, mask=row_ok)
-
-
-def _down_step(acc, k0, k_lo, k_hi, p_act, p_w, stride_wk, row_ok, mn, INTER: tl.constexpr, BK: tl.constexpr,
-               DOT_FP32: tl.constexpr, SLICED: tl.constexpr):
-    """`_down_dots`' step at k0: the accumulator plus that step's products."""
-    rk, mk = _k_step(k0, k_lo, k_hi, INTER, BK, SLICED)
-    b_w = tl.load(p_w + rk[:, None] * stride_wk, mask=mk[:, None] & mn[None, :], other=0.0)
-    b_a = tl.load(p_act + rk[None, :], mask=row_ok[:, None] & mk[None, :], other=0.0).to(b_w.dtype)
-    if DOT_FP32:
-        b_a, b_w = b_a.to(tl.float32), b_w.to(tl.float32)
-    acc += tl.dot(b_a, b_w, input_precision="ieee" if DOT_FP32 else "tf32")
-    return acc
-
-
-def _down_dots(p_act, p_w, stride_wk, row_ok, mn, k_lo, k_hi, INTER: tl.constexpr, BM: tl.constexpr,
-               BN: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr, SLICED: tl.constexpr,
-               BOUNDED: tl.constexpr = False):
-    """[BM, BN] fp32: the rows' act (p_act [BM, 1]) times the down tile ([1, BN] column pointers) over I, BK at a
-    time (masked at INTER); SLICED: only I in [k_lo, k_hi), BOUNDED as `_gate_up_dots`."""
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    if BOUNDED:
-        for k0 in range(k_lo, k_hi, BK):
-            acc = _down_step(acc, k0, k_lo, k_hi, p_act, p_w, stride_wk, row_ok, mn, INTER, BK, DOT_FP32, SLICED)
-    else:
-        for k0 in range(0, INTER, BK):
-            acc = _down_step(acc, k0, k_lo, k_hi, p_act, p_w, stride_wk, row_ok, mn, INTER, BK, DOT_FP32, SLICED)
-    return acc
-
-
-def _store_direct_rows(acc, ids, weights, rows, expert, pair, row_ok, is_shared, rn, mn, T, H: tl.constexpr,
-                       K: tl.constexpr, BM: tl.constexpr, SHARED: tl.constexpr):
-    """The direct rows' down epilogue (rows are tokens): w[t, j] · y_t to every pair (t, j) that names this expert,
-    and the shared expert's y_t, unweighted, to row S + t."""
-    rm = tl.arange(0, BM)
-    for j in tl.static_range(K):
-        hit = (tl.load(ids + rm * K + j, mask=rm < T, other=-1) == expert) & (expert >= 0)  # shared: -1
-        b_wt = tl.load(weights + rm * K + j, mask=hit, other=0.0).to(tl.float32)
-        p_out = rows + (rm * K + j)[:, None].to(tl.int64) * H + rn[None, :]
-        tl.store(p_out, acc * b_wt[:, None], mask=hit[:, None] & mn[None, :])
-    if SHARED:
-        p_out = rows + pair[:, None].to(tl.int64) * H + rn[None, :]
-        tl.store(p_out, acc, mask=(row_ok & is_shared)[:, None] & mn[None, :])
-
-
 def _gate_up_kernel(
     hidden, ids, block_expert, block_pairs, w1, act, shared_w1, logit,
     T, S, E,
@@ -482,26 +362,44 @@ def _gate_up_kernel(
         p_x = hidden + token[:, None] * stride_ht
         p_gate = w_base + rn[None, :] * stride_wn  # [BK, BN] tiles of the gate rows ...
         p_up = p_gate + INTER * stride_wn  # ... and of the up rows I later
-        acc_gate, acc_up = _gate_up_dots(p_x, p_gate, p_up, stride_hh, stride_wk, row_ok, mn, 0, H, H, BM, BN, BK,
-                                         DOT_FP32, False)
+        acc_gate = tl.zeros([BM, BN], dtype=tl.float32)
+        acc_up = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, H, BK):
+            rk = k0 + tl.arange(0, BK)
+            mk = rk < H
+            b_w_gate = tl.load(p_gate + rk[:, None] * stride_wk, mask=mk[:, None] & mn[None, :], other=0.0)
+            b_w_up = tl.load(p_up + rk[:, None] * stride_wk, mask=mk[:, None] & mn[None, :], other=0.0)
+            b_x = tl.load(p_x + rk[None, :] * stride_hh, mask=row_ok[:, None] & mk[None, :], other=0.0)
+            b_x = b_x.to(b_w_gate.dtype)  # fp32 activations under bf16 weights: transformers casts them too
+            if DOT_FP32:
+                b_x, b_w_gate, b_w_up = b_x.to(tl.float32), b_w_gate.to(tl.float32), b_w_up.to(tl.float32)
+            acc_gate += tl.dot(b_x, b_w_gate, input_precision="ieee" if DOT_FP32 else "tf32")
+            acc_up += tl.dot(b_x, b_w_up, input_precision="ieee" if DOT_FP32 else "tf32")
         b_act = acc_gate * tl.sigmoid(acc_gate) * acc_up  # SiLU(gate) · up, fp32
         tl.store(act + pair[:, None].to(tl.int64) * INTER + rn[None, :], b_act, mask=row_ok[:, None] & mn[None, :])
         if SHARED:
             if is_shared & (i_n == 0):  # one program also takes the gate logit, row 2I of the copy (a GEMV)
-                _shared_logit(shared_w1, p_x, stride_hh, stride_wn, stride_wk, row_ok, logit, H, INTER, BM, BK)
+                p_logit = shared_w1 + 2 * INTER * stride_wn
+                acc_logit = tl.zeros([BM], dtype=tl.float32)
+                for k0 in range(0, H, BK):
+                    rk = k0 + tl.arange(0, BK)
+                    mk = rk < H
+                    b_w = tl.load(p_logit + rk * stride_wk, mask=mk, other=0.0)
+                    b_x = tl.load(p_x + rk[None, :] * stride_hh, mask=row_ok[:, None] & mk[None, :], other=0.0)
+                    b_x = b_x.to(b_w.dtype).to(tl.float32)
+                    acc_logit += tl.sum(b_x * b_w.to(tl.float32)[None, :], 1)
+                tl.store(logit + tl.arange(0, BM), acc_logit, mask=row_ok)
 
 
 def _down_kernel(
-    act, ids, weights, block_expert, block_pairs, w2, rows, shared_w2, out, logit, residual, counters,
-    T, S, E, stride_ot, stride_rt,
+    act, ids, weights, block_expert, block_pairs, w2, rows, shared_w2,
+    T, S, E,
     stride_we, stride_wn, stride_wk,
     H: tl.constexpr, INTER: tl.constexpr, DIRECT: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
     SP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr,
-    SHARED: tl.constexpr, SHARED_FIRST: tl.constexpr, FOLD: tl.constexpr, RESIDUAL: tl.constexpr,
+    SHARED: tl.constexpr, SHARED_FIRST: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Program (i_n, slot): the slot's expert's down rows for column block i_n. FOLD (direct rows): the last
-    program of column block i_n to arrive also sums its columns' rows into `out` (`_sum_rows`)."""
     pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
     i_n = tl.program_id(0)
     slot = _program_slot(tl.program_id(1), S, DIRECT, SHARED, SHARED_FIRST)
@@ -515,155 +413,29 @@ def _down_kernel(
         mn = rn < H
         p_act = act + pair[:, None].to(tl.int64) * INTER
         p_w = w_base + rn[None, :] * stride_wn  # [BK, BN] tiles of down_e
-        acc = _down_dots(p_act, p_w, stride_wk, row_ok, mn, 0, INTER, INTER, BM, BN, BK, DOT_FP32, False)
-        if DIRECT:  # rows are tokens
-            _store_direct_rows(acc, ids, weights, rows, expert, pair, row_ok, is_shared, rn, mn, T, H, K, BM, SHARED)
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, INTER, BK):
+            rk = k0 + tl.arange(0, BK)
+            mk = rk < INTER
+            b_w = tl.load(p_w + rk[:, None] * stride_wk, mask=mk[:, None] & mn[None, :], other=0.0)
+            b_a = tl.load(p_act + rk[None, :], mask=row_ok[:, None] & mk[None, :], other=0.0).to(b_w.dtype)
+            if DOT_FP32:
+                b_a, b_w = b_a.to(tl.float32), b_w.to(tl.float32)
+            acc += tl.dot(b_a, b_w, input_precision="ieee" if DOT_FP32 else "tf32")
+        if DIRECT:  # rows are tokens: write w[t, j] · y_t to every pair (t, j) that names this expert
+            rm = tl.arange(0, BM)
+            for j in tl.static_range(K):
+                hit = (tl.load(ids + rm * K + j, mask=rm < T, other=-1) == expert) & (expert >= 0)  # shared: -1
+                b_wt = tl.load(weights + rm * K + j, mask=hit, other=0.0).to(tl.float32)
+                p_out = rows + (rm * K + j)[:, None].to(tl.int64) * H + rn[None, :]
+                tl.store(p_out, acc * b_wt[:, None], mask=hit[:, None] & mn[None, :])
+            if SHARED:  # the shared expert's y_t, unweighted, to row S + t
+                p_out = rows + pair[:, None].to(tl.int64) * H + rn[None, :]
+                tl.store(p_out, acc, mask=(row_ok & is_shared)[:, None] & mn[None, :])
         else:  # rows are pairs
             b_wt = tl.load(weights + pair, mask=row_ok, other=0.0).to(tl.float32)
             p_out = rows + pair[:, None].to(tl.int64) * H + rn[None, :]
             tl.store(p_out, acc * b_wt[:, None], mask=row_ok[:, None] & mn[None, :])
-    if FOLD:  # every program of the column block arrives, live or not; the last one sums (in order, as _sum_kernel)
-        tl.debug_barrier()  # every thread's rows are written before the signal (release below)
-        if tl.atomic_add(counters + i_n, 1, sem="acq_rel") == tl.num_programs(1) - 1:
-            _sum_rows(rows, ids, out, logit, residual, E, S, T, stride_ot, stride_rt, i_n * BN + tl.arange(0, BN),
-                      H, K, BM, BN, SHARED, RESIDUAL)
-            tl.store(counters + i_n, 0)  # zero again for the next launch
-
-
-def _live_item(ids, S, E, n_tiles, LOG_SPLIT: tl.constexpr, SPP: tl.constexpr):
-    """This program's work item in the direct rows' static grid (`DIRECT_SPLIT`): (has, slot, expert int64,
-    is_shared, tile, i_n, i_k, split). Items are (live slot, column block i_n, K slice i_k), slot-major, the shared
-    expert's slot S first and then the live pairs in order (valid expert, named by no earlier pair; the shared slot
-    reads expert -1); split: slices per tile, the largest power of two <= 2**LOG_SPLIT that gives every item a
-    program; tile = the item's (live slot, column block) index. Programs past the items: has False."""
-    grid = tl.num_programs(0) * tl.num_programs(1)
-    pid = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)  # in dispatch order: items first
-    rs = tl.arange(0, SPP)
-    ids_p = tl.load(ids + rs, mask=rs < S, other=-1).to(tl.int32)  # [SPP]
-    named_before = tl.max(((ids_p[None, :] == ids_p[:, None]) & (rs[None, :] < rs[:, None])).to(tl.int32), 1)
-    live_p = (ids_p >= 0) & (ids_p < E) & (named_before == 0)
-    rank = tl.cumsum(live_p.to(tl.int32), 0)  # inclusive: the r-th live pair has rank r
-    live_tiles = (tl.sum(live_p.to(tl.int32), 0) + 1) * n_tiles
-    split = tl.full([], 1, tl.int32)
-    for log in tl.static_range(1, LOG_SPLIT + 1):
-        split = tl.where(live_tiles * (1 << log) <= grid, 1 << log, split)
-    has = pid < live_tiles * split
-    i_k = pid % split
-    tile = pid // split
-    i_n = tile % n_tiles
-    r = tile // n_tiles  # 0: the shared expert; r >= 1: the r-th live pair
-    chosen = live_p & (rank == r)
-    is_shared = r == 0
-    slot = tl.where(is_shared, S, tl.sum(tl.where(chosen, rs, 0), 0))
-    expert = tl.where(is_shared, -1, tl.sum(tl.where(chosen, ids_p, 0), 0)).to(tl.int64)
-    return has, slot, expert, is_shared, tile, i_n, i_k, split
-
-
-def _k_slice(i_k, split, KTOTAL: tl.constexpr, BK: tl.constexpr):
-    """[k_lo, k_hi) of K slice i_k of `split` over KTOTAL, whole BK steps each."""
-    steps = tl.cdiv(tl.cdiv(KTOTAL, BK), split)
-    k_lo = i_k * steps * BK
-    return k_lo, tl.minimum(k_lo + steps * BK, KTOTAL)
-
-
-def _live_program(ids, w, shared_w, stride_we, T, S, E, n_tiles, K: tl.constexpr, KP: tl.constexpr,
-                  BM: tl.constexpr, LOG_SPLIT: tl.constexpr, SPP: tl.constexpr):
-    """A live-items program's set-up (`_live_item`): (has, pair, row_ok, w_base, expert, is_shared, tile, i_n, i_k,
-    split), its rows and its expert's weights (the shared expert's copy for its slot) loaded only with an item."""
-    has, slot, expert, is_shared, tile, i_n, i_k, split = _live_item(ids, S, E, n_tiles, LOG_SPLIT, SPP)
-    pair = tl.zeros([BM], dtype=tl.int32)
-    row_ok = pair < 0
-    if has:
-        pair, row_ok = _program_rows(ids, ids, slot, expert, is_shared, T, S, True, K, KP, BM)
-    w_base = w + expert * stride_we
-    if is_shared:
-        w_base = shared_w
-    return has, pair, row_ok, w_base, expert, is_shared, tile, i_n, i_k, split
-
-
-def _gate_up_live_kernel(
-    hidden, ids, w1, act, shared_w1, logit, partials, counters,
-    T, S, E, n_tiles,
-    stride_ht, stride_hh, stride_we, stride_wn, stride_wk,
-    H: tl.constexpr, INTER: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, SPP: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, LOG_SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
-    BOUNDED: tl.constexpr, PDL: tl.constexpr,
-):
-    """The direct rows' gate_up with the shared expert as work items over the live slots (`DIRECT_SPLIT`); the
-    shared expert's weights: [gate_proj; up_proj; shared_expert_gate; padding], the experts' row layout. BOUNDED:
-    a K slice's loop walks its own steps (compiled), else all steps masked (the interpreter)."""
-    pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
-    has, pair, row_ok, w_base, expert, is_shared, tile, i_n, i_k, split = _live_program(
-        ids, w1, shared_w1, stride_we, T, S, E, n_tiles, K, KP, BM, LOG_SPLIT, SPP)
-    if has:
-        rm = tl.arange(0, BM)
-        rn = i_n * BN + tl.arange(0, BN)
-        mn = rn < INTER
-        p_x = hidden + rm.to(tl.int64)[:, None] * stride_ht  # rows are tokens, for the shared slot too
-        p_gate = w_base + rn[None, :] * stride_wn
-        p_up = p_gate + INTER * stride_wn
-        k_lo, k_hi = _k_slice(i_k, split, H, BK)
-        acc_gate, acc_up = _gate_up_dots(p_x, p_gate, p_up, stride_hh, stride_wk, row_ok, mn, k_lo, k_hi, H, BM, BN,
-                                         BK, DOT_FP32, True, BOUNDED)
-        done = split == 1
-        if split > 1:  # partials [grid, 2, BM, BN]: the tile's slices at items tile·split + i_k
-            p_part = partials + (tile * split).to(tl.int64) * (2 * BM * BN) + rm[:, None] * BN + tl.arange(0, BN)
-            part_ok = row_ok[:, None]
-            tl.store(p_part + i_k * (2 * BM * BN), acc_gate, mask=part_ok)
-            tl.store(p_part + i_k * (2 * BM * BN) + BM * BN, acc_up, mask=part_ok)
-            tl.debug_barrier()  # every thread's partial is written before the signal (release below)
-            done = tl.atomic_add(counters + tile, 1, sem="acq_rel") == split - 1
-            if done:  # in slice order, not arrival order: the same bits every call
-                acc_gate = tl.zeros([BM, BN], dtype=tl.float32)
-                acc_up = tl.zeros([BM, BN], dtype=tl.float32)
-                for i in tl.static_range(1 << LOG_SPLIT):
-                    ok = part_ok & (i < split)
-                    acc_gate += tl.load(p_part + i * (2 * BM * BN), mask=ok, other=0.0, cache_modifier=".cg")
-                    acc_up += tl.load(p_part + i * (2 * BM * BN) + BM * BN, mask=ok, other=0.0, cache_modifier=".cg")
-                tl.store(counters + tile, 0)  # zero again for the next launch
-        if done:
-            b_act = acc_gate * tl.sigmoid(acc_gate) * acc_up  # SiLU(gate) · up, fp32
-            tl.store(act + pair[:, None].to(tl.int64) * INTER + rn[None, :], b_act,
-                     mask=row_ok[:, None] & mn[None, :])
-        if is_shared & (i_n == 0) & (i_k == 0):  # one program also takes the gate logit (a GEMV over all of K)
-            _shared_logit(shared_w1, p_x, stride_hh, stride_wn, stride_wk, row_ok, logit, H, INTER, BM, BK)
-
-
-def _down_live_kernel(
-    act, ids, weights, w2, rows, shared_w2, partials, counters,
-    T, S, E, n_tiles,
-    stride_we, stride_wn, stride_wk,
-    H: tl.constexpr, INTER: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, SPP: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, LOG_SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
-    BOUNDED: tl.constexpr, PDL: tl.constexpr,
-):
-    """The direct rows' down with the shared expert as work items over the live slots (`DIRECT_SPLIT`; BOUNDED as
-    the gate_up's)."""
-    pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
-    has, pair, row_ok, w_base, expert, is_shared, tile, i_n, i_k, split = _live_program(
-        ids, w2, shared_w2, stride_we, T, S, E, n_tiles, K, KP, BM, LOG_SPLIT, SPP)
-    if has:
-        rm = tl.arange(0, BM)
-        rn = i_n * BN + tl.arange(0, BN)
-        mn = rn < H
-        p_act = act + pair[:, None].to(tl.int64) * INTER
-        p_w = w_base + rn[None, :] * stride_wn
-        k_lo, k_hi = _k_slice(i_k, split, INTER, BK)
-        acc = _down_dots(p_act, p_w, stride_wk, row_ok, mn, k_lo, k_hi, INTER, BM, BN, BK, DOT_FP32, True, BOUNDED)
-        done = split == 1
-        if split > 1:  # partials [grid, BM, BN]: the tile's slices at items tile·split + i_k
-            p_part = partials + (tile * split).to(tl.int64) * (BM * BN) + rm[:, None] * BN + tl.arange(0, BN)
-            part_ok = row_ok[:, None]
-            tl.store(p_part + i_k * (BM * BN), acc, mask=part_ok)
-            tl.debug_barrier()  # every thread's partial is written before the signal (release below)
-            done = tl.atomic_add(counters + tile, 1, sem="acq_rel") == split - 1
-            if done:  # in slice order, not arrival order: the same bits every call
-                acc = tl.zeros([BM, BN], dtype=tl.float32)
-                for i in tl.static_range(1 << LOG_SPLIT):
-                    acc += tl.load(p_part + i * (BM * BN), mask=part_ok & (i < split), other=0.0, cache_modifier=".cg")
-                tl.store(counters + tile, 0)  # zero again for the next launch
-        if done:
-            _store_direct_rows(acc, ids, weights, rows, expert, pair, row_ok, is_shared, rn, mn, T, H, K, BM, True)
 
 
 def _add_gated_shared(routed, shared, gate_logit, dtype: tl.constexpr):
@@ -672,32 +444,6 @@ def _add_gated_shared(routed, shared, gate_logit, dtype: tl.constexpr):
     shared = shared.to(dtype).to(tl.float32)
     gate = (1.0 / (1.0 + tl.exp(-gate_logit.to(dtype).to(tl.float32)))).to(dtype).to(tl.float32)
     return (routed.to(dtype).to(tl.float32) + (gate * shared).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-
-
-def _sum_rows(rows, ids, out, logit, residual, E, S, T, stride_ot, stride_rt, rn, H: tl.constexpr, K: tl.constexpr,
-              BM: tl.constexpr, BN: tl.constexpr, SHARED: tl.constexpr, RESIDUAL: tl.constexpr):
-    """`_sum_kernel`'s sums for columns rn of every token (BM >= T rows), by the down kernel's last program of a
-    column block (FOLD_SUM): the rows written by the other programs of the launch read past L1 (.cg)."""
-    rm = tl.arange(0, BM)
-    rt = rm.to(tl.int64)
-    mn = rn < H
-    m_t = rm < T
-    dtype = out.dtype.element_ty
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for j in tl.static_range(K):  # j in order: the same sum whatever the routing
-        expert = tl.load(ids + rt * K + j, mask=m_t, other=-1)
-        ok = m_t & (expert >= 0) & (expert < E)  # sentinel pairs were never written
-        acc += tl.load(rows + (rt * K + j)[:, None] * H + rn[None, :], mask=ok[:, None] & mn[None, :], other=0.0,
-                       cache_modifier=".cg")
-    value = acc.to(dtype).to(tl.float32)  # the experts' output, in the model dtype
-    tile = m_t[:, None] & mn[None, :]
-    if SHARED:
-        shared = tl.load(rows + (S + rt)[:, None] * H + rn[None, :], mask=tile, other=0.0, cache_modifier=".cg")
-        gate_logit = tl.load(logit + rt, mask=m_t, other=0.0, cache_modifier=".cg")
-        value = _add_gated_shared(value, shared, gate_logit[:, None], dtype)
-    if RESIDUAL:  # the decoder layer's residual + block output
-        value = tl.load(residual + rt[:, None] * stride_rt + rn[None, :], mask=tile, other=0.0).to(tl.float32) + value
-    tl.store(out + rt[:, None] * stride_ot + rn[None, :], value.to(dtype), mask=tile)
 
 
 def _sum_kernel(rows, ids, out, logit, residual, E, S, stride_ot, stride_rt, H: tl.constexpr, K: tl.constexpr,
@@ -977,26 +723,13 @@ if HAS_TRITON:
     _program_slot = triton.jit(_program_slot)
     _program_expert = triton.jit(_program_expert)
     _program_rows = triton.jit(_program_rows)
-    _k_step = triton.jit(_k_step)
-    _gate_up_step = triton.jit(_gate_up_step)
-    _gate_up_dots = triton.jit(_gate_up_dots)
-    _shared_logit = triton.jit(_shared_logit)
-    _down_step = triton.jit(_down_step)
-    _down_dots = triton.jit(_down_dots)
-    _store_direct_rows = triton.jit(_store_direct_rows)
     _add_gated_shared = triton.jit(_add_gated_shared)
-    _sum_rows = triton.jit(_sum_rows)
     _add_row_products = triton.jit(_add_row_products)
     _down_tile = triton.jit(_down_tile)
     _down_decode_rows = triton.jit(_down_decode_rows)
     _down_decode_early = triton.jit(_down_decode_early)
     _gate_up_kernel = _LazyJit(_gate_up_kernel, pdl=True)
     _down_kernel = _LazyJit(_down_kernel, pdl=True)
-    _live_item = triton.jit(_live_item)
-    _live_program = triton.jit(_live_program)
-    _k_slice = triton.jit(_k_slice)
-    _gate_up_live_kernel = _LazyJit(_gate_up_live_kernel, pdl=True)
-    _down_live_kernel = _LazyJit(_down_live_kernel, pdl=True)
     _sum_kernel = _LazyJit(_sum_kernel, pdl=True)
     _gate_up_decode_kernel = _LazyJit(_gate_up_decode_kernel, pdl=True, do_not_specialize=["T"])
     _down_decode_kernel = _LazyJit(_down_decode_kernel, pdl=True, do_not_specialize=["T"])
@@ -1253,58 +986,20 @@ def _launch(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, mode, b
                   SHARED=shared is not None, SHARED_FIRST=DIRECT_SHARED_FIRST)
     num_slots += 1 if shared is not None else 0
 
-    gate_up_tiles = _fit(gate_up_tiles, inter, hidden_size)
-    down_tiles = _fit(down_tiles, hidden_size, inter)
-    gate_up_grid = (triton.cdiv(inter, gate_up_tiles.block_n), num_slots)
-    down_grid = (triton.cdiv(hidden_size, down_tiles.block_n), num_slots)
+    tiles = _fit(gate_up_tiles, inter, hidden_size)
+    _gate_up_kernel[(triton.cdiv(inter, tiles.block_n), num_slots)](
+        hidden, ids, block_expert, block_pairs, gate_up_proj, act, shared_gate_up, logit,
+        num_tokens, pairs, num_experts, *hidden.stride(), *gate_up_proj.stride(),
+        **common, BN=tiles.block_n, BK=tiles.block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
+    tiles = _fit(down_tiles, hidden_size, inter)
+    _down_kernel[(triton.cdiv(hidden_size, tiles.block_n), num_slots)](
+        act, ids, weights, block_expert, block_pairs, down_proj, rows, shared_down,
+        num_tokens, pairs, num_experts, *down_proj.stride(),
+        **common, BN=tiles.block_n, BK=tiles.block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
     if residual is not None:
         residual = residual if residual.stride(-1) == 1 else residual.contiguous()
-    # the live items (DIRECT_SPLIT): a split tile's index stays below half the grid, within the split-K counters
-    if (mode == "direct" and shared is not None and DIRECT_SPLIT and num_tokens <= NARROW_DIRECT_TOKENS
-            and max(math.prod(gate_up_grid), math.prod(down_grid)) // 2 <= COUNTERS):
-        live = dict(K=top_k, KP=common["KP"], SPP=triton.next_power_of_2(pairs), BM=block_m,
-                    DOT_FP32=common["DOT_FP32"], H=hidden_size, INTER=inter,
-                    BOUNDED=not triton.knobs.runtime.interpret)
-        counters = split_counters(hidden.device)
-
-        def log_split(steps: int) -> int:  # the most slices: a power of two <= DIRECT_SPLIT_MAX and <= the K steps
-            return max(0, min(DIRECT_SPLIT_MAX, steps).bit_length() - 1)
-
-        partials = torch.empty(math.prod(gate_up_grid) * 2 * block_m * gate_up_tiles.block_n, dtype=torch.float32,
-                               device=hidden.device)
-        _gate_up_live_kernel[gate_up_grid](
-            hidden, ids, gate_up_proj, act, shared_gate_up, logit, partials, counters,
-            num_tokens, pairs, num_experts, gate_up_grid[0], *hidden.stride(), *gate_up_proj.stride(), **live,
-            BN=gate_up_tiles.block_n, BK=gate_up_tiles.block_k,
-            LOG_SPLIT=log_split(triton.cdiv(hidden_size, gate_up_tiles.block_k)),
-            num_warps=gate_up_tiles.num_warps, num_stages=gate_up_tiles.num_stages,
-        )
-        partials = torch.empty(math.prod(down_grid) * block_m * down_tiles.block_n, dtype=torch.float32,
-                               device=hidden.device)
-        _down_live_kernel[down_grid](
-            act, ids, weights, down_proj, rows, shared_down, partials, counters,
-            num_tokens, pairs, num_experts, down_grid[0], *down_proj.stride(), **live,
-            BN=down_tiles.block_n, BK=down_tiles.block_k, LOG_SPLIT=log_split(triton.cdiv(inter, down_tiles.block_k)),
-            num_warps=down_tiles.num_warps, num_stages=down_tiles.num_stages,
-        )
-    else:
-        # the sum in the down launch (FOLD_SUM): direct rows, a counter per column block
-        fold = FOLD_SUM and mode == "direct" and down_grid[0] <= COUNTERS
-        _gate_up_kernel[gate_up_grid](
-            hidden, ids, block_expert, block_pairs, gate_up_proj, act, shared_gate_up, logit,
-            num_tokens, pairs, num_experts, *hidden.stride(), *gate_up_proj.stride(),
-            **common, BN=gate_up_tiles.block_n, BK=gate_up_tiles.block_k, num_warps=gate_up_tiles.num_warps,
-            num_stages=gate_up_tiles.num_stages,
-        )
-        _down_kernel[down_grid](
-            act, ids, weights, block_expert, block_pairs, down_proj, rows, shared_down, out, logit,
-            residual if residual is not None else out, split_counters(hidden.device) if fold else ids,
-            num_tokens, pairs, num_experts, out.stride(0), residual.stride(0) if residual is not None else 0,
-            *down_proj.stride(), **common, BN=down_tiles.block_n, BK=down_tiles.block_k, FOLD=fold,
-            RESIDUAL=residual is not None, num_warps=down_tiles.num_warps, num_stages=down_tiles.num_stages,
-        )
-        if fold:
-            return out
     block_sum = min(1024, triton.next_power_of_2(hidden_size))
     _sum_kernel[(triton.cdiv(hidden_size, block_sum), num_tokens)](
         rows, ids, out, logit, residual if residual is not None else out, num_experts, pairs, out.stride(0),
