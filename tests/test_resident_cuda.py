@@ -172,6 +172,28 @@ def test_batched_calls_run_captured_without_syncs_and_equal_each_rows_ar(strateg
         assert torch.equal(out[row, 14:], ar[0, prompt.numel():]), (strategy, row)
 
 
+@pytest.mark.parametrize("strategy", ["dflash", "hybridspec"])
+def test_the_fused_round_tail_runs_compiled_captured_without_syncs_and_equals_ar(strategy, monkeypatch,
+                                                                                sync_errors):
+    """resident.FUSED_ROUND_TAIL: a greedy round's bookkeeping in two inductor-compiled regions inside the captured
+    round (no sync, no fallback to eager), the output AR's, with an EOS cutting a round."""
+    monkeypatch.setattr(resident, "FUSED_ROUND_TAIL", True)
+    target, _ = _pair()
+    prompt = torch.randint(1, VOCAB, (1, 12), generator=torch.Generator().manual_seed(6)).cuda()
+    free = target.generate(prompt, do_sample=False, max_new_tokens=40)
+    eos = [int(free[0, 12 + 23])]
+    ar = target.generate(prompt, do_sample=False, max_new_tokens=40, eos_token_id=eos, pad_token_id=0)
+    target, drafter = _pair(reference=free.cpu())
+    kwargs = dict(do_sample=False, max_new_tokens=40, eos_token_id=eos, pad_token_id=0, assistant_model=drafter,
+                  generation_strategy=strategy, hybridspec_config=HybridSpecConfig(cuda_graphs="on"))
+    target.generate(prompt, **kwargs)  # captures
+    out = target.generate(prompt, **kwargs)
+    assert torch.equal(out, ar)
+    rounds = target.__dict__["_hybridspec_resident"]
+    assert rounds.tail and all(fn.fast is not None for fn in (rounds.accept_fn, rounds.advance_fn))
+    assert hybridspec_hf.get_telemetry(target).path == "cuda_graphs"
+
+
 def test_image_prompts_run_captured_and_equal_ar():
     """A vision-language target's image prompt: the rounds continue from the multimodal RoPE positions the prefill
     set (the cos/sin table is indexed by slot from each row's next position)."""

@@ -63,7 +63,8 @@ from hybridspec_hf import patches
 from hybridspec_hf.generation.acceptance import greedy_accept, sample_tokens, speculative_sample
 from hybridspec_hf.generation.checks import ROW_WISE_PROCESSORS
 from hybridspec_hf.generation.router_hooks import RoutingReplay, VerifyWindow
-from hybridspec_hf.generation.strategy import Choice
+from hybridspec_hf.generation.round_tail import round_accept, round_advance
+from hybridspec_hf.generation.strategy import Choice, compiled_region
 from hybridspec_hf.generation.telemetry import RoundRecord
 from hybridspec_hf.graphs.capture import Replay, branch, branches_capture, host_syncs
 from hybridspec_hf.graphs.static_target import StaticTarget
@@ -91,6 +92,12 @@ FUSED_STEP_TAIL = True
 # (should_draft reads the selector before this round's update in both). A/B: the strategy
 # "hybridspec-round-end" in benchmarks/round_kernels.py.
 FUSED_ROUND_END = True
+# True: a greedy speculative round committed on the device (no logits processors) runs its bookkeeping after the
+# target's forward — acceptance, the commit count, lengths, the anchor, the rows that end, the hand-off values — as
+# two compiled regions (generation/round_tail.py, with compile_decisions) instead of ≈ 40 torch launches (run 135 of
+# benchmarks/results/gpu_rounds_runs.md); False: the same ops eagerly, one by one. The same integers either way.
+# Off until measured on a GPU (A/B: `hybridspec+round-tail`).
+FUSED_ROUND_TAIL = False
 # True: a speculative round of the max shape whose chosen length fits one of SHORT_LENGTHS verifies only that many
 # tokens (the shortest that holds it): its verify is captured once per length, each in the body of a CUDA graph
 # conditional node after the draft (graphs/capture.py `branch`), so a replay runs the one the round chose and the
@@ -367,6 +374,14 @@ class ResidentRounds:
             # warm-up call before each capture, so that any recompile (a guard the first call's state changed)
             # happens outside the capture
             compiled = strategy.compile_backend is not None and strategy.compile_decisions(strategy.compile_backend)
+            # a greedy round's bookkeeping after the forward (FUSED_ROUND_TAIL): compiled with the decisions
+            self.tail = (FUSED_ROUND_TAIL and self.speculative and device_commit and not do_sample
+                         and len(logits_processor) == 0)
+            self.accept_fn, self.advance_fn = round_accept, round_advance
+            if self.tail and strategy.compile_backend is not None:
+                self.accept_fn = compiled_region(round_accept, strategy.compile_backend)
+                self.advance_fn = compiled_region(round_advance, strategy.compile_backend)
+                compiled = True
             replay = functools.partial(Replay, device=self.device, capture=key.capture, warmup=2 if compiled else 1)
             with torch.no_grad(), experts as self.fused_experts:
                 self.step = replay(self._step)
@@ -525,8 +540,8 @@ class ResidentRounds:
         if self.do_sample or len(self.logits_processor):
             scores = self._scores(logits.float())[:, 0]  # [N, V]
             token = sample_tokens(scores.softmax(-1)) if self.do_sample else scores.argmax(-1)  # [N]
-        else:  # greedy on raw logits: the fp32 copy changes no value nor order (and argmax takes the first maximum)
-            token = logits[:, 0].argmax(-1)
+        else:
+            token = _greedy_scores(logits[:, 0]).argmax(-1)
         # the plain steps before the next draft (decide), else nothing: the host knows
         draft_next = self.zero
         if decide:
@@ -648,6 +663,9 @@ class ResidentRounds:
         t, choice, valid = self.verify_tokens, self.choice, self.round_valid
         tokens = self.block[:, :n]
         session, logits, features = self._verify_forward(tokens, valid, choice)
+        if self.tail:
+            self._round_tail(n, session, logits, features, hand_off)
+            return
         scores = self._scores(logits.float())  # [N, n, V]
         if self.do_sample:
             coins, races = draws if draws is not None else (None, None)
@@ -685,6 +703,37 @@ class ResidentRounds:
             self._commit(observe=not fused_end)
             live = self._end_rows(positions.view(1, -1) < self.count.view(-1, 1), target_tokens)
         self._write_handoff(target_tokens, accepted, live, self.round_w, keep, n_new, draft_next, copy=hand_off)
+
+    def _round_tail(self, n: int, session: patches.VerifySession, logits: torch.Tensor, features: torch.Tensor,
+                    hand_off: bool) -> None:
+        """`_verify`'s greedy path after the forward of n tokens (FUSED_ROUND_TAIL, device commit, no logits
+        processors): the same steps, the bookkeeping in two compiled regions (generation/round_tail.py)."""
+        t, choice, valid = self.verify_tokens, self.choice, self.round_valid
+        target_tokens = _greedy_scores(logits).argmax(-1)  # [N, n]
+        if n < t:  # the block's layout (positions past n are past valid: they never count)
+            target_tokens = torch.cat([target_tokens, target_tokens.new_zeros(self.rows, t - n)], dim=1)
+        accepted, count32 = self.accept_fn(target_tokens, self.block, valid, self.replayed, self.eos_ids,
+                                           self.target.length, self.limit, self.live, self.count)
+        if self.strategy.mode != "fixed":
+            self.strategy.observe_acceptance(choice, accepted)
+        fused_end = FUSED_ROUND_END and self.strategy.selector is not None
+        if fused_end:  # the draft decision (before this round's update, as apart), then the update
+            draft_next = self._flag(self.strategy.end_round(self.round_context_len, self.round_w.view(1),
+                                                            *self._round_tokens()))
+        else:
+            draft_next = self._flag(self.strategy.should_draft(self.round_context_len))
+            if self.strategy.selector is not None:
+                self.strategy.observe_round(self.round_w.view(1), *self._round_tokens())
+        self.target.commit_states(session, count32)
+        with patches.fused_kernels():
+            self.context.append(features, self.count)
+        keep = choice.keep if choice is not None else self.zero
+        n_new = choice.n_new if choice is not None else self.zero
+        self.advance_fn(target_tokens, accepted, self.count, self.target.length, self.target.next_position,
+                        self.target.attention_lengths if self.rows == 1 else None, self.last_token, self.live,
+                        self.eos_ids, self.limit, self.round_w, keep, n_new, draft_next, self.handoff_values)
+        if hand_off:
+            self.handoff.copy_(self.handoff_values, non_blocking=True)
 
     def _verify_forward(self, tokens: torch.Tensor, valid: torch.Tensor, choice):
         """The round's target forward: tokens [N, n] verified after each row's committed ones (GDN states not
@@ -839,6 +888,13 @@ class ResidentRounds:
                               torch.cat([theirs.values[row, :, :prompt], second[:, generated]], dim=-2)))
             snapshots.append(parts)
         set_rows(cache, snapshots, output_length - 1)
+
+
+def _greedy_scores(logits: torch.Tensor) -> torch.Tensor:
+    """What greedy decoding takes the argmax of: logits in fp32, as generate() casts them; no copy where the cast
+    changes no value (bf16, fp16, fp32: argmax takes the first maximum either way), a rounded copy from fp64 (where
+    rounding may tie two logits that fp64 tells apart)."""
+    return logits if logits.dtype in (torch.bfloat16, torch.float16, torch.float32) else logits.float()
 
 
 def _routing_replay(profile, moe_blocks, model, device, rows: int) -> RoutingReplay | None:

@@ -257,10 +257,7 @@ class RoundStrategy:
             return True
         if self.selector is None or type(self.selector) not in _COMPILABLE:
             return False
-
-        def compiled(fn):
-            return _CompiledDecision(fn, torch.compile(fn, fullgraph=True, dynamic=False, backend=backend))
-
+        compiled = functools.partial(compiled_region, backend=backend)
         if isinstance(self.selector, ForcedLength):  # calibration: the shadow's work compiled as HybridSpec's is
             self._compiled = backend if self.selector.compile_shadow(compiled) else None
             return self._compiled is not None
@@ -402,6 +399,12 @@ class RoundStrategy:
             device = like.device
             self.selector.batch_state(torch.tensor([float(rows)], device=device),
                                       torch.tensor([float(left)], device=device))
+
+
+def compiled_region(fn: Callable, backend: str) -> "_CompiledDecision":
+    """fn compiled with `torch.compile` as one whole graph at static shapes (the resident rounds' device work), its
+    eager code the fallback (`_CompiledDecision`)."""
+    return _CompiledDecision(fn, torch.compile(fn, fullgraph=True, dynamic=False, backend=backend))
 
 
 class _CompiledDecision:

@@ -1,0 +1,63 @@
+"""A greedy speculative round's bookkeeping after the target's forward, as two pure torch functions that
+`torch.compile` turns into a few kernels (resident.FUSED_ROUND_TAIL): run 135 of
+benchmarks/results/gpu_rounds_runs.md counted ≈ 40 small torch launches a round here (acceptance, the commit count,
+lengths, the anchor, the rows that end, the hand-off), 1-3 µs each on the GPU.
+
+    round_accept     target tokens → drafts accepted a and m = the tokens the round commits, per row
+    (the selector's update, the GDN commit and the drafter's context append run between the two: kernels of their own)
+    round_advance    lengths and positions + m, the new anchor, the rows that end, the hand-off values
+
+Both are exactly the eager code of `ResidentRounds._verify` / `_commit` / `_end_rows` / `_write_handoff` they
+replace (the same integer results; tests/test_round_tail.py), at one static shape: the block's [N, T].
+"""
+from __future__ import annotations
+
+import torch
+
+from hybridspec_hf.generation.acceptance import greedy_accept
+from hybridspec_hf.kernels.step_tail_triton import rows_ended
+
+
+def round_accept(target_tokens: torch.Tensor, block: torch.Tensor, valid: torch.Tensor,
+                 replayed: torch.Tensor | None, eos_ids: torch.Tensor, length: torch.Tensor, limit: torch.Tensor,
+                 live: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy acceptance of a round and its commit count.
+
+    target_tokens [N, T] long: the target's argmax after each verified token (zero past the n verified: their
+    positions are at or past `valid`); block [N, T] the verified tokens (anchor first; the drafts after it);
+    valid [N] long tokens that count (≤ n); replayed [N] (timing mode: a with the whole block verified) or None;
+    eos_ids [E] (-1 unused); length [N] committed tokens; limit [N] the most tokens a row may reach; live [N] 0/1.
+    Writes count [N] = m = min(a + 1, up to the first EOS among the emitted tokens, the row's room) · live.
+    Returns (accepted [N], count as int32 [N], what the GDN commit reads)."""
+    t = block.shape[1]
+    accepted = greedy_accept(block[:, 1:], target_tokens, valid)  # [N]
+    if replayed is not None:
+        accepted = torch.minimum(replayed, valid.view(-1) - 1)
+    positions = torch.arange(t, device=block.device)
+    emitted = positions.view(1, -1) <= accepted.view(-1, 1)  # [N, T]
+    eos = (target_tokens[..., None] == eos_ids.view(1, 1, -1)).any(-1) & emitted
+    first_eos = torch.where(eos, positions.view(1, -1), t).min(-1).values  # [N]
+    room = (limit - (length + 1)).clamp(min=0)
+    m = torch.minimum(torch.minimum(accepted + 1, first_eos + 1), room) * live
+    count.copy_(m)
+    return accepted, m.to(torch.int32)
+
+
+def round_advance(target_tokens: torch.Tensor, accepted: torch.Tensor, count: torch.Tensor, length: torch.Tensor,
+                  next_position: torch.Tensor, attention_lengths: torch.Tensor | None, last_token: torch.Tensor,
+                  live: torch.Tensor, eos_ids: torch.Tensor, limit: torch.Tensor, w: torch.Tensor, keep: torch.Tensor,
+                  n_new: torch.Tensor, draft_next: torch.Tensor, handoff_values: torch.Tensor) -> None:
+    """After the commit of count [N] tokens of target_tokens [N, T] (in place): length [N] and next_position
+    [R, N, 1] + count, attention_lengths [L] (one row; None: not kept) = length, last_token [N, 1] the last committed
+    token (unchanged where count is 0), live [N] 0 for rows that end (an EOS committed, or the limit reached), and
+    handoff_values = [target_tokens, accepted, count, live, w, keep, n_new, draft_next] (the last four [1])."""
+    length.add_(count)
+    next_position.add_(count.view(1, -1, 1))
+    if attention_lengths is not None:
+        attention_lengths.copy_(length.expand_as(attention_lengths))
+    last = target_tokens.gather(1, (count - 1).clamp(min=0).view(-1, 1))  # [N, 1]
+    last_token.copy_(torch.where(count.view(-1, 1) > 0, last, last_token))
+    committed = torch.arange(target_tokens.shape[1], device=count.device).view(1, -1) < count.view(-1, 1)
+    live.mul_((~rows_ended(target_tokens, committed, eos_ids, length, limit)).long())
+    torch.cat([target_tokens.reshape(-1), accepted.reshape(-1), count, live, w.reshape(1), keep.reshape(1).long(),
+               n_new.reshape(1), draft_next.reshape(1)], out=handoff_values)
