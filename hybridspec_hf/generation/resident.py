@@ -96,8 +96,10 @@ FUSED_ROUND_END = True
 # target's forward — acceptance, the commit count, lengths, the anchor, the rows that end, the hand-off values — as
 # two compiled regions (generation/round_tail.py, with compile_decisions) instead of ≈ 40 torch launches (run 135 of
 # benchmarks/results/gpu_rounds_runs.md); False: the same ops eagerly, one by one. The same integers either way.
-# Off until measured on a GPU (A/B: `hybridspec+round-tail`).
-FUSED_ROUND_TAIL = False
+# On since run 137 (an H100, round_tiles_run137.md): the max-shape round −59 to −91 µs at w = 1 / 4 / 16 (base spread
+# ±16), 41 kernels fewer a round (breakdown_run140.md); HybridSpec at batch 1 1.71 → 1.73x AR (medium), 2.57 → 2.58x
+# (high) in run 138's A/B. A/B: `hybridspec-round-tail`.
+FUSED_ROUND_TAIL = True
 # True: a speculative round of the max shape whose chosen length fits one of SHORT_LENGTHS verifies only that many
 # tokens (the shortest that holds it): its verify is captured once per length, each in the body of a CUDA graph
 # conditional node after the draft (graphs/capture.py `branch`), so a replay runs the one the round chose and the
