@@ -1,12 +1,13 @@
-"""A greedy round's bookkeeping after the forward in two compiled regions (generation/round_tail.py,
+"""A round's bookkeeping after the forward, committed on the device (generation/round_tail.py; compiled with
 resident.FUSED_ROUND_TAIL): against a row-by-row reading of the rules, and whole resident calls (one row and a batch,
-EOS and max_new_tokens cutting rounds, eager and compiled) that decide round for round as the eager ops do."""
+EOS and max_new_tokens cutting rounds, greedy and sampling) that decide round for round compiled as eagerly."""
 import shutil
 
 import pytest
 import torch
 from _tiny import VOCAB, make_drafter, make_target
-from test_batched import PAD, assert_rows_equal_own, own_generate, random_prompts, spec_batch
+from test_batched import PAD, assert_rows_equal_own, left_pad, own_generate, random_prompts
+from test_properties import latency_model
 from test_exactness import assert_same_as_ar, reference, run
 
 import hybridspec_hf
@@ -87,7 +88,7 @@ def test_round_advance_keeps_one_rows_attention_lengths():
 
 
 def _backends():
-    backends = ["off", "aot_eager"]
+    backends = ["aot_eager"]
     if shutil.which("g++") or shutil.which("c++"):  # inductor's CPU code is C++
         backends.append("inductor")
     return backends
@@ -96,8 +97,8 @@ def _backends():
 @pytest.mark.parametrize("backend", _backends())
 def test_single_row_calls_decide_round_for_round_as_the_eager_ops(backend, monkeypatch, fp64_gdn):
     """Whole resident calls (max shape and exact, hybridspec with its routing correction and plain stretches,
-    dflash's fixed block, EOS and max_new_tokens cutting rounds) with the tail fused and not: the same rounds and
-    the output of generate()."""
+    dflash's fixed block, EOS and max_new_tokens cutting rounds, sampling) with the tail compiled and eager: the
+    same rounds, the output of generate() (greedy) or the same sample (a seed)."""
     from hybridspec_hf.selector import LatencyModel
 
     # near break-even (as test_resident's compiled decisions): plain stretches, drafted rounds, extra tokens kept
@@ -109,8 +110,10 @@ def test_single_row_calls_decide_round_for_round_as_the_eager_ops(backend, monke
     prompt = torch.randint(0, VOCAB - 1, (1, 7), generator=torch.Generator().manual_seed(3))
     full = reference(target, prompt, 40)
     eos = int(full.sequences[0, 7 + 13])
-    for strategy, shape, max_new, stop in (("hybridspec", "max", 40, None), ("hybridspec", "exact", 33, None),
-                                           ("dflash", "max", 40, eos), ("hybridspec", "max", 17, eos)):
+    cases = [("hybridspec", "max", 40, None, False), ("hybridspec", "exact", 33, None, False),
+             ("dflash", "max", 40, eos, False), ("hybridspec", "max", 17, eos, False),
+             ("hybridspec", "max", 30, None, True)]
+    for strategy, shape, max_new, stop, sample in cases:
         kwargs = {} if stop is None else dict(eos_token_id=[VOCAB - 1, stop], pad_token_id=VOCAB - 1)
         ar = reference(target, prompt, max_new, **kwargs)
         seen = {}
@@ -119,37 +122,46 @@ def test_single_row_calls_decide_round_for_round_as_the_eager_ops(backend, monke
             drafter = make_drafter(target, 8, ar.sequences, error_rate=0.3, seed=5)
             settings = HybridSpecConfig(cuda_graphs="on", verify_shape=shape, compile_decisions=backend,
                                         latency_model=latency)
-            out = run(target, prompt, drafter, strategy, max_new, hybridspec_config=settings, **kwargs)
-            assert_same_as_ar(out, ar)
+            torch.manual_seed(11)
+            if sample:
+                out = target.generate(prompt, do_sample=True, temperature=0.8, max_new_tokens=max_new,
+                                      assistant_model=drafter, generation_strategy=strategy, hybridspec_config=settings)
+            else:
+                out = run(target, prompt, drafter, strategy, max_new, hybridspec_config=settings, **kwargs)
+                assert_same_as_ar(out, ar)
             rounds = target.__dict__["_hybridspec_resident"]
-            assert rounds.tail == fused  # the regions ran only when switched on, compiled when asked
-            if fused and backend != "off":
-                assert all(fn.fast is not None for fn in (rounds.accept_fn, rounds.advance_fn))
-            seen[fused] = [(r.drafted, r.w, r.accepted, r.extra_kept)
-                           for r in hybridspec_hf.get_telemetry(target).rounds]
+            assert rounds.tail == fused  # compiled only when switched on
+            if rounds.tail:
+                assert all(fn.fast is not None for fn in (rounds.accept_fn, rounds.count_fn, rounds.advance_fn))
+            seen[fused] = ([(r.drafted, r.w, r.accepted, r.extra_kept)
+                            for r in hybridspec_hf.get_telemetry(target).rounds], out.tolist())
             hybridspec_hf.release_graphs(target)  # the switch is read when rounds are built
-        assert seen[True] == seen[False], (strategy, shape)
-        assert any(accepted for _, _, accepted, _ in seen[True])
+        assert seen[True] == seen[False], (strategy, shape, sample)
+        assert sample or any(accepted for _, _, accepted, _ in seen[True][0])
 
 
 def test_a_batch_with_rows_ending_at_eos_decides_as_the_eager_ops(monkeypatch, fp64_gdn):
-    """Five rows in the bucket of 8, rows ending on EOS at different offsets and one at max_new_tokens: the fused
-    tail gives each row its own generate() and the eager ops' rounds."""
+    """Five rows in the bucket of 8, rows ending on EOS at different offsets and one at max_new_tokens: the compiled
+    tail (aot_eager) gives each row its own generate() and the eager functions' rounds."""
     target = make_target("qwen3_next", seed=1)
     prompts = random_prompts((4, 9, 2, 7, 3), seed=3)
     free = [o.sequences[0, p.numel():] for o, p in zip(own_generate(target, prompts, 24), prompts)]
     eos = sorted({int(free[0][2]), int(free[1][9]), int(free[4][5])} - {PAD})
     own = own_generate(target, prompts, 24, eos_token_id=eos, pad_token_id=PAD)
+    ids, mask = left_pad(prompts)
     seen = {}
     for fused in (False, True):
         monkeypatch.setattr(resident, "FUSED_ROUND_TAIL", fused)
         for strategy in ("dflash", "hybridspec"):
             drafter = make_drafter(target, 8, [o.sequences[0] for o in own], error_rate=0.2)  # its errors: seeded
-            out = spec_batch(target, prompts, drafter, strategy, 24, "on", "max", eos_token_id=eos,
-                             return_dict_in_generate=True)
-            assert_rows_equal_own(out.sequences, prompts, own)
+            settings = HybridSpecConfig(latency_model=latency_model(8, 0.2), cuda_graphs="on", verify_shape="max",
+                                        compile_decisions="aot_eager")
+            out = target.generate(ids, attention_mask=mask, max_new_tokens=24, assistant_model=drafter,
+                                  generation_strategy=strategy, hybridspec_config=settings, pad_token_id=PAD,
+                                  do_sample=False, eos_token_id=eos)
+            assert_rows_equal_own(out, prompts, own)
             assert target.__dict__["_hybridspec_resident"].tail == fused
             seen[fused, strategy] = [(r.w, r.accepted, r.rows) for r in hybridspec_hf.get_telemetry(target).rounds]
             hybridspec_hf.release_graphs(target)
-    for s in ("dflash", "hybridspec"):
-        assert seen[True, s] == seen[False, s], s
+    for strategy in ("dflash", "hybridspec"):
+        assert seen[True, strategy] == seen[False, strategy], strategy

@@ -63,13 +63,13 @@ from hybridspec_hf import patches
 from hybridspec_hf.generation.acceptance import greedy_accept, sample_tokens, speculative_sample
 from hybridspec_hf.generation.checks import ROW_WISE_PROCESSORS
 from hybridspec_hf.generation.router_hooks import RoutingReplay, VerifyWindow
-from hybridspec_hf.generation.round_tail import round_accept, round_advance
+from hybridspec_hf.generation.round_tail import commit_count, round_accept, round_advance
 from hybridspec_hf.generation.strategy import Choice, compiled_region
 from hybridspec_hf.generation.telemetry import RoundRecord
 from hybridspec_hf.graphs.capture import Replay, branch, branches_capture, host_syncs
 from hybridspec_hf.graphs.static_target import StaticTarget
 from hybridspec_hf.kernels import gdn_triton, step_tail_triton
-from hybridspec_hf.kernels.step_tail_triton import rows_ended, step_tail, step_tail_reference
+from hybridspec_hf.kernels.step_tail_triton import step_tail, step_tail_reference
 from hybridspec_hf.patches._cache import set_rows
 from hybridspec_hf.patches.experts import fused_experts_for
 from hybridspec_hf.selector.length import batch_row_stats, batch_rows_left
@@ -92,13 +92,13 @@ FUSED_STEP_TAIL = True
 # (should_draft reads the selector before this round's update in both). A/B: the strategy
 # "hybridspec-round-end" in benchmarks/round_kernels.py.
 FUSED_ROUND_END = True
-# True: a greedy speculative round committed on the device (no logits processors) runs its bookkeeping after the
-# target's forward — acceptance, the commit count, lengths, the anchor, the rows that end, the hand-off values — as
-# two compiled regions (generation/round_tail.py, with compile_decisions) instead of ≈ 40 torch launches (run 135 of
-# benchmarks/results/gpu_rounds_runs.md); False: the same ops eagerly, one by one. The same integers either way.
-# On since run 137 (an H100, round_tiles_run137.md): the max-shape round −59 to −91 µs at w = 1 / 4 / 16 (base spread
-# ±16), 41 kernels fewer a round (breakdown_run140.md); HybridSpec at batch 1 1.71 → 1.73x AR (medium), 2.57 → 2.58x
-# (high) in run 138's A/B. A/B: `hybridspec-round-tail`.
+# True: a speculative round committed on the device runs its bookkeeping after the target's forward — greedy
+# acceptance, the commit count, lengths, the anchor, the rows that end, the hand-off values — as two compiled regions
+# (generation/round_tail.py, with compile_decisions) instead of ≈ 40 torch launches (run 135 of
+# benchmarks/results/gpu_rounds_runs.md); False: the same functions eagerly, op by op. The same integers either way.
+# On since run 137 (an H100, round_tiles_run137.md): the max-shape round −59 to −91 µs at w = 1 / 4 / 16 (base
+# spread ±16), 41 kernels fewer a round (breakdown_run140.md); HybridSpec at batch 1 1.71 → 1.73x AR (medium),
+# 2.57 → 2.58x (high) in run 138's A/B. A/B: `hybridspec-round-tail`.
 FUSED_ROUND_TAIL = True
 # True: a speculative round of the max shape whose chosen length fits one of SHORT_LENGTHS verifies only that many
 # tokens (the shortest that holds it): its verify is captured once per length, each in the body of a CUDA graph
@@ -376,13 +376,13 @@ class ResidentRounds:
             # warm-up call before each capture, so that any recompile (a guard the first call's state changed)
             # happens outside the capture
             compiled = strategy.compile_backend is not None and strategy.compile_decisions(strategy.compile_backend)
-            # a greedy round's bookkeeping after the forward (FUSED_ROUND_TAIL): compiled with the decisions
-            self.tail = (FUSED_ROUND_TAIL and self.speculative and device_commit and not do_sample
-                         and len(logits_processor) == 0)
-            self.accept_fn, self.advance_fn = round_accept, round_advance
-            if self.tail and strategy.compile_backend is not None:
-                self.accept_fn = compiled_region(round_accept, strategy.compile_backend)
-                self.advance_fn = compiled_region(round_advance, strategy.compile_backend)
+            # a round's bookkeeping after the forward, committed on the device (round_tail.py): compiled with the
+            # decisions (FUSED_ROUND_TAIL), else eagerly
+            self.tail = FUSED_ROUND_TAIL and self.speculative and device_commit and strategy.compile_backend is not None
+            self.accept_fn, self.count_fn, self.advance_fn = round_accept, commit_count, round_advance
+            if self.tail:
+                self.accept_fn, self.count_fn, self.advance_fn = (
+                    compiled_region(fn, strategy.compile_backend) for fn in (round_accept, commit_count, round_advance))
                 compiled = True
             replay = functools.partial(Replay, device=self.device, capture=key.capture, warmup=2 if compiled else 1)
             with torch.no_grad(), experts as self.fused_experts:
@@ -510,14 +510,6 @@ class ResidentRounds:
         a, m, live = (handoff[n * t + i * n: n * t + (i + 1) * n] for i in range(3))
         w, kept, n_new, draft_next = handoff[n * (t + 3):]
         return tokens, a, m, live, w, kept, n_new, draft_next
-
-    def _end_rows(self, emitted: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """live after this round's commit: a row ends once it committed an EOS (emitted [N, T] bool, the committed
-        positions of tokens [N, T]) or reached its limit. Only with device_commit (else the host decides)."""
-        if not self.device_commit:
-            return self.live
-        self.live.mul_((~rows_ended(tokens, emitted, self.eos_ids, self.target.length, self.limit)).long())
-        return self.live
 
     def _step(self, decide: bool = False):
         """A plain decoding step: verify the anchor and commit it (m = 1 per live row is known, so one graph does
@@ -665,67 +657,44 @@ class ResidentRounds:
         t, choice, valid = self.verify_tokens, self.choice, self.round_valid
         tokens = self.block[:, :n]
         session, logits, features = self._verify_forward(tokens, valid, choice)
-        if self.tail:
-            self._round_tail(n, session, logits, features, hand_off)
-            return
-        scores = self._scores(logits.float())  # [N, n, V]
-        if self.do_sample:
-            coins, races = draws if draws is not None else (None, None)
-            accepted, sampled = speculative_sample(tokens[:, 1:], scores.softmax(-1), valid,
-                                                   coins=None if coins is None else coins[:, : n - 1], races=races)
-            target_tokens = torch.cat([tokens[:, 1:], sampled[:, None]], dim=1)
-            target_tokens = target_tokens.scatter(1, accepted.view(-1, 1), sampled.view(-1, 1))
+        accepted = None  # greedy: `round_accept` below
+        if not self.do_sample and len(self.logits_processor) == 0:
+            target_tokens = _greedy_scores(logits).argmax(-1)  # [N, n]
         else:
-            target_tokens = scores.argmax(-1)  # [N, n]
-            accepted = greedy_accept(tokens[:, 1:], target_tokens, valid)  # [N]
-        if self.replayed is not None:
-            accepted = torch.minimum(self.replayed, valid.view(-1) - 1)
-        if n < t:  # the hand-off keeps the block's layout
-            target_tokens = torch.cat([target_tokens, target_tokens.new_zeros(self.rows, t - n)], dim=1)
-        if self.strategy.mode != "fixed":
-            self.strategy.observe_acceptance(choice, accepted)
-        fused_end = self.device_commit and FUSED_ROUND_END and self.strategy.selector is not None
-        if not fused_end:
-            draft_next = self._flag(self.strategy.should_draft(self.round_context_len))
-        keep = choice.keep.long() if choice is not None else self.zero
-        n_new = choice.n_new if choice is not None else self.zero
-        self.pending, self.features, self.target_tokens = session, features, target_tokens
-        live = self.live
-        if self.device_commit:  # m = a + 1, cut after the first EOS among the emitted tokens and at the row's room
-            positions = torch.arange(t, device=self.device)
-            emitted = positions.view(1, -1) <= accepted.view(-1, 1)  # [N, T]
-            eos = (target_tokens[..., None] == self.eos_ids.view(1, 1, -1)).any(-1) & emitted
-            first_eos = torch.where(eos, positions.view(1, -1), t).min(-1).values  # [N]
-            room = (self.limit - (self.target.length + 1)).clamp(min=0)
-            count = torch.minimum(torch.minimum(accepted + 1, first_eos + 1), room) * self.live
-            self.count.copy_(count)
-            if fused_end:  # the draft decision (before this round's update, as apart), then the update
-                draft_next = self._flag(self.strategy.end_round(self.round_context_len, self.round_w.view(1),
-                                                                *self._round_tokens()))
-            self._commit(observe=not fused_end)
-            live = self._end_rows(positions.view(1, -1) < self.count.view(-1, 1), target_tokens)
-        self._write_handoff(target_tokens, accepted, live, self.round_w, keep, n_new, draft_next, copy=hand_off)
-
-    def _round_tail(self, n: int, session: patches.VerifySession, logits: torch.Tensor, features: torch.Tensor,
-                    hand_off: bool) -> None:
-        """`_verify`'s greedy path after the forward of n tokens (FUSED_ROUND_TAIL, device commit, no logits
-        processors): the same steps, the bookkeeping in two compiled regions (generation/round_tail.py)."""
-        t, choice, valid = self.verify_tokens, self.choice, self.round_valid
-        target_tokens = _greedy_scores(logits).argmax(-1)  # [N, n]
+            scores = self._scores(logits.float())  # [N, n, V]
+            if self.do_sample:
+                coins, races = draws if draws is not None else (None, None)
+                accepted, sampled = speculative_sample(tokens[:, 1:], scores.softmax(-1), valid,
+                                                       coins=None if coins is None else coins[:, : n - 1],
+                                                       races=races)
+                target_tokens = torch.cat([tokens[:, 1:], sampled[:, None]], dim=1)
+                target_tokens = target_tokens.scatter(1, accepted.view(-1, 1), sampled.view(-1, 1))
+            else:
+                target_tokens = scores.argmax(-1)  # [N, n]
+                accepted = greedy_accept(tokens[:, 1:], target_tokens, valid)  # [N]
+            if self.replayed is not None:
+                accepted = torch.minimum(self.replayed, valid.view(-1) - 1)
         if n < t:  # the block's layout (positions past n are past valid: they never count)
             target_tokens = torch.cat([target_tokens, target_tokens.new_zeros(self.rows, t - n)], dim=1)
-        accepted, count32 = self.accept_fn(target_tokens, self.block, valid, self.replayed, self.eos_ids,
-                                           self.target.length, self.limit, self.live, self.count)
-        if self.strategy.mode != "fixed":
-            self.strategy.observe_acceptance(choice, accepted)
-        fused_end = FUSED_ROUND_END and self.strategy.selector is not None
-        if fused_end:  # the draft decision (before this round's update, as apart), then the update
-            draft_next = self._flag(self.strategy.end_round(self.round_context_len, self.round_w.view(1),
-                                                            *self._round_tokens()))
+        if not self.device_commit:  # the host decides m, then replays the commit graph (`_commit`)
+            if accepted is None:
+                accepted = greedy_accept(self.block[:, 1:], target_tokens, valid)
+                if self.replayed is not None:
+                    accepted = torch.minimum(self.replayed, valid.view(-1) - 1)
+            draft_next = self._decide_next(choice, accepted, counted=False)
+            self.pending, self.features, self.target_tokens = session, features, target_tokens
+            keep = choice.keep.long() if choice is not None else self.zero
+            n_new = choice.n_new if choice is not None else self.zero
+            self._write_handoff(target_tokens, accepted, self.live, self.round_w, keep, n_new, draft_next,
+                                copy=hand_off)
+            return
+        # m = a + 1, cut after the first EOS among the emitted tokens and at the row's room (round_tail.py)
+        count_args = (self.eos_ids, self.target.length, self.limit, self.live, self.count)
+        if accepted is None:
+            accepted, count32 = self.accept_fn(target_tokens, self.block, valid, self.replayed, *count_args)
         else:
-            draft_next = self._flag(self.strategy.should_draft(self.round_context_len))
-            if self.strategy.selector is not None:
-                self.strategy.observe_round(self.round_w.view(1), *self._round_tokens())
+            count32 = self.count_fn(target_tokens, accepted, *count_args)
+        draft_next = self._decide_next(choice, accepted, counted=True)
         self.target.commit_states(session, count32)
         with patches.fused_kernels():
             self.context.append(features, self.count)
@@ -736,6 +705,22 @@ class ResidentRounds:
                         self.eos_ids, self.limit, self.round_w, keep, n_new, draft_next, self.handoff_values)
         if hand_off:
             self.handoff.copy_(self.handoff_values, non_blocking=True)
+
+    def _decide_next(self, choice, accepted: torch.Tensor, counted: bool) -> torch.Tensor:
+        """The selector's work after a round's acceptance: the estimator's online step, whether the next round drafts
+        ([1] long, decided before this round's update) and, once the round is `counted` (m in `count`, committed on
+        the device), the selector's update with it (FUSED_ROUND_END: both in one call); uncounted, `_commit` updates
+        the selector after the host's m."""
+        if self.strategy.mode != "fixed":
+            self.strategy.observe_acceptance(choice, accepted)
+        selector = self.strategy.selector is not None
+        if counted and selector and FUSED_ROUND_END:
+            return self._flag(self.strategy.end_round(self.round_context_len, self.round_w.view(1),
+                                                      *self._round_tokens()))
+        draft_next = self._flag(self.strategy.should_draft(self.round_context_len))
+        if counted and selector:
+            self.strategy.observe_round(self.round_w.view(1), *self._round_tokens())
+        return draft_next
 
     def _verify_forward(self, tokens: torch.Tensor, valid: torch.Tensor, choice):
         """The round's target forward: tokens [N, n] verified after each row's committed ones (GDN states not
@@ -764,15 +749,15 @@ class ResidentRounds:
         at the batch set in `_draft`; at one row its count and no spread."""
         return (self.count, None) if self.rows == 1 else batch_row_stats(self.count, self.live)
 
-    def _commit(self, observe: bool = True):
-        """Keep m = self.count tokens (per row) of the last verification; `observe`: the selector learns the round
-        (False: `end_round` did)."""
+    def _commit(self):
+        """Keep m = self.count tokens (per row) of the last verification, m decided on the host (`run_commit`); the
+        selector learns the round."""
         self.target.commit(self.pending, self.count)
         with patches.fused_kernels():
             self.context.append(self.features, self.count)
         last = self.target_tokens.gather(1, (self.count - 1).clamp(min=0).view(-1, 1))  # [N, 1]
         self.last_token.copy_(torch.where(self.count.view(-1, 1) > 0, last, self.last_token))
-        if observe and self.strategy.selector is not None:
+        if self.strategy.selector is not None:
             self.strategy.observe_round(self.round_w.view(1), *self._round_tokens())
 
     # ------------------------------------------------------------------------------------------ host side

@@ -1,14 +1,15 @@
-"""A greedy speculative round's bookkeeping after the target's forward, as two pure torch functions that
-`torch.compile` turns into a few kernels (resident.FUSED_ROUND_TAIL): run 135 of
-benchmarks/results/gpu_rounds_runs.md counted ≈ 40 small torch launches a round here (acceptance, the commit count,
-lengths, the anchor, the rows that end, the hand-off), 1-3 µs each on the GPU.
+"""A speculative round's bookkeeping after the target's forward, when the round commits on the device, as pure torch
+functions that `torch.compile` turns into a few kernels (resident.FUSED_ROUND_TAIL; eagerly, one launch per op,
+they are the round's reference): run 135 of benchmarks/results/gpu_rounds_runs.md counted ≈ 40 small torch launches
+a round here (acceptance, the commit count, lengths, the anchor, the rows that end, the hand-off), 1-3 µs each on the
+GPU.
 
-    round_accept     target tokens → drafts accepted a and m = the tokens the round commits, per row
-    (the selector's update, the GDN commit and the drafter's context append run between the two: kernels of their own)
+    round_accept     greedy: target tokens → drafts accepted a, and m (commit_count)
+    commit_count     m = the tokens the round commits per row (a from greedy or speculative sampling)
+    (the selector's update, the GDN commit and the drafter's context append run between: kernels of their own)
     round_advance    lengths and positions + m, the new anchor, the rows that end, the hand-off values
 
-Both are exactly the eager code of `ResidentRounds._verify` / `_commit` / `_end_rows` / `_write_handoff` they
-replace (the same integer results; tests/test_round_tail.py), at one static shape: the block's [N, T].
+One static shape: the block's [N, T] (tests/test_round_tail.py: against the rules row by row, and whole calls).
 """
 from __future__ import annotations
 
@@ -27,20 +28,26 @@ def round_accept(target_tokens: torch.Tensor, block: torch.Tensor, valid: torch.
     positions are at or past `valid`); block [N, T] the verified tokens (anchor first; the drafts after it);
     valid [N] long tokens that count (≤ n); replayed [N] (timing mode: a with the whole block verified) or None;
     eos_ids [E] (-1 unused); length [N] committed tokens; limit [N] the most tokens a row may reach; live [N] 0/1.
-    Writes count [N] = m = min(a + 1, up to the first EOS among the emitted tokens, the row's room) · live.
-    Returns (accepted [N], count as int32 [N], what the GDN commit reads)."""
-    t = block.shape[1]
+    Writes count [N] (`commit_count`). Returns (accepted [N], count as int32 [N], what the GDN commit reads)."""
     accepted = greedy_accept(block[:, 1:], target_tokens, valid)  # [N]
     if replayed is not None:
         accepted = torch.minimum(replayed, valid.view(-1) - 1)
-    positions = torch.arange(t, device=block.device)
+    return accepted, commit_count(target_tokens, accepted, eos_ids, length, limit, live, count)
+
+
+def commit_count(target_tokens: torch.Tensor, accepted: torch.Tensor, eos_ids: torch.Tensor, length: torch.Tensor,
+                 limit: torch.Tensor, live: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """Writes count [N] = m = min(a + 1, up to the first EOS among the emitted tokens target_tokens[:, :a + 1], the
+    row's room before `limit`) · live (shapes as `round_accept`'s). Returns count as int32 (the GDN commit's)."""
+    t = target_tokens.shape[1]
+    positions = torch.arange(t, device=target_tokens.device)
     emitted = positions.view(1, -1) <= accepted.view(-1, 1)  # [N, T]
     eos = (target_tokens[..., None] == eos_ids.view(1, 1, -1)).any(-1) & emitted
     first_eos = torch.where(eos, positions.view(1, -1), t).min(-1).values  # [N]
     room = (limit - (length + 1)).clamp(min=0)
     m = torch.minimum(torch.minimum(accepted + 1, first_eos + 1), room) * live
     count.copy_(m)
-    return accepted, m.to(torch.int32)
+    return m.to(torch.int32)
 
 
 def round_advance(target_tokens: torch.Tensor, accepted: torch.Tensor, count: torch.Tensor, length: torch.Tensor,
