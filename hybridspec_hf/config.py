@@ -54,9 +54,9 @@ class HybridSpecConfig:
         the host: slow; to tell a capture problem from a logic one, or where capture fails).
     compile_decisions: the device work of a resident round's decisions (length choice, routing correction, draft
         decision, the selector's update) compiled with `torch.compile` into a few fused kernels instead of ≈ 130
-        small ones (RoundStrategy.compile_decisions; this package's selectors only), and a greedy round's
-        bookkeeping after the target's forward (acceptance, commit count, hand-off: generation/round_tail.py, any
-        selector; ≈ 40 launches fewer). "auto": "inductor" for resident
+        small ones (RoundStrategy.compile_decisions; this package's selectors only), and a round's bookkeeping
+        after the target's forward when it commits on the device (greedy acceptance, commit count, hand-off:
+        generation/round_tail.py, any selector; ≈ 40 launches fewer). "auto": "inductor" for resident
         rounds on CUDA (the first capture compiles: seconds, cached by torch on this machine), "off" elsewhere;
         "off": eager; "inductor" / "aot_eager": that torch.compile backend, on any device (the CPU twin: tests).
     """
