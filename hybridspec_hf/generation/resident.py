@@ -63,7 +63,7 @@ from hybridspec_hf import patches
 from hybridspec_hf.generation.acceptance import greedy_accept, sample_tokens, speculative_sample
 from hybridspec_hf.generation.checks import ROW_WISE_PROCESSORS
 from hybridspec_hf.generation.router_hooks import RoutingReplay, VerifyWindow
-from hybridspec_hf.generation.round_tail import commit_count, round_accept, round_advance
+from hybridspec_hf.generation.round_tail import commit_count, new_anchor, round_accept, round_advance
 from hybridspec_hf.generation.strategy import Choice, compiled_region
 from hybridspec_hf.generation.telemetry import RoundRecord
 from hybridspec_hf.graphs.capture import Replay, branch, branches_capture, host_syncs
@@ -755,8 +755,7 @@ class ResidentRounds:
         self.target.commit(self.pending, self.count)
         with patches.fused_kernels():
             self.context.append(self.features, self.count)
-        last = self.target_tokens.gather(1, (self.count - 1).clamp(min=0).view(-1, 1))  # [N, 1]
-        self.last_token.copy_(torch.where(self.count.view(-1, 1) > 0, last, self.last_token))
+        new_anchor(self.target_tokens, self.count, self.last_token)
         if self.strategy.selector is not None:
             self.strategy.observe_round(self.round_w.view(1), *self._round_tokens())
 

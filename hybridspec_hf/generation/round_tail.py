@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from hybridspec_hf.generation.acceptance import greedy_accept
+from hybridspec_hf.graphs.static_target import advance_lengths
 from hybridspec_hf.kernels.step_tail_triton import rows_ended
 
 
@@ -50,6 +51,13 @@ def commit_count(target_tokens: torch.Tensor, accepted: torch.Tensor, eos_ids: t
     return m.to(torch.int32)
 
 
+def new_anchor(target_tokens: torch.Tensor, count: torch.Tensor, last_token: torch.Tensor) -> None:
+    """last_token [N, 1] = the last of the count [N] tokens committed from target_tokens [N, T] (kept where count is
+    0: a row that ended or had no room)."""
+    last = target_tokens.gather(1, (count - 1).clamp(min=0).view(-1, 1))  # [N, 1]
+    last_token.copy_(torch.where(count.view(-1, 1) > 0, last, last_token))
+
+
 def round_advance(target_tokens: torch.Tensor, accepted: torch.Tensor, count: torch.Tensor, length: torch.Tensor,
                   next_position: torch.Tensor, attention_lengths: torch.Tensor | None, last_token: torch.Tensor,
                   live: torch.Tensor, eos_ids: torch.Tensor, limit: torch.Tensor, w: torch.Tensor, keep: torch.Tensor,
@@ -58,12 +66,8 @@ def round_advance(target_tokens: torch.Tensor, accepted: torch.Tensor, count: to
     [R, N, 1] + count, attention_lengths [L] (one row; None: not kept) = length, last_token [N, 1] the last committed
     token (unchanged where count is 0), live [N] 0 for rows that end (an EOS committed, or the limit reached), and
     handoff_values = [target_tokens, accepted, count, live, w, keep, n_new, draft_next] (the last four [1])."""
-    length.add_(count)
-    next_position.add_(count.view(1, -1, 1))
-    if attention_lengths is not None:
-        attention_lengths.copy_(length.expand_as(attention_lengths))
-    last = target_tokens.gather(1, (count - 1).clamp(min=0).view(-1, 1))  # [N, 1]
-    last_token.copy_(torch.where(count.view(-1, 1) > 0, last, last_token))
+    advance_lengths(count, length, next_position, attention_lengths)
+    new_anchor(target_tokens, count, last_token)
     committed = torch.arange(target_tokens.shape[1], device=count.device).view(1, -1) < count.view(-1, 1)
     live.mul_((~rows_ended(target_tokens, committed, eos_ids, length, limit)).long())
     torch.cat([target_tokens.reshape(-1), accepted.reshape(-1), count, live, w.reshape(1), keep.reshape(1).long(),

@@ -75,6 +75,16 @@ def _attention_layers(cache) -> list:
     return [layer for layer in cache.layers if not patches.is_linear_cache_layer(layer)]
 
 
+def advance_lengths(count: torch.Tensor, length: torch.Tensor, next_position: torch.Tensor,
+                    attention_lengths: torch.Tensor | None) -> None:
+    """count [N] long tokens committed per row: length [N] and next_position [R, N, 1] move by them (in place, no
+    host sync), attention_lengths [L] (one row's; None: not kept) follows length."""
+    length.add_(count)
+    next_position.add_(count.view(1, -1, 1))
+    if attention_lengths is not None:
+        attention_lengths.copy_(length.expand_as(attention_lengths))
+
+
 class StaticTarget:
     """Static cache + static-shape forwards of one target. `capacity` counts cache positions (prompt, generated
     tokens and the B positions a verification may write past the committed length)."""
@@ -224,10 +234,8 @@ class StaticTarget:
     def advance(self, count: torch.Tensor) -> None:
         """count [N] long tokens were committed per row: move the lengths (device-side) and realign attention layers
         (with several rows their `cumulative_length` is unused: `_write_rows` reads `length`)."""
-        self.length.add_(count)
-        self.next_position.add_(count.view(1, -1, 1))
-        if self.rows == 1:  # the attention layers' cumulative_length (views into attention_lengths)
-            self.attention_lengths.copy_(self.length.expand_as(self.attention_lengths))
+        # one row: the attention layers' cumulative_length (views into attention_lengths)
+        advance_lengths(count, self.length, self.next_position, self.attention_lengths if self.rows == 1 else None)
 
     def session(self, valid: torch.Tensor | None = None, decode_step: bool = False) -> patches.VerifySession:
         """A verification session over the static cache (valid: [N] long device tensor, or None: all tokens).
