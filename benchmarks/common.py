@@ -73,7 +73,7 @@ SWITCHES = {
     "direct-deep-k": ("hybridspec_hf.kernels.moe_triton", "DIRECT_DEEP_K",
                       "the MoE direct rows at 5-16 tokens with 256-deep K steps in 3 stages (not 128 in 4)"),
     "round-tail": ("hybridspec_hf.generation.resident", "FUSED_ROUND_TAIL",
-                   "a greedy round's acceptance, commit count and hand-off in two compiled regions, not ≈ 40 launches"),
+                   "a round's acceptance, commit count and hand-off in compiled regions, not ≈ 40 launches"),
     "short-verify": ("hybridspec_hf.generation.resident", "SHORT_VERIFY",
                      "a max-shape round choosing w <= 2 verifies 2 tokens (a CUDA graph conditional branch; torch 2.13)"),
     "gdn-recurrent": ("hybridspec_hf.kernels.gdn_triton", "RECURRENT_SHORT",

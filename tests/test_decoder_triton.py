@@ -275,9 +275,9 @@ def test_resident_rounds_run_the_fused_layers_and_release_the_copies(name, calls
 @pytest.mark.parametrize("switches", [(), ("CONV_GATES", "ROUTE_WIDE_ROUNDS")],
                          ids=["defaults", "conv_gates-route_wide"])
 def test_resident_rounds_with_the_fused_moe_stay_exact_under_the_prepared_switches(switches, calls, monkeypatch):
-    """Whole HybridSpec calls through the fused decoder, MoE blocks included, equal AR (fp32) with the switches that
-    are off by default on as with them off: a GDN verification's conv and gates in one launch, the wide router
-    programs."""
+    """Whole HybridSpec calls through the fused decoder, MoE blocks included, equal AR (fp32) with the defaults and
+    with two switches that are off by default turned on: a GDN verification's conv and gates in one launch, the
+    wide router programs."""
     from test_exactness import resident_and_ar
 
     from hybridspec_hf.kernels import gdn_prologue_triton, moe_triton, router_triton

@@ -60,10 +60,10 @@ import time
 import torch
 
 from hybridspec_hf import patches
-from hybridspec_hf.generation.acceptance import greedy_accept, sample_tokens, speculative_sample
+from hybridspec_hf.generation.acceptance import sample_tokens, speculative_sample
 from hybridspec_hf.generation.checks import ROW_WISE_PROCESSORS
 from hybridspec_hf.generation.router_hooks import RoutingReplay, VerifyWindow
-from hybridspec_hf.generation.round_tail import commit_count, new_anchor, round_accept, round_advance
+from hybridspec_hf.generation.round_tail import commit_count, greedy_accepted, new_anchor, round_accept, round_advance
 from hybridspec_hf.generation.strategy import Choice, compiled_region
 from hybridspec_hf.generation.telemetry import RoundRecord
 from hybridspec_hf.graphs.capture import Replay, branch, branches_capture, host_syncs
@@ -657,30 +657,22 @@ class ResidentRounds:
         t, choice, valid = self.verify_tokens, self.choice, self.round_valid
         tokens = self.block[:, :n]
         session, logits, features = self._verify_forward(tokens, valid, choice)
-        accepted = None  # greedy: `round_accept` below
-        if not self.do_sample and len(self.logits_processor) == 0:
-            target_tokens = _greedy_scores(logits).argmax(-1)  # [N, n]
-        else:
-            scores = self._scores(logits.float())  # [N, n, V]
-            if self.do_sample:
-                coins, races = draws if draws is not None else (None, None)
-                accepted, sampled = speculative_sample(tokens[:, 1:], scores.softmax(-1), valid,
-                                                       coins=None if coins is None else coins[:, : n - 1],
-                                                       races=races)
-                target_tokens = torch.cat([tokens[:, 1:], sampled[:, None]], dim=1)
-                target_tokens = target_tokens.scatter(1, accepted.view(-1, 1), sampled.view(-1, 1))
-            else:
-                target_tokens = scores.argmax(-1)  # [N, n]
-                accepted = greedy_accept(tokens[:, 1:], target_tokens, valid)  # [N]
-            if self.replayed is not None:
+        if self.do_sample:
+            coins, races = draws if draws is not None else (None, None)
+            accepted, sampled = speculative_sample(tokens[:, 1:], self._scores(logits.float()).softmax(-1), valid,
+                                                   coins=None if coins is None else coins[:, : n - 1], races=races)
+            target_tokens = torch.cat([tokens[:, 1:], sampled[:, None]], dim=1)
+            target_tokens = target_tokens.scatter(1, accepted.view(-1, 1), sampled.view(-1, 1))
+            if self.replayed is not None:  # timing mode: the profile's count (the tokens stay the sample's)
                 accepted = torch.minimum(self.replayed, valid.view(-1) - 1)
+        else:  # [N, n]; accepted below (`greedy_accepted`, in `round_accept` when the device commits)
+            scores = self._scores(logits.float()) if len(self.logits_processor) else logits
+            target_tokens = _greedy_scores(scores).argmax(-1)
         if n < t:  # the block's layout (positions past n are past valid: they never count)
             target_tokens = torch.cat([target_tokens, target_tokens.new_zeros(self.rows, t - n)], dim=1)
         if not self.device_commit:  # the host decides m, then replays the commit graph (`_commit`)
-            if accepted is None:
-                accepted = greedy_accept(self.block[:, 1:], target_tokens, valid)
-                if self.replayed is not None:
-                    accepted = torch.minimum(self.replayed, valid.view(-1) - 1)
+            if not self.do_sample:
+                accepted = greedy_accepted(target_tokens, self.block, valid, self.replayed)
             draft_next = self._decide_next(choice, accepted, counted=False)
             self.pending, self.features, self.target_tokens = session, features, target_tokens
             keep = choice.keep.long() if choice is not None else self.zero
@@ -690,10 +682,10 @@ class ResidentRounds:
             return
         # m = a + 1, cut after the first EOS among the emitted tokens and at the row's room (round_tail.py)
         count_args = (self.eos_ids, self.target.length, self.limit, self.live, self.count)
-        if accepted is None:
-            accepted, count32 = self.accept_fn(target_tokens, self.block, valid, self.replayed, *count_args)
-        else:
+        if self.do_sample:
             count32 = self.count_fn(target_tokens, accepted, *count_args)
+        else:
+            accepted, count32 = self.accept_fn(target_tokens, self.block, valid, self.replayed, *count_args)
         draft_next = self._decide_next(choice, accepted, counted=True)
         self.target.commit_states(session, count32)
         with patches.fused_kernels():

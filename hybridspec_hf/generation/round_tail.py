@@ -4,7 +4,7 @@ they are the round's reference): run 135 of benchmarks/results/gpu_rounds_runs.m
 a round here (acceptance, the commit count, lengths, the anchor, the rows that end, the hand-off), 1-3 µs each on the
 GPU.
 
-    round_accept     greedy: target tokens → drafts accepted a, and m (commit_count)
+    round_accept     greedy: target tokens → drafts accepted a (greedy_accepted), and m (commit_count)
     commit_count     m = the tokens the round commits per row (a from greedy or speculative sampling)
     (the selector's update, the GDN commit and the drafter's context append run between: kernels of their own)
     round_advance    lengths and positions + m, the new anchor, the rows that end, the hand-off values
@@ -30,10 +30,17 @@ def round_accept(target_tokens: torch.Tensor, block: torch.Tensor, valid: torch.
     valid [N] long tokens that count (≤ n); replayed [N] (timing mode: a with the whole block verified) or None;
     eos_ids [E] (-1 unused); length [N] committed tokens; limit [N] the most tokens a row may reach; live [N] 0/1.
     Writes count [N] (`commit_count`). Returns (accepted [N], count as int32 [N], what the GDN commit reads)."""
-    accepted = greedy_accept(block[:, 1:], target_tokens, valid)  # [N]
-    if replayed is not None:
-        accepted = torch.minimum(replayed, valid.view(-1) - 1)
+    accepted = greedy_accepted(target_tokens, block, valid, replayed)
     return accepted, commit_count(target_tokens, accepted, eos_ids, length, limit, live, count)
+
+
+def greedy_accepted(target_tokens: torch.Tensor, block: torch.Tensor, valid: torch.Tensor,
+                    replayed: torch.Tensor | None) -> torch.Tensor:
+    """[N] drafts accepted (shapes as `round_accept`'s): the longest prefix of drafts equal to the target's argmax
+    within the valid tokens, or in timing mode the profile's count (`replayed`) within them."""
+    if replayed is not None:
+        return torch.minimum(replayed, valid.view(-1) - 1)
+    return greedy_accept(block[:, 1:], target_tokens, valid)
 
 
 def commit_count(target_tokens: torch.Tensor, accepted: torch.Tensor, eos_ids: torch.Tensor, length: torch.Tensor,

@@ -32,8 +32,9 @@ GATE_ROWS = 16  # tokens per program of the gates
 # launches 66-73 µs of a round's traced span. Off by the rule set before its measurement (a switch may lose at no w
 # beyond the base rows' spread): on an H100 (run 133, round_tiles_run133.md) the max-shape round −32 / −59, −71 / −65,
 # −51 / −44, −19 / −12 µs at w = 1 / 2 / 4 / 8 but +28 / +37 at w = 16 (spread 11); at batch 1 with PDL_WIDE (run 134,
-# batch_b1_run134.md, one run) HybridSpec 1.70 → 1.72x AR (medium), 2.58 → 2.59x (high), within the run-to-run spread.
-# True: A/B (`+conv-gates`).
+# batch_b1_run134.md, one run) HybridSpec 1.70 → 1.72x AR (medium), 2.58 → 2.59x (high), within the run-to-run spread;
+# repeated in runs 137-139 (H100): the round −74 / −47 / +48 µs at w = 1 / 4 / 16, batch 1 within the spread again
+# (1.73 → 1.74x, 2.62 → 2.62x). True: A/B (`+conv-gates`).
 CONV_GATES = False
 
 
