@@ -74,6 +74,8 @@ SWITCHES = {
                       "the MoE direct rows at 5-16 tokens with 256-deep K steps in 3 stages (not 128 in 4)"),
     "round-tail": ("hybridspec_hf.generation.resident", "FUSED_ROUND_TAIL",
                    "a round's acceptance, commit count and hand-off in compiled regions, not ≈ 40 launches"),
+    "draft-tokens": ("hybridspec_hf.generation.resident", "FUSED_DRAFT_TOKENS",
+                     "a round's drafts out of the draft-signals kernel (bf16 logits), not torch's argmax of fp32 ones"),
     "short-verify": ("hybridspec_hf.generation.resident", "SHORT_VERIFY",
                      "a max-shape round choosing w <= 2 verifies 2 tokens (a CUDA graph conditional branch; torch 2.13)"),
     "gdn-recurrent": ("hybridspec_hf.kernels.gdn_triton", "RECURRENT_SHORT",

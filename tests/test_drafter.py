@@ -657,3 +657,20 @@ def test_a_grown_drafter_drafts_as_before_and_its_new_layers_learn(target):
     assert grow_drafter(drafter, 2) is drafter
     with pytest.raises(ValueError, match="cannot shrink to 1"):
         grow_drafter(drafter, 1)
+
+
+@pytest.mark.parametrize("multiplier, softcap", [(1.0, None), (2.0, None), (1.0, 5.0)])
+def test_head_dtype_logits_only_where_nothing_follows_the_head(multiplier, softcap):
+    """`upcast=False` (the resident rounds' drafts and signals read the logits in fp32 themselves): the head's own
+    dtype when neither output_multiplier nor softcapping applies, else the fp32 logits as `upcast=True` gives."""
+    target = make_target("qwen3_5_moe").to(torch.bfloat16)
+    drafter = _drafter(target).to(torch.bfloat16)
+    drafter.config.output_multiplier, drafter.config.final_logit_softcapping = multiplier, softcap
+    hidden = torch.randn(1, 5, HIDDEN, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    full, own = drafter.compute_logits(hidden), drafter.compute_logits(hidden, upcast=False)
+    assert full.dtype == torch.float32
+    if multiplier == 1.0 and softcap is None:
+        assert own.dtype == torch.bfloat16 and torch.equal(own.float(), full)
+        assert torch.equal(own.argmax(-1), full.argmax(-1))
+    else:
+        assert own.dtype == torch.float32 and torch.equal(own, full)

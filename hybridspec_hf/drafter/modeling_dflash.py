@@ -611,9 +611,10 @@ class DFlashDrafter(PreTrainedModel):
         rows = rows if scale == 1.0 else rows * scale  # x * 1.0 is x: no launch for it in the draft graph
         return rows.to(device=self.device, dtype=self.dtype)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         """Target LM head on drafter hidden states [B, T, H] -> [B, T, V] (at least fp32), with z-lab's optional
-        output_multiplier and final_logit_softcapping."""
+        output_multiplier and final_logit_softcapping. `upcast=False`: the head's own dtype where neither applies
+        (no [T, V] fp32 copy, for readers that compute in fp32 themselves: the resident rounds' drafts and signals)."""
         _, head = self._require_target()
         if isinstance(head, nn.Linear) and not _is_sharded(head.weight):  # frozen: gradients reach `hidden` only
             weight = head.weight.detach()
@@ -621,10 +622,12 @@ class DFlashDrafter(PreTrainedModel):
             logits = F.linear(hidden.to(device=weight.device, dtype=weight.dtype), weight, bias)
         else:
             logits = head(hidden)
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         multiplier = float(self.config.output_multiplier)
-        logits = logits if multiplier == 1.0 else logits * multiplier  # x * 1.0 is x: no pass over [T, V] for it
         softcap = self.config.final_logit_softcapping
+        if not upcast and multiplier == 1.0 and (softcap is None or float(softcap) <= 0):
+            return logits
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        logits = logits if multiplier == 1.0 else logits * multiplier  # x * 1.0 is x: no pass over [T, V] for it
         if softcap is not None and float(softcap) > 0:
             logits = torch.tanh(logits / float(softcap)) * float(softcap)
         return logits
@@ -662,7 +665,7 @@ class DFlashDrafter(PreTrainedModel):
         return (logits, hidden) if return_hidden else logits
 
     @torch.no_grad()
-    def draft_static(self, anchor_ids: torch.Tensor, ctx: StaticDraftContext) -> torch.Tensor:
+    def draft_static(self, anchor_ids: torch.Tensor, ctx: StaticDraftContext, upcast: bool = True) -> torch.Tensor:
         """`draft` for CUDA-graph capture: same maths, static shapes, no host sync.
 
         The block [anchor, MASK x (B-1)] sits at positions ctx.length .. ctx.length+B-1 of each row and attends to
@@ -676,7 +679,8 @@ class DFlashDrafter(PreTrainedModel):
             anchor_ids: [B, 1] long, the last emitted token of each row.
             ctx: the `StaticDraftContext` of this generation (this drafter's, batch size B).
         Returns:
-            logits [B, block_size-1, V] (at least fp32); row k-1 predicts the token at anchor position + k.
+            logits [B, block_size-1, V] (at least fp32; `upcast=False`: see `compute_logits`); row k-1 predicts the
+            token at anchor position + k.
         """
         if ctx.drafter is not self or anchor_ids.shape[0] != ctx.batch_size:
             raise ValueError(
@@ -686,7 +690,7 @@ class DFlashDrafter(PreTrainedModel):
         size = self.config.block_size
         hidden = self._block_embeddings(anchor_ids)  # [B, bs, H]
         if fused.active(self, ctx):  # resident rounds: ≈ 11 launches per layer instead of ≈ 23 (drafter/fused.py)
-            return self.compute_logits(fused.draft(self, hidden, ctx)[:, 1:])
+            return self.compute_logits(fused.draft(self, hidden, ctx)[:, 1:], upcast)
         query = ctx.length[:, None] + ctx.positions[:size]  # [B, bs] block positions
         visible = ctx.positions < (ctx.length + size)[:, None]  # [B, S]: context, then the block
         keys = ctx.positions.expand(anchor_ids.shape[0], -1)  # [B, S]
@@ -696,7 +700,7 @@ class DFlashDrafter(PreTrainedModel):
         for layer, key, value in zip(self.layers, ctx.keys, ctx.values, strict=True):
             mask = layer_masks[(layer.self_attn.is_causal, layer.self_attn.sliding_window)]
             hidden = layer(hidden, key, value, cos, sin, mask, block_slots=slots, context_length=ctx.length)
-        return self.compute_logits(self.norm(hidden)[:, 1:])
+        return self.compute_logits(self.norm(hidden)[:, 1:], upcast)
 
     def _block_embeddings(self, anchor_ids: torch.Tensor) -> torch.Tensor:
         """Embeddings of the block [anchor, MASK x (B-1)] for anchor_ids [B, 1] -> [B, block_size, H]."""

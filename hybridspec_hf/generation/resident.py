@@ -55,6 +55,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import time
 
 import torch
@@ -73,6 +74,7 @@ from hybridspec_hf.kernels.step_tail_triton import step_tail, step_tail_referenc
 from hybridspec_hf.patches._cache import set_rows
 from hybridspec_hf.patches.experts import fused_experts_for
 from hybridspec_hf.selector.length import batch_row_stats, batch_rows_left
+from hybridspec_hf.selector.survival import draft_tokens_and_signals
 
 _CAPACITY_STEP = 512
 MAX_ROUNDS_PER_TARGET = 3  # captured settings kept per target (graphs, static caches): see the module docstring
@@ -110,6 +112,12 @@ FUSED_ROUND_TAIL = True
 # (`capture.branches_capture`: torch 2.13 has it, the GPU image's 2.11 does not, so run 127 could not measure it);
 # the CPU runs the same choice eagerly (tests). Off until measured on a GPU (A/B: `hybridspec+short-verify`).
 SHORT_VERIFY = False
+# True: a round's drafts (the argmax of the drafter's logits) come out of the draft-signals kernel's stream
+# (selector.survival.draft_tokens_and_signals: the logits read once, in the head's bf16), not from torch's argmax
+# over an fp32 copy of them (the copy, the argmax's two launches and ≈ 45 MB of traffic a round at a 248k
+# vocabulary); in timing mode too (its signals are then the profile's), so a timed round pays what a real one
+# does. False: fp32 logits, torch's argmax, the signals apart. The same drafts either way. A/B: `draft-tokens`.
+FUSED_DRAFT_TOKENS = True
 SHORT_LENGTHS = (2,)  # verify lengths captured besides the block's, ascending
 _ACTIVE = "_hybridspec_resident"  # the target's most recently used rounds
 _KEPT = "_hybridspec_resident_kept"  # every rounds the target keeps, least recently used first
@@ -378,6 +386,10 @@ class ResidentRounds:
             compiled = strategy.compile_backend is not None and strategy.compile_decisions(strategy.compile_backend)
             # a round's bookkeeping after the forward, committed on the device (round_tail.py): compiled with the
             # decisions (FUSED_ROUND_TAIL), else eagerly
+            # the drafter's logits in its head's dtype where the drafts come out of the signals' stream (a drafter
+            # whose draft_static predates `upcast` keeps its fp32 logits)
+            self.head_dtype_drafts = (FUSED_DRAFT_TOKENS and self.speculative
+                                      and "upcast" in inspect.signature(self.drafter.draft_static).parameters)
             self.tail = FUSED_ROUND_TAIL and self.speculative and device_commit and strategy.compile_backend is not None
             self.accept_fn, self.count_fn, self.advance_fn = round_accept, commit_count, round_advance
             if self.tail:
@@ -618,13 +630,21 @@ class ResidentRounds:
         t = self.verify_tokens
         self.round_context_len = self._context_len()
         with patches.fused_kernels():  # the drafter's RMSNorms and RoPE take our kernels too
-            draft_logits = self.drafter.draft_static(self.last_token, self.context)  # [N, B-1, V]
-        drafts = draft_logits.argmax(-1)
+            # [N, B-1, V]; in the head's dtype when the drafts and signals below read it in fp32 themselves
+            if self.head_dtype_drafts:
+                draft_logits = self.drafter.draft_static(self.last_token, self.context, upcast=False)
+            else:
+                draft_logits = self.drafter.draft_static(self.last_token, self.context)
+            if FUSED_DRAFT_TOKENS:
+                wanted = self.strategy.mode != "fixed" and self.profile is None  # timing mode: the profile's
+                drafts, own_signals = draft_tokens_and_signals(draft_logits, signals=wanted)
+            else:
+                drafts, own_signals = draft_logits.argmax(-1), None
         self.block = torch.cat([self.last_token, drafts[:, : t - 1]], dim=1)  # [N, T]
         room = self.limit - (self.target.length + 1)  # [N] tokens generate() still allows each row
         w_max = (room * self.live).max().view(1).clamp(min=1, max=t)  # [1] the roomiest live row's
         self._batch_state(room)
-        self.choice, signals, self.replayed = None, None, None
+        self.choice, signals, self.replayed = None, own_signals, None
         if self.profile is not None:  # timing mode: each row's next profile row: signals and accepted count
             row = self.profile_row % self.profile.accepted.shape[0]
             signals = {k: getattr(self.profile, k).index_select(0, row) for k in ("top1", "margin", "entropy")}

@@ -57,8 +57,8 @@ def draft_signals(draft_logits: torch.Tensor) -> dict[str, torch.Tensor]:
             f"draft_signals expects draft logits [batch, B-1, V] with V >= 2, got shape {tuple(draft_logits.shape)}; "
             "pass the logits of block positions 1..B-1 (not the anchor)."
         )
-    if draft_logits.is_cuda and fused_kernels_active():  # inside resident rounds: one launch, not ≈ 30
-        return draft_signals_fused(draft_logits)
+    if draft_logits.is_cuda and fused_kernels_active():  # inside resident rounds: two launches, not ≈ 30
+        return draft_signals_fused(draft_logits)[0]
     logp = draft_logits.float().log_softmax(-1)  # [batch, B-1, V] fp32
     probs = logp.exp()
     # -Σ p·log p with masked (-inf) logits counted as 0·(finite) = 0, not 0·(-inf) = NaN. Not special.entr, and
@@ -69,6 +69,18 @@ def draft_signals(draft_logits: torch.Tensor) -> dict[str, torch.Tensor]:
     second = probs.scatter(-1, index, -1.0).amax(-1)  # a tie with the maximum elsewhere: margin 0
     top1 = top1.squeeze(-1)
     return {"top1": top1, "margin": top1 - second, "entropy": entropy}
+
+
+def draft_tokens_and_signals(draft_logits: torch.Tensor, signals: bool = True
+                             ) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
+    """The drafts (draft_logits.argmax(-1) [batch, B-1] long) and, when `signals`, their `draft_signals`. Inside
+    resident rounds on CUDA both come out of one stream over the logits (kernels/signals_triton.py: two launches,
+    the logits read once, in their own dtype), signals asked or not: they cost nothing more than the argmax there.
+    Elsewhere the argmax, and the torch signals when asked."""
+    if draft_logits.dim() == 3 and draft_logits.shape[-1] >= 2 and draft_logits.is_cuda and fused_kernels_active():
+        found, drafts = draft_signals_fused(draft_logits)
+        return drafts, found if signals else None
+    return draft_logits.argmax(-1), draft_signals(draft_logits) if signals else None
 
 
 def signal_features(signals: Mapping[str, torch.Tensor]) -> torch.Tensor:
