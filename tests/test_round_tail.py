@@ -74,6 +74,28 @@ def test_round_accept_and_advance_follow_the_rules_row_by_row(seed, replay):
                                 + live_after.tolist() + [4, 1, 2, 1])
 
 
+@pytest.mark.parametrize("rows", [1, 4])
+def test_round_head_builds_the_block_room_and_lengths(rows):
+    """The block [anchor, the first t-1 drafts], each row's room, w_max (the roomiest live row's, in [1, t]) and the
+    selector's context length (the row's; a batch: the longest live row's), against a reading of the rules."""
+    g = torch.Generator().manual_seed(rows)
+    t, drafted = 5, 7
+    last_token = torch.randint(0, 50, (rows, 1), generator=g)
+    drafts = torch.randint(0, 50, (rows, drafted), generator=g)
+    length = torch.tensor([9, 30, 4, 12][:rows])
+    limit = length + torch.tensor([3, 40, 1, 2][:rows])  # room 2, 39, 0, 1
+    live = torch.tensor([1, 0, 1, 1][:rows])
+    block, room, w_max, context_len = round_tail.round_head(last_token, drafts, length, limit, live, t)
+    assert torch.equal(block, torch.cat([last_token, drafts[:, :4]], 1))
+    assert room.tolist() == [2, 39, 0, 1][:rows]
+    assert w_max.tolist() == [2]  # the live rows' largest room (row 1's 39 is not live)
+    assert context_len.tolist() == [9 if rows == 1 else 12]
+    none_live = round_tail.round_head(last_token, drafts, length, limit, torch.zeros_like(live), t)
+    assert none_live[2].tolist() == [1] and none_live[3].tolist() == [9 if rows == 1 else 0]
+    huge = round_tail.round_head(last_token, drafts, length, length + 100, live, t)
+    assert huge[2].tolist() == [t]  # never past the block
+
+
 def test_round_advance_keeps_one_rows_attention_lengths():
     """One row: the attention layers' lengths (views of one buffer) follow the new length."""
     attention_lengths = torch.zeros(3, dtype=torch.long)

@@ -64,7 +64,8 @@ from hybridspec_hf import patches
 from hybridspec_hf.generation.acceptance import sample_tokens, speculative_sample
 from hybridspec_hf.generation.checks import ROW_WISE_PROCESSORS
 from hybridspec_hf.generation.router_hooks import RoutingReplay, VerifyWindow
-from hybridspec_hf.generation.round_tail import commit_count, greedy_accepted, new_anchor, round_accept, round_advance
+from hybridspec_hf.generation.round_tail import (commit_count, context_length, greedy_accepted, new_anchor, round_accept,
+                                                round_advance, round_head)
 from hybridspec_hf.generation.strategy import Choice, compiled_region
 from hybridspec_hf.generation.telemetry import RoundRecord
 from hybridspec_hf.graphs.capture import Replay, branch, branches_capture, host_syncs
@@ -391,10 +392,11 @@ class ResidentRounds:
             self.head_dtype_drafts = (FUSED_DRAFT_TOKENS and self.speculative
                                       and "upcast" in inspect.signature(self.drafter.draft_static).parameters)
             self.tail = FUSED_ROUND_TAIL and self.speculative and device_commit and strategy.compile_backend is not None
-            self.accept_fn, self.count_fn, self.advance_fn = round_accept, commit_count, round_advance
+            regions = (round_head, round_accept, commit_count, round_advance)
+            self.head_fn, self.accept_fn, self.count_fn, self.advance_fn = regions
             if self.tail:
-                self.accept_fn, self.count_fn, self.advance_fn = (
-                    compiled_region(fn, strategy.compile_backend) for fn in (round_accept, commit_count, round_advance))
+                self.head_fn, self.accept_fn, self.count_fn, self.advance_fn = (
+                    compiled_region(fn, strategy.compile_backend) for fn in regions)
                 compiled = True
             replay = functools.partial(Replay, device=self.device, capture=key.capture, warmup=2 if compiled else 1)
             with torch.no_grad(), experts as self.fused_experts:
@@ -474,9 +476,7 @@ class ResidentRounds:
     def _context_len(self) -> torch.Tensor:
         """[1] long: the context the selector's latency model is read at, the longest live row's (one stream: w is
         shared by the rows)."""
-        if self.rows == 1:
-            return self.target.length.clone()
-        return (self.target.length * self.live).max().view(1)
+        return context_length(self.target.length, self.live)
 
     def _scores(self, raw: torch.Tensor) -> torch.Tensor:
         """Row-wise logits processors on raw [N, T, V] fp32 logits (every row as AR would process it)."""
@@ -628,7 +628,6 @@ class ResidentRounds:
         """Draft, choose w0 (and arm the routing correction): what the round verifies. A batch shares one w (the
         rows' mean survival, as the eager batched loop) and runs without the routing correction."""
         t = self.verify_tokens
-        self.round_context_len = self._context_len()
         with patches.fused_kernels():  # the drafter's RMSNorms and RoPE take our kernels too
             # [N, B-1, V]; in the head's dtype when the drafts and signals below read it in fp32 themselves
             if self.head_dtype_drafts:
@@ -640,9 +639,9 @@ class ResidentRounds:
                 drafts, own_signals = draft_tokens_and_signals(draft_logits, signals=wanted)
             else:
                 drafts, own_signals = draft_logits.argmax(-1), None
-        self.block = torch.cat([self.last_token, drafts[:, : t - 1]], dim=1)  # [N, T]
-        room = self.limit - (self.target.length + 1)  # [N] tokens generate() still allows each row
-        w_max = (room * self.live).max().view(1).clamp(min=1, max=t)  # [1] the roomiest live row's
+        # the block [N, T], each row's room [N], w_max [1] and the selector's context length [1] (round_tail.py)
+        self.block, room, w_max, self.round_context_len = self.head_fn(self.last_token, drafts, self.target.length,
+                                                                       self.limit, self.live, t)
         self._batch_state(room)
         self.choice, signals, self.replayed = None, own_signals, None
         if self.profile is not None:  # timing mode: each row's next profile row: signals and accepted count

@@ -1,9 +1,11 @@
-"""A speculative round's bookkeeping after the target's forward, when the round commits on the device, as pure torch
-functions that `torch.compile` turns into a few kernels (resident.FUSED_ROUND_TAIL; eagerly, one launch per op,
+"""A speculative round's bookkeeping around the target's forward, when the round commits on the device, as pure
+torch functions that `torch.compile` turns into a few kernels (resident.FUSED_ROUND_TAIL; eagerly, one launch per op,
 they are the round's reference): run 135 of benchmarks/results/gpu_rounds_runs.md counted ≈ 40 small torch launches
-a round here (acceptance, the commit count, lengths, the anchor, the rows that end, the hand-off), 1-3 µs each on the
-GPU.
+a round after the forward (acceptance, the commit count, lengths, the anchor, the rows that end, the hand-off) and ≈ 8
+before it (the block, the rows' room, the longest length allowed, the context length), 1-3 µs each on the GPU.
 
+    round_head       before the choice: the block [anchor, drafts], each row's room, w_max, the selector's context
+    (the choice of w, the target's forward)
     round_accept     greedy: target tokens → drafts accepted a (greedy_accepted), and m (commit_count)
     commit_count     m = the tokens the round commits per row (a from greedy or speculative sampling)
     (the selector's update, the GDN commit and the drafter's context append run between: kernels of their own)
@@ -18,6 +20,25 @@ import torch
 from hybridspec_hf.generation.acceptance import greedy_accept
 from hybridspec_hf.graphs.static_target import advance_lengths
 from hybridspec_hf.kernels.step_tail_triton import rows_ended
+
+
+def round_head(last_token: torch.Tensor, drafts: torch.Tensor, length: torch.Tensor, limit: torch.Tensor,
+               live: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A round's values before its choice of w: last_token [N, 1] the anchor, drafts [N, B-1] long, length [N]
+    committed tokens, limit [N] the most tokens a row may reach, live [N] 0/1, t the tokens a round may verify.
+    Returns (block [N, t] = [anchor, the first t-1 drafts], room [N] = the tokens generate() still allows each row,
+    w_max [1] = the roomiest live row's room in [1, t], context_len [1] = the length the selector's latency model is
+    read at: the row's, or the longest live row's (one stream: the rows share w))."""
+    block = torch.cat([last_token, drafts[:, : t - 1]], dim=1)
+    room = limit - (length + 1)
+    w_max = (room * live).max().view(1).clamp(min=1, max=t)
+    return block, room, w_max, context_length(length, live)
+
+
+def context_length(length: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """[1] long: the context the selector's latency model is read at (length, live [N]): the row's, or the longest
+    live row's (one stream: w is shared by the rows)."""
+    return length.clone() if length.shape[0] == 1 else (length * live).max().view(1)
 
 
 def round_accept(target_tokens: torch.Tensor, block: torch.Tensor, valid: torch.Tensor,
