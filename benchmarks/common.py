@@ -76,6 +76,8 @@ SWITCHES = {
                    "a round's acceptance, commit count and hand-off in compiled regions, not ≈ 40 launches"),
     "draft-tokens": ("hybridspec_hf.generation.resident", "FUSED_DRAFT_TOKENS",
                      "a round's drafts out of the draft-signals kernel (bf16 logits), not torch's argmax of fp32 ones"),
+    "commit-beside": ("hybridspec_hf.generation.resident", "COMMIT_BESIDE",
+                      "a round's GDN commit on a side stream beside the selector update, append and advance"),
     "short-verify": ("hybridspec_hf.generation.resident", "SHORT_VERIFY",
                      "a max-shape round choosing w <= 2 verifies 2 tokens (a CUDA graph conditional branch; torch 2.13)"),
     "gdn-recurrent": ("hybridspec_hf.kernels.gdn_triton", "RECURRENT_SHORT",

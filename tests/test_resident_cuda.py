@@ -194,6 +194,35 @@ def test_the_fused_round_tail_runs_compiled_captured_without_syncs_and_equals_ar
     assert hybridspec_hf.get_telemetry(target).path == "cuda_graphs"
 
 
+@pytest.mark.parametrize("do_sample", [False, True])
+@pytest.mark.parametrize("strategy", ["dflash", "hybridspec"])
+def test_the_commit_beside_the_round_runs_captured_and_changes_no_token(strategy, do_sample, monkeypatch,
+                                                                         sync_errors):
+    """resident.COMMIT_BESIDE: the GDN commit on a side stream inside the captured round (no sync), joined before the
+    round ends: greedy output AR's (an EOS cutting a round), sampled output with a seed the same tokens as with the
+    commit in line (the next round reads the committed states either way)."""
+    target, _ = _pair()
+    prompt = torch.randint(1, VOCAB, (1, 12), generator=torch.Generator().manual_seed(8)).cuda()
+    free = target.generate(prompt, do_sample=False, max_new_tokens=40)
+    eos = [int(free[0, 12 + 29])]
+    ar = target.generate(prompt, do_sample=False, max_new_tokens=40, eos_token_id=eos, pad_token_id=0)
+    outputs = []
+    for beside in (False, True):
+        monkeypatch.setattr(resident, "COMMIT_BESIDE", beside)
+        target, drafter = _pair(reference=free.cpu())
+        kwargs = dict(do_sample=do_sample, max_new_tokens=40, eos_token_id=eos, pad_token_id=0,
+                      assistant_model=drafter, generation_strategy=strategy,
+                      hybridspec_config=HybridSpecConfig(cuda_graphs="on"))
+        target.generate(prompt, **kwargs)  # captures
+        torch.manual_seed(11)
+        outputs.append(target.generate(prompt, **kwargs))
+        assert (target.__dict__["_hybridspec_resident"].beside is not None) == beside
+        assert hybridspec_hf.get_telemetry(target).path == "cuda_graphs"
+    assert torch.equal(outputs[0], outputs[1])
+    if not do_sample:
+        assert torch.equal(outputs[1], ar)
+
+
 def test_image_prompts_run_captured_and_equal_ar():
     """A vision-language target's image prompt: the rounds continue from the multimodal RoPE positions the prefill
     set (the cos/sin table is indexed by slot from each row's next position)."""

@@ -119,6 +119,14 @@ SHORT_VERIFY = False
 # vocabulary); in timing mode too (its signals are then the profile's), so a timed round pays what a real one
 # does. False: fp32 logits, torch's argmax, the signals apart. The same drafts either way. A/B: `draft-tokens`.
 FUSED_DRAFT_TOKENS = True
+# True: a round committed on the device runs its GDN commit (every layer's accepted state, one launch: ≈ 60 µs a
+# round on an H100, breakdown_run142.md) on a side stream forked after the commit count, beside the selector's update,
+# the drafter's context append and the round's advance (none of which reads the GDN states), joined before the
+# round ends: inside the round's CUDA graph two branches instead of one chain. The next graph (or eager op) on the
+# round's stream starts after both, so every later reader sees the committed states. False: one stream, the commit
+# between the selector's update and the append. Off until measured on a GPU (A/B: `commit-beside`); the CPU has one
+# stream and runs the same order either way.
+COMMIT_BESIDE = False
 SHORT_LENGTHS = (2,)  # verify lengths captured besides the block's, ascending
 _ACTIVE = "_hybridspec_resident"  # the target's most recently used rounds
 _KEPT = "_hybridspec_resident_kept"  # every rounds the target keeps, least recently used first
@@ -391,6 +399,9 @@ class ResidentRounds:
             # whose draft_static predates `upcast` keeps its fp32 logits)
             self.head_dtype_drafts = (FUSED_DRAFT_TOKENS and self.speculative
                                       and "upcast" in inspect.signature(self.drafter.draft_static).parameters)
+            # the GDN commit's stream beside the round's (COMMIT_BESIDE; CUDA only, not inside conditional bodies)
+            self.beside = (torch.cuda.Stream(self.device) if COMMIT_BESIDE and self.speculative and device_commit
+                           and self.device.type == "cuda" and not self.short_lengths else None)
             self.tail = FUSED_ROUND_TAIL and self.speculative and device_commit and strategy.compile_backend is not None
             regions = (round_head, round_accept, commit_count, round_advance)
             self.head_fn, self.accept_fn, self.count_fn, self.advance_fn = regions
@@ -705,8 +716,13 @@ class ResidentRounds:
             count32 = self.count_fn(target_tokens, accepted, *count_args)
         else:
             accepted, count32 = self.accept_fn(target_tokens, self.block, valid, self.replayed, *count_args)
+        if self.beside is not None:  # the commit on its own stream, beside the rest of the round (COMMIT_BESIDE)
+            self.beside.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.beside):
+                self.target.commit_states(session, count32)
         draft_next = self._decide_next(choice, accepted, counted=True)
-        self.target.commit_states(session, count32)
+        if self.beside is None:
+            self.target.commit_states(session, count32)
         with patches.fused_kernels():
             self.context.append(features, self.count)
         keep = choice.keep if choice is not None else self.zero
@@ -716,6 +732,8 @@ class ResidentRounds:
                         self.eos_ids, self.limit, self.round_w, keep, n_new, draft_next, self.handoff_values)
         if hand_off:
             self.handoff.copy_(self.handoff_values, non_blocking=True)
+        if self.beside is not None:  # joined: whatever runs after the round sees the committed states
+            torch.cuda.current_stream(self.device).wait_stream(self.beside)
 
     def _decide_next(self, choice, accepted: torch.Tensor, counted: bool) -> torch.Tensor:
         """The selector's work after a round's acceptance: the estimator's online step, whether the next round drafts
