@@ -393,8 +393,6 @@ class ResidentRounds:
             # warm-up call before each capture, so that any recompile (a guard the first call's state changed)
             # happens outside the capture
             compiled = strategy.compile_backend is not None and strategy.compile_decisions(strategy.compile_backend)
-            # a round's bookkeeping after the forward, committed on the device (round_tail.py): compiled with the
-            # decisions (FUSED_ROUND_TAIL), else eagerly
             # the drafter's logits in its head's dtype where the drafts come out of the signals' stream (a drafter
             # whose draft_static predates `upcast` keeps its fp32 logits)
             self.head_dtype_drafts = (FUSED_DRAFT_TOKENS and self.speculative
@@ -402,6 +400,8 @@ class ResidentRounds:
             # the GDN commit's stream beside the round's (COMMIT_BESIDE; CUDA only, not inside conditional bodies)
             self.beside = (torch.cuda.Stream(self.device) if COMMIT_BESIDE and self.speculative and device_commit
                            and self.device.type == "cuda" and not self.short_lengths else None)
+            # a round's bookkeeping around the forward, committed on the device (round_tail.py): compiled with the
+            # decisions (FUSED_ROUND_TAIL), else eagerly
             self.tail = FUSED_ROUND_TAIL and self.speculative and device_commit and strategy.compile_backend is not None
             regions = (round_head, round_accept, commit_count, round_advance)
             self.head_fn, self.accept_fn, self.count_fn, self.advance_fn = regions
