@@ -190,7 +190,7 @@ def test_the_fused_round_tail_runs_compiled_captured_without_syncs_and_equals_ar
     out = target.generate(prompt, **kwargs)
     assert torch.equal(out, ar)
     rounds = target.__dict__["_hybridspec_resident"]
-    assert rounds.tail and all(fn.fast is not None for fn in (rounds.accept_fn, rounds.advance_fn))
+    assert rounds.tail and all(fn.fast is not None for fn in (rounds.head_fn, rounds.accept_fn, rounds.advance_fn))
     assert hybridspec_hf.get_telemetry(target).path == "cuda_graphs"
 
 

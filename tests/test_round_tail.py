@@ -154,7 +154,8 @@ def test_single_row_calls_decide_round_for_round_as_the_eager_ops(backend, monke
             rounds = target.__dict__["_hybridspec_resident"]
             assert rounds.tail == fused  # compiled only when switched on
             if rounds.tail:
-                assert all(fn.fast is not None for fn in (rounds.accept_fn, rounds.count_fn, rounds.advance_fn))
+                assert all(fn.fast is not None
+                           for fn in (rounds.head_fn, rounds.accept_fn, rounds.count_fn, rounds.advance_fn))
             seen[fused] = ([(r.drafted, r.w, r.accepted, r.extra_kept)
                             for r in hybridspec_hf.get_telemetry(target).rounds], out.tolist())
             hybridspec_hf.release_graphs(target)  # the switch is read when rounds are built

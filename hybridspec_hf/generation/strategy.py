@@ -203,9 +203,7 @@ class RoundStrategy:
         use instead of the drafts' own (timing mode replays a profile's, see selector.profiles)."""
         estimator = self.estimator.to(draft_logits.device)
         signals = signals if signals is not None else draft_signals(draft_logits)
-        survival, w0, valid = self._decide(estimator, signals, context_len, w_max)
-        keep = torch.zeros_like(w0, dtype=torch.bool)
-        n_new = torch.zeros_like(w0)
+        survival, w0, valid, keep, n_new = self._decide(estimator, signals, context_len, w_max)
         if not self.corrects:
             return Choice(w0, valid, keep, n_new, signals=signals)
         correction = functools.partial(self._correct_padded, survival=survival, w0=w0, context_len=context_len,
@@ -223,17 +221,20 @@ class RoundStrategy:
         self._correct(ids, *args, survival=survival, extra_at=extra_at, **kwargs)
 
     def _choose(self, estimator: AcceptanceEstimator, signals: dict, context_len, w_max) -> tuple:
-        """(survival [1, B-1], w0 [1], valid [1]) of one row's drafts: the device work of `choose` after the
-        signals (one compiled region with `compile_decisions`). valid = w0, + 1 (the extra token in stage 0) when
-        the routing correction is on and there is room for it."""
+        """(survival [1, B-1], w0 [1], valid [1], keep [1] False, n_new [1] 0) of one row's drafts: the device work
+        of `choose` after the signals (one compiled region with `compile_decisions`: the zeros the routing correction
+        overwrites come out of its kernels, not two launches of their own). valid = w0, + 1 (the extra token in stage
+        0) when the routing correction is on and there is room for it."""
         survival = estimator.survival(signals)  # [1, B-1]
         # [1] long. Clamped on the device (no sync): a custom selector's w0 = 0 would verify nothing that counts,
         # and w0 > w_max would read past the block.
         w0 = self.selector.choose(survival, context_len, w_max).long().clamp(min=1)
         w0 = torch.minimum(w0, w_max) if isinstance(w_max, torch.Tensor) else w0.clamp(max=w_max)
+        keep, n_new = torch.zeros_like(w0, dtype=torch.bool), torch.zeros_like(w0)
         if not self.corrects:
-            return survival, w0, w0.clone()
-        return survival, w0, w0 + (w0 < w_max).long()  # stage 0 includes the extra token when there is room for it
+            return survival, w0, w0.clone(), keep, n_new
+        # stage 0 includes the extra token when there is room for it
+        return survival, w0, w0 + (w0 < w_max).long(), keep, n_new
 
     def _correction(self, ids: torch.Tensor, n_new: torch.Tensor, keep: torch.Tensor, valid: torch.Tensor, *,
                     survival: torch.Tensor, w0: torch.Tensor, context_len, w_max, extra_at: torch.Tensor) -> None:
@@ -303,7 +304,8 @@ class RoundStrategy:
     def observe_acceptance(self, choice: Choice | None, accepted: torch.Tensor) -> None:
         """The acceptance estimator's online update (a no-op unless it was built with online_lr > 0): one step on
         the positions this round verified. On the device, no host sync."""
-        if choice is not None and self.estimator is not None:
+        # an offline estimator learns nothing: not even the verified count is built (a launch a round on CUDA)
+        if choice is not None and self.estimator is not None and getattr(self.estimator, "online_lr", None) != 0.0:
             self.estimator.observe(choice.signals, accepted.view(-1), choice.valid.view(-1) - 1)
 
     def should_draft(self, context_len: int):
