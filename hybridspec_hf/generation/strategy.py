@@ -350,14 +350,15 @@ class RoundStrategy:
                   spread: torch.Tensor | None = None):
         """`should_draft(context_len)` and then `observe_round(w, emitted, spread)`, in one call (one compiled region
         with `compile_decisions`): the draft decision reads the selector before this round's update, as the two calls
-        apart do. Returns the decision, as should_draft answers it (a bool or a bool tensor)."""
+        apart do. Returns the decision: a bool, or a [1] long tensor where should_draft answers a tensor (cast in
+        the region: no launch of its own)."""
         return self._end_round(context_len, w, emitted, spread)
 
     def _end_round_eager(self, context_len, w: torch.Tensor, emitted: torch.Tensor, spread: torch.Tensor | None):
         draft = self._should_draft_eager(context_len)
         if self.selector is not None:
             self._observe_round_eager(w, emitted, spread)
-        return draft
+        return draft.reshape(-1)[:1].long() if isinstance(draft, torch.Tensor) else draft
 
     def takes_plain_steps(self) -> bool:
         """Whether `should_draft` may answer False: a selector with its own rule (the others draft every round)."""
