@@ -120,12 +120,12 @@ SHORT_VERIFY = False
 # does. False: fp32 logits, torch's argmax, the signals apart. The same drafts either way. A/B: `draft-tokens`.
 FUSED_DRAFT_TOKENS = True
 # True: a round committed on the device runs its GDN commit (every layer's accepted state, one launch: ≈ 60 µs a
-# round on an H100, breakdown_run142.md) on a side stream forked after the commit count, beside the selector's update,
-# the drafter's context append and the round's advance (none of which reads the GDN states), joined before the
-# round ends: inside the round's CUDA graph two branches instead of one chain. The next graph (or eager op) on the
+# round on an H100, breakdown_run142.md) on a side stream forked after the selector's update, beside the drafter's
+# context append, the round's advance and the hand-off (none of which reads the GDN states), joined before the round
+# ends: inside the round's CUDA graph two branches instead of one chain. The next graph (or eager op) on the
 # round's stream starts after both, so every later reader sees the committed states. False: one stream, the commit
-# between the selector's update and the append. Off until measured on a GPU (A/B: `commit-beside`); the CPU has one
-# stream and runs the same order either way.
+# between the selector's update and the append (the same place). Off until measured on a GPU (A/B:
+# `commit-beside`); the CPU has one stream and runs the same order either way.
 COMMIT_BESIDE = False
 SHORT_LENGTHS = (2,)  # verify lengths captured besides the block's, ascending
 _ACTIVE = "_hybridspec_resident"  # the target's most recently used rounds
@@ -716,12 +716,8 @@ class ResidentRounds:
             count32 = self.count_fn(target_tokens, accepted, *count_args)
         else:
             accepted, count32 = self.accept_fn(target_tokens, self.block, valid, self.replayed, *count_args)
-        if self.beside is not None:  # the commit on its own stream, beside the rest of the round (COMMIT_BESIDE)
-            self.beside.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.beside):
-                self.target.commit_states(session, count32)
         draft_next = self._decide_next(choice, accepted, counted=True)
-        if self.beside is None:
+        with self._commit_stream():  # COMMIT_BESIDE: beside the append and the advance, joined below
             self.target.commit_states(session, count32)
         with patches.fused_kernels():
             self.context.append(features, self.count)
@@ -734,6 +730,14 @@ class ResidentRounds:
             self.handoff.copy_(self.handoff_values, non_blocking=True)
         if self.beside is not None:  # joined: whatever runs after the round sees the committed states
             torch.cuda.current_stream(self.device).wait_stream(self.beside)
+
+    def _commit_stream(self):
+        """Where a round's GDN commit runs: the round's stream, or (COMMIT_BESIDE) the side stream, forked here from
+        the round's (it waits for everything enqueued so far: the forward, the count) and joined at the round's end."""
+        if self.beside is None:
+            return contextlib.nullcontext()
+        self.beside.wait_stream(torch.cuda.current_stream(self.device))
+        return torch.cuda.stream(self.beside)
 
     def _decide_next(self, choice, accepted: torch.Tensor, counted: bool) -> torch.Tensor:
         """The selector's work after a round's acceptance: the estimator's online step, whether the next round drafts

@@ -305,7 +305,7 @@ class RoundStrategy:
         """The acceptance estimator's online update (a no-op unless it was built with online_lr > 0): one step on
         the positions this round verified. On the device, no host sync."""
         # an offline estimator learns nothing: not even the verified count is built (a launch a round on CUDA)
-        if choice is not None and self.estimator is not None and getattr(self.estimator, "online_lr", None) != 0.0:
+        if choice is not None and self.estimator is not None and self.estimator.online_lr != 0.0:
             self.estimator.observe(choice.signals, accepted.view(-1), choice.valid.view(-1) - 1)
 
     def should_draft(self, context_len: int):

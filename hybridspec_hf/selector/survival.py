@@ -52,12 +52,7 @@ def draft_signals(draft_logits: torch.Tensor) -> dict[str, torch.Tensor]:
     e.g. temperature, when sampling). Returns fp32 tensors [batch, B-1]: "top1" (top-1 probability), "margin"
     (top-1 minus top-2 probability) and "entropy" (nats).
     """
-    if draft_logits.dim() != 3 or draft_logits.shape[-1] < 2:
-        raise ValueError(
-            f"draft_signals expects draft logits [batch, B-1, V] with V >= 2, got shape {tuple(draft_logits.shape)}; "
-            "pass the logits of block positions 1..B-1 (not the anchor)."
-        )
-    if draft_logits.is_cuda and fused_kernels_active():  # inside resident rounds: two launches, not ≈ 30
+    if _one_stream(draft_logits):  # inside resident rounds: two launches, not ≈ 30
         return draft_signals_fused(draft_logits)[0]
     logp = draft_logits.float().log_softmax(-1)  # [batch, B-1, V] fp32
     probs = logp.exp()
@@ -77,10 +72,21 @@ def draft_tokens_and_signals(draft_logits: torch.Tensor, signals: bool = True
     resident rounds on CUDA both come out of one stream over the logits (kernels/signals_triton.py: two launches,
     the logits read once, in their own dtype), signals asked or not: they cost nothing more than the argmax there.
     Elsewhere the argmax, and the torch signals when asked."""
-    if draft_logits.dim() == 3 and draft_logits.shape[-1] >= 2 and draft_logits.is_cuda and fused_kernels_active():
+    if _one_stream(draft_logits):
         found, drafts = draft_signals_fused(draft_logits)
         return drafts, found if signals else None
     return draft_logits.argmax(-1), draft_signals(draft_logits) if signals else None
+
+
+def _one_stream(draft_logits: torch.Tensor) -> bool:
+    """Checks draft_logits' shape (a clear error); True where the Triton stream computes the signals and drafts
+    (CUDA tensors inside resident rounds' fused kernels), False where torch does."""
+    if draft_logits.dim() != 3 or draft_logits.shape[-1] < 2:
+        raise ValueError(
+            f"draft_signals expects draft logits [batch, B-1, V] with V >= 2, got shape {tuple(draft_logits.shape)}; "
+            "pass the logits of block positions 1..B-1 (not the anchor)."
+        )
+    return draft_logits.is_cuda and fused_kernels_active()
 
 
 def signal_features(signals: Mapping[str, torch.Tensor]) -> torch.Tensor:
