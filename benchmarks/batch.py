@@ -60,9 +60,9 @@ def run_method(target, drafter, prompt: torch.Tensor, method: str, replay, estim
                verify_shape: str = "auto") -> dict:
     """One (batch, profile, method): a warm-up call (captures the batch bucket's rounds), then a timed call. A method
     "BASE+FLAG" / "BASE-FLAG" runs BASE with that A/B switch on / off (common.method_variant)."""
-    with method_variant(method, target) as base:
+    with method_variant(method, target, drafter) as base:
         return {**_run_method(target, drafter, prompt, base, replay, estimator, latency, tokens, verify_shape),
-                "switches": variant_switches(method)}
+                "switches": variant_switches(method, drafter)}
 
 
 def _run_method(target, drafter, prompt: torch.Tensor, method: str, replay, estimator, latency, tokens: int,

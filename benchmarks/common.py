@@ -11,6 +11,7 @@ import re
 import statistics
 import sys
 import tempfile
+import types
 from pathlib import Path
 
 import torch
@@ -84,8 +85,15 @@ SWITCHES = {
                       "GDN verify windows of <= RECURRENT_UPTO valid tokens token by token, not in the block form"),
 }
 
+# A/B switches of the drafter's config (a method variant sets them on the drafter passed to `method_variant`):
+# flag -> (config attribute, its value when on (off: None), what it switches on)
+DRAFTER_SWITCHES = {
+    "int8-head": ("head_quantization", "int8",
+                  "the drafter multiplies by an int8 copy of the target's LM head (per-row scales), not the bf16 head"),
+}
+
 # switches the resident rounds' key records (resident._Key): a variant needs no release of the kept rounds
-KEYED = {"defer-appends", "trust-drafts", "carry-evidence", "probe-net"}
+KEYED = {"defer-appends", "trust-drafts", "carry-evidence", "probe-net", "int8-head"}
 
 
 @contextlib.contextmanager
@@ -121,17 +129,17 @@ def apply_switches(args) -> None:
 
 
 @contextlib.contextmanager
-def method_variant(method: str, target=None):
-    """A method named "BASE+FLAG" or "BASE-FLAG" (FLAG a key of SWITCHES; several may follow one another, e.g.
-    "ar-early-reads-gdn-norm-fold") runs BASE with those switches on or off, then puts them back: an A/B inside one
-    run, sharing the model and the calibration. Yields BASE. Rounds captured under one setting must not serve
-    another, so `target`'s captured rounds are released on both sides of a variant, unless the rounds' key records
-    every switch it sets (KEYED)."""
+def method_variant(method: str, target=None, drafter=None):
+    """A method named "BASE+FLAG" or "BASE-FLAG" (FLAG a key of SWITCHES or DRAFTER_SWITCHES; several may follow
+    one another, e.g. "ar-early-reads-gdn-norm-fold") runs BASE with those switches on or off, then puts them back:
+    an A/B inside one run, sharing the model and the calibration. Yields BASE. A drafter switch sets `drafter`'s
+    config (required then). Rounds captured under one setting must not serve another, so `target`'s captured rounds
+    are released on both sides of a variant, unless the rounds' key records every switch it sets (KEYED)."""
     base, settings = method, []
+    flags = sorted([*SWITCHES, *DRAFTER_SWITCHES], key=len, reverse=True)
     while True:
         # the longest flag first: "direct-shared-first" also ends with the flag "shared-first"
-        found = next(((mark, flag) for flag in sorted(SWITCHES, key=len, reverse=True) for mark in "+-"
-                      if base.endswith(mark + flag)), None)
+        found = next(((mark, flag) for flag in flags for mark in "+-" if base.endswith(mark + flag)), None)
         if found is None:
             break
         mark, flag = found
@@ -146,6 +154,13 @@ def method_variant(method: str, target=None):
     release()
     before = []
     for flag, on in settings:
+        if flag in DRAFTER_SWITCHES:
+            if drafter is None:
+                raise ValueError(f"method {method!r}: the drafter switch {flag!r} needs the drafter")
+            attribute, value, _ = DRAFTER_SWITCHES[flag]
+            before.append((drafter.config, attribute, getattr(drafter.config, attribute)))
+            setattr(drafter.config, attribute, value if on else None)
+            continue
         module, attribute, _ = SWITCHES[flag]
         owner = importlib.import_module(module)
         before.append((owner, attribute, getattr(owner, attribute)))
@@ -158,16 +173,36 @@ def method_variant(method: str, target=None):
         release()
 
 
-def variant_switches(method: str) -> dict:
-    """Every switch's setting under a method variant ("BASE+FLAG" / "BASE-FLAG", flags may follow one another)."""
-    with method_variant(method):
-        return switch_settings()
+def variant_base(method: str) -> str:
+    """BASE of a method variant "BASE+FLAG" / "BASE-FLAG" (`method_variant`), nothing set; an unknown flag stays
+    part of BASE."""
+    with method_variant(method, drafter=_no_drafter()) as base:
+        return base
 
 
-def switch_settings() -> dict:
-    """Every switch as the run used it, by attribute name (for the results)."""
-    return {attribute: bool(getattr(importlib.import_module(module), attribute))
-            for module, attribute, _ in SWITCHES.values()}
+def _no_drafter():
+    """A stand-in drafter whose config has none of DRAFTER_SWITCHES set."""
+    return types.SimpleNamespace(
+        config=types.SimpleNamespace(**{attribute: None for attribute, _, _ in DRAFTER_SWITCHES.values()}))
+
+
+def variant_switches(method: str, drafter=None) -> dict:
+    """Every switch's setting under a method variant ("BASE+FLAG" / "BASE-FLAG", flags may follow one another);
+    the drafter switches as they would be set on `drafter` (a drafter whose config has none of them set if None)."""
+    holder = drafter if drafter is not None else _no_drafter()
+    with method_variant(method, drafter=holder):
+        return switch_settings(holder)
+
+
+def switch_settings(drafter=None) -> dict:
+    """Every switch as the run used it, by attribute name (for the results); with `drafter`, its config's drafter
+    switches too."""
+    settings = {attribute: bool(getattr(importlib.import_module(module), attribute))
+                for module, attribute, _ in SWITCHES.values()}
+    if drafter is not None:
+        settings.update({attribute: getattr(drafter.config, attribute, None)
+                         for attribute, _, _ in DRAFTER_SWITCHES.values()})
+    return settings
 
 
 def tiny_pair_setup(prompts: int, block_size: int | None = None):

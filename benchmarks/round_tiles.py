@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from breakdown import captured_rounds, forced_label, parts_of, wall_ms  # noqa: E402
-from common import environment, method_variant, variant_switches, write_results  # noqa: E402
+from common import environment, method_variant, variant_base, variant_switches, write_results  # noqa: E402
 from e2e import build  # noqa: E402
 
 import hybridspec_hf  # noqa: E402
@@ -84,8 +84,9 @@ def measure(target, drafter, prompt: torch.Tensor, spec: str, lengths: list[int]
                   attention_mask=torch.ones_like(prompt), do_sample=False, pad_token_id=0)
     capacity = 3 * replays * len(lengths) + 2 * len(lengths) + 64  # each replay commits ≈ 1 token (random drafter)
     hybridspec_hf.release_graphs(target)
-    row = {"variant": spec, "wall_ms": {}, "wall_ms_all": {}, "verified": {}, "switches": variant_switches(spec)}
-    with method_variant(spec, target) as tiles, direct_tiles(parse_variant(tiles), block):
+    row = {"variant": spec, "wall_ms": {}, "wall_ms_all": {}, "verified": {},
+           "switches": variant_switches(spec, drafter)}
+    with method_variant(spec, target, drafter) as tiles, direct_tiles(parse_variant(tiles), block):
         rounds = captured_rounds(target, prompt, capacity, kwargs)
         parts = parts_of(rounds, "hybridspec", "forced", [], lengths, forced)
         for n in lengths:
@@ -127,8 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     variants = args.variants.split(",")
     for spec in variants:  # every variant's error before the model is built
-        with method_variant(spec) as tiles:
-            parse_variant(tiles)
+        parse_variant(variant_base(spec))
     lengths = [int(n) for n in args.lengths.split(",")]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     target, drafter = build(args.model, args.layers, device)

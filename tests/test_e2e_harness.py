@@ -188,6 +188,30 @@ def test_method_variants_set_one_or_several_switches_and_put_them_back(benchmark
     assert (pdl.EARLY_READS, gdn_step_triton.FOLD_NORM, pdl.ENABLED) == before
 
 
+def test_a_drafter_switch_sets_the_drafters_config_and_puts_it_back(benchmarks):
+    """"+int8-head" (common.DRAFTER_SWITCHES) sets the drafter's config.head_quantization inside the variant only;
+    it needs the drafter; variant_switches and variant_base read it without one."""
+    import types
+
+    import pytest
+    from common import method_variant, variant_base, variant_switches
+
+    drafter = types.SimpleNamespace(config=types.SimpleNamespace(head_quantization=None))
+    with method_variant("hybridspec+int8-head", drafter=drafter) as base:
+        assert base == "hybridspec" and drafter.config.head_quantization == "int8"
+    assert drafter.config.head_quantization is None
+    drafter.config.head_quantization = "int8"
+    with method_variant("dflash-int8-head+pdl", drafter=drafter) as base:
+        assert base == "dflash" and drafter.config.head_quantization is None
+    assert drafter.config.head_quantization == "int8"
+    with pytest.raises(ValueError, match="needs the drafter"):
+        with method_variant("ar+int8-head"):
+            pass
+    assert variant_base("base+int8-head-commit-beside") == "base"
+    assert variant_switches("hybridspec+int8-head")["head_quantization"] == "int8"
+    assert variant_switches("hybridspec")["head_quantization"] is None
+
+
 def test_a_warm_up_replays_another_stretch_of_the_profile(benchmarks):
     """common.profile_elsewhere: inside, the profile starts half its rows past the timed call's start row (the
     evidence HybridSpec carries into the timed call must not be its own rows); after, even on an error, it is back;

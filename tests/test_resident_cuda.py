@@ -229,3 +229,24 @@ def test_image_prompts_run_captured_and_equal_ar():
     from test_image_inputs import resident_image_calls
 
     resident_image_calls("cuda")
+
+
+@pytest.mark.parametrize("strategy", ["dflash", "hybridspec"])
+def test_the_int8_draft_head_runs_captured_and_equals_ar(strategy, sync_errors):
+    """DFlashConfig.head_quantization "int8": the draft graph multiplies by the int8 copy of the target's head (made
+    in the warm-up, before the capture), the call runs captured without syncs, and greedy output is AR's."""
+    target, _ = _pair()
+    prompt = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(5)).cuda()
+    ar = target.generate(prompt, do_sample=False, max_new_tokens=40)
+    target, drafter = _pair(reference=ar.cpu())
+    drafter.config.head_quantization = "int8"
+    kwargs = dict(do_sample=False, max_new_tokens=40, assistant_model=drafter, generation_strategy=strategy,
+                  hybridspec_config=HybridSpecConfig(cuda_graphs="on"))
+    target.generate(prompt, **kwargs)  # captures
+    out = target.generate(prompt, **kwargs)
+    telemetry = hybridspec_hf.get_telemetry(target)
+    assert telemetry.path == "cuda_graphs" and telemetry.capture_s == 0.0
+    assert torch.equal(out, ar)
+    quantized = drafter.quantized_head()
+    assert quantized is drafter.__dict__["_head_int8"][1], "the copy was made again after the capture"
+    assert quantized.weight.dtype == torch.int8 and quantized.weight.is_cuda

@@ -32,6 +32,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from hybridspec_hf.kernels.attention_triton import routed, static_attention
 from hybridspec_hf.kernels.dflash_triton import add_rms_norm
+from hybridspec_hf.kernels.gemv_triton import QuantizedRows, linear_int8, quantize_rows
 from hybridspec_hf.kernels.norm_triton import fused_kernels_active
 from hybridspec_hf.kernels.rope_triton import rope
 from hybridspec_hf.kernels.rope_triton import supported as rope_supported
@@ -614,9 +615,14 @@ class DFlashDrafter(PreTrainedModel):
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         """Target LM head on drafter hidden states [B, T, H] -> [B, T, V] (at least fp32), with z-lab's optional
         output_multiplier and final_logit_softcapping. `upcast=False`: the head's own dtype where neither applies
-        (no [T, V] fp32 copy, for readers that compute in fp32 themselves: the resident rounds' drafts and signals)."""
+        (no [T, V] fp32 copy, for readers that compute in fp32 themselves: the resident rounds' drafts and signals).
+        With config.head_quantization "int8" and no gradients, the head's int8 copy (`quantized_head`) instead."""
         _, head = self._require_target()
-        if isinstance(head, nn.Linear) and not _is_sharded(head.weight):  # frozen: gradients reach `hidden` only
+        quantized = self._quantized_head(head)
+        if quantized is not None:  # config.head_quantization, drafting: the head's int8 copy
+            logits = linear_int8(hidden.to(device=head.weight.device, dtype=head.weight.dtype), quantized)
+            logits = logits if head.bias is None else logits + head.bias.detach()
+        elif isinstance(head, nn.Linear) and not _is_sharded(head.weight):  # frozen: gradients reach `hidden` only
             weight = head.weight.detach()
             bias = None if head.bias is None else head.bias.detach()
             logits = F.linear(hidden.to(device=weight.device, dtype=weight.dtype), weight, bias)
@@ -631,6 +637,31 @@ class DFlashDrafter(PreTrainedModel):
         if softcap is not None and float(softcap) > 0:
             logits = torch.tanh(logits / float(softcap)) * float(softcap)
         return logits
+
+    def _quantized_head(self, head: nn.Module) -> QuantizedRows | None:
+        """The int8 copy of the target's head that drafting multiplies by (config.head_quantization "int8", no
+        gradients, a plain nn.Linear whose weight is not sharded), else None. Made on first use and again when the
+        head's weight changes (another tensor, or written in place); kept on the drafter, not saved with it."""
+        if self.config.head_quantization is None or torch.is_grad_enabled() or not isinstance(head, nn.Linear) \
+                or _is_sharded(head.weight):
+            return None
+        weight = head.weight
+        key = (weight.data_ptr(), weight._version, tuple(weight.shape), weight.dtype, weight.device)
+        kept = self.__dict__.get("_head_int8")
+        if kept is not None and kept[0] == key:
+            return kept[1]
+        if weight.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("The drafter's int8 head copy must be made before CUDA-graph capture: draft once "
+                               "eagerly first (the resident rounds' warm-up does), or call drafter.quantized_head().")
+        self.__dict__["_head_int8"] = None  # the old copy's memory goes before the new one is made
+        self.__dict__["_head_int8"] = (key, quantize_rows(weight))
+        return self.__dict__["_head_int8"][1]
+
+    @torch.no_grad()
+    def quantized_head(self) -> QuantizedRows | None:
+        """The int8 copy of the bound target's LM head drafting uses (made now if needed), or None where
+        config.head_quantization is None or the head is not a plain unsharded nn.Linear."""
+        return self._quantized_head(self._require_target()[1])
 
     # ----------------------------------------------------------------------------------------------- inference
     def new_context_cache(self, capacity: int = 0) -> DFlashContextCache:

@@ -196,6 +196,7 @@ class _Key:
     capture: bool
     rows: int = 1  # batch rows of the static buffers (a bucket of BATCH_BUCKETS)
     defer: bool = False  # DEFER_CONTEXT_APPENDS when captured (rounds of either setting may be kept side by side)
+    head: str | None = None  # the drafter's config.head_quantization (its draft graph multiplies by that head)
 
 
 MAX_EOS_IDS = 8  # EOS ids a round can test on the device
@@ -229,7 +230,8 @@ def resident_rounds(model, drafter, strategy, logits_processor, do_sample: bool,
     block = drafter.config.block_size if drafter is not None else 1
     capacity = -(-(max_length + block) // _CAPACITY_STEP) * _CAPACITY_STEP
     key = _Key(id(drafter), strategy.identity(), do_sample, tuple(repr(p.__dict__) for p in logits_processor),
-               capacity, position_rows, device_commit, capture, rows, DEFER_CONTEXT_APPENDS)
+               capacity, position_rows, device_commit, capture, rows, DEFER_CONTEXT_APPENDS,
+               getattr(drafter.config, "head_quantization", None) if drafter is not None else None)
     kept = model.__dict__.setdefault(_KEPT, [])
     found = next((rounds for rounds in reversed(kept) if _reusable(rounds.key, key)), None)
     if found is not None:

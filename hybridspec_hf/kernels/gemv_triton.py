@@ -159,6 +159,22 @@ class RowNorm:
     eps: float
 
 
+@dataclass(frozen=True)
+class QuantizedRows:
+    """A weight [N, K] as int8 rows and a float32 scale per row: W ≈ weight · scale[:, None] (`quantize_rows`)."""
+
+    weight: torch.Tensor  # [N, K] int8, K contiguous
+    scale: torch.Tensor  # [N] float32
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
+
+
+# The int8 GEMV's config (`linear_int8`): 64 rows by 256 columns of int8 (16 KB) a step, K whole per program (a
+# 248k-row LM head: 3 880 programs). Not swept yet (benchmarks/draft_head.py measures candidates).
+INT8_CONFIG = GemvConfig(64, 256, 1, 4, 4, True)
+
 _FORCE: GemvConfig | None = None  # tests only: this config (fitted to each shape) for every shape, whatever TABLE says
 
 
@@ -178,17 +194,46 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return out.to(x.dtype)
 
 
+def quantize_rows(weight: torch.Tensor, chunk_rows: int = 32768) -> QuantizedRows:
+    """Symmetric int8 per row: scale = max |row| / 127 (1 for an all-zero row), q = round(row / scale) (to nearest,
+    ties to even), so |W - q · scale| ≤ scale / 2 elementwise. Computed in float32 on weight's device, `chunk_rows`
+    rows at a time (a 248k x 2048 head needs ≈ 0.5 GB for q and ≈ 0.3 GB more while it is made)."""
+    if weight.dim() != 2 or not weight.dtype.is_floating_point:
+        raise ValueError(f"quantize_rows takes a float weight [N, K], got {tuple(weight.shape)} {weight.dtype}")
+    q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+    scale = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
+    with torch.no_grad():
+        for start in range(0, weight.shape[0], chunk_rows):
+            rows = weight[start: start + chunk_rows].detach().float()
+            part = rows.abs().amax(dim=1) / 127.0
+            part = torch.where(part > 0, part, torch.ones_like(part))
+            q[start: start + chunk_rows] = torch.round(rows / part[:, None]).clamp_(-127, 127).to(torch.int8)
+            scale[start: start + chunk_rows] = part
+    return QuantizedRows(q, scale)
+
+
+def linear_int8_reference(x: torch.Tensor, quantized: QuantizedRows, chunk_rows: int = 32768) -> torch.Tensor:
+    """The truth for the int8 `gemv`: (x @ qᵀ) · scale in float32 (float64 for float64 x), in x's dtype; q is
+    widened `chunk_rows` rows at a time (a CPU's copy of a 248k-row head stays ≈ 256 MB)."""
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    q, scale = quantized.weight, quantized.scale
+    parts = [F.linear(x.to(dtype), q[i: i + chunk_rows].to(dtype)) * scale[i: i + chunk_rows].to(dtype)
+             for i in range(0, q.shape[0], chunk_rows)]
+    return torch.cat(parts, dim=-1).to(x.dtype)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # kernel
 
 
 def _gemv_tile(acc, b_w, b_x, DOT: tl.constexpr, DOT_FP32: tl.constexpr):
-    """acc [BLOCK_N, BLOCK_M] + b_w [BLOCK_N, BLOCK_K] · b_xᵀ [BLOCK_K, BLOCK_M] (fp32 accumulation)."""
+    """acc [BLOCK_N, BLOCK_M] + b_w [BLOCK_N, BLOCK_K] · b_xᵀ [BLOCK_K, BLOCK_M] (fp32 accumulation). An int8 W
+    (`QuantizedRows`) is cast to x's dtype first: every int8 value is exact in bf16, fp16 and fp32."""
     if DOT:
         if DOT_FP32:
             acc += tl.dot(b_w.to(tl.float32), tl.trans(b_x.to(tl.float32)), input_precision="ieee")
         else:
-            acc += tl.dot(b_w, tl.trans(b_x))
+            acc += tl.dot(b_w.to(b_x.dtype), tl.trans(b_x))
     else:
         acc += tl.sum(b_w.to(tl.float32)[:, None, :] * b_x.to(tl.float32)[None, :, :], axis=2)
     return acc
@@ -204,12 +249,12 @@ def _normed_tile(b_x, rstd, norm_w, cols, k_ok, NORM: tl.constexpr):
 
 
 def _gemv_kernel(
-    x, w, bias, y, partials, counters, norm_w,
+    x, w, bias, y, partials, counters, norm_w, scale,
     M, N, K, stride_xm, stride_wn, stride_ym, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STEPS: tl.constexpr, SPLIT_K: tl.constexpr,
     DOT: tl.constexpr, DOT_FP32: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    NORM: tl.constexpr, NORM_CHUNK: tl.constexpr, NORM_STEPS: tl.constexpr, OUT_DTYPE: tl.constexpr,
-    PDL: tl.constexpr,
+    NORM: tl.constexpr, NORM_CHUNK: tl.constexpr, NORM_STEPS: tl.constexpr, SCALED: tl.constexpr,
+    OUT_DTYPE: tl.constexpr, PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -253,6 +298,8 @@ def _gemv_kernel(
         b_x = _normed_tile(b_x, rstd, norm_w, cols, k_ok, NORM)
         acc = _gemv_tile(acc, b_w, b_x, DOT, DOT_FP32)
 
+    if SCALED:  # int8 rows: W = q · scale per row (`QuantizedRows`), so y = scale · (q x)
+        acc = acc * tl.load(scale + rn % N)[:, None]
     out_ok = (rn < N)[:, None] & row_ok[None, :]
     if SPLIT_K > 1:
         offsets = rm[None, :] * N + rn[:, None]  # partials [SPLIT_K, M, N] fp32
@@ -309,19 +356,25 @@ def fit_config(config: GemvConfig, rows: int, n: int, k: int) -> GemvConfig:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig,
-         norm: RowNorm | None = None) -> torch.Tensor:
+         norm: RowNorm | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
     """Triton `linear_reference` in one launch: x [..., K] with ≤ MAX_ROWS rows, weight [N, K] (K contiguous),
     bias [N] or None, all of one float dtype -> [..., N] in x's dtype. `config` is fitted to the shape. With `norm`
-    the GEMM's input is the RMSNorm (1 + w) of x's rows (`linear_reference(rms_norm_reference(x, ...), ...)`)."""
+    the GEMM's input is the RMSNorm (1 + w) of x's rows (`linear_reference(rms_norm_reference(x, ...), ...)`).
+    With `scale` [N] float32 the weight is int8 rows of a `QuantizedRows` (W = weight · scale per row):
+    `linear_int8_reference`."""
     n, k = weight.shape
-    if x.shape[-1] != k or weight.stride(-1) != 1 or x.dtype != weight.dtype or x.dtype not in _DTYPES or \
+    w_dtype = torch.int8 if scale is not None else x.dtype
+    if x.shape[-1] != k or weight.stride(-1) != 1 or weight.dtype != w_dtype or x.dtype not in _DTYPES or \
+            (scale is not None and (scale.shape != (n,) or scale.dtype != torch.float32 or norm is not None)) or \
             (bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype)) or \
             (norm is not None and (norm.weight.shape != (k,) or norm.weight.dtype != x.dtype)):
         raise ValueError(f"gemv takes x [..., K], weight [N, K] with K contiguous, bias [N] or None and a norm "
-                         f"weight [K] or None, all of one dtype (float32/bfloat16/float16); got x {tuple(x.shape)} "
-                         f"{x.dtype}, weight {tuple(weight.shape)} {weight.dtype} strides {weight.stride()}, bias "
+                         f"weight [K] or None, all of one dtype (float32/bfloat16/float16), or int8 weight rows "
+                         f"with a float32 scale [N] and no norm; got x {tuple(x.shape)} {x.dtype}, weight "
+                         f"{tuple(weight.shape)} {weight.dtype} strides {weight.stride()}, bias "
                          f"{None if bias is None else (tuple(bias.shape), bias.dtype)}, norm weight "
-                         f"{None if norm is None else (tuple(norm.weight.shape), norm.weight.dtype)}")
+                         f"{None if norm is None else (tuple(norm.weight.shape), norm.weight.dtype)}, scale "
+                         f"{None if scale is None else (tuple(scale.shape), scale.dtype)}")
     rows = x.reshape(-1, k)
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
     m = rows.shape[0]
@@ -333,7 +386,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, confi
     config = fit_config(config, m, n, k)
     steps = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k)
     k_per_split = steps * config.block_k
-    if WHOLE_SLICE and steps > 1 and config.block_n * k_per_split * x.element_size() <= WHOLE_SLICE_BYTES and \
+    if WHOLE_SLICE and steps > 1 and config.block_n * k_per_split * weight.element_size() <= WHOLE_SLICE_BYTES and \
             k_per_split & (k_per_split - 1) == 0:  # one tile of the slice's width (tl.arange: a power of two)
         config = GemvConfig(config.block_n, k_per_split, config.split_k, config.num_warps, 1, config.dot)
         steps = 1
@@ -347,12 +400,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, confi
     norm_chunk = min(triton.next_power_of_2(k), max(16, NORM_TILE // block_m))  # [block_m, chunk]: ≤ 4096 values
     _gemv_kernel[(triton.cdiv(n, config.block_n), split_k)](
         rows, weight, bias if bias is not None else weight, out, partials, counters,
-        norm.weight if norm is not None else weight,
+        norm.weight if norm is not None else weight, scale if scale is not None else weight,
         m, n, k, rows.stride(0), weight.stride(0), out.stride(0), norm.eps if norm is not None else 0.0,
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         STEPS=steps, SPLIT_K=split_k, DOT=config.dot, DOT_FP32=x.dtype == torch.float32 or interpret,
         EVEN_K=k % k_per_split == 0, HAS_BIAS=bias is not None, NORM=norm is not None, NORM_CHUNK=norm_chunk,
-        NORM_STEPS=triton.cdiv(k, norm_chunk), OUT_DTYPE=tl_dtype(x.dtype),
+        NORM_STEPS=triton.cdiv(k, norm_chunk), SCALED=scale is not None, OUT_DTYPE=tl_dtype(x.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out.view(*x.shape[:-1], n)
@@ -386,6 +439,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             if norm is None or row_norm is not None:
                 return gemv(x, weight, bias, config, row_norm)
     return F.linear(x if norm is None else norm(x), weight, bias)
+
+
+def linear_int8(x: torch.Tensor, quantized: QuantizedRows) -> torch.Tensor:
+    """x [..., K] @ (the quantized weight)ᵀ in x's dtype: `gemv` at INT8_CONFIG where it suits (≤ MAX_ROWS rows of
+    a float dtype, on CUDA or under the interpreter), else `linear_int8_reference`."""
+    q = quantized.weight
+    if x.shape[-1] != q.shape[1]:
+        raise ValueError(f"linear_int8: x has {x.shape[-1]} features, the quantized weight {q.shape[1]}")
+    rows = x.numel() // max(1, x.shape[-1])
+    if (0 < rows <= MAX_ROWS and type(x) in (torch.Tensor, torch.nn.Parameter) and x.dtype in _DTYPES
+            and q.stride(-1) == 1 and not torch.is_grad_enabled() and select_backend("auto", x, q) == "triton"):
+        return gemv(x, q, None, _FORCE or INT8_CONFIG, scale=quantized.scale)
+    return linear_int8_reference(x, quantized)
 
 
 def _row_norm(norm: torch.nn.Module, x: torch.Tensor) -> RowNorm | None:

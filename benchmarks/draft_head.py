@@ -1,0 +1,210 @@
+"""The drafter's LM head in int8 (`DFlashConfig.head_quantization`): what it costs and what it changes.
+
+    PYTHONPATH=$PWD python benchmarks/draft_head.py --part kernel   # a GPU: the head alone and the draft graph
+    PYTHONPATH=$PWD python benchmarks/draft_head.py --part tau      # a CPU: the tiny pair's τ with either head
+
+A DFlash drafter multiplies by the target's LM head every draft: at the Qwen3.5-35B-A3B shape a 248 320 x 2 048 bf16
+head, ≈ 1.02 GB read per round for 15 rows of logits (the draft graph's largest kernel: ≈ 0.36 of its 0.77 ms on an
+H100, benchmarks/results/breakdown_run145.md). With head_quantization "int8" the drafter multiplies by an int8 copy
+(one float32 scale per row, `gemv_triton.quantize_rows`) in our skinny GEMM (`linear_int8`): ≈ 0.51 GB. The drafts
+are proposals, so the output stays the target's (tests/test_head_quantization.py); what can change is which drafts
+are proposed, where two of the drafter's logits nearly tie.
+
+--part kernel (random bf16 weights, N(0, 0.02)): the head alone at 1 and 15 rows, each call captured in a CUDA graph
+(median of `--replays` replays, CUDA events): F.linear on the bf16 head (cuBLAS) against the int8 GEMV at each of
+`--configs` (BLOCK_N x BLOCK_K, s split-K, w warps, t stages); bytes moved and TB/s beside them. Then the draft
+graph itself (`draft_static` of the 35B benchmark drafter, 5 layers, a 16-token block over `--context` context
+tokens; the target built with 4 layers: the drafter reads only its embedding and head) with each head: median µs of
+a replay and the largest logit difference. On a CPU the kernel part is a smoke run (a small head, the interpreter).
+
+--part tau (the shipped tiny pair, CPU): the target's greedy continuations of `--prompts` held-out prompts
+(`--tokens` each), then the drafter's offline acceptance length τ at blocks 16 and 8 (`training.acceptance_lengths`:
+all anchors, and the novel ones) with the head as it is and with its int8 copy, on the same continuations.
+Writes benchmarks/results/<name>.{json,md}.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():  # the CPU runs: kernels in the Triton interpreter (read at launch)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import capture, environment, time_graph, write_results  # noqa: E402
+
+from hybridspec_hf import patches  # noqa: E402
+from hybridspec_hf.kernels import gemv_triton  # noqa: E402
+from hybridspec_hf.kernels.gemv_triton import GemvConfig, gemv, quantize_rows  # noqa: E402
+
+DEFAULT_CONFIGS = "64x256s1w4t4,128x128s1w4t4,64x128s1w4t4,32x256s1w4t3,128x256s1w8t3,64x512s1w4t3"
+
+
+def parse_config(spec: str) -> GemvConfig:
+    """"64x256s1w4t4" -> GemvConfig(64, 256, split_k=1, num_warps=4, num_stages=4, dot=True)."""
+    try:
+        size, rest = spec.split("s")
+        block_n, block_k = (int(v) for v in size.split("x"))
+        split, rest = rest.split("w")
+        warps, stages = rest.split("t")
+        return GemvConfig(block_n, block_k, int(split), int(warps), int(stages), True)
+    except ValueError:
+        raise SystemExit(f"--configs: {spec!r} is not BNxBKsSPLITwWARPStSTAGES (e.g. 64x256s1w4t4)") from None
+
+
+def head_alone(vocab: int, hidden: int, rows_list: list[int], configs: list[str], replays: int) -> list[dict]:
+    """The bf16 head by F.linear against the int8 GEMV per config, each captured alone."""
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    generator = torch.Generator(device=device).manual_seed(0)
+    weight = (torch.randn(vocab, hidden, device=device, generator=generator) * 0.02).to(torch.bfloat16)
+    quantized = quantize_rows(weight)
+    out = []
+    for rows in rows_list:
+        x = torch.randn(rows, hidden, device=device, generator=generator).to(torch.bfloat16)
+        reference = torch.nn.functional.linear(x.float(), weight.float())
+        variants = [("bf16 F.linear", lambda: torch.nn.functional.linear(x, weight),
+                     weight.numel() * 2)]
+        variants += [(f"int8 {spec}", (lambda c: lambda: gemv(x, quantized.weight, None, c,
+                                                              scale=quantized.scale))(parse_config(spec)),
+                      quantized.weight.numel() + quantized.scale.numel() * 4) for spec in configs]
+        for name, function, weight_bytes in variants:
+            with torch.no_grad():
+                logits = function()
+                error = ((logits.float() - reference).abs().max() / reference.abs().max()).item()
+                agree = (logits.float().argmax(-1) == reference.argmax(-1)).float().mean().item()
+                row = dict(rows=rows, variant=name, weight_bytes=weight_bytes, rel_error_vs_fp32=error,
+                           argmax_agreement_vs_fp32=agree)
+                if cuda:
+                    graph = capture(function)
+                    timing = time_graph(graph, 1, replays)
+                    del graph
+                    row.update(timing, tb_per_s=weight_bytes / (timing["median_us"] * 1e-6) / 1e12)
+            out.append(row)
+            print(row)
+    return out
+
+
+def draft_graph(model: str, context: int, replays: int) -> list[dict]:
+    """`draft_static` of the benchmark drafter with the head as it is and its int8 copy, each captured."""
+    from e2e import build
+
+    from hybridspec_hf.drafter import StaticDraftContext, fused
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    fused._ON_CPU = not cuda
+    _, drafter = build(model, 4, device.type)
+    width = drafter.fc.in_features
+    context = context if cuda else min(context, 32)
+    ctx = StaticDraftContext(drafter, context + 64, device, drafter.dtype)
+    anchor = torch.zeros(1, 1, dtype=torch.long, device=device)
+    out, logits = [], {}
+    with torch.no_grad():
+        ctx.append(torch.randn(1, context, width, device=device, dtype=drafter.dtype), context)
+        for head in (None, "int8"):
+            drafter.config.head_quantization = head
+            with patches.fused_kernels():
+                function = lambda: drafter.draft_static(anchor, ctx, upcast=False)  # noqa: E731
+                logits[head] = function().float()
+                row = dict(head=head or "bf16 (the target's)")
+                if cuda:
+                    graph = capture(function)
+                    row.update(time_graph(graph, 1, replays))
+                    del graph
+            out.append(row)
+            print(row)
+        drafter.config.head_quantization = None
+    difference = (logits["int8"] - logits[None]).abs().max().item()
+    agree = (logits["int8"].argmax(-1) == logits[None].argmax(-1)).float().mean().item()
+    out.append(dict(largest_logit_difference=difference, draft_agreement=agree))
+    return out
+
+
+def tau(prompts: int, tokens: int) -> dict:
+    """The tiny pair's offline τ with either head, on the same greedy continuations."""
+    from hybridspec_hf.drafter.training import acceptance_lengths, regenerate_responses
+    from hybridspec_hf.tiny_pair import heldout_prompts, load_tiny_pair
+
+    target, drafter, tokenizer = load_tiny_pair()
+    texts = heldout_prompts(prompts)
+    with tempfile.TemporaryDirectory() as folder:
+        samples = regenerate_responses(target, tokenizer, texts, folder, max_new_tokens=tokens, batch_size=32,
+                                       desc="regenerate (greedy)")
+    result = {}
+    for head in (None, "int8"):
+        drafter.config.head_quantization = head
+        with torch.no_grad():
+            result[head or "the target's head"] = acceptance_lengths(target, drafter, samples, (16, 8))
+    drafter.config.head_quantization = None
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--part", choices=["kernel", "tau"], default="kernel")
+    parser.add_argument("--model", default="qwen35_35b_a3b")
+    parser.add_argument("--configs", default=DEFAULT_CONFIGS, help="int8 GEMV configs to time (kernel part)")
+    parser.add_argument("--rows", default="1,15")
+    parser.add_argument("--replays", type=int, default=50)
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--name", default=None)
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available()
+    if args.part == "tau":
+        result = tau(args.prompts, args.tokens)
+        lines = ["| head | τ16 | τ16 novel anchors | τ8 | τ8 novel | anchors (16) |", "|---|---|---|---|---|---|"]
+        for head, r in result.items():
+            b16, b8 = r["block_sizes"]["16"], r["block_sizes"]["8"]
+            lines.append(f"| {head} | **{b16['tau']:.3f}** | {b16['tau_novel']:.3f} | {b8['tau']:.3f} | "
+                         f"{b8['tau_novel']:.3f} | {b16['num_anchors']} |")
+        table = "\n".join(lines)
+        print(table)
+        notes = (f"The shipped tiny pair (trained weights, fp32 on the CPU), {args.prompts} held-out stdlib prompts, "
+                 f"the target's greedy continuations of {args.tokens} tokens; τ by `training.acceptance_lengths` "
+                 "(every anchor whose block fits; novel: the next 8 tokens do not occur earlier), the drafter with "
+                 "the target's head as it is and with its int8 copy, on the same continuations.")
+        write_results(args.name or "draft_head_tau_tiny_pair", dict(
+            title="The drafter's LM head in int8: acceptance on the tiny pair", environment=environment(),
+            command=" ".join(sys.argv), weights="trained (the shipped tiny pair)", result=result, notes=notes), table)
+        return
+    config = __import__("e2e").model_config(args.model, 4).get_text_config() if cuda else None
+    vocab, hidden = (config.vocab_size, config.hidden_size) if cuda else (1000, 256)
+    configs = args.configs.split(",") if cuda else args.configs.split(",")[:2]
+    rows = [int(r) for r in args.rows.split(",")]
+    alone = head_alone(vocab, hidden, rows, configs, args.replays)
+    graph = draft_graph(args.model if cuda else "tiny", args.context, args.replays)
+    lines = ["| rows | head | µs (median) | p10 | p90 | weight MB | TB/s | argmax = fp32's |", "|---|---|---|---|---|---|---|---|"]
+    for r in alone:
+        if "median_us" in r:
+            lines.append(f"| {r['rows']} | {r['variant']} | **{r['median_us']:.1f}** | {r['p10_us']:.1f} | "
+                         f"{r['p90_us']:.1f} | {r['weight_bytes'] / 1e6:.0f} | {r['tb_per_s']:.2f} | "
+                         f"{r['argmax_agreement_vs_fp32']:.3f} |")
+    lines += ["", "| draft graph | µs (median) | p10 | p90 |", "|---|---|---|---|"]
+    for r in graph[:-1]:
+        if "median_us" in r:
+            lines.append(f"| head {r['head']} | **{r['median_us']:.1f}** | {r['p10_us']:.1f} | {r['p90_us']:.1f} |")
+    lines.append(f"\nDraft graph, int8 against bf16 head: largest logit difference {graph[-1]['largest_logit_difference']:.3g}, "
+                 f"drafts equal at {graph[-1]['draft_agreement']:.3f} of the positions (random weights).")
+    table = "\n".join(lines)
+    print(table)
+    if not cuda:
+        return
+    notes = (f"Random bf16 weights (the head N(0, 0.02)); head {vocab} x {hidden}; CUDA graphs, "
+             f"{args.replays} timed replays after 20 untimed; the draft graph: e2e.py's {args.model} drafter "
+             f"(5 layers), a 16-token block over {args.context} context tokens, fused kernels.")
+    write_results(args.name or "draft_head", dict(
+        title=f"The drafter's LM head in int8 ({args.model})", environment=environment(), command=" ".join(sys.argv),
+        weights="random", head_alone=alone, draft_graph=graph, int8_config=str(gemv_triton.INT8_CONFIG), notes=notes),
+        table)
+
+
+if __name__ == "__main__":
+    main()
