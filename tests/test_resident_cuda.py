@@ -250,3 +250,22 @@ def test_the_int8_draft_head_runs_captured_and_equals_ar(strategy, sync_errors):
     quantized = drafter.quantized_head()
     assert quantized is drafter.__dict__["_head_int8"][1], "the copy was made again after the capture"
     assert quantized.weight.dtype == torch.int8 and quantized.weight.is_cuda
+
+
+def test_the_int8_draft_head_serves_one_requests_block_on_a_gpu():
+    """On a GPU the int8 copy serves up to MAX_ROWS rows of logits (one request's block); a batch's drafts read the
+    head as it is (the int8 GEMV's limit), and no copy is made for them."""
+    from hybridspec_hf.kernels.gemv_triton import MAX_ROWS
+
+    target, drafter = _pair()
+    drafter.config.head_quantization = "int8"
+    head = target.get_output_embeddings()
+    hidden = torch.randn(2, drafter.config.block_size - 1, drafter.config.hidden_size, device="cuda")
+    with torch.no_grad():
+        batch = drafter.compute_logits(hidden)
+        assert "_head_int8" not in drafter.__dict__
+        one = drafter.compute_logits(hidden[:1])
+    assert drafter.__dict__["_head_int8"] is not None and hidden[:1, :, 0].numel() <= MAX_ROWS
+    plain = torch.nn.functional.linear(hidden.to(head.weight.dtype), head.weight).float()
+    assert torch.equal(batch, plain)
+    assert not torch.equal(one, plain[:1]) and torch.allclose(one, plain[:1], rtol=0.05, atol=0.05 * plain.abs().max())

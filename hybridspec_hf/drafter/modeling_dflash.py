@@ -32,7 +32,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from hybridspec_hf.kernels.attention_triton import routed, static_attention
 from hybridspec_hf.kernels.dflash_triton import add_rms_norm
-from hybridspec_hf.kernels.gemv_triton import QuantizedRows, linear_int8, quantize_rows
+from hybridspec_hf.kernels.gemv_triton import MAX_ROWS, QuantizedRows, linear_int8, quantize_rows
 from hybridspec_hf.kernels.norm_triton import fused_kernels_active
 from hybridspec_hf.kernels.rope_triton import rope
 from hybridspec_hf.kernels.rope_triton import supported as rope_supported
@@ -618,7 +618,7 @@ class DFlashDrafter(PreTrainedModel):
         (no [T, V] fp32 copy, for readers that compute in fp32 themselves: the resident rounds' drafts and signals).
         With config.head_quantization "int8" and no gradients, the head's int8 copy (`quantized_head`) instead."""
         _, head = self._require_target()
-        quantized = self._quantized_head(head)
+        quantized = self._quantized_head(head, hidden.numel() // max(1, hidden.shape[-1]))
         if quantized is not None:  # config.head_quantization, drafting: the head's int8 copy
             logits = linear_int8(hidden.to(device=head.weight.device, dtype=head.weight.dtype), quantized)
             logits = logits if head.bias is None else logits + head.bias.detach()
@@ -638,12 +638,14 @@ class DFlashDrafter(PreTrainedModel):
             logits = torch.tanh(logits / float(softcap)) * float(softcap)
         return logits
 
-    def _quantized_head(self, head: nn.Module) -> QuantizedRows | None:
+    def _quantized_head(self, head: nn.Module, rows: int = 1) -> QuantizedRows | None:
         """The int8 copy of the target's head that drafting multiplies by (config.head_quantization "int8", no
-        gradients, a plain nn.Linear whose weight is not sharded), else None. Made on first use and again when the
-        head's weight changes (another tensor, or written in place); kept on the drafter, not saved with it."""
+        gradients, a plain nn.Linear whose weight is not sharded; on a GPU for at most MAX_ROWS rows of logits —
+        the int8 GEMV's limit: a batch's drafts read the head as it is, which costs the same for any rows), else
+        None. Made on first use and again when the head's weight changes (another tensor, or written in place);
+        kept on the drafter, not saved with it."""
         if self.config.head_quantization is None or torch.is_grad_enabled() or not isinstance(head, nn.Linear) \
-                or _is_sharded(head.weight):
+                or _is_sharded(head.weight) or (head.weight.is_cuda and rows > MAX_ROWS):
             return None
         weight = head.weight
         key = (weight.data_ptr(), weight._version, tuple(weight.shape), weight.dtype, weight.device)
