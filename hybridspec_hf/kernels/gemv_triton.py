@@ -171,9 +171,11 @@ class QuantizedRows:
         return self.weight.shape
 
 
-# The int8 GEMV's config (`linear_int8`): 64 rows by 256 columns of int8 (16 KB) a step, K whole per program (a
-# 248k-row LM head: 3 880 programs). Not swept yet (benchmarks/draft_head.py measures candidates).
-INT8_CONFIG = GemvConfig(64, 256, 1, 4, 4, True)
+# The int8 GEMV's config (`linear_int8`): 64 rows by 128 columns of int8 (8 KB) a step in 4 stages, K whole per
+# program (a 248k-row LM head: 3 880 programs). The best of six on an H100 (run 146, benchmarks/results/
+# draft_head_run146.md: a 248 320 x 2 048 head at 15 rows 184 µs, 2.76 TB/s, against 218 for 64 x 256 and 344 for
+# cuBLAS on the bf16 head; 32 x 256 in 3 stages 186).
+INT8_CONFIG = GemvConfig(64, 128, 1, 4, 4, True)
 
 _FORCE: GemvConfig | None = None  # tests only: this config (fitted to each shape) for every shape, whatever TABLE says
 
