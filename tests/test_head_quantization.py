@@ -437,6 +437,19 @@ def test_no_head_quantization_is_the_plain_head(pair, drafter_with, no_interpret
     assert drafter.__dict__.get("_head_int8") is None
 
 
+def test_the_int8_copy_is_dropped_once_the_option_is_off_again(pair, drafter_with, no_interpreter):
+    """The copy (≈ 0.5 GB at a 248k-row head) does not outlive the option: the next logits free it."""
+    drafter = drafter_with("int8")
+    h = hidden_states(drafter, 1, 5, seed=33)
+    with torch.no_grad():
+        drafter.compute_logits(h)
+        assert drafter.__dict__.get("_head_int8") is not None
+        drafter.config.head_quantization = None
+        logits = drafter.compute_logits(h)
+    assert "_head_int8" not in drafter.__dict__
+    assert torch.equal(logits, F.linear(h, drafter._require_target()[1].weight))
+
+
 def test_int8_head_with_gradients_uses_the_plain_head(pair, drafter_with, no_interpreter):
     drafter = drafter_with("int8")
     head = drafter._require_target()[1]

@@ -643,9 +643,12 @@ class DFlashDrafter(PreTrainedModel):
         gradients, a plain nn.Linear whose weight is not sharded; on a GPU for at most MAX_ROWS rows of logits —
         the int8 GEMV's limit: a batch's drafts read the head as it is, which costs the same for any rows), else
         None. Made on first use and again when the head's weight changes (another tensor, or written in place);
-        kept on the drafter, not saved with it."""
-        if self.config.head_quantization is None or torch.is_grad_enabled() or not isinstance(head, nn.Linear) \
-                or _is_sharded(head.weight) or (head.weight.is_cuda and rows > MAX_ROWS):
+        kept on the drafter, not saved with it, and dropped once config.head_quantization is None again."""
+        if self.config.head_quantization is None:
+            self.__dict__.pop("_head_int8", None)
+            return None
+        if torch.is_grad_enabled() or not isinstance(head, nn.Linear) or _is_sharded(head.weight) \
+                or (head.weight.is_cuda and rows > MAX_ROWS):
             return None
         weight = head.weight
         key = (weight.data_ptr(), weight._version, tuple(weight.shape), weight.dtype, weight.device)
