@@ -1,3 +1,4 @@
+import contextlib
 import os
 import tempfile
 import sys
@@ -27,18 +28,24 @@ def fp64_gdn():
         yield
 
 
-@pytest.fixture(scope="module")
-def triton_interpreter():
-    """TRITON_INTERPRET=1 for one test module (`pytestmark = pytest.mark.usefixtures("triton_interpreter")`). Our
-    kernels bind to `triton.jit` at launch, so they follow it; triton.language's own helpers (tl.sum, tl.cumsum, ...)
-    and our jit helpers were bound when triton was first imported, possibly without the variable, so they are run as
-    interpreted device functions here too."""
+@contextlib.contextmanager
+def interpreted():
+    """TRITON_INTERPRET=1 inside. Our kernels bind to `triton.jit` at launch, so they follow it; triton.language's
+    own helpers (tl.sum, tl.cumsum, ...) and our jit helpers were bound when triton was first imported, possibly
+    without the variable, so they are run as interpreted device functions here too."""
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TRITON_INTERPRET", "1")
         patch.setattr(JITFunction, "__call__", lambda self, *args, **kwargs: InterpretedFunction(self.fn)(*args, **kwargs))
+        yield
+
+
+@pytest.fixture(scope="module")
+def triton_interpreter():
+    """TRITON_INTERPRET=1 for one test module (`pytestmark = pytest.mark.usefixtures("triton_interpreter")`)."""
+    with interpreted():
         yield
 
 

@@ -11,8 +11,6 @@ by a full ulp of the value (ULP: 2^-7 bf16, 2^-10 fp16, 0 fp32), counted twice f
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -46,12 +44,9 @@ def interpreter():
     triton.jit at launch; jit'd helpers called from an interpreted kernel run as interpreted device functions).
     Function-scoped here: the tiny pair's generate() tests in this module must run without it (interpreting every
     kernel of a tiny-pair generate() takes minutes)."""
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
+    from conftest import interpreted
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TRITON_INTERPRET", "1")
-        patch.setattr(JITFunction, "__call__", lambda self, *args, **kwargs: InterpretedFunction(self.fn)(*args, **kwargs))
+    with interpreted():
         yield
 
 
