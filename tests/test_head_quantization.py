@@ -432,17 +432,23 @@ def test_no_head_quantization_is_the_plain_head(pair, drafter_with, no_interpret
     assert drafter.__dict__.get("_head_int8") is None
 
 
-def test_the_int8_copy_is_dropped_once_the_option_is_off_again(pair, drafter_with, no_interpreter):
-    """The copy (≈ 0.5 GB at a 248k-row head) does not outlive the option: the next logits free it."""
+def test_the_int8_copy_stays_until_released_and_is_made_again_after(pair, drafter_with, no_interpreter):
+    """With the option off the drafter multiplies by the head again but keeps its copy (a captured draft graph may
+    still read it); `release_quantized_head` drops it, and the next use with the option on makes it again."""
     drafter = drafter_with("int8")
     h = hidden_states(drafter, 1, 5, seed=33)
     with torch.no_grad():
-        drafter.compute_logits(h)
-        assert drafter.__dict__.get("_head_int8") is not None
+        quantized = drafter.compute_logits(h)
+        copy = drafter.__dict__["_head_int8"][1]
         drafter.config.head_quantization = None
-        logits = drafter.compute_logits(h)
-    assert "_head_int8" not in drafter.__dict__
-    assert torch.equal(logits, F.linear(h, drafter._require_target()[1].weight))
+        plain = drafter.compute_logits(h)
+        assert drafter.__dict__["_head_int8"][1] is copy
+        drafter.release_quantized_head()
+        assert "_head_int8" not in drafter.__dict__
+        drafter.config.head_quantization = "int8"
+        again = drafter.compute_logits(h)
+    assert torch.equal(plain, F.linear(h, drafter._require_target()[1].weight))
+    assert torch.equal(again, quantized) and drafter.__dict__["_head_int8"][1] is not copy
 
 
 def test_int8_head_with_gradients_uses_the_plain_head(pair, drafter_with, no_interpreter):
@@ -467,14 +473,15 @@ def test_int8_copy_is_remade_when_the_head_weight_changes(pair, drafter_with, no
     h = hidden_states(drafter, 1, 4, seed=34)
     original = head.weight.detach().clone()
     first = drafter.quantized_head()
-    first_scale = first.scale.clone()
+    first_scale, first_weight = first.scale.clone(), first.weight.clone()
+    tensors = (first.weight.data_ptr(), first.scale.data_ptr())  # a captured draft graph reads them by address
     with torch.no_grad():
         before = drafter.compute_logits(h)
     try:
         with torch.no_grad():
             head.weight.mul_(1.5)  # in place: same data_ptr, a new version
         second = drafter.quantized_head()
-        assert second is not first
+        assert (second.weight.data_ptr(), second.scale.data_ptr()) == tensors, "made again into other tensors"
         torch.testing.assert_close(second.scale, first_scale * 1.5, rtol=1e-6, atol=0)
         with torch.no_grad():
             after = drafter.compute_logits(h)
@@ -493,15 +500,15 @@ def test_int8_copy_is_remade_when_the_head_weight_changes(pair, drafter_with, no
         head.weight = replacement
         try:
             third = drafter.quantized_head()
-            assert third is not second
-            assert torch.equal(third.scale, first_scale.flip(0)) and torch.equal(third.weight, first.weight.flip(0))
+            assert (third.weight.data_ptr(), third.scale.data_ptr()) == tensors
+            assert torch.equal(third.scale, first_scale.flip(0)) and torch.equal(third.weight, first_weight.flip(0))
         finally:
             head.weight = kept
     finally:
         with torch.no_grad():
             head.weight.copy_(original)
     restored = drafter.quantized_head()
-    assert torch.equal(restored.scale, first_scale) and torch.equal(restored.weight, first.weight)
+    assert torch.equal(restored.scale, first_scale) and torch.equal(restored.weight, first_weight)
     with torch.no_grad():
         assert torch.equal(drafter.compute_logits(h), before)
 
@@ -572,3 +579,37 @@ def test_greedy_generate_with_the_int8_head_equals_ar(strategy, settings, pair, 
         accepted += sum(r.accepted for r in rounds)
     assert drafter.__dict__.get("_head_int8") is not None
     assert accepted > 0, "the int8 head's drafts should get some tokens accepted"
+
+
+def test_resident_rounds_hold_their_copy_and_its_values_follow_the_head(pair, prompts, drafter_with,
+                                                                        no_interpreter):
+    """The resident rounds (their CPU twin here) take the copy before their capture and hold it: the drafter may drop
+    its own reference, a later call with the head changed in place refreshes the held tensors in place (a captured
+    draft graph reads them by address), and release_graphs drops the drafter's reference with the rounds'."""
+    target, _, _ = pair
+    drafter = drafter_with("int8")
+    kwargs = dict(do_sample=False, max_new_tokens=8, assistant_model=drafter, generation_strategy="dflash",
+                  hybridspec_config=HybridSpecConfig(cuda_graphs="on"))
+    head = drafter._require_target()[1]
+    original = head.weight.detach().clone()
+    hybridspec_hf.release_graphs(target)  # rounds of the tests before would be reused, with the copy of their time
+    try:
+        target.generate(prompts[0], **kwargs)
+        rounds = target.__dict__["_hybridspec_resident"]
+        held = rounds.head_copy
+        assert held is drafter.__dict__["_head_int8"][1]
+        drafter.release_quantized_head()
+        assert rounds.head_copy is held
+        with torch.no_grad():
+            head.weight.mul_(0.5)
+        target.generate(prompts[0], **kwargs)
+        assert target.__dict__["_hybridspec_resident"] is rounds and rounds.head_copy is held
+        fresh = quantize_rows(head.weight)
+        assert torch.equal(held.weight, fresh.weight) and torch.equal(held.scale, fresh.scale)
+        assert drafter.__dict__["_head_int8"][1] is not held  # the drafter's new copy, its values copied in
+        hybridspec_hf.release_graphs(target)
+        assert "_head_int8" not in drafter.__dict__ and rounds.head_copy is None
+    finally:
+        hybridspec_hf.release_graphs(target)
+        with torch.no_grad():
+            head.weight.copy_(original)

@@ -642,13 +642,11 @@ class DFlashDrafter(PreTrainedModel):
         """The int8 copy of the target's head that drafting multiplies by (config.head_quantization "int8", no
         gradients, a plain nn.Linear whose weight is not sharded; on a GPU for at most MAX_ROWS rows of logits —
         the int8 GEMV's limit: a batch's drafts read the head as it is, which costs the same for any rows), else
-        None. Made on first use and again when the head's weight changes (another tensor, or written in place);
-        kept on the drafter, not saved with it, and dropped once config.head_quantization is None again."""
-        if self.config.head_quantization is None:
-            self.__dict__.pop("_head_int8", None)
-            return None
-        if torch.is_grad_enabled() or not isinstance(head, nn.Linear) or _is_sharded(head.weight) \
-                or (head.weight.is_cuda and rows > MAX_ROWS):
+        None. Made on first use; when the head's weight changes (another tensor, or written in place) made again
+        into the same tensors where the shape and device allow (CUDA graphs captured with it read it by address).
+        Kept on the drafter (not saved with it) until `release_quantized_head`."""
+        if self.config.head_quantization is None or torch.is_grad_enabled() or not isinstance(head, nn.Linear) \
+                or _is_sharded(head.weight) or (head.weight.is_cuda and rows > MAX_ROWS):
             return None
         weight = head.weight
         key = (weight.data_ptr(), weight._version, tuple(weight.shape), weight.dtype, weight.device)
@@ -658,15 +656,23 @@ class DFlashDrafter(PreTrainedModel):
         if weight.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("The drafter's int8 head copy must be made before CUDA-graph capture: draft once "
                                "eagerly first (the resident rounds' warm-up does), or call drafter.quantized_head().")
-        self.__dict__["_head_int8"] = None  # the old copy's memory goes before the new one is made
-        self.__dict__["_head_int8"] = (key, quantize_rows(weight))
+        reuse = kept is not None and kept[1].weight.shape == weight.shape and kept[1].weight.device == weight.device
+        if not reuse:
+            self.__dict__.pop("_head_int8", None)  # the old copy's memory (if no graph holds it) before the new one
+        self.__dict__["_head_int8"] = (key, quantize_rows(weight, out=kept[1] if reuse else None))
         return self.__dict__["_head_int8"][1]
 
+    def release_quantized_head(self) -> None:
+        """Drop the drafter's int8 head copy (made again on the next use while the option is on). Resident rounds
+        captured with it hold their own reference until `hybridspec_hf.release_graphs(target)`."""
+        self.__dict__.pop("_head_int8", None)
+
     @torch.no_grad()
-    def quantized_head(self) -> QuantizedRows | None:
-        """The int8 copy of the bound target's LM head drafting uses (made now if needed), or None where
-        config.head_quantization is None or the head is not a plain unsharded nn.Linear."""
-        return self._quantized_head(self._require_target()[1])
+    def quantized_head(self, rows: int = 1) -> QuantizedRows | None:
+        """The int8 copy of the bound target's LM head drafting uses for `rows` rows of logits (made now if needed),
+        or None where config.head_quantization is None, the head is not a plain unsharded nn.Linear, or a GPU's
+        rows exceed what the int8 GEMV takes."""
+        return self._quantized_head(self._require_target()[1], rows)
 
     # ----------------------------------------------------------------------------------------------- inference
     def new_context_cache(self, capacity: int = 0) -> DFlashContextCache:

@@ -458,6 +458,9 @@ class ResidentRounds:
         self.step = self.step_append = self.spec = self.draft = self.decide = None
         self.verifies, self.commits = {}, {}
         if release_copies:
+            if getattr(self, "head_copy", None) is not None:  # the drafter's reference too (made again on its next use)
+                self.drafter.release_quantized_head()
+            self.head_copy = None
             patches.release_fused_moe(self.moe)
             patches.release_gdn_projections(self.target.gdn_layers)
             patches.release_attention_projections(self.attention)
@@ -469,6 +472,18 @@ class ResidentRounds:
         patches.prepare_gdn_projections(self.target.gdn_layers)
         patches.prepare_attention_projections(self.attention)
         patches.prepare_linears(self.linears)  # the projections' skinny GEMM (inert until its table names a shape)
+        # the drafter's int8 head copy (DFlashConfig.head_quantization), made before the capture and held here: the
+        # draft graph reads it by address, so it lives as long as these rounds whatever the drafter does with its
+        # own reference later, and follows the head's weights in place as the copies above do
+        quantized_head = getattr(self.drafter, "quantized_head", None)
+        current = quantized_head(self.rows * (self.drafter.config.block_size - 1)) if quantized_head is not None \
+            else None
+        held = getattr(self, "head_copy", None)
+        if held is None:
+            self.head_copy = current
+        elif current is not None and current is not held:  # the drafter made another: its values into ours
+            held.weight.copy_(current.weight)
+            held.scale.copy_(current.scale)
 
     def reset_selector(self) -> None:
         """A new generate() call: the selector's streams restart from its prior, in place (graphs hold them),

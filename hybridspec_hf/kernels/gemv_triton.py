@@ -196,15 +196,19 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return out.to(x.dtype)
 
 
-def quantize_rows(weight: torch.Tensor, chunk_rows: int = 32768) -> QuantizedRows:
+def quantize_rows(weight: torch.Tensor, chunk_rows: int = 32768, out: QuantizedRows | None = None) -> QuantizedRows:
     """Symmetric int8 per row: scale = max |row| / 127 (1 for an all-zero row), q = round(row / scale) (to nearest,
     ties to even), so |W - q · scale| ≤ scale / 2 elementwise (up to float32 rounding of the division: 0.5 + 4e-6
-    measured). Computed in float32 on weight's device, `chunk_rows`
-    rows at a time (a 248k x 2048 head needs ≈ 0.5 GB for q and ≈ 0.3 GB more while it is made)."""
+    measured). Computed in float32 on weight's device, `chunk_rows` rows at a time (a 248k x 2048 head needs
+    ≈ 0.5 GB for q and ≈ 0.3 GB more while it is made); into `out`'s tensors in place if given (same shape and
+    device: a CUDA graph that reads them by address sees the new values)."""
     if weight.dim() != 2 or not weight.dtype.is_floating_point:
         raise ValueError(f"quantize_rows takes a float weight [N, K], got {tuple(weight.shape)} {weight.dtype}")
-    q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
-    scale = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
+    if out is not None and (out.weight.shape != weight.shape or out.weight.device != weight.device):
+        raise ValueError(f"quantize_rows: out holds {tuple(out.weight.shape)} on {out.weight.device}, the weight is "
+                         f"{tuple(weight.shape)} on {weight.device}")
+    q = out.weight if out is not None else torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+    scale = out.scale if out is not None else torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
     with torch.no_grad():
         for start in range(0, weight.shape[0], chunk_rows):
             rows = weight[start: start + chunk_rows].detach().float()
