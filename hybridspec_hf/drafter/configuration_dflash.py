@@ -47,7 +47,8 @@ class DFlashConfig(PreTrainedConfig):
         output_multiplier, final_logit_softcapping: optional logit post-processing (z-lab ``compute_logits``).
         head_quantization: None (the target's LM head as it is) or ``"int8"``: drafting (no gradients) multiplies by
             an int8 copy of the target's head, one float32 scale per vocabulary row, made on first use (half the
-            bytes a draft reads from a bf16 head; ≈ 0.5 GB of GPU memory more at a 248k x 2048 head). On a GPU
+            bytes a draft reads from a bf16 head; ≈ 0.5 GB of GPU memory more at a 248k x 2048 head, kept until
+            ``drafter.release_quantized_head()`` or ``hybridspec_hf.release_graphs(target)``). On a GPU
             only for up to 16 rows of logits (one request's block: the int8 GEMV's limit); a batch's drafts read
             the head as it is. Drafts are proposals, so the output stays the target's; only which drafts are
             proposed may change where two of the drafter's logits nearly tie. Training with gradients uses the
