@@ -37,6 +37,7 @@ if not torch.cuda.is_available():  # the CPU runs: kernels in the Triton interpr
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import capture, environment, time_graph, write_results  # noqa: E402
+from e2e import build, model_config  # noqa: E402
 
 from hybridspec_hf import patches  # noqa: E402
 from hybridspec_hf.kernels import gemv_triton  # noqa: E402
@@ -92,13 +93,20 @@ def head_alone(vocab: int, hidden: int, rows_list: list[int], configs: list[str]
 
 def draft_graph(model: str, context: int, replays: int) -> list[dict]:
     """`draft_static` of the benchmark drafter with the head as it is and its int8 copy, each captured."""
-    from e2e import build
-
-    from hybridspec_hf.drafter import StaticDraftContext, fused
+    from hybridspec_hf.drafter import fused
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    fused._ON_CPU = not cuda
+    on_cpu, fused._ON_CPU = fused._ON_CPU, not cuda  # the CPU smoke run takes the fused path in the interpreter
+    try:
+        return _draft_graph(model, context, replays, cuda, device)
+    finally:
+        fused._ON_CPU = on_cpu
+
+
+def _draft_graph(model: str, context: int, replays: int, cuda: bool, device: torch.device) -> list[dict]:
+    from hybridspec_hf.drafter import StaticDraftContext
+
     _, drafter = build(model, 4, device.type)
     width = drafter.fc.in_features
     context = context if cuda else min(context, 32)
@@ -145,7 +153,8 @@ def tau(prompts: int, tokens: int) -> dict:
     return result
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
+    """Runs the part; returns what it wrote (on a CPU the kernel part is a smoke run and writes nothing)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", choices=["kernel", "tau"], default="kernel")
     parser.add_argument("--model", default="qwen35_35b_a3b")
@@ -156,7 +165,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--name", default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
     if args.part == "tau":
         result = tau(args.prompts, args.tokens)
@@ -171,11 +180,11 @@ def main() -> None:
                  f"the target's greedy continuations of {args.tokens} tokens; τ by `training.acceptance_lengths` "
                  "(every anchor whose block fits; novel: the next 8 tokens do not occur earlier), the drafter with "
                  "the target's head as it is and with its int8 copy, on the same continuations.")
-        write_results(args.name or "draft_head_tau_tiny_pair", dict(
-            title="The drafter's LM head in int8: acceptance on the tiny pair", environment=environment(),
-            command=" ".join(sys.argv), weights="trained (the shipped tiny pair)", result=result, notes=notes), table)
-        return
-    config = __import__("e2e").model_config(args.model, 4).get_text_config() if cuda else None
+        payload = dict(title="The drafter's LM head in int8: acceptance on the tiny pair", environment=environment(),
+                       command=" ".join(sys.argv), weights="trained (the shipped tiny pair)", result=result, notes=notes)
+        write_results(args.name or "draft_head_tau_tiny_pair", payload, table)
+        return payload
+    config = model_config(args.model, 4).get_text_config() if cuda else None
     vocab, hidden = (config.vocab_size, config.hidden_size) if cuda else (1000, 256)
     configs = args.configs.split(",") if cuda else args.configs.split(",")[:2]
     rows = [int(r) for r in args.rows.split(",")]
@@ -195,15 +204,16 @@ def main() -> None:
                  f"drafts equal at {graph[-1]['draft_agreement']:.3f} of the positions (random weights).")
     table = "\n".join(lines)
     print(table)
+    payload = dict(title=f"The drafter's LM head in int8 ({args.model})", environment=environment(),
+                   command=" ".join(sys.argv), weights="random", head_alone=alone, draft_graph=graph,
+                   int8_config=str(gemv_triton.INT8_CONFIG))
     if not cuda:
-        return
+        return payload
     notes = (f"Random bf16 weights (the head N(0, 0.02)); head {vocab} x {hidden}; CUDA graphs, "
              f"{args.replays} timed replays after 20 untimed; the draft graph: e2e.py's {args.model} drafter "
              f"(5 layers), a 16-token block over {args.context} context tokens, fused kernels.")
-    write_results(args.name or "draft_head", dict(
-        title=f"The drafter's LM head in int8 ({args.model})", environment=environment(), command=" ".join(sys.argv),
-        weights="random", head_alone=alone, draft_graph=graph, int8_config=str(gemv_triton.INT8_CONFIG), notes=notes),
-        table)
+    write_results(args.name or "draft_head", {**payload, "notes": notes}, table)
+    return payload
 
 
 if __name__ == "__main__":

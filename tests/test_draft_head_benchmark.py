@@ -1,0 +1,38 @@
+"""benchmarks/draft_head.py runs through on the CPU: the kernel part's smoke run (a small head, the Triton
+interpreter; the draft graph of the tiny drafter with either head) agrees with the references, and its configs are
+parsed or refused."""
+import os
+
+import pytest
+
+
+@pytest.fixture
+def draft_head(benchmarks, monkeypatch):
+    # its import sets TRITON_INTERPRET on a machine without CUDA: set here, so that the test's end restores it
+    monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "0"))
+    import draft_head
+
+    return draft_head
+
+
+def test_the_kernel_part_runs_on_the_cpu_with_either_head(draft_head, cpu_only, triton_interpreter):
+    from hybridspec_hf.drafter import fused
+
+    payload = draft_head.main(["--part", "kernel", "--rows", "1,3"])
+    assert fused._ON_CPU is False  # the smoke run's switch is put back
+    alone = payload["head_alone"]
+    assert [(row["rows"], row["variant"].split()[0]) for row in alone] == [
+        (1, "bf16"), (1, "int8"), (1, "int8"), (3, "bf16"), (3, "int8"), (3, "int8")]
+    for row in alone:  # int8 rows within a quantization step of the fp32 head; argmax on random data kept
+        assert row["rel_error_vs_fp32"] < (0.005 if row["variant"].startswith("bf16") else 0.03)
+        assert row["weight_bytes"] == (1000 * 256 * 2 if row["variant"].startswith("bf16") else 1000 * 256 + 4000)
+    heads = [row.get("head") for row in payload["draft_graph"][:2]]
+    assert heads == ["bf16 (the target's)", "int8"]
+    assert 0 < payload["draft_graph"][2]["largest_logit_difference"] < 0.1
+
+
+def test_configs_are_parsed_or_refused(draft_head):
+    config = draft_head.parse_config("64x128s2w8t3")
+    assert (config.block_n, config.block_k, config.split_k, config.num_warps, config.num_stages) == (64, 128, 2, 8, 3)
+    with pytest.raises(SystemExit, match="BNxBK"):
+        draft_head.parse_config("64x128w4")
