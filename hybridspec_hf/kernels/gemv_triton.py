@@ -454,9 +454,7 @@ def linear_int8(x: torch.Tensor, quantized: QuantizedRows) -> torch.Tensor:
     q = quantized.weight
     if x.shape[-1] != q.shape[1]:
         raise ValueError(f"linear_int8: x has {x.shape[-1]} features, the quantized weight {q.shape[1]}")
-    rows = x.numel() // max(1, x.shape[-1])
-    if (0 < rows <= MAX_ROWS and type(x) in (torch.Tensor, torch.nn.Parameter) and x.dtype in _DTYPES
-            and q.stride(-1) == 1 and not torch.is_grad_enabled() and select_backend("auto", x, q) == "triton"):
+    if 0 < x.numel() // max(1, x.shape[-1]) <= MAX_ROWS and _suits(x, q, None, weight_dtype=torch.int8):
         return gemv(x, q, None, _FORCE or INT8_CONFIG, scale=quantized.scale)
     return linear_int8_reference(x, quantized)
 
@@ -471,10 +469,12 @@ def _row_norm(norm: torch.nn.Module, x: torch.Tensor) -> RowNorm | None:
     return RowNorm(weight, eps) if weight.shape == (x.shape[-1],) and weight.dtype == x.dtype else None
 
 
-def _suits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Plain tensors (not DTensors or other subclasses: their F.linear does more than a matmul) of one float dtype,
-    K contiguous, grad off, where Triton runs."""
+def _suits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           weight_dtype: torch.dtype | None = None) -> bool:
+    """Plain tensors (not DTensors or other subclasses: their F.linear does more than a matmul) of one float dtype
+    (the weight's `weight_dtype` if given: int8 rows), K contiguous, grad off, where Triton runs."""
     tensors = (x, weight) if bias is None else (x, weight, bias)
-    plain = all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.dtype == x.dtype for t in tensors)
+    plain = all(type(t) in (torch.Tensor, torch.nn.Parameter)
+                and t.dtype == (weight_dtype if t is weight and weight_dtype is not None else x.dtype) for t in tensors)
     return (plain and x.dtype in _DTYPES and weight.stride(-1) == 1 and (bias is None or bias.dim() == 1)
             and not torch.is_grad_enabled() and select_backend("auto", *tensors) == "triton")
