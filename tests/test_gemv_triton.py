@@ -358,3 +358,126 @@ def test_benchmark_smoke_run_writes_results(tmp_path, benchmarks, cpu_only):
     assert cells and all(row["ok"] for cell in cells for row in cell["configs"])
     assert (tmp_path / "gemv.md").exists() and "TABLE" in (tmp_path / "gemv.md").read_text()
     sys.modules.pop("gemv", None)
+
+
+def gated_inputs(rows: int, heads: int, head: int, n: int, dtype: torch.dtype, seed: int):
+    """x [rows, heads · head], a gate z strided as a slice of a wider GEMM output, W [n, K], a norm weight [head]."""
+    gen = torch.Generator().manual_seed(seed)
+    k = heads * head
+    x = (torch.randn(rows, k, generator=gen) * 2).to(dtype)
+    z = (torch.randn(rows, k + 24, generator=gen) * 2).to(dtype)[:, 16: 16 + k]  # row stride K + 24
+    weight = (torch.randn(n, k, generator=gen) * k**-0.5).to(dtype)
+    norm_weight = (1.0 + 0.3 * torch.randn(head, generator=gen)).to(dtype)
+    return x, z, weight, norm_weight
+
+
+GATED_CONFIGS = (GemvConfig(16, 32, 2), GemvConfig(16, 64, 1), GemvConfig(8, 16, 1, dot=False), GemvConfig(32, 16, 4))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_gated_prologue_gives_the_bits_of_the_norm_launch_then_the_gemm(rows, dtype, monkeypatch):
+    """`gemv(..., gate=GatedNorm)` is the gated RMSNorm launch (norm_triton.gated_rms_norm) followed by the GEMM,
+    bit for bit: the same per-head products and roundings in the prologue. Heads of 16 and 32 channels, K steps of
+    several heads, of one, and narrower than a head (raised to one head), K split, FMAs and dots, whole slices on
+    and off, a strided gate."""
+    from hybridspec_hf.kernels.norm_triton import gated_rms_norm
+
+    for heads, head, seed in ((6, 16, 1), (3, 32, 2)):
+        x, z, weight, norm_weight = gated_inputs(rows, heads, head, 40, dtype, seed)
+        normed = gated_rms_norm(x.view(rows, heads, head), z.reshape(rows, heads, head), norm_weight, 1e-6)
+        for whole in (True, False):
+            monkeypatch.setattr(gemv_triton, "WHOLE_SLICE", whole)
+            for config in GATED_CONFIGS:
+                if rows > 4 and not config.dot:
+                    continue
+                steps_of_heads = GemvConfig(config.block_n, max(config.block_k, head), config.split_k,
+                                            config.num_warps, config.num_stages, config.dot)  # what gemv launches
+                expected = gemv(normed.reshape(rows, -1), weight, None, steps_of_heads)
+                y = gemv(x, weight, None, config, gate=gemv_triton.GatedNorm(z, norm_weight, 1e-6))
+                assert torch.equal(y, expected), (heads, head, whole, config)
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_gated_prologue_in_float32_is_the_float64_truth_within_the_bound(rows):
+    """Against transformers' RMSNormGated and the GEMM in float64: the module docstring's bound with the normed
+    inputs as x (fp32: a few ulps of rsqrt and of the sums' order)."""
+    from hybridspec_hf.kernels.norm_triton import gated_rms_norm_reference
+
+    x, z, weight, norm_weight = gated_inputs(rows, 4, 16, 24, torch.float32, seed=5)
+    normed = gated_rms_norm_reference(x.double().view(rows, 4, 16), z.double().reshape(rows, 4, 16),
+                                      norm_weight.double(), 1e-6).reshape(rows, -1)
+    exact = normed @ weight.double().T
+    magnitude = normed.abs() @ weight.double().abs().T
+    limit = 2.0**-20 * (exact.abs() + magnitude) + 65 * 2.0**-24 * magnitude
+    for config in (GemvConfig(16, 32, 2), GemvConfig(8, 64, 1, dot=False)):
+        y = gemv(x, weight, None, config, gate=gemv_triton.GatedNorm(z, norm_weight, 1e-6))
+        assert bool(((y.double() - exact).abs() <= limit).all()), config
+
+
+def test_gated_prologue_refuses_what_it_cannot_norm_and_is_configured_only_where_it_runs(monkeypatch):
+    """Clear errors for a head that is not a power of two or does not divide K, another dtype, a gate of another
+    size, or a row norm beside it; `gated_prologue_config` names a config only with the switch on, for a shape the
+    table (here: forced) names and such a head."""
+    x, z, weight, norm_weight = gated_inputs(2, 4, 16, 24, torch.float32, seed=6)
+    config = GemvConfig(16, 32, 2)
+    bad = [gemv_triton.GatedNorm(z, norm_weight[:12], 1e-6), gemv_triton.GatedNorm(z, torch.ones(24), 1e-6),
+           gemv_triton.GatedNorm(z, norm_weight.double(), 1e-6), gemv_triton.GatedNorm(z[:1], norm_weight, 1e-6),
+           gemv_triton.GatedNorm(z.half(), norm_weight, 1e-6)]
+    for gate in bad:
+        with pytest.raises(ValueError, match="gated norm"):
+            gemv(x, weight, None, config, gate=gate)
+    with pytest.raises(ValueError, match="gated norm"):
+        gemv(x, weight, None, config, norm=gemv_triton.RowNorm(torch.ones(64), 1e-6),
+             gate=gemv_triton.GatedNorm(z, norm_weight, 1e-6))
+    with torch.no_grad():
+        monkeypatch.setattr(gemv_triton, "_FORCE", config)
+        assert gemv_triton.gated_prologue_config(x, 2, weight, None, norm_weight) is None  # switch off
+        monkeypatch.setattr(gemv_triton, "GATED_PROLOGUE", True)
+        assert gemv_triton.gated_prologue_config(x, 2, weight, None, norm_weight) == config
+        assert gemv_triton.gated_prologue_config(x, 2, weight, None, torch.ones(12)) is None  # not a power of two
+        assert gemv_triton.gated_prologue_config(x, 2, weight, None, norm_weight.double()) is None
+        assert gemv_triton.gated_prologue_config(x, 17, weight, None, norm_weight) is None  # past MAX_ROWS
+        monkeypatch.setattr(gemv_triton, "_FORCE", None)
+        assert gemv_triton.gated_prologue_config(x, 2, weight, None, norm_weight) is None  # not in the table
+    assert gemv_triton.gated_prologue_config(x, 2, weight, None, norm_weight) is None  # grad on: F.linear's
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_moe", "qwen3_next"])
+def test_resident_generate_with_the_gated_norm_in_out_proj_equals_ar(name, monkeypatch):
+    """GATED_PROLOGUE on, every projection by the kernel: each GDN layer's out_proj takes its gated norm in the
+    prologue, in verifications and in plain decoding steps (the step then leaves o un-normed), and greedy output stays
+    AR's: our resident AR, DFlash's rounds and HybridSpec's."""
+    from test_exactness import run
+
+    from hybridspec_hf.patches import _gdn
+
+    target = make_target(name, seed=9, dtype=torch.float32)
+    prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        ar = target.generate(prompt, do_sample=False, max_new_tokens=10)
+    drafter = make_drafter(target, 4, ar, error_rate=0.5).to(torch.float32)
+    gated_rows = []  # rows of each out_proj GEMV that took the gated norm
+    launch = gemv_triton.gemv
+
+    def counted(x, weight, bias, config, norm=None, scale=None, gate=None):
+        if gate is not None:
+            gated_rows.append((weight.data_ptr(), x.numel() // x.shape[-1]))
+        return launch(x, weight, bias, config, norm, scale, gate)
+
+    steps = []  # the `norm` argument of each one-launch decoding step
+    step = _gdn.gdn_step
+    monkeypatch.setattr(_gdn, "gdn_step", lambda *args, **kw: steps.append(kw.get("norm", True)) or step(*args, **kw))
+    monkeypatch.setattr(gemv_triton, "gemv", counted)
+    monkeypatch.setattr(gemv_triton, "_FORCE", GemvConfig(16, 16, 2))
+    monkeypatch.setattr(gemv_triton, "GATED_PROLOGUE", True)
+    out_projs = {layer.out_proj.weight.data_ptr() for layer in patches.gdn_layers(target)}
+    settings = hybridspec_hf.HybridSpecConfig(cuda_graphs="on")
+    for strategy in ("ar", "dflash", "hybridspec"):
+        out = run(target, prompt, drafter if strategy != "ar" else None, strategy, 10, hybridspec_config=settings)
+        assert torch.equal(out, ar), strategy
+        hybridspec_hf.release_graphs(target)
+    assert {ptr for ptr, _ in gated_rows} == out_projs
+    assert {rows for _, rows in gated_rows} >= {1, 4}  # plain steps and verifications of DFlash's block
+    assert steps and not any(steps)  # every plain step left its norm to out_proj
+    assert _gdn._plain_gated_norm(patches.gdn_layers(target)[0], torch.float32)
