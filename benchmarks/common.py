@@ -61,8 +61,6 @@ SWITCHES = {
                       "the decoder's input RMSNorm in the prologue of the GDN / q|k|v projection GEMM"),
     "gdn-norm-fold": ("hybridspec_hf.kernels.gdn_step_triton", "FOLD_NORM",
                       "the GDN step's gated RMSNorm by the head's last program, no launch of its own"),
-    "gated-prologue": ("hybridspec_hf.kernels.gemv_triton", "GATED_PROLOGUE",
-                       "the GDN layer's gated RMSNorm in its out_proj GEMV's prologue (no norm in the step or launch)"),
     "rope-table": ("hybridspec_hf.patches._rope", "TABLE",
                    "cos/sin gathered from the static target's RoPE table (one launch instead of ≈ 14)"),
     "mask-on-demand": ("hybridspec_hf.graphs.static_target", "MASK_ON_DEMAND",

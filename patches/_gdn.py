@@ -42,11 +42,10 @@ from hybridspec_hf.kernels import (
     gdn_verify_auto,
     select_backend,
 )
-from hybridspec_hf.kernels import gdn_prologue_triton, gdn_step_triton, gemv_triton
+from hybridspec_hf.kernels import gdn_prologue_triton, gdn_step_triton
 from hybridspec_hf.kernels.gdn_step_triton import gdn_step
-from hybridspec_hf.kernels.gemv_triton import GatedNorm, GemvConfig, gated_prologue_config, linear
+from hybridspec_hf.kernels.gemv_triton import linear
 
-from ._linear import is_routed
 from ._norms import normed, take_input_norm
 from ._weight_copies import (
     WeightCopy,
@@ -195,43 +194,16 @@ def _fused_route(session: VerifySession, mixed_qkv: torch.Tensor, conv_state: to
             and select_backend(session.kernel_backend, mixed_qkv, conv_state) == "triton")
 
 
-def _plain_gated_norm(layer: torch.nn.Module, dtype: torch.dtype) -> bool:
-    """Whether the layer's norm computes transformers' RMSNormGated (silu gate, weight [dv] in `dtype`, the model's)
-    with nothing else to run (no hooks, no replaced forward), so that a kernel may apply it in its place."""
-    norm = layer.norm
-    weight = getattr(norm, "weight", None)
-    return (type(norm).__name__.endswith("RMSNormGated") and getattr(norm, "activation", "silu") == "silu"
-            and isinstance(getattr(norm, "variance_epsilon", None), float) and isinstance(weight, torch.Tensor)
-            and weight.shape == (layer.head_v_dim,) and weight.dtype == dtype and not hooked([norm]))
-
-
 def _one_launch_step(layer: torch.nn.Module, mixed_qkv: torch.Tensor, state: torch.Tensor) -> bool:
     """The decoding step by `gdn_step` (kernels/gdn_step_triton.py): while its switch is on, with an fp32 state and
-    a plain gated norm (`_plain_gated_norm`); otherwise the four launches."""
-    return (gdn_step_triton.FUSED_STEP and state.dtype == torch.float32
-            and _plain_gated_norm(layer, mixed_qkv.dtype))
-
-
-def _gated_out_proj(layer: torch.nn.Module, like: torch.Tensor, rows: int) -> GemvConfig | None:
-    """The GEMV config with which out_proj takes the gated norm in its prologue (`gemv_triton.GATED_PROLOGUE`) for
-    `rows` rows of like's dtype: where out_proj runs our GEMV anyway (our routed forward, no hooks) and the norm is
-    plain; else None (the norm, then out_proj, as transformers calls them)."""
-    proj = layer.out_proj
-    if not (fused_kernels_active() and type(proj) is torch.nn.Linear and is_routed(proj) and not hooked([proj])
-            and _plain_gated_norm(layer, like.dtype)):
-        return None
-    return gated_prologue_config(like, rows, proj.weight, proj.bias, layer.norm.weight)
-
-
-def _normed_out_proj(layer: torch.nn.Module, out: torch.Tensor, z: torch.Tensor, config: GemvConfig | None):
-    """out_proj(norm(out, z)) for out [B, T, HV, dv]: in one GEMV with the norm in its prologue given a config
-    (`_gated_out_proj`), else the two modules."""
-    batch, seq_len = out.shape[:2]
-    if config is not None:
-        norm = layer.norm
-        return gemv_triton.gemv(out.reshape(batch, seq_len, -1), layer.out_proj.weight, layer.out_proj.bias, config,
-                                gate=GatedNorm(z, norm.weight, norm.variance_epsilon))
-    return layer.out_proj(layer.norm(out, z).reshape(batch, seq_len, -1))
+    a gated norm that computes transformers' RMSNormGated (silu gate, weight in the model dtype) with nothing else
+    to run (no hooks, no replaced forward); otherwise the four launches."""
+    norm = layer.norm
+    weight = getattr(norm, "weight", None)
+    return (gdn_step_triton.FUSED_STEP and state.dtype == torch.float32 and type(norm).__name__.endswith("RMSNormGated")
+            and getattr(norm, "activation", "silu") == "silu" and hasattr(norm, "variance_epsilon")
+            and isinstance(weight, torch.Tensor) and weight.shape == (layer.head_v_dim,)
+            and weight.dtype == mixed_qkv.dtype and not hooked([norm]))
 
 
 def verify_forward(layer: torch.nn.Module, session: VerifySession, hidden_states: torch.Tensor, project: ProjectFn,
@@ -254,11 +226,8 @@ def verify_forward(layer: torch.nn.Module, session: VerifySession, hidden_states
     step = fused and session.decode_step and seq_len == 1  # commit in place, as the layer goes
     if step and _one_launch_step(layer, mixed_qkv, state):  # conv, gates, recurrence and norm: one kernel
         session.stepped += 1
-        config = _gated_out_proj(layer, mixed_qkv, batch * seq_len)
         core = gdn_step(mixed_qkv, conv_state, weight, layer.conv1d.bias, a, b, layer.A_log, layer.dt_bias, state,
-                        z, layer.norm.weight, layer.norm.variance_epsilon, layer.num_k_heads, norm=config is None)
-        if config is not None:
-            return _normed_out_proj(layer, core, z, config)
+                        z, layer.norm.weight, layer.norm.variance_epsilon, layer.num_k_heads)
         return layer.out_proj(core.reshape(batch, seq_len, -1))
     if fused and gdn_prologue_triton.CONV_GATES:  # [B, T, C] contiguous; g, beta [B, T, HV]
         mixed, g, beta = conv_silu_gates(conv_state, mixed_qkv, weight, layer.conv1d.bias, a, b, layer.A_log,
@@ -293,8 +262,8 @@ def verify_forward(layer: torch.nn.Module, session: VerifySession, hidden_states
         out = verified.out
 
     # [B, T, HV, dv] (transformers flattens to rows first): a z sliced from the concatenated GEMM stays a view
-    config = _gated_out_proj(layer, out, batch * seq_len) if out.dtype == z.dtype else None
-    return _normed_out_proj(layer, out, z, config)
+    core = layer.norm(out, z)
+    return layer.out_proj(core.reshape(batch, seq_len, -1))
 
 
 def patch_gdn_class(cls: type, project: ProjectFn) -> None:

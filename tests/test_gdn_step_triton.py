@@ -98,28 +98,6 @@ SHAPES = {  # (batch, key heads, value heads, dk, dv): odd sizes mask every bloc
 }
 
 
-@pytest.mark.parametrize("fold", [True, False], ids=["fold", "norm-launch"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("shape,block_v", [("odd", None), ("odd", 4), ("pow2", None), ("pow2", 8)])
-def test_the_step_without_its_norm_leaves_o_for_the_consumer(shape, block_v, dtype, fold, monkeypatch):
-    """`gdn_step(norm=False)` (the gated norm in out_proj's prologue, gemv_triton.GatedNorm): the recurrence's output
-    o before the norm, whose gated norm is the normed step's output bit for bit, with the same states and windows;
-    the head counters of the folded norm are left untouched (zero)."""
-    monkeypatch.setattr(gdn_step_triton, "FOLD_NORM", fold)
-    batch, heads, v_heads, dk, dv = SHAPES[shape]
-    dims = (batch, heads, v_heads, dk, dv)
-    params = layer_params(3, heads, v_heads, dk, dv, dtype, True)
-    conv_state, state = caches(4, *dims, dtype)
-    tokens = [token_inputs(20 + i, *dims, dtype) for i in range(STEPS)]
-    normed = run_steps(gdn_step, params, conv_state, state, tokens, block_v=block_v)
-    raw = run_steps(gdn_step, params, conv_state, state, tokens, block_v=block_v, norm=False)
-    assert torch.equal(raw[1], normed[1]) and torch.equal(raw[2], normed[2])
-    for o, y, t in zip(raw[0], normed[0], tokens):
-        assert not torch.equal(o, y)
-        assert torch.equal(gated_rms_norm(o, t["z"], params["norm_weight"], params["norm_eps"]), y)
-    assert (gdn_step_triton._COUNTERS[torch.device("cpu")] == 0).all()
-
-
 @pytest.mark.parametrize("loads_first", [True, False], ids=["loads-first", "gates-after-counter"])
 @pytest.mark.parametrize("fold", [True, False], ids=["fold", "norm-launch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

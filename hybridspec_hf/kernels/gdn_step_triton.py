@@ -283,15 +283,12 @@ def gdn_step(
     *,
     block_v: int | None = None,
     num_warps: int | None = None,
-    norm: bool = True,
 ) -> torch.Tensor:
     """Triton `gdn_step_reference` (fp32): one launch with BV = dv, two with a smaller block_v (the gated norm
     after it; the default, `step_config`). x [B, 1, C] (the conv input [q ‖ k ‖ v], any strides with the last dim contiguous, e.g. a slice of
     the projection output); conv_state [B, C, K] and state [B, HV, dk, dv] fp32 updated IN PLACE; conv_weight
     [C, K], conv_bias [C] or None; a, b [B, 1, HV] (rows may be strided); A_log, dt_bias [HV]; z [B, 1, HV, dv]
-    (the gate, strided rows allowed); norm_weight [dv] in x's dtype. Returns y [B, 1, HV, dv] in x's dtype; with
-    `norm=False` the recurrence's output o before the gated norm (the consumer norms it: the out_proj's prologue,
-    `gemv_triton.GatedNorm`), no norm launched or folded."""
+    (the gate, strided rows allowed); norm_weight [dv] in x's dtype. Returns y [B, 1, HV, dv] in x's dtype."""
     batch, t, channels = x.shape
     _, num_v_heads, dk, dv = state.shape
     k_taps = conv_state.shape[-1]
@@ -309,11 +306,10 @@ def gdn_step(
             f"{tuple(norm_weight.shape)} {norm_weight.dtype}")
     x, a, b, z = (_last_dim_contiguous(v) for v in (x, a, b, z))
     block_v, warps = step_config(dv, batch * num_v_heads, block_v, num_warps)
-    normed = norm
-    norm = normed and block_v >= dv  # the norm in the kernel's registers
+    norm = block_v >= dv
     tiles = triton.cdiv(dv, block_v)
     group = num_v_heads // num_k_heads
-    fold = FOLD_NORM and normed and not norm
+    fold = FOLD_NORM and not norm
     out = torch.empty(batch, 1, num_v_heads, dv, dtype=x.dtype, device=x.device)
     # counters: (request, key head) for the q/k window, then (request, value head) for the folded norm
     key_counters = batch * num_k_heads
@@ -330,4 +326,4 @@ def gdn_step(
         NORM=norm, FOLD_NORM=fold, EARLY=pdl.EARLY_READS, LOADS_FIRST=LOADS_FIRST, X_DTYPE=tl_dtype(x.dtype),
         W_DTYPE=tl_dtype(conv_weight.dtype), BETA_DTYPE=tl_dtype(b.dtype), num_warps=warps,
     )
-    return out if norm or fold or not normed else gated_rms_norm(out, z, norm_weight, norm_eps)
+    return out if norm or fold else gated_rms_norm(out, z, norm_weight, norm_eps)

@@ -56,14 +56,6 @@ WHOLE_SLICE_BYTES = 32 * 1024
 # scaling cost each program more than the norm's own launch saves). True: A/B (`ar+norm-prologue`).
 NORM_PROLOGUE = False
 NORM_TILE = 4096  # values of x per load of the prologue's sum of squares ([BLOCK_M, NORM_TILE / BLOCK_M])
-# The GDN layer's gated RMSNorm (transformers' RMSNormGated, one norm per head of `head` channels) in the prologue of
-# its out_proj (`gemv(..., gate=GatedNorm(...))`, patches/_gdn.py): a K step holds whole heads, so each program norms
-# the heads of its own x tiles (the head's sum of squares is local: no read beyond the tile, unlike NORM_PROLOGUE's
-# row norm over all of K) and the gate z comes in the same round trip as x. The AR step's GDN step then ends after
-# its per-tile outputs (no last-arriving program per head to norm it: one atomic and one read-back fewer on the
-# critical path), and a verification runs no gated-norm launch (30 a round at the 35B-A3B shape). A/B switch
-# `gated-prologue`.
-GATED_PROLOGUE = False
 COUNTERS = 4096  # row blocks of one split-K launch (N / BLOCK_N); beyond it a launch does not split K
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -168,18 +160,6 @@ class RowNorm:
 
 
 @dataclass(frozen=True)
-class GatedNorm:
-    """transformers' RMSNormGated of x's heads applied in the GEMM's prologue: x [M, K] holds K / head heads of
-    `head` channels; y = (weight · (x · rsqrt(mean over the head(x²) + eps))) · silu(z), with its roundings
-    (`norm_triton.gated_rms_norm_reference`). z [M, K] (rows may be strided, K contiguous) in x's dtype, weight
-    [head] in x's dtype."""
-
-    z: torch.Tensor
-    weight: torch.Tensor
-    eps: float
-
-
-@dataclass(frozen=True)
 class QuantizedRows:
     """A weight [N, K] as int8 rows and a float32 scale per row: W ≈ weight · scale[:, None] (`quantize_rows`)."""
 
@@ -275,29 +255,13 @@ def _normed_tile(b_x, rstd, norm_w, cols, k_ok, NORM: tl.constexpr):
     return b_x
 
 
-def _gated_tile(b_x, p_z, gate_w, k_ok, row_ok, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                HEAD: tl.constexpr, GATED: tl.constexpr):
-    """x tile [BLOCK_M, BLOCK_K] (BLOCK_K / HEAD whole heads) as RMSNormGated returns it (`norm_triton.gated_norm_row`'s
-    products and roundings, per head): z [BLOCK_M, BLOCK_K] at p_z, gate_w [BLOCK_K] the norm weight of each column's
-    channel (fp32); b_x itself without GATED."""
-    if GATED:
-        b_z = tl.load(p_z, mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        v = tl.reshape(b_x.to(tl.float32), [BLOCK_M, BLOCK_K // HEAD, HEAD])
-        rstd = tl.rsqrt(tl.sum(v * v, axis=2) / HEAD + eps)  # [BLOCK_M, heads]
-        normed = tl.reshape(v * rstd[:, :, None], [BLOCK_M, BLOCK_K])
-        normed = normed.to(b_x.dtype).to(tl.float32)  # transformers rounds to the model dtype before the weight
-        scaled = (gate_w[None, :] * normed).to(b_x.dtype).to(tl.float32)  # w · y in the model dtype
-        b_x = (scaled * (b_z / (1.0 + tl.exp(-b_z)))).to(b_x.dtype)
-    return b_x
-
-
 def _gemv_kernel(
-    x, w, bias, y, partials, counters, norm_w, scale, z,
-    M, N, K, stride_xm, stride_wn, stride_ym, stride_zm, eps,
+    x, w, bias, y, partials, counters, norm_w, scale,
+    M, N, K, stride_xm, stride_wn, stride_ym, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STEPS: tl.constexpr, SPLIT_K: tl.constexpr,
     DOT: tl.constexpr, DOT_FP32: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     NORM: tl.constexpr, NORM_CHUNK: tl.constexpr, NORM_STEPS: tl.constexpr, SCALED: tl.constexpr,
-    GATED: tl.constexpr, HEAD: tl.constexpr, OUT_DTYPE: tl.constexpr, PDL: tl.constexpr,
+    OUT_DTYPE: tl.constexpr, PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -313,10 +277,6 @@ def _gemv_kernel(
     # this one ends; x (that kernel's output) after it
     k_ok = (k_start + rk) < K
     b_w = tl.load(p_w) if EVEN_K else tl.load(p_w, mask=k_ok[None, :], other=0.0)
-    p_z = z + rm[:, None] * stride_zm + (k_start + rk)[None, :]  # [BLOCK_M, BLOCK_K] (GATED)
-    gate_w = tl.zeros([BLOCK_K], dtype=tl.float32)
-    if GATED:  # the norm weight of each column's channel (K steps hold whole heads: the same for every step)
-        gate_w = tl.load(norm_w + rk % HEAD).to(tl.float32)
     pdl.enter(PDL)
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if NORM:  # x is the RMSNorm's input: each program sums its rows' squares over all of K (L2 reads)
@@ -330,7 +290,6 @@ def _gemv_kernel(
         rstd = tl.rsqrt(squares / K + eps)
     b_x = tl.load(p_x, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
     b_x = _normed_tile(b_x, rstd, norm_w, k_start + rk, k_ok, NORM)
-    b_x = _gated_tile(b_x, p_z, gate_w, k_ok, row_ok, eps, BLOCK_M, BLOCK_K, HEAD, GATED)
     acc = _gemv_tile(tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), b_w, b_x, DOT, DOT_FP32)
     for step in range(1, STEPS):  # y block, transposed: W's rows are the long side
         p_w += BLOCK_K
@@ -344,7 +303,6 @@ def _gemv_kernel(
             b_w = tl.load(p_w, mask=k_ok[None, :], other=0.0)
             b_x = tl.load(p_x, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b_x = _normed_tile(b_x, rstd, norm_w, cols, k_ok, NORM)
-        b_x = _gated_tile(b_x, p_z + step * BLOCK_K, gate_w, k_ok, row_ok, eps, BLOCK_M, BLOCK_K, HEAD, GATED)
         acc = _gemv_tile(acc, b_w, b_x, DOT, DOT_FP32)
 
     if SCALED:  # int8 rows: W = q · scale per row (`QuantizedRows`), so y = scale · (q x)
@@ -370,7 +328,6 @@ def _gemv_kernel(
 if HAS_TRITON:
     _gemv_tile = triton.jit(_gemv_tile)
     _normed_tile = triton.jit(_normed_tile)
-    _gated_tile = triton.jit(_gated_tile)
     _gemv_kernel = _LazyJit(_gemv_kernel, pdl=True, do_not_specialize=["M"])  # one compile for every M of a config
 
 
@@ -406,17 +363,13 @@ def fit_config(config: GemvConfig, rows: int, n: int, k: int) -> GemvConfig:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig,
-         norm: RowNorm | None = None, scale: torch.Tensor | None = None, gate: GatedNorm | None = None) -> torch.Tensor:
+         norm: RowNorm | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
     """Triton `linear_reference` in one launch: x [..., K] with ≤ MAX_ROWS rows, weight [N, K] (K contiguous),
     bias [N] or None, all of one float dtype -> [..., N] in x's dtype. `config` is fitted to the shape. With `norm`
     the GEMM's input is the RMSNorm (1 + w) of x's rows (`linear_reference(rms_norm_reference(x, ...), ...)`).
     With `scale` [N] float32 the weight is int8 rows of a `QuantizedRows` (W = weight · scale per row):
-    `linear_int8_reference`. With `gate` the input is the gated RMSNorm of x's heads (`GatedNorm`:
-    `linear_reference(gated_rms_norm_reference(x by heads, z by heads, ...), ...)`)."""
+    `linear_int8_reference`."""
     n, k = weight.shape
-    z_rows = None
-    if gate is not None:
-        z_rows = _gate_rows(x, gate, k, norm is not None or scale is not None)
     w_dtype = torch.int8 if scale is not None else x.dtype
     if x.shape[-1] != k or weight.stride(-1) != 1 or weight.dtype != w_dtype or x.dtype not in _DTYPES or \
             (scale is not None and (scale.shape != (n,) or scale.dtype != torch.float32 or norm is not None)) or \
@@ -438,11 +391,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, confi
     if m == 0 or n == 0:
         return out.view(*x.shape[:-1], n)
     config = fit_config(config, m, n, k)
-    head = 1
-    if gate is not None:  # K steps of whole heads (head and block_k powers of two: slices of whole heads too)
-        head = gate.weight.shape[0]
-        config = GemvConfig(config.block_n, max(config.block_k, head), config.split_k, config.num_warps,
-                            config.num_stages, config.dot)
     steps = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k)
     k_per_split = steps * config.block_k
     if WHOLE_SLICE and steps > 1 and config.block_n * k_per_split * weight.element_size() <= WHOLE_SLICE_BYTES and \
@@ -457,35 +405,17 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, confi
     interpret = bool(triton.knobs.runtime.interpret)
     block_m = 16 if config.dot else triton.next_power_of_2(m)
     norm_chunk = min(triton.next_power_of_2(k), max(16, NORM_TILE // block_m))  # [block_m, chunk]: ≤ 4096 values
-    norm_weight = norm.weight if norm is not None else gate.weight if gate is not None else weight
     _gemv_kernel[(triton.cdiv(n, config.block_n), split_k)](
-        rows, weight, bias if bias is not None else weight, out, partials, counters, norm_weight,
-        scale if scale is not None else weight, z_rows if z_rows is not None else rows,
-        m, n, k, rows.stride(0), weight.stride(0), out.stride(0), z_rows.stride(0) if z_rows is not None else 0,
-        norm.eps if norm is not None else gate.eps if gate is not None else 0.0,
+        rows, weight, bias if bias is not None else weight, out, partials, counters,
+        norm.weight if norm is not None else weight, scale if scale is not None else weight,
+        m, n, k, rows.stride(0), weight.stride(0), out.stride(0), norm.eps if norm is not None else 0.0,
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         STEPS=steps, SPLIT_K=split_k, DOT=config.dot, DOT_FP32=x.dtype == torch.float32 or interpret,
         EVEN_K=k % k_per_split == 0, HAS_BIAS=bias is not None, NORM=norm is not None, NORM_CHUNK=norm_chunk,
-        NORM_STEPS=triton.cdiv(k, norm_chunk), SCALED=scale is not None, GATED=gate is not None, HEAD=head,
-        OUT_DTYPE=tl_dtype(x.dtype),
+        NORM_STEPS=triton.cdiv(k, norm_chunk), SCALED=scale is not None, OUT_DTYPE=tl_dtype(x.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out.view(*x.shape[:-1], n)
-
-
-def _gate_rows(x: torch.Tensor, gate: GatedNorm, k: int, other_prologue: bool) -> torch.Tensor:
-    """gate.z as rows [M, K] with K contiguous (a view where it can be one), after checking the gated norm suits x."""
-    head = gate.weight.shape[0] if gate.weight.dim() == 1 else 0
-    if (other_prologue or gate.weight.dim() != 1 or head < 1 or head & (head - 1) or k % head
-            or gate.weight.dtype != x.dtype or gate.z.dtype != x.dtype or gate.z.numel() != x.numel()
-            or not isinstance(gate.eps, float)):
-        raise ValueError(f"gemv's gated norm takes z with x's {x.numel() // max(1, k)} rows of K = {k} in x's dtype, "
-                         f"a norm weight [head] in x's dtype with head a power of two dividing K, a float eps, and "
-                         f"no row norm or int8 scale beside it; got z {tuple(gate.z.shape)} {gate.z.dtype}, weight "
-                         f"{tuple(gate.weight.shape)} {gate.weight.dtype}, eps {gate.eps!r} (x {tuple(x.shape)} "
-                         f"{x.dtype})")
-    z_rows = gate.z.reshape(-1, k)
-    return z_rows if z_rows.stride(-1) == 1 else z_rows.contiguous()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -527,19 +457,6 @@ def linear_int8(x: torch.Tensor, quantized: QuantizedRows) -> torch.Tensor:
     if 0 < x.numel() // max(1, x.shape[-1]) <= MAX_ROWS and _suits(x, q, None, weight_dtype=torch.int8):
         return gemv(x, q, None, _FORCE or INT8_CONFIG, scale=quantized.scale)
     return linear_int8_reference(x, quantized)
-
-
-def gated_prologue_config(like: torch.Tensor, rows: int, weight: torch.Tensor, bias: torch.Tensor | None,
-                          norm_weight: torch.Tensor) -> GemvConfig | None:
-    """The config with which `gemv` takes a projection of `rows` rows (x of `like`'s dtype and device) with a gated
-    norm of norm_weight's heads in its prologue: GATED_PROLOGUE on, TABLE's shape, tensors our kernel suits, a head
-    of a power of two channels dividing K in x's dtype. None: the caller norms first, then projects."""
-    head = norm_weight.shape[0] if norm_weight.dim() == 1 else 0
-    if (not GATED_PROLOGUE or not 1 <= rows <= MAX_ROWS or weight.dim() != 2 or head < 1 or head & (head - 1)
-            or weight.shape[1] % head or norm_weight.dtype != like.dtype):
-        return None
-    config = choose_config(rows, *weight.shape)
-    return config if config is not None and _suits(like, weight, bias) else None
 
 
 def _row_norm(norm: torch.nn.Module, x: torch.Tensor) -> RowNorm | None:
