@@ -238,29 +238,6 @@ def test_decode_shared_expert_first_gives_the_same_bits(hidden, inter, experts, 
     assert rel(outs[0], moe_block_reference(**x)) < TOL[torch.bfloat16]
 
 
-@pytest.mark.parametrize("tokens", [1, 2])
-@pytest.mark.parametrize("hidden, inter, experts, top_k, gate_up_tiles", [
-    (40, 24, 4, 3, Tiles(8, 16, 1, 1, split_k=1)),  # H = 40: three K steps, the last one masked
-    (64, 32, 8, 2, Tiles(4, 16, 1, 1, split_k=1)),  # no split: every program stores its act block itself
-    (64, 32, 8, 2, Tiles(16, 16, 4, 1, split_k=2)),  # two steps a slice, split-K partials
-])
-def test_decode_loads_ahead_gives_the_same_bits(hidden, inter, experts, top_k, gate_up_tiles, tokens, monkeypatch):
-    """LOADS_AHEAD (the gate_up K loop unrolled, step s + 1's tiles issued before step s's products) reorders loads,
-    not sums: the same bits as the plain loop, with the shared expert's early first tiles (SHARED_FIRST) or not,
-    and the torch steps' result."""
-    x = make_block(60 + tokens, tokens, hidden, inter, experts, top_k, torch.bfloat16)
-    tiles = dict(gate_up_tiles=gate_up_tiles, down_tiles=Tiles(16, 16, 4, 1))
-    for first in (False, True):
-        monkeypatch.setattr(moe_triton, "SHARED_FIRST", first)
-        outs = []
-        for ahead in (False, True):
-            monkeypatch.setattr(moe_triton, "LOADS_AHEAD", ahead)
-            outs.append(moe_block_triton(**x, mode="decode", **tiles))
-        assert torch.equal(outs[0], outs[1]), first
-        assert rel(outs[1], moe_block_reference(**x)) < TOL[torch.bfloat16]
-    assert not gemv_triton._COUNTERS[torch.device("cpu")].any()
-
-
 def test_decode_duplicates_sentinels_and_zero_weights():
     """An expert listed twice by one token counts twice, ids outside [0, E) count nothing, zero weights give exactly
     the shared expert + residual; the same as the direct rows make of them."""
@@ -489,16 +466,3 @@ def test_the_sorted_blocks_with_the_align_kernel_equal_those_without(monkeypatch
     assert torch.equal(fused_experts_triton(**x, mode="sorted"), without) and not calls
     with pytest.raises(ValueError, match="4096 token–expert pairs"):
         moe_triton.align_pairs_triton(torch.zeros(513, 8, dtype=torch.long), 256, 16)
-
-
-def test_one_slice_tiles_give_the_reference_at_one_token(monkeypatch):
-    """ONE_SLICE: one token's gate_up in one K slice a program (no split-K partials, no counters); the result is
-    the torch steps' and the split tiles' within rounding (another order of the K sum)."""
-    x = make_block(70, 1, 2048, 64, 8, 2, torch.float32)
-    split = moe_block_triton(**x, mode="decode")
-    monkeypatch.setattr(moe_triton, "ONE_SLICE", True)
-    assert moe_triton.default_tiles(1, "decode")[1].split_k == 1
-    one = moe_block_triton(**x, mode="decode")
-    truth = moe_block_reference(**{k: v.double() if v.is_floating_point() else v for k, v in x.items()})
-    assert rel(one, truth) < TOL[torch.float32] and rel(one, split) < TOL[torch.float32]
-    assert not gemv_triton._COUNTERS[torch.device("cpu")].any()

@@ -111,17 +111,6 @@ DIRECT_SHARED_FIRST = True
 # at batch 1 1.70 → 1.71x AR (medium), 2.56 → 2.57x (high). False: 32 x 128 / 64 x 128 in 4 stages (A/B:
 # `hybridspec-direct-deep-k`).
 DIRECT_DEEP_K = True
-# The decode gate_up kernel's K loop unrolled with step s + 1's weight tiles issued before step s's products (two
-# steps of a program in flight), for tiles of several K steps a program (split_k below H / block_k; split_k = 1: no
-# partials, no last-arriving program, one phase fewer on the MoE block's critical path). The default tiles take one
-# step a program (run 34's sweep, which had neither load-ahead nor split_k = 1), where it changes nothing. A/B switch
-# `moe-loads-ahead` with `kernel_costs.py`'s gate_up tiles.
-LOADS_AHEAD = False
-# One token's decode gate_up as one K slice a program (split_k = 1: each program stores its SiLU(gate)·up block
-# itself; no partials, no last-arriving program): 4 columns by 512 of K a step, one warp (80 registers: all 1 152
-# programs resident at once, 8 KB each a step in flight). A/B switch `moe-one-slice` against run 34's 32 x 256 in
-# 8 slices (2 programs an SM).
-ONE_SLICE = False
 MODES = ("auto", "decode", "direct", "sorted")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -157,8 +146,7 @@ def default_tiles(num_tokens: int, mode: str) -> tuple[int, Tiles, Tiles]:
     sweep's best (110.9 us at T = 4) lost to the direct rows (82.3), so "auto" stops at DECODE_MAX_TOKENS = 2."""
     if mode == "decode":  # T = 3-4: the sweep's best at 4, for mode="decode" (A/B) only
         if num_tokens == 1:
-            gate_up = Tiles(4, 512, 1, 1, split_k=1) if ONE_SLICE else Tiles(32, 256, 8, 1, split_k=8)
-            return 1, gate_up, Tiles(16, 256, 4, 1)
+            return 1, Tiles(32, 256, 8, 1, split_k=8), Tiles(16, 256, 4, 1)
         if num_tokens == 2:
             return 2, Tiles(8, 256, 4, 1, split_k=8), Tiles(16, 256, 4, 1)
         return 4, Tiles(16, 128, 4, 1, split_k=16), Tiles(16, 256, 4, 1)
@@ -497,28 +485,13 @@ def _add_row_products(acc, b_w, p_x, stride_x, k_ok, T, TP: tl.constexpr):
     return acc
 
 
-def _gate_up_tiles(p_gate, p_up, k_start, rk, early, early_gate, early_up, step, H: tl.constexpr, BK: tl.constexpr,
-                   EVEN_K: tl.constexpr):
-    """The gate and up weight tiles [BN, BK] of K step `step` at p_gate / p_up (the shared expert's first tiles
-    from before the PDL wait when `early`)."""
-    loaded = early & (step == 0)
-    if EVEN_K:
-        b_gate = tl.load(p_gate, mask=~loaded, other=0.0)
-        b_up = tl.load(p_up, mask=~loaded, other=0.0)
-    else:
-        k_ok = (k_start + step * BK + rk) < H
-        b_gate = tl.load(p_gate, mask=k_ok[None, :] & ~loaded, other=0.0)
-        b_up = tl.load(p_up, mask=k_ok[None, :] & ~loaded, other=0.0)
-    return tl.where(loaded, early_gate, b_gate), tl.where(loaded, early_up, b_up)
-
-
 def _gate_up_decode_kernel(
     hidden, ids, w1, shared_w1, act, partials, logit_partials, logit, counters,
     T, S, E,
     stride_ht, stride_we, stride_wn,
     H: tl.constexpr, INTER: tl.constexpr, SP: tl.constexpr, TP: tl.constexpr, BN: tl.constexpr,
     BK: tl.constexpr, STEPS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, SHARED: tl.constexpr,
-    SHARED_FIRST: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr,
+    SHARED_FIRST: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (i_n, i_k, slot): BN gate and BN up rows of the slot's expert over K slice i_k, for every token;
     the last of the SPLIT programs of (slot, i_n) sums their partials in slice order and stores SiLU(gate)·up.
@@ -555,28 +528,22 @@ def _gate_up_decode_kernel(
         p_x = hidden + k_start + rk  # [BK] of token 0
         acc_gate = tl.zeros([BN, TP], dtype=tl.float32)
         acc_up = tl.zeros([BN, TP], dtype=tl.float32)
-        if AHEAD:  # unrolled, step s + 1's tiles issued before step s's products: two steps in flight
-            b_gate, b_up = _gate_up_tiles(p_gate, p_up, k_start, rk, early, early_gate, early_up, 0, H, BK, EVEN_K)
-            for i_s in tl.static_range(STEPS):
-                if i_s + 1 < STEPS:
-                    n_gate, n_up = _gate_up_tiles(p_gate + (i_s + 1) * BK, p_up + (i_s + 1) * BK, k_start, rk,
-                                                  early, early_gate, early_up, i_s + 1, H, BK, EVEN_K)
-                k_ok = (k_start + i_s * BK + rk) < H
-                acc_gate = _add_row_products(acc_gate, b_gate, p_x + i_s * BK, stride_ht, k_ok, T, TP)
-                acc_up = _add_row_products(acc_up, b_up, p_x + i_s * BK, stride_ht, k_ok, T, TP)
-                if i_s + 1 < STEPS:
-                    b_gate = n_gate
-                    b_up = n_up
-        else:
-            for step in range(STEPS):
-                k_ok = (k_start + step * BK + rk) < H
-                b_gate, b_up = _gate_up_tiles(p_gate, p_up, k_start, rk, early, early_gate, early_up, step, H, BK,
-                                              EVEN_K)
-                acc_gate = _add_row_products(acc_gate, b_gate, p_x, stride_ht, k_ok, T, TP)
-                acc_up = _add_row_products(acc_up, b_up, p_x, stride_ht, k_ok, T, TP)
-                p_gate += BK
-                p_up += BK
-                p_x += BK
+        for step in range(STEPS):
+            k_ok = (k_start + step * BK + rk) < H
+            loaded = early & (step == 0)
+            if EVEN_K:
+                b_gate = tl.load(p_gate, mask=~loaded, other=0.0)
+                b_up = tl.load(p_up, mask=~loaded, other=0.0)
+            else:
+                b_gate = tl.load(p_gate, mask=k_ok[None, :] & ~loaded, other=0.0)
+                b_up = tl.load(p_up, mask=k_ok[None, :] & ~loaded, other=0.0)
+            b_gate = tl.where(loaded, early_gate, b_gate)
+            b_up = tl.where(loaded, early_up, b_up)
+            acc_gate = _add_row_products(acc_gate, b_gate, p_x, stride_ht, k_ok, T, TP)
+            acc_up = _add_row_products(acc_up, b_up, p_x, stride_ht, k_ok, T, TP)
+            p_gate += BK
+            p_up += BK
+            p_x += BK
         takes_logit = False
         acc_logit = tl.zeros([1, TP], dtype=tl.float32)
         if SHARED:
@@ -758,7 +725,6 @@ if HAS_TRITON:
     _program_rows = triton.jit(_program_rows)
     _add_gated_shared = triton.jit(_add_gated_shared)
     _add_row_products = triton.jit(_add_row_products)
-    _gate_up_tiles = triton.jit(_gate_up_tiles)
     _down_tile = triton.jit(_down_tile)
     _down_decode_rows = triton.jit(_down_decode_rows)
     _down_decode_early = triton.jit(_down_decode_early)
@@ -1067,8 +1033,7 @@ def decode_launches(num_tokens: int, hidden_size: int, inter: int, top_k: int, *
     tiles, steps, split = _fit_decode(gate_up_tiles or default_gate_up, inter, hidden_size, slots)
     gate_up = Launch((triton.cdiv(inter, tiles.block_n), split, slots),
                      dict(common, BN=tiles.block_n, BK=tiles.block_k, STEPS=steps, SPLIT=split,
-                          EVEN_K=hidden_size % (steps * tiles.block_k) == 0, SHARED_FIRST=SHARED_FIRST,
-                          AHEAD=LOADS_AHEAD),
+                          EVEN_K=hidden_size % (steps * tiles.block_k) == 0, SHARED_FIRST=SHARED_FIRST),
                      tiles.num_warps, tiles.num_stages)
     tiles, steps, _ = _fit_decode(down_tiles or default_down, hidden_size, inter, 1)
     down = Launch((triton.cdiv(hidden_size, tiles.block_n), slots),
