@@ -90,10 +90,12 @@ SWITCHES = {
 DRAFTER_SWITCHES = {
     "int8-head": ("head_quantization", "int8",
                   "the drafter multiplies by an int8 copy of the target's LM head (per-row scales), not the bf16 head"),
+    "int8-layers": ("layers_quantization", "int8",
+                    "the drafter's fused path multiplies by int8 copies of its layers' projections (per-row scales)"),
 }
 
 # switches the resident rounds' key records (resident._Key): a variant needs no release of the kept rounds
-KEYED = {"defer-appends", "trust-drafts", "carry-evidence", "probe-net", "int8-head"}
+KEYED = {"defer-appends", "trust-drafts", "carry-evidence", "probe-net", "int8-head", "int8-layers"}
 
 
 @contextlib.contextmanager

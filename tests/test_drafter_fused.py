@@ -206,3 +206,121 @@ def test_resident_generate_with_the_fused_drafter_equals_ar(fused_calls):
     assert torch.equal(out, ar)
     assert fused_calls["draft"] > 0 and fused_calls["append"] > 0
     hybridspec_hf.release_graphs(target)
+
+
+# ------------------------------------------------------------------------------------------ int8 layer projections
+def _active(drafter, ctx) -> bool:
+    with patches.fused_kernels(), torch.no_grad():
+        return fused.active(drafter, ctx)
+
+
+def _dequantized_drafter(drafter):
+    """A copy of `drafter` whose q, k, v, o, gate, up and down weights are their int8 rows times their scales
+    (`quantize_rows` of each, q|k|v and gate|up quantized concatenated as the fused path does)."""
+    import copy
+
+    from hybridspec_hf.kernels.gemv_triton import quantize_rows
+
+    twin = copy.deepcopy(drafter)
+    with torch.no_grad():
+        for layer in twin.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for group in ([attn.q_proj, attn.k_proj, attn.v_proj], [attn.o_proj], [mlp.gate_proj, mlp.up_proj],
+                          [mlp.down_proj]):
+                q = quantize_rows(torch.cat([m.weight for m in group]))
+                rows = (q.weight.float() * q.scale[:, None]).to(drafter.dtype).split([m.out_features for m in group])
+                for module, value in zip(group, rows):
+                    module.weight.copy_(value)
+    return twin
+
+
+def test_int8_layers_draft_as_the_dequantized_weights_do(fused_calls, monkeypatch):
+    """config.layers_quantization "int8": the fused drafts multiply by the int8 copies (every projection of every
+    layer: the drafts equal those of a drafter holding the dequantized weights, whose context k|v stay the weights
+    as they are, to fp32 summation order), differ from the plain weights' drafts and stay within a few % of them;
+    the copies are refreshed in place."""
+    drafter = _static_drafter(torch.float32)
+    steps = _round_inputs(drafter, 1, junk=lambda rows, width: torch.randn(rows, width))
+    plain = _fused_rounds(drafter, steps, 1)
+    int8_calls, launch = [], gemv_triton.linear_int8
+    monkeypatch.setattr(fused, "linear_int8", lambda x, q: int8_calls.append(q.weight.data_ptr()) or launch(x, q))
+    drafter.config.layers_quantization = "int8"
+    ctx = StaticDraftContext(drafter, 24, drafter.device, drafter.dtype)
+    assert len(ctx.fused.int8) == len(drafter.layers) and ctx.fused.int8[0][0].weight.dtype == torch.int8
+    quantized = _fused_rounds(drafter, steps, 1, ctx=ctx)
+    twin = _dequantized_drafter(drafter)
+    twin.config.layers_quantization = None
+    twin_ctx = StaticDraftContext(twin, 24, twin.device, twin.dtype)
+    twin_ctx.fused.context_kv.copy_(ctx.fused.context_kv)  # the context's k|v stay the weights as they are
+    expected = _fused_rounds(twin, steps, 1, ctx=twin_ctx)
+    drafts = sum(d for *_, d in _SCHEDULE)
+    assert len(int8_calls) == drafts * 4 * len(drafter.layers)
+    assert {ptr for ptr in int8_calls} == {q.weight.data_ptr() for layer in ctx.fused.int8 for q in layer}
+    for mine, theirs, bf16 in zip(quantized, expected, plain, strict=True):
+        _close(mine, theirs, 1e-5)
+        assert not torch.equal(mine, bf16)
+        _close(mine, bf16, 0.05)
+    address = ctx.fused.int8[1][3].weight.data_ptr()
+    with torch.no_grad():
+        drafter.layers[1].mlp.down_proj.weight.mul_(2.0)
+    assert not _active(drafter, ctx)  # stale: the eager path until the next reset
+    ctx.reset()
+    assert ctx.fused.int8[1][3].weight.data_ptr() == address  # quantized again in place
+    assert _active(drafter, ctx)
+
+
+def test_int8_layers_serve_one_requests_block_and_follow_the_config(fused_calls, monkeypatch):
+    """Two requests' blocks within the int8 GEMV's rows multiply by the int8 copies; more rows than it takes by
+    the weights as they are; switching the option off makes the copies stale (the eager path) until the next reset
+    drops them."""
+    drafter = _static_drafter(torch.float32)
+    drafter.config.layers_quantization = "int8"
+    steps = _round_inputs(drafter, 2, junk=lambda rows, width: torch.randn(rows, width))
+    int8_calls, launch = [], gemv_triton.linear_int8
+    monkeypatch.setattr(fused, "linear_int8", lambda x, q: int8_calls.append(1) or launch(x, q))
+    ctx = StaticDraftContext(drafter, 24, drafter.device, drafter.dtype, batch_size=2)
+    assert 2 * drafter.config.block_size <= gemv_triton.MAX_ROWS
+    with patches.fused_kernels(), torch.no_grad():  # two requests' blocks: 2 x 8 rows, within the GEMV's 16
+        ctx.append(*steps[0][:2])
+        first = drafter.draft_static(steps[0][2], ctx)
+        assert len(int8_calls) == 4 * len(drafter.layers)
+        monkeypatch.setattr(fused, "MAX_ROWS", drafter.config.block_size)  # as if the GEMV took one block only
+        second = drafter.draft_static(steps[0][2], ctx)
+    assert fused_calls["draft"] == 2 and len(int8_calls) == 4 * len(drafter.layers)  # the second: plain weights
+    assert not torch.equal(first, second)
+    drafter.config.layers_quantization = None
+    assert not _active(drafter, ctx)
+    ctx.reset()
+    assert ctx.fused.int8 is None and _active(drafter, ctx)
+
+
+def test_layers_quantization_is_checked_and_saved(tmp_path):
+    from hybridspec_hf import DFlashConfig
+
+    with pytest.raises(ValueError, match="layers_quantization must be one of"):
+        DFlashConfig(hidden_size=32, num_attention_heads=2, layers_quantization="int4")
+    config = DFlashConfig(hidden_size=32, num_attention_heads=2, layers_quantization="int8")
+    config.save_pretrained(tmp_path)
+    assert DFlashConfig.from_pretrained(tmp_path).layers_quantization == "int8"
+
+
+def test_resident_generate_with_int8_drafter_layers_equals_ar(fused_calls):
+    """A whole resident generate() (greedy, float32) whose drafts multiply by int8 layer copies: AR's tokens (drafts
+    are proposals), and the rounds' key records the option."""
+    from _tiny import VOCAB, make_drafter
+    from test_exactness import run
+
+    from hybridspec_hf.generation import resident
+
+    target = make_target("qwen3_5_moe", seed=9, dtype=torch.float32)
+    prompt = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        ar = target.generate(prompt, do_sample=False, max_new_tokens=12)
+    drafter = make_drafter(target, 4, ar, error_rate=0.3).to(torch.float32)
+    drafter.config.layers_quantization = "int8"
+    out = run(target, prompt, drafter, "dflash", 12, hybridspec_config=hybridspec_hf.HybridSpecConfig(cuda_graphs="on"))
+    assert torch.equal(out, ar)
+    rounds = target.__dict__[resident._KEPT]
+    assert fused_calls["draft"] > 0 and [r.key.layers for r in rounds] == ["int8"]
+    assert all(r.context.fused.int8 for r in rounds)
+    hybridspec_hf.release_graphs(target)

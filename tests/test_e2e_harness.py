@@ -203,6 +203,11 @@ def test_a_drafter_switch_sets_the_drafters_config_and_puts_it_back(benchmarks):
     drafter.config.head_quantization = "int8"
     with method_variant("dflash-int8-head+pdl", drafter=drafter) as base:
         assert base == "dflash" and drafter.config.head_quantization is None
+    drafter.config.layers_quantization = None
+    with method_variant("hybridspec+int8-layers+int8-head", drafter=drafter) as base:
+        assert base == "hybridspec" and (drafter.config.layers_quantization, drafter.config.head_quantization) == (
+            "int8", "int8")
+    assert drafter.config.layers_quantization is None
     assert drafter.config.head_quantization == "int8"
     with pytest.raises(ValueError, match="needs the drafter"):
         with method_variant("ar+int8-head"):

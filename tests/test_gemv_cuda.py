@@ -32,3 +32,22 @@ def test_int8_rows_match_the_reference_eager_and_captured(rows):
     full = torch.nn.functional.linear(x.float(), weight.float())
     assert ((eager.float() - full).abs().max() / full.abs().max()).item() < 0.02
     assert eager.dtype == torch.bfloat16 and gemv_triton.INT8_CONFIG.dot
+
+
+@pytest.mark.parametrize("n,k", [(2048, 6144), (5120, 2048), (12288, 2048)])
+def test_int8_drafter_projections_at_int8_config_eager_and_captured(n, k):
+    """A drafter layer's projections in int8 at 16 rows (one request's block), at `int8_config`'s tiles (split K for
+    N = 2048): the float32 reference within one bf16 rounding; eager = captured."""
+    generator = torch.Generator(device="cuda").manual_seed(n + k)
+    quantized = quantize_rows((torch.randn(n, k, device="cuda", generator=generator) * 0.02).to(torch.bfloat16))
+    x = torch.randn(16, k, device="cuda", generator=generator).to(torch.bfloat16)
+    expected = linear_int8_reference(x, quantized).float()
+    with torch.no_grad():
+        eager = linear_int8(x, quantized)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = linear_int8(x, quantized)
+        graph.replay()
+    torch.cuda.synchronize()
+    assert ((eager.float() - expected).abs().max() / expected.abs().max()).item() < 2.0**-7
+    assert torch.equal(eager, captured)

@@ -29,6 +29,7 @@ from hybridspec_hf.kernels.gemv_triton import (  # noqa: E402
     QuantizedRows,
     RowNorm,
     gemv,
+    int8_config,
     linear_int8,
     linear_int8_reference,
     quantize_rows,
@@ -302,8 +303,8 @@ def test_linear_int8_runs_the_kernel_up_to_max_rows_and_the_reference_past_it(in
         past = linear_int8(x, quantized)  # 17 rows: the reference, bit for bit
         assert gemv_calls == []
         assert torch.equal(past, linear_int8_reference(x, quantized))
-        at = linear_int8(x[:MAX_ROWS].view(2, 8, 96), quantized)  # 16 rows in [B, T, K]: the kernel, at INT8_CONFIG
-    assert gemv_calls == [(MAX_ROWS, INT8_CONFIG, True)]
+        at = linear_int8(x[:MAX_ROWS].view(2, 8, 96), quantized)  # 16 rows in [B, T, K]: the kernel
+    assert gemv_calls == [(MAX_ROWS, int8_config(200, 96), True)]
     assert at.shape == (2, 8, 200)
     assert_within_bound(at.reshape(MAX_ROWS, 200), linear_int8_reference(x[:MAX_ROWS], quantized), x[:MAX_ROWS], quantized)
 
@@ -413,7 +414,7 @@ def test_int8_head_runs_the_triton_kernel_for_a_block_under_the_interpreter(pair
     with torch.no_grad():
         logits = drafter.compute_logits(h)
         quantized = drafter.quantized_head()
-    assert gemv_calls == [(drafter.config.block_size, INT8_CONFIG, True)]
+    assert gemv_calls == [(drafter.config.block_size, int8_config(*quantized.weight.shape), True)]
     reference = linear_int8_reference(h, quantized)
     assert logits.shape == reference.shape and logits.dtype == torch.float32
     assert_within_bound(logits.view(-1, reference.shape[-1]), reference.view(-1, reference.shape[-1]),
@@ -613,3 +614,12 @@ def test_resident_rounds_hold_their_copy_and_its_values_follow_the_head(pair, pr
         hybridspec_hf.release_graphs(target)
         with torch.no_grad():
             head.weight.copy_(original)
+
+
+def test_int8_config_keeps_the_heads_tile_and_splits_narrow_projections():
+    """int8_config: INT8_CONFIG for an LM head (and any N of >= 128 of its 64-row blocks); the drafter layers'
+    narrower projections get 32-row blocks and K split so that about 256 programs run, never a slice under 512."""
+    assert int8_config(248_320, 2048) == INT8_CONFIG and int8_config(12_288, 2048) == INT8_CONFIG
+    for n, k, split in ((2048, 4096, 4), (2048, 6144, 4), (5120, 2048, 1), (256, 2048, 4), (64, 512, 1)):
+        config = int8_config(n, k)
+        assert (config.block_n, config.block_k, config.split_k) == (32, 128, split), (n, k, config)

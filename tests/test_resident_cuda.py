@@ -252,6 +252,28 @@ def test_the_int8_draft_head_runs_captured_and_equals_ar(strategy, sync_errors):
     assert quantized.weight.dtype == torch.int8 and quantized.weight.is_cuda
 
 
+@pytest.mark.parametrize("strategy", ["dflash", "hybridspec"])
+def test_int8_drafter_layers_run_captured_and_equal_ar(strategy, sync_errors):
+    """DFlashConfig.layers_quantization "int8": the draft graph multiplies by the int8 copies of the drafter's layer
+    projections (made with the resident draft path's copies, before the capture), the call runs captured without
+    syncs, and greedy output is AR's."""
+    target, _ = _pair()
+    prompt = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(7)).cuda()
+    ar = target.generate(prompt, do_sample=False, max_new_tokens=40)
+    target, drafter = _pair(reference=ar.cpu())
+    drafter.config.layers_quantization = "int8"
+    kwargs = dict(do_sample=False, max_new_tokens=40, assistant_model=drafter, generation_strategy=strategy,
+                  hybridspec_config=HybridSpecConfig(cuda_graphs="on"))
+    target.generate(prompt, **kwargs)  # captures
+    out = target.generate(prompt, **kwargs)
+    telemetry = hybridspec_hf.get_telemetry(target)
+    assert telemetry.path == "cuda_graphs" and telemetry.capture_s == 0.0
+    assert torch.equal(out, ar)
+    rounds = target.__dict__[resident._KEPT]
+    assert [r.key.layers for r in rounds] == ["int8"] and rounds[0].context.fused.int8[0][0].weight.is_cuda
+    hybridspec_hf.release_graphs(target)
+
+
 def test_the_int8_draft_head_serves_one_requests_block_on_a_gpu():
     """On a GPU the int8 copy serves up to MAX_ROWS rows of logits (one request's block); a batch's drafts read the
     head as it is (the int8 GEMV's limit), and no copy is made for them."""

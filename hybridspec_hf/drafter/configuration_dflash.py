@@ -29,7 +29,7 @@ DFLASH_KEYS = (
     "output_multiplier",
     "final_logit_softcapping",
 )
-HEAD_QUANTIZATIONS = (None, "int8")  # DFlashConfig.head_quantization
+HEAD_QUANTIZATIONS = (None, "int8")  # DFlashConfig.head_quantization and .layers_quantization
 # z-lab keys that mean another architecture (DFlash 2's convolutions and candidate selector, SpecForge's KDA/MLA).
 _UNSUPPORTED_DFLASH_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "attention_modes")
 
@@ -53,6 +53,12 @@ class DFlashConfig(PreTrainedConfig):
             the head as it is. Drafts are proposals, so the output stays the target's; only which drafts are
             proposed may change where two of the drafter's logits nearly tie. Training with gradients uses the
             target's head.
+        layers_quantization: None (the drafter's layers as they are) or ``"int8"``: the fused resident path of a
+            draft (GPU-resident rounds) multiplies by int8 copies of its layers' projections (q|k|v, o, gate|up,
+            down), one float32 scale per output row, made with the path's other weight copies and refreshed with
+            them (≈ half the drafter's layer bytes more GPU memory). Up to 16 rows of a draft (one request's block);
+            a batch's drafts, the eager path and training use the weights as they are. As for the head, only which
+            tokens are drafted may change; the output stays the target's.
     The vocabulary embedding and LM head are the target's: ``vocab_size`` must equal the target's.
     Layers marked ``"sliding_attention"`` in ``layer_types`` attend causally inside the block and within
     ``sliding_window`` positions, as z-lab's ``Qwen3DFlashAttention`` does (``is_causal`` overrides the causality).
@@ -88,6 +94,7 @@ class DFlashConfig(PreTrainedConfig):
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
     head_quantization: str | None = None
+    layers_quantization: str | None = None
     pad_token_id: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -112,6 +119,10 @@ class DFlashConfig(PreTrainedConfig):
         if self.head_quantization not in HEAD_QUANTIZATIONS:
             raise ValueError(f"head_quantization must be one of {HEAD_QUANTIZATIONS} (None: the target's LM head as "
                              f"it is; \"int8\": an int8 copy of it for drafting), got {self.head_quantization!r}.")
+        if self.layers_quantization not in HEAD_QUANTIZATIONS:
+            raise ValueError(f"layers_quantization must be one of {HEAD_QUANTIZATIONS} (None: the drafter's layers as "
+                             f"they are; \"int8\": int8 copies of their projections for drafting), got "
+                             f"{self.layers_quantization!r}.")
         # Same reading of the sliding fields as Qwen3Config, which z-lab's drafter is built on.
         self.sliding_window = self.sliding_window if self.use_sliding_window else None
         if self.layer_types is None:

@@ -24,15 +24,20 @@ stores them with one `qk_norm_rope_store` launch, where the eager path runs ≈ 
 [12288, 2048] and o_proj [2048, 4096] are in it; q|k|v [5120, 2048] (also the context's k|v of 5 layers), down
 [2048, 6144] and fc [2048, 10240] are not timed yet (benchmarks/gemv.py lists them).
 
-Weight copies ([q; k; v] and [gate; up] per layer, every layer's [k; v], the k_norm weights stacked) belong to the
-StaticDraftContext: made when it is built (before capture), refreshed in place by `reset()` (every generate() call)
-when a source changed (data_ptr or in-place `_version`, patches/_weight_copies.py), freed with it. A draft never
-makes one (inside a capture it would be a graph node). The eager static path runs instead whenever the copies are
-stale or absent, a drafter module has hooks or a replaced forward (they would not run here), the drafter trains,
-grad is on, `ENABLED` is off (also HYBRIDSPEC_FUSED_KERNELS=0, which turns `fused_kernels()` off), or the layout
-is not the one fused here (plain bias-free Linears, SiLU, equal q/k norm eps, a head_dim
-the attention kernel takes). Same maths as the eager path, with its rounding steps; only fp32 summation orders
-differ.
+With the drafter's config.layers_quantization "int8" the copies also hold int8 rows with a float32 scale per row
+(`gemv_triton.quantize_rows`) of each layer's q|k|v, o_proj, gate|up and down_proj, and a draft of up to MAX_ROWS
+rows (one request's block) multiplies by them (`linear_int8`): half the bytes a draft reads from its layers.
+
+Weight copies ([q; k; v] and [gate; up] per layer, every layer's [k; v], the k_norm weights stacked, the int8 ones)
+belong to the StaticDraftContext: made when it is built (before capture), refreshed in place by `reset()` (every
+generate() call) when a source or the quantization option changed (data_ptr or in-place `_version`,
+patches/_weight_copies.py), freed with it. A draft never makes one (inside a capture it would be a graph node). The
+eager static path runs instead whenever the copies are stale or absent, a drafter module has hooks or a replaced
+forward (they would not run here), the drafter trains, grad is on, `ENABLED` is off (also
+HYBRIDSPEC_FUSED_KERNELS=0, which turns `fused_kernels()` off), or the layout is not the one fused here (plain
+bias-free Linears, SiLU, equal q/k norm eps, a head_dim the attention kernel takes). Same maths as the eager path,
+with its rounding steps; only fp32 summation orders differ (with int8 layers: the drafts' products by the int8
+copies, not the weights).
 """
 from __future__ import annotations
 
@@ -47,7 +52,7 @@ from hybridspec_hf.kernels.attention_triton import static_attention
 from hybridspec_hf.kernels.attention_triton import supported as attention_supported
 from hybridspec_hf.kernels.dflash_triton import add_rms_norm, qk_norm_rope_store
 from hybridspec_hf.kernels.gdn_triton import HAS_TRITON
-from hybridspec_hf.kernels.gemv_triton import linear
+from hybridspec_hf.kernels.gemv_triton import MAX_ROWS, QuantizedRows, linear, linear_int8, quantize_rows
 from hybridspec_hf.kernels.shared_expert_triton import silu_mul
 from hybridspec_hf.patches._weight_copies import hooked, source_key
 
@@ -64,7 +69,13 @@ class FusedDraftWeights:
     gate_up: list[torch.Tensor]  # per layer [2I, H]: gate_proj; up_proj
     context_kv: torch.Tensor  # [L·2Hk·D, H]: k_proj; v_proj of layer 0, then layer 1, ...
     k_norms: torch.Tensor  # [L, D]
-    key: tuple  # `source_key` of the sources when copied
+    key: tuple  # `_key` of the drafter when copied
+    # config.layers_quantization "int8": per layer the int8 copies of (q|k|v, o_proj, gate|up, down_proj)
+    int8: list[tuple[QuantizedRows, ...]] | None = None
+
+
+def _quantized(drafter) -> bool:
+    return getattr(drafter.config, "layers_quantization", None) == "int8"
 
 
 def _sources(drafter) -> list[torch.Tensor]:
@@ -73,7 +84,14 @@ def _sources(drafter) -> list[torch.Tensor]:
         attn, mlp = layer.self_attn, layer.mlp
         weights += [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, mlp.gate_proj.weight,
                     mlp.up_proj.weight, attn.k_norm.weight]
+        if _quantized(drafter):  # their int8 copies too
+            weights += [attn.o_proj.weight, mlp.down_proj.weight]
     return weights
+
+
+def _key(drafter) -> tuple:
+    """What the copies were made from: the sources' `source_key` and the quantization they hold."""
+    return source_key(_sources(drafter)), _quantized(drafter)
 
 
 def _modules(drafter) -> list[nn.Module]:
@@ -102,8 +120,7 @@ def refresh_weights(drafter, previous: FusedDraftWeights | None, device: torch.d
     capture."""
     if previous is None and not _fusable(drafter, device, dtype):
         return None
-    sources = _sources(drafter)
-    key = source_key(sources)
+    key = _key(drafter)
     if previous is not None and previous.key == key:
         return previous
     with torch.no_grad():
@@ -119,7 +136,18 @@ def refresh_weights(drafter, previous: FusedDraftWeights | None, device: torch.d
         gate_up = [cat([m.gate_proj.weight, m.up_proj.weight], out) for (_, m), out in zip(layers, old.gate_up)]
         context_kv = cat([w for a, _ in layers for w in (a.k_proj.weight, a.v_proj.weight)], old.context_kv)
         k_norms = cat([a.k_norm.weight[None] for a, _ in layers], old.k_norms)
-    return FusedDraftWeights(qkv, gate_up, context_kv, k_norms, key)
+        int8 = None
+        if _quantized(drafter):  # into the old copies' tensors where they fit (captured graphs read them)
+            kept = old.int8 or [(None,) * 4] * len(layers)
+            int8 = [tuple(_quantize(w.detach().to(device=device, dtype=dtype), out)
+                          for w, out in zip((qkv[i], a.o_proj.weight, gate_up[i], m.down_proj.weight), kept[i]))
+                    for i, (a, m) in enumerate(layers)]
+    return FusedDraftWeights(qkv, gate_up, context_kv, k_norms, key, int8)
+
+
+def _quantize(weight: torch.Tensor, out: QuantizedRows | None) -> QuantizedRows:
+    fits = out is not None and out.weight.shape == weight.shape and out.weight.device == weight.device
+    return quantize_rows(weight, out=out if fits else None)
 
 
 def active(drafter, ctx) -> bool:
@@ -128,7 +156,7 @@ def active(drafter, ctx) -> bool:
     if (not ENABLED or weights is None or not fused_kernels_active() or torch.is_grad_enabled() or drafter.training
             or not (ctx.length.is_cuda or _ON_CPU)):
         return False
-    if weights.key != source_key(_sources(drafter)) or hooked(_modules(drafter)):
+    if weights.key != _key(drafter) or hooked(_modules(drafter)):
         return False
     keys = ctx.keys[0]
     queries = keys[:, :1, :1].expand(keys.shape[0], drafter.config.num_attention_heads, drafter.config.block_size,
@@ -157,18 +185,24 @@ def draft(drafter, embeddings: torch.Tensor, ctx) -> torch.Tensor:
     q_heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     queries = embeddings.new_empty(batch, size, q_heads, dim)  # [B, bs, Hq, D]
     hidden, delta = embeddings, None
+    int8 = weights.int8 if batch * size <= MAX_ROWS else None  # the int8 GEMV's rows: one request's block
+
+    def project(x, weight, i, j):  # projection j of layer i: (q|k|v, o, gate|up, down)
+        return linear(x, weight) if int8 is None else linear_int8(x, int8[i][j])
+
     for i, layer in enumerate(drafter.layers):
         attn, mlp, norm = layer.self_attn, layer.mlp, layer.input_layernorm
         hidden, x = add_rms_norm(hidden, delta, norm.weight, norm.eps)  # + the previous layer's MLP output
-        qkv = linear(x, weights.qkv[i])  # [B, bs, (Hq + 2Hk)·D]
+        qkv = project(x, weights.qkv[i], i, 0)  # [B, bs, (Hq + 2Hk)·D]
         qk_norm_rope_store(qkv, q_heads, kv_heads, attn.q_norm.weight[None], attn.k_norm.weight[None],
                            attn.q_norm.eps, ctx.cos, ctx.sin, ctx.length, ctx.key_buffer[i : i + 1],
                            ctx.value_buffer[i : i + 1], queries)
         out = static_attention(queries.transpose(1, 2), ctx.keys[i], ctx.values[i], ctx.length, dim**-0.5,
                                causal=attn.is_causal, window=attn.sliding_window)  # [B, bs, Hq, D]
         norm = layer.post_attention_layernorm
-        hidden, x = add_rms_norm(hidden, linear(out.view(batch, size, -1), attn.o_proj.weight), norm.weight, norm.eps)
-        gate_up = linear(x, weights.gate_up[i])  # [B, bs, 2I]
+        hidden, x = add_rms_norm(hidden, project(out.view(batch, size, -1), attn.o_proj.weight, i, 1), norm.weight,
+                                 norm.eps)
+        gate_up = project(x, weights.gate_up[i], i, 2)  # [B, bs, 2I]
         inter = mlp.down_proj.in_features
-        delta = linear(silu_mul(gate_up.view(batch * size, -1), inter), mlp.down_proj.weight).view_as(hidden)
+        delta = project(silu_mul(gate_up.view(batch * size, -1), inter), mlp.down_proj.weight, i, 3).view_as(hidden)
     return add_rms_norm(hidden, delta, drafter.norm.weight, drafter.norm.eps)[1]

@@ -197,6 +197,7 @@ class _Key:
     rows: int = 1  # batch rows of the static buffers (a bucket of BATCH_BUCKETS)
     defer: bool = False  # DEFER_CONTEXT_APPENDS when captured (rounds of either setting may be kept side by side)
     head: str | None = None  # the drafter's config.head_quantization (its draft graph multiplies by that head)
+    layers: str | None = None  # the drafter's config.layers_quantization (its draft graph reads those copies)
 
 
 MAX_EOS_IDS = 8  # EOS ids a round can test on the device
@@ -231,7 +232,8 @@ def resident_rounds(model, drafter, strategy, logits_processor, do_sample: bool,
     capacity = -(-(max_length + block) // _CAPACITY_STEP) * _CAPACITY_STEP
     key = _Key(id(drafter), strategy.identity(), do_sample, tuple(repr(p.__dict__) for p in logits_processor),
                capacity, position_rows, device_commit, capture, rows, DEFER_CONTEXT_APPENDS,
-               getattr(drafter.config, "head_quantization", None) if drafter is not None else None)
+               getattr(drafter.config, "head_quantization", None) if drafter is not None else None,
+               getattr(drafter.config, "layers_quantization", None) if drafter is not None else None)
     kept = model.__dict__.setdefault(_KEPT, [])
     found = next((rounds for rounds in reversed(kept) if _reusable(rounds.key, key)), None)
     if found is not None:

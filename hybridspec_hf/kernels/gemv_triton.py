@@ -177,6 +177,19 @@ class QuantizedRows:
 # cuBLAS on the bf16 head; 32 x 256 in 3 stages 186).
 INT8_CONFIG = GemvConfig(64, 128, 1, 4, 4, True)
 
+
+
+def int8_config(n: int, k: int) -> GemvConfig:
+    """The int8 GEMV's config for a weight [N, K]: INT8_CONFIG where N makes ≥ 128 of its 64-row blocks (an LM head,
+    the drafter's gate|up); for narrower projections (a drafter layer's q|k|v, o and down, N = 2048-5120) 32-row
+    blocks with K split so that ≈ 256 programs run (by analogy with TABLE's bf16 configs; not yet measured on a GPU:
+    gpu_rounds_runs.md, next session's item 3)."""
+    if n >= 128 * INT8_CONFIG.block_n:
+        return INT8_CONFIG
+    blocks = -(-n // 32)
+    return GemvConfig(32, 128, max(1, min(8, 256 // blocks, k // 512)), 4, 4, True)
+
+
 _FORCE: GemvConfig | None = None  # tests only: this config (fitted to each shape) for every shape, whatever TABLE says
 
 
@@ -449,13 +462,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def linear_int8(x: torch.Tensor, quantized: QuantizedRows) -> torch.Tensor:
-    """x [..., K] @ (the quantized weight)ᵀ in x's dtype: `gemv` at INT8_CONFIG where it suits (≤ MAX_ROWS rows of
+    """x [..., K] @ (the quantized weight)ᵀ in x's dtype: `gemv` at `int8_config` where it suits (≤ MAX_ROWS rows of
     a float dtype, on CUDA or under the interpreter), else `linear_int8_reference`."""
     q = quantized.weight
     if x.shape[-1] != q.shape[1]:
         raise ValueError(f"linear_int8: x has {x.shape[-1]} features, the quantized weight {q.shape[1]}")
     if 0 < x.numel() // max(1, x.shape[-1]) <= MAX_ROWS and _suits(x, q, None, weight_dtype=torch.int8):
-        return gemv(x, q, None, _FORCE or INT8_CONFIG, scale=quantized.scale)
+        return gemv(x, q, None, _FORCE or int8_config(*q.shape), scale=quantized.scale)
     return linear_int8_reference(x, quantized)
 
 
