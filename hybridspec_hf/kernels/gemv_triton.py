@@ -178,12 +178,11 @@ class QuantizedRows:
 INT8_CONFIG = GemvConfig(64, 128, 1, 4, 4, True)
 
 
-
 def int8_config(n: int, k: int) -> GemvConfig:
     """The int8 GEMV's config for a weight [N, K]: INT8_CONFIG where N makes ≥ 128 of its 64-row blocks (an LM head,
     the drafter's gate|up); for narrower projections (a drafter layer's q|k|v, o and down, N = 2048-5120) 32-row
-    blocks with K split so that ≈ 256 programs run (by analogy with TABLE's bf16 configs; not yet measured on a GPU:
-    gpu_rounds_runs.md, next session's item 3)."""
+    blocks with K split so that ≈ 256 programs run (by analogy with TABLE's bf16 configs, not swept on a GPU yet;
+    the drafter's int8 layers at these tiles: round_tiles_run152.md)."""
     if n >= 128 * INT8_CONFIG.block_n:
         return INT8_CONFIG
     blocks = -(-n // 32)
