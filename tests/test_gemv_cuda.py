@@ -10,13 +10,8 @@ from hybridspec_hf.kernels.gemv_triton import linear_int8, linear_int8_reference
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-@pytest.mark.parametrize("rows", [1, 15, 16])
-def test_int8_rows_match_the_reference_eager_and_captured(rows):
-    generator = torch.Generator(device="cuda").manual_seed(rows)
-    weight = (torch.randn(60_000, 2048, device="cuda", generator=generator) * 0.02).to(torch.bfloat16)
-    quantized = quantize_rows(weight)
-    x = torch.randn(rows, 2048, device="cuda", generator=generator).to(torch.bfloat16)
-    expected = linear_int8_reference(x, quantized).float()
+def _eager_and_captured(x, quantized):
+    """linear_int8 of x eagerly and replayed from a CUDA graph captured around it."""
     with torch.no_grad():
         eager = linear_int8(x, quantized)
         graph = torch.cuda.CUDAGraph()
@@ -24,6 +19,17 @@ def test_int8_rows_match_the_reference_eager_and_captured(rows):
             captured = linear_int8(x, quantized)
         graph.replay()
     torch.cuda.synchronize()
+    return eager, captured
+
+
+@pytest.mark.parametrize("rows", [1, 15, 16])
+def test_int8_rows_match_the_reference_eager_and_captured(rows):
+    generator = torch.Generator(device="cuda").manual_seed(rows)
+    weight = (torch.randn(60_000, 2048, device="cuda", generator=generator) * 0.02).to(torch.bfloat16)
+    quantized = quantize_rows(weight)
+    x = torch.randn(rows, 2048, device="cuda", generator=generator).to(torch.bfloat16)
+    expected = linear_int8_reference(x, quantized).float()
+    eager, captured = _eager_and_captured(x, quantized)
     scale = expected.abs().max()
     # one bf16 rounding of the output (2^-8 relative) and fp32 sums in another order
     assert ((eager.float() - expected).abs().max() / scale).item() < 2.0**-7
@@ -42,12 +48,6 @@ def test_int8_drafter_projections_at_int8_config_eager_and_captured(n, k):
     quantized = quantize_rows((torch.randn(n, k, device="cuda", generator=generator) * 0.02).to(torch.bfloat16))
     x = torch.randn(16, k, device="cuda", generator=generator).to(torch.bfloat16)
     expected = linear_int8_reference(x, quantized).float()
-    with torch.no_grad():
-        eager = linear_int8(x, quantized)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = linear_int8(x, quantized)
-        graph.replay()
-    torch.cuda.synchronize()
+    eager, captured = _eager_and_captured(x, quantized)
     assert ((eager.float() - expected).abs().max() / expected.abs().max()).item() < 2.0**-7
     assert torch.equal(eager, captured)

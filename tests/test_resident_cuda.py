@@ -231,21 +231,28 @@ def test_image_prompts_run_captured_and_equal_ar():
     resident_image_calls("cuda")
 
 
-@pytest.mark.parametrize("strategy", ["dflash", "hybridspec"])
-def test_the_int8_draft_head_runs_captured_and_equals_ar(strategy, sync_errors):
-    """DFlashConfig.head_quantization "int8": the draft graph multiplies by the int8 copy of the target's head (made
-    in the warm-up, before the capture), the call runs captured without syncs, and greedy output is AR's."""
+def _captured_int8_call(strategy: str, option: str, seed: int):
+    """(target, drafter, tokens, AR's tokens) of a greedy call with the drafter's config.`option` "int8", captured
+    (the second of two identical calls: it must replay the graphs without capturing or syncing)."""
     target, _ = _pair()
-    prompt = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(5)).cuda()
+    prompt = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(seed)).cuda()
     ar = target.generate(prompt, do_sample=False, max_new_tokens=40)
     target, drafter = _pair(reference=ar.cpu())
-    drafter.config.head_quantization = "int8"
+    setattr(drafter.config, option, "int8")
     kwargs = dict(do_sample=False, max_new_tokens=40, assistant_model=drafter, generation_strategy=strategy,
                   hybridspec_config=HybridSpecConfig(cuda_graphs="on"))
     target.generate(prompt, **kwargs)  # captures
     out = target.generate(prompt, **kwargs)
     telemetry = hybridspec_hf.get_telemetry(target)
     assert telemetry.path == "cuda_graphs" and telemetry.capture_s == 0.0
+    return target, drafter, out, ar
+
+
+@pytest.mark.parametrize("strategy", ["dflash", "hybridspec"])
+def test_the_int8_draft_head_runs_captured_and_equals_ar(strategy, sync_errors):
+    """DFlashConfig.head_quantization "int8": the draft graph multiplies by the int8 copy of the target's head (made
+    in the warm-up, before the capture), the call runs captured without syncs, and greedy output is AR's."""
+    _, drafter, out, ar = _captured_int8_call(strategy, "head_quantization", seed=5)
     assert torch.equal(out, ar)
     quantized = drafter.quantized_head()
     assert quantized is drafter.__dict__["_head_int8"][1], "the copy was made again after the capture"
@@ -257,17 +264,7 @@ def test_int8_drafter_layers_run_captured_and_equal_ar(strategy, sync_errors):
     """DFlashConfig.layers_quantization "int8": the draft graph multiplies by the int8 copies of the drafter's layer
     projections (made with the resident draft path's copies, before the capture), the call runs captured without
     syncs, and greedy output is AR's."""
-    target, _ = _pair()
-    prompt = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(7)).cuda()
-    ar = target.generate(prompt, do_sample=False, max_new_tokens=40)
-    target, drafter = _pair(reference=ar.cpu())
-    drafter.config.layers_quantization = "int8"
-    kwargs = dict(do_sample=False, max_new_tokens=40, assistant_model=drafter, generation_strategy=strategy,
-                  hybridspec_config=HybridSpecConfig(cuda_graphs="on"))
-    target.generate(prompt, **kwargs)  # captures
-    out = target.generate(prompt, **kwargs)
-    telemetry = hybridspec_hf.get_telemetry(target)
-    assert telemetry.path == "cuda_graphs" and telemetry.capture_s == 0.0
+    target, _, out, ar = _captured_int8_call(strategy, "layers_quantization", seed=7)
     assert torch.equal(out, ar)
     rounds = target.__dict__[resident._KEPT]  # HybridSpec's calibration keeps rounds of its own beside the call's
     assert rounds and all(r.key.layers == "int8" for r in rounds)
