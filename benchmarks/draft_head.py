@@ -19,7 +19,8 @@ a replay and the largest logit difference. On a CPU the kernel part is a smoke r
 
 --part tau (the shipped tiny pair, CPU): the target's greedy continuations of `--prompts` held-out prompts
 (`--tokens` each), then the drafter's offline acceptance length τ at blocks 16 and 8 (`training.acceptance_lengths`:
-all anchors, and the novel ones) with the head as it is and with its int8 copy, on the same continuations.
+all anchors, and the novel ones) with the head as it is and with its int8 copy, and with its layers as their int8
+copies (`DFlashConfig.layers_quantization`) multiply, alone and with the int8 head, on the same continuations.
 Writes benchmarks/results/<name>.{json,md}.
 """
 from __future__ import annotations
@@ -134,8 +135,14 @@ def _draft_graph(model: str, context: int, replays: int, cuda: bool, device: tor
     return out
 
 
-def tau(prompts: int, tokens: int) -> dict:
-    """The tiny pair's offline τ with either head, on the same greedy continuations."""
+TAU_VARIANTS = (("the target's head", None, False), ("int8", "int8", False), ("int8 layers", None, True),
+                ("int8 head and layers", "int8", True))  # (label, head_quantization, int8 layers)
+
+
+def tau(prompts: int, tokens: int, variants=TAU_VARIANTS) -> dict:
+    """The tiny pair's offline τ with the head as it is or in int8 and the layers as they are or as their int8
+    copies multiply (`fused.int8_equivalent`), on the same greedy continuations."""
+    from hybridspec_hf.drafter import fused
     from hybridspec_hf.drafter.training import acceptance_lengths, regenerate_responses
     from hybridspec_hf.tiny_pair import heldout_prompts, load_tiny_pair
 
@@ -145,11 +152,12 @@ def tau(prompts: int, tokens: int) -> dict:
         samples = regenerate_responses(target, tokenizer, texts, folder, max_new_tokens=tokens, batch_size=32,
                                        desc="regenerate (greedy)")
     result = {}
-    for head in (None, "int8"):
-        drafter.config.head_quantization = head
+    for label, head, layers in variants:
+        model = fused.int8_equivalent(drafter) if layers else drafter
+        model.config.head_quantization = head
         with torch.no_grad():
-            result[head or "the target's head"] = acceptance_lengths(target, drafter, samples, (16, 8))
-    drafter.config.head_quantization = None
+            result[label] = acceptance_lengths(target, model, samples, (16, 8))
+        model.config.head_quantization = None
     return result
 
 
@@ -169,7 +177,8 @@ def main(argv: list[str] | None = None) -> dict:
     cuda = torch.cuda.is_available()
     if args.part == "tau":
         result = tau(args.prompts, args.tokens)
-        lines = ["| head | τ16 | τ16 novel anchors | τ8 | τ8 novel | anchors (16) |", "|---|---|---|---|---|---|"]
+        lines = ["| drafter | τ16 | τ16 novel anchors | τ8 | τ8 novel | anchors (16) |",
+                 "|---|---|---|---|---|---|"]
         for head, r in result.items():
             b16, b8 = r["block_sizes"]["16"], r["block_sizes"]["8"]
             lines.append(f"| {head} | **{b16['tau']:.3f}** | {b16['tau_novel']:.3f} | {b8['tau']:.3f} | "
@@ -179,8 +188,12 @@ def main(argv: list[str] | None = None) -> dict:
         notes = (f"The shipped tiny pair (trained weights, fp32 on the CPU), {args.prompts} held-out stdlib prompts, "
                  f"the target's greedy continuations of {args.tokens} tokens; τ by `training.acceptance_lengths` "
                  "(every anchor whose block fits; novel: the next 8 tokens do not occur earlier), the drafter with "
-                 "the target's head as it is and with its int8 copy, on the same continuations.")
-        payload = dict(title="The drafter's LM head in int8: acceptance on the tiny pair", environment=environment(),
+                 "the target's head as it is and with its int8 copy (head_quantization), and with its layers' "
+                 "projections as their int8 copies multiply (layers_quantization, measured through "
+                 "`fused.int8_equivalent`: the dequantized weights on the eager path, whose context k|v are "
+                 "quantized too), on the same continuations.")
+        payload = dict(title="The drafter's LM head and layers in int8: acceptance on the tiny pair",
+                       environment=environment(),
                        command=" ".join(sys.argv), weights="trained (the shipped tiny pair)", result=result, notes=notes)
         write_results(args.name or "draft_head_tau_tiny_pair", payload, table)
         return payload

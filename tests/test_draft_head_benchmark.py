@@ -36,3 +36,14 @@ def test_configs_are_parsed_or_refused(draft_head):
     assert (config.block_n, config.block_k, config.split_k, config.num_warps, config.num_stages) == (64, 128, 2, 8, 3)
     with pytest.raises(SystemExit, match="BNxBK"):
         draft_head.parse_config("64x128w4")
+
+
+def test_the_tau_part_measures_every_variant_on_the_same_continuations(draft_head, cpu_only):
+    """--part tau on 2 prompts x 16 tokens: τ at blocks 16 and 8 for the head as it is / int8 and the layers as
+    they are / as their int8 copies multiply, over the same anchors."""
+    result = draft_head.tau(2, 16)
+    assert list(result) == [label for label, *_ in draft_head.TAU_VARIANTS]
+    anchors = {r["block_sizes"]["16"]["num_anchors"] for r in result.values()}
+    assert len(anchors) == 1 and anchors.pop() > 0
+    for r in result.values():
+        assert 1.0 <= r["block_sizes"]["8"]["tau"] <= 8.0 and 1.0 <= r["block_sizes"]["16"]["tau"] <= 16.0

@@ -214,26 +214,6 @@ def _active(drafter, ctx) -> bool:
         return fused.active(drafter, ctx)
 
 
-def _dequantized_drafter(drafter):
-    """A copy of `drafter` whose q, k, v, o, gate, up and down weights are their int8 rows times their scales
-    (`quantize_rows` of each, q|k|v and gate|up quantized concatenated as the fused path does)."""
-    import copy
-
-    from hybridspec_hf.kernels.gemv_triton import quantize_rows
-
-    twin = copy.deepcopy(drafter)
-    with torch.no_grad():
-        for layer in twin.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            for group in ([attn.q_proj, attn.k_proj, attn.v_proj], [attn.o_proj], [mlp.gate_proj, mlp.up_proj],
-                          [mlp.down_proj]):
-                q = quantize_rows(torch.cat([m.weight for m in group]))
-                rows = (q.weight.float() * q.scale[:, None]).to(drafter.dtype).split([m.out_features for m in group])
-                for module, value in zip(group, rows):
-                    module.weight.copy_(value)
-    return twin
-
-
 def test_int8_layers_draft_as_the_dequantized_weights_do(fused_calls, monkeypatch):
     """config.layers_quantization "int8": the fused drafts multiply by the int8 copies (every projection of every
     layer: the drafts equal those of a drafter holding the dequantized weights, whose context k|v stay the weights
@@ -248,8 +228,8 @@ def test_int8_layers_draft_as_the_dequantized_weights_do(fused_calls, monkeypatc
     ctx = StaticDraftContext(drafter, 24, drafter.device, drafter.dtype)
     assert len(ctx.fused.int8) == len(drafter.layers) and ctx.fused.int8[0][0].weight.dtype == torch.int8
     quantized = _fused_rounds(drafter, steps, 1, ctx=ctx)
-    twin = _dequantized_drafter(drafter)
-    twin.config.layers_quantization = None
+    twin = fused.int8_equivalent(drafter)
+    assert twin.config.layers_quantization is None and drafter.config.layers_quantization == "int8"
     twin_ctx = StaticDraftContext(twin, 24, twin.device, twin.dtype)
     twin_ctx.fused.context_kv.copy_(ctx.fused.context_kv)  # the context's k|v stay the weights as they are
     expected = _fused_rounds(twin, steps, 1, ctx=twin_ctx)

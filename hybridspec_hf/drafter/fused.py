@@ -139,10 +139,36 @@ def refresh_weights(drafter, previous: FusedDraftWeights | None, device: torch.d
         int8 = None
         if _quantized(drafter):  # into the old copies' tensors where they fit (captured graphs read them)
             kept = old.int8 or [(None,) * 4] * len(layers)
-            int8 = [tuple(_quantize(w.detach().to(device=device, dtype=dtype), out)
+            int8 = [tuple(_quantize(w.detach().to(device=device, dtype=dtype), out)  # as `_int8_groups`
                           for w, out in zip((qkv[i], a.o_proj.weight, gate_up[i], m.down_proj.weight), kept[i]))
                     for i, (a, m) in enumerate(layers)]
     return FusedDraftWeights(qkv, gate_up, context_kv, k_norms, key, int8)
+
+
+def _int8_groups(layer) -> tuple[list[nn.Linear], ...]:
+    """The projections of a layer quantized together (one int8 copy each group): q|k|v, o, gate|up, down."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return [attn.q_proj, attn.k_proj, attn.v_proj], [attn.o_proj], [mlp.gate_proj, mlp.up_proj], [mlp.down_proj]
+
+
+def int8_equivalent(drafter):
+    """A copy of `drafter` (its option off) whose layer projections hold what the int8 copies of
+    config.layers_quantization multiply by: each group's int8 rows times their scales, in the drafter's dtype. Its
+    drafts on any path (the eager one, training's acceptance measures) are the int8 drafts up to fp32 summation
+    order, except that its context k|v come from the dequantized k and v too, where the int8 path projects the
+    context with the weights as they are: a slightly larger change than the int8 path's."""
+    import copy
+
+    twin = copy.deepcopy(drafter)
+    twin.config.layers_quantization = None
+    with torch.no_grad():
+        for layer in twin.layers:
+            for group in _int8_groups(layer):
+                q = quantize_rows(torch.cat([m.weight for m in group]))
+                rows = (q.weight.float() * q.scale[:, None]).to(group[0].weight.dtype)
+                for module, value in zip(group, rows.split([m.out_features for m in group])):
+                    module.weight.copy_(value)
+    return twin
 
 
 def _quantize(weight: torch.Tensor, out: QuantizedRows | None) -> QuantizedRows:
