@@ -145,6 +145,10 @@ def refresh_weights(drafter, previous: FusedDraftWeights | None, device: torch.d
     return FusedDraftWeights(qkv, gate_up, context_kv, k_norms, key, int8)
 
 
+def _quantize(weight: torch.Tensor, out: QuantizedRows | None) -> QuantizedRows:
+    return quantize_rows(weight, out=out if out is not None and out.fits(weight) else None)
+
+
 def _int8_groups(layer) -> tuple[list[nn.Linear], ...]:
     """The projections of a layer quantized together (one int8 copy each group): q|k|v, o, gate|up, down."""
     attn, mlp = layer.self_attn, layer.mlp
@@ -170,10 +174,6 @@ def int8_equivalent(drafter):
                     module.weight.copy_(value)
     return twin
 
-
-def _quantize(weight: torch.Tensor, out: QuantizedRows | None) -> QuantizedRows:
-    fits = out is not None and out.weight.shape == weight.shape and out.weight.device == weight.device
-    return quantize_rows(weight, out=out if fits else None)
 
 
 def active(drafter, ctx) -> bool:

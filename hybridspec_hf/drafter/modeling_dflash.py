@@ -656,7 +656,7 @@ class DFlashDrafter(PreTrainedModel):
         if weight.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("The drafter's int8 head copy must be made before CUDA-graph capture: draft once "
                                "eagerly first (the resident rounds' warm-up does), or call drafter.quantized_head().")
-        reuse = kept is not None and kept[1].weight.shape == weight.shape and kept[1].weight.device == weight.device
+        reuse = kept is not None and kept[1].fits(weight)
         if not reuse:
             self.__dict__.pop("_head_int8", None)  # the old copy's memory (if no graph holds it) before the new one
         self.__dict__["_head_int8"] = (key, quantize_rows(weight, out=kept[1] if reuse else None))

@@ -170,6 +170,11 @@ class QuantizedRows:
     def shape(self) -> torch.Size:
         return self.weight.shape
 
+    def fits(self, weight: torch.Tensor) -> bool:
+        """Whether `quantize_rows(weight, out=self)` can write weight's copy into these tensors (same shape and
+        device): a CUDA graph captured with them then reads the new values."""
+        return self.weight.shape == weight.shape and self.weight.device == weight.device
+
 
 # The int8 GEMV's config (`linear_int8`): 64 rows by 128 columns of int8 (8 KB) a step in 4 stages, K whole per
 # program (a 248k-row LM head: 3 880 programs). The best of six on an H100 (run 146, benchmarks/results/
@@ -216,7 +221,7 @@ def quantize_rows(weight: torch.Tensor, chunk_rows: int = 32768, out: QuantizedR
     device: a CUDA graph that reads them by address sees the new values)."""
     if weight.dim() != 2 or not weight.dtype.is_floating_point:
         raise ValueError(f"quantize_rows takes a float weight [N, K], got {tuple(weight.shape)} {weight.dtype}")
-    if out is not None and (out.weight.shape != weight.shape or out.weight.device != weight.device):
+    if out is not None and not out.fits(weight):
         raise ValueError(f"quantize_rows: out holds {tuple(out.weight.shape)} on {out.weight.device}, the weight is "
                          f"{tuple(weight.shape)} on {weight.device}")
     q = out.weight if out is not None else torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
