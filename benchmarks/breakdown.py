@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (add_switches, apply_switches, environment, frontier, switch_settings, timeline,  # noqa: E402
                     traced_kernels, write_results)
-from e2e import HBM_TBPS, build, roofline_bytes  # noqa: E402
+from e2e import HBM_TBPS, build, copy_tbps, roofline_bytes  # noqa: E402
 
 from hybridspec_hf import HybridSpecConfig  # noqa: E402
 from hybridspec_hf.generation.calibration import ForcedLength, shadow_selector  # noqa: E402
@@ -172,10 +172,11 @@ def summarize(kernels: list[dict], n: int) -> dict:
             "by_kind": per_replay(by_kind), "top_kernels": per_replay(by_name, 25), "all_kernels": per_replay(by_name)}
 
 
-def part_bytes(target, drafter, tokens: int, context: int, drafting: bool) -> dict:
-    """Fewest bytes a part moves: its target forward over `tokens` tokens (`e2e.roofline_bytes`, uniform router; none
-    for 0) and, when it drafts, the drafter's own weights and the LM head it shares with the target."""
-    moved = dict(roofline_bytes(target, tokens, None, context)) if tokens else {}
+def part_bytes(target, drafter, tokens: int, context: int, drafting: bool, distinct: float | None = None) -> dict:
+    """Fewest bytes a part moves: its target forward over `tokens` tokens (`e2e.roofline_bytes`, uniform router or
+    `distinct` experts a layer as measured; none for 0) and, when it drafts, the drafter's own weights and the LM
+    head it shares with the target."""
+    moved = dict(roofline_bytes(target, tokens, None, context, distinct)) if tokens else {}
     if drafting:
         moved["drafter weights"] = sum(p.numel() * p.element_size() for n, p in drafter.named_parameters()
                                        if "lm_head" not in n and "embed" not in n)
@@ -289,6 +290,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--round-lengths", default="",
                         help="also the max-shape round with its length forced to each w (comma list; as "
                              "calibration times C(w): HybridSpec's selector work runs beside it, its answer discarded)")
+    parser.add_argument("--routing", action=argparse.BooleanOptionalAction, default=True,
+                        help="with --round-lengths: count the distinct experts the forced rounds' routers "
+                             "pick (a capture of its own) and price their roofline by them")
     parser.add_argument("--attribute", action="store_true",
                         help="also run each part eagerly under the profiler: kernels by (module, aten op, the "
                              "Python line of our package or transformers that launched it)")
@@ -312,14 +316,7 @@ def main(argv: list[str] | None = None) -> None:
     forced = ForcedLength(drafter.config.block_size, shadow_selector(target, drafter.config.block_size)) \
         if round_lengths else None
     for strategy, verify_shape in runs:
-        # a stand-in latency model (what is traced does not depend on it): no calibration needed
-        latency = LatencyModel(cost=torch.linspace(7e-3, 10e-3, 16)[None], cost_ar=torch.tensor([5e-3]),
-                               context_lens=torch.tensor([context]))
-        settings = HybridSpecConfig(cuda_graphs="on", verify_shape=verify_shape if verify_shape == "exact" else "max",
-                                    latency_model=None if verify_shape == "forced" else latency,
-                                    selector=forced if verify_shape == "forced" else None)
-        kwargs = dict(generation_strategy=strategy, hybridspec_config=settings, attention_mask=torch.ones_like(prompt),
-                      assistant_model=drafter if strategy != "ar" else None, do_sample=False, pad_token_id=0)
+        kwargs = generate_kwargs(strategy, verify_shape, prompt, drafter, forced)
         rounds = captured_rounds(target, prompt, capacity_tokens, kwargs)
         for label, part in parts_of(rounds, strategy, verify_shape, lengths, round_lengths, forced).items():
             part.before()
@@ -347,6 +344,7 @@ def main(argv: list[str] | None = None) -> None:
                 for key, value in list(row["attributed"].items())[:80]:
                     print(f"    {value['kernels']:5d} {value['us']:8.1f} us  {key}", flush=True)
             length = int(rounds.target.length.max())
+            row["context_tokens"] = length
             row["bytes"] = part_bytes(target, drafter, part.tokens * args.batch, length, part.drafting)
             row["roofline_ms"] = sum(row["bytes"].values()) / (HBM_TBPS * 1e12) * 1e3
             parts[label] = row
@@ -356,7 +354,92 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"    {kind:40s} {value['kernels']:7.1f} kernels {value['us']:9.1f} us", flush=True)
     if HS_STEP in parts:
         print(step_difference(parts[AR_STEP], parts[HS_STEP]), flush=True)
-    write(args, target, parts, None if args.plain_only else outside_the_forward(parts, drafter.config.block_size))
+    bandwidth = copy_tbps(device) if device == "cuda" else None
+    if round_lengths and args.routing:
+        from hybridspec_hf import release_graphs
+
+        release_graphs(target)  # the timed graphs go; the routing pass captures its own (with the ids' copies)
+        distinct = measured_routing(target, prompt, capacity_tokens, generate_kwargs("hybridspec", "forced", prompt,
+                                                                                     drafter, forced),
+                                    forced, round_lengths, args.replays)
+        for n, measured in distinct.items():
+            row = parts[forced_label(n)]
+            row["routing"] = measured
+            length = row["context_tokens"]
+            row["bytes_measured_routing"] = {**part_bytes(target, drafter, n * args.batch, length, True,
+                                                          measured["distinct_per_layer"])}
+    for row in parts.values():
+        measured = row.get("bytes_measured_routing", row["bytes"])
+        row["roofline_measured_routing_ms"] = sum(measured.values()) / (HBM_TBPS * 1e12) * 1e3
+        if bandwidth is not None:
+            row["roofline_this_gpu_ms"] = sum(measured.values()) / (bandwidth * 1e12) * 1e3
+    write(args, target, parts, None if args.plain_only else outside_the_forward(parts, drafter.config.block_size),
+          bandwidth)
+
+
+def generate_kwargs(strategy: str, verify_shape: str, prompt: torch.Tensor, drafter,
+                    forced: ForcedLength | None) -> dict:
+    """generate()'s arguments for one set of resident rounds: "exact" / "max" verify shapes with a stand-in latency
+    model (what is traced does not depend on it: no calibration), "forced" with the forced-length selector."""
+    latency = LatencyModel(cost=torch.linspace(7e-3, 10e-3, 16)[None], cost_ar=torch.tensor([5e-3]),
+                           context_lens=torch.tensor([prompt.shape[1]]))
+    settings = HybridSpecConfig(cuda_graphs="on", verify_shape=verify_shape if verify_shape == "exact" else "max",
+                                latency_model=None if verify_shape == "forced" else latency,
+                                selector=forced if verify_shape == "forced" else None)
+    return dict(generation_strategy=strategy, hybridspec_config=settings, attention_mask=torch.ones_like(prompt),
+                assistant_model=drafter if strategy != "ar" else None, do_sample=False, pad_token_id=0)
+
+
+def measured_routing(target, prompt: torch.Tensor, capacity: int, kwargs: dict, forced: ForcedLength,
+                     round_lengths: list[int], replays: int) -> dict[int, dict]:
+    """The distinct experts a max-shape round reads per MoE layer at each forced w, counted from its routers' ids:
+    forward hooks that copy each router's ids [T, k] into a buffer, captured with the round (a capture of its own,
+    after the timed graphs are released, so that those carry no copies); per replay the rows below the round's valid
+    length (after the routing correction), the mean over layers and `replays` replays."""
+    from hybridspec_hf import patches
+
+    blocks = patches.moe_blocks(target)
+    block = kwargs["assistant_model"].config.block_size
+    buffers = torch.full((len(blocks), block, blocks[0].gate.top_k), -1, dtype=torch.long, device=prompt.device)
+
+    def copier(i):
+        def hook(module, args, output):
+            ids = output[2]
+            if ids.shape[0] <= block:  # a round's rows (the prefill's are many more)
+                buffers[i, :ids.shape[0]].copy_(ids)
+                buffers[i, ids.shape[0]:].fill_(-1)
+        return hook
+
+    handles = [b.gate.register_forward_hook(copier(i)) for i, b in enumerate(blocks)]
+    try:
+        rounds = captured_rounds(target, prompt, capacity, kwargs)
+        out = {}
+        for n in round_lengths:
+            forced.set(n)
+            counts, valid = [], []
+            for _ in range(replays):
+                rounds.spec()
+                v = int(rounds.round_valid.max())
+                ids = buffers[:, :v].cpu()
+                counts += [len(set(layer[layer >= 0].tolist())) for layer in ids]
+                valid.append(v)
+            out[n] = dict(distinct_per_layer=sum(counts) / len(counts), valid_tokens=sum(valid) / len(valid),
+                          uniform_per_layer=uniform_distinct(target, n), replays=replays)
+            print(f"routing at w = {n}: {out[n]}", flush=True)
+        return out
+    finally:
+        for handle in handles:
+            handle.remove()
+        from hybridspec_hf import release_graphs
+
+        release_graphs(target)
+
+
+def uniform_distinct(target, tokens: int) -> float:
+    """E·(1-(1-k/E)^T): the distinct experts per layer `tokens` tokens reach under a uniform router."""
+    config = target.config.get_text_config()
+    e, k = config.num_experts, config.num_experts_per_tok
+    return e * (1 - (1 - k / e) ** tokens)
 
 
 def step_difference(ar: dict, hs: dict) -> str:
@@ -373,20 +456,37 @@ def step_difference(ar: dict, hs: dict) -> str:
     return "\n".join(lines)
 
 
-def write(args, target, parts: dict, outside: dict) -> None:
+def write(args, target, parts: dict, outside: dict, bandwidth: float | None = None) -> None:
     config = target.config.get_text_config()
+    here = f"{bandwidth:.2f}" if bandwidth is not None else "-"
     lines = [f"{args.model}, {config.num_hidden_layers} layers, random bf16 weights, random drafter; graphs replayed "
              f"on their own ({args.replays} replays each), batch {args.batch}. Busy = sum of kernel durations (with "
              "programmatic dependent launch kernels overlap, so busy may exceed wall); wall = CUDA-event time of a "
-             f"replay; roofline = fewest bytes / {HBM_TBPS} TB/s (uniform router); committed = tokens a replay "
-             "commits. Switches: " + ", ".join(f"{k} {v}" for k, v in switch_settings().items()) + ".", "",
-             "| part | kernels | busy ms | wall ms | roofline ms | wall / roofline | idle share | committed |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"replay; roofline = fewest bytes / {HBM_TBPS} TB/s (the H200's copy bandwidth) with the routed "
+             "experts as the distinct experts a uniform router picks for the part's tokens; measured routing: the "
+             "forced rounds' distinct experts as their routers picked them (`measured_routing`), the other parts "
+             f"as the uniform router's; this GPU: the same bytes at this GPU's copy bandwidth ({here} TB/s, "
+             "`e2e.copy_tbps`); committed = tokens a replay commits. Switches: "
+             + ", ".join(f"{k} {v}" for k, v in switch_settings().items()) + ".", "",
+             "| part | kernels | busy ms | wall ms | roofline ms (uniform) | wall / roofline | roofline ms (measured "
+             f"routing) | wall / it | at this GPU's {here} TB/s: roofline ms | wall / it | idle share | committed |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, row in parts.items():
+        measured = row["roofline_measured_routing_ms"]
+        here_ms = row.get("roofline_this_gpu_ms")
         lines.append(f"| {label} | {row['kernels']:.0f} | {row['busy_us'] / 1e3:.3f} | {row['wall_ms']:.3f} | "
-                     f"{row['roofline_ms']:.3f} | {row['wall_ms'] / row['roofline_ms']:.1f}× | "
-                     f"{max(0.0, 1 - row['busy_us'] / 1e3 / row['wall_ms']):.0%} | "
+                     f"{row['roofline_ms']:.3f} | {row['wall_ms'] / row['roofline_ms']:.1f}× | {measured:.3f} | "
+                     f"{row['wall_ms'] / measured:.2f}× | "
+                     + (f"{here_ms:.3f} | {row['wall_ms'] / here_ms:.2f}× | " if here_ms else "- | - | ")
+                     + f"{max(0.0, 1 - row['busy_us'] / 1e3 / row['wall_ms']):.0%} | "
                      f"{row['committed_per_replay']:.2f} |")
+    routed = {label: row["routing"] for label, row in parts.items() if "routing" in row}
+    if routed:
+        lines += ["", "Routing as measured (the forced rounds, their own capture; distinct experts per MoE layer over "
+                  "the rows below the round's valid length, mean over layers and replays):", "",
+                  "| part | valid tokens | distinct experts / layer | uniform router's | replays |", "|---|---|---|---|---|"]
+        lines += [f"| {label} | {r['valid_tokens']:.2f} | {r['distinct_per_layer']:.1f} | {r['uniform_per_layer']:.1f} "
+                  f"| {r['replays']} |" for label, r in routed.items()]
     if outside is not None:
         lines += ["", *outside_lines(outside)]
     for label, row in parts.items():
@@ -400,7 +500,7 @@ def write(args, target, parts: dict, outside: dict) -> None:
                           f"`{k[:60]}` ×{v['kernels']} {v['us']:.0f} µs"
                           for k, v in list(row["frontier"]["by_kernel"].items())[:15])]
     payload = {"title": f"Kernel breakdown of the resident graphs ({args.model})", "environment": environment(),
-               "weights": "random", "switches": switch_settings(),
+               "weights": "random", "switches": switch_settings(), "copy_tbps_this_gpu": bandwidth,
                "parts": parts, "outside_the_forward": outside,
                "notes": __doc__.split("\n\n")[2]}
     write_results(args.name, payload, "\n".join(lines))

@@ -15,7 +15,10 @@ are proposed, where two of the drafter's logits nearly tie.
 `--configs` (BLOCK_N x BLOCK_K, s split-K, w warps, t stages); bytes moved and TB/s beside them. Then the draft
 graph itself (`draft_static` of the 35B benchmark drafter, 5 layers, a 16-token block over `--context` context
 tokens; the target built with 4 layers: the drafter reads only its embedding and head) with each head: median µs of
-a replay and the largest logit difference. On a CPU the kernel part is a smoke run (a small head, the interpreter).
+a replay and the largest logit difference, for the four choices of head (bf16, int8) and layers (bf16, int8:
+`DFlashConfig.layers_quantization`). Between them each drafter layer's projection groups (q|k|v, o, gate|up, down) at
+1 and 16 rows: the bf16 draft path's product against the int8 GEMV at `gemv_triton.int8_config` and at each of
+`--layer-configs`. On a CPU the kernel part is a smoke run (a small head, the interpreter).
 
 --part tau (the shipped tiny pair, CPU): the target's greedy continuations of `--prompts` held-out prompts
 (`--tokens` each), then the drafter's offline acceptance length τ at blocks 16 and 8 (`training.acceptance_lengths`:
@@ -45,6 +48,8 @@ from hybridspec_hf.kernels import gemv_triton  # noqa: E402
 from hybridspec_hf.kernels.gemv_triton import GemvConfig, gemv, quantize_rows  # noqa: E402
 
 DEFAULT_CONFIGS = "64x256s1w4t4,128x128s1w4t4,64x128s1w4t4,32x256s1w4t3,128x256s1w8t3,64x512s1w4t3"
+DEFAULT_LAYER_CONFIGS = ("32x128s1w4t4,32x128s2w4t4,32x128s4w4t4,32x128s8w4t4,64x128s2w4t4,64x128s4w4t4,"
+                         "16x128s4w4t4,32x256s2w4t3,32x256s4w4t3")
 
 
 def parse_config(spec: str) -> GemvConfig:
@@ -92,8 +97,54 @@ def head_alone(vocab: int, hidden: int, rows_list: list[int], configs: list[str]
     return out
 
 
+def layer_shapes(drafter) -> dict[str, tuple[int, int]]:
+    """(N, K) of each projection group a drafter layer multiplies by (`fused._int8_groups`' order)."""
+    attn, mlp = drafter.layers[0].self_attn, drafter.layers[0].mlp
+    qkv = attn.q_proj.out_features + attn.k_proj.out_features + attn.v_proj.out_features
+    return {"q|k|v": (qkv, attn.q_proj.in_features), "o": (attn.o_proj.out_features, attn.o_proj.in_features),
+            "gate|up": (2 * mlp.gate_proj.out_features, mlp.gate_proj.in_features),
+            "down": (mlp.down_proj.out_features, mlp.down_proj.in_features)}
+
+
+def layers_alone(shapes: dict[str, tuple[int, int]], rows_list: list[int], configs: list[str],
+                 replays: int) -> list[dict]:
+    """Each drafter projection shape as the bf16 draft path multiplies (`gemv_triton.linear`: TABLE's config or
+    cuBLAS) against the int8 GEMV at `int8_config` ("auto") and at each of `configs`, each call captured alone."""
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    generator = torch.Generator(device=device).manual_seed(1)
+    out = []
+    for label, (n, k) in shapes.items():
+        weight = (torch.randn(n, k, device=device, generator=generator) * 0.02).to(torch.bfloat16)
+        quantized = quantize_rows(weight)
+        for rows in rows_list:
+            x = torch.randn(rows, k, device=device, generator=generator).to(torch.bfloat16)
+            reference = torch.nn.functional.linear(x.float(), weight.float())
+            variants = [("bf16 (the draft path's)", lambda: gemv_triton.linear(x, weight), weight.numel() * 2)]
+            specs = [("auto", gemv_triton.int8_config(n, k))] + [(spec, parse_config(spec)) for spec in configs]
+            variants += [(f"int8 {spec} = {c.block_n}x{c.block_k}s{c.split_k}w{c.num_warps}t{c.num_stages}"
+                          if spec == "auto" else f"int8 {spec}",
+                          (lambda c: lambda: gemv(x, quantized.weight, None, c, scale=quantized.scale))(c),
+                          quantized.weight.numel() + quantized.scale.numel() * 4) for spec, c in specs]
+            for name, function, weight_bytes in variants:
+                with torch.no_grad():
+                    result = function().float()
+                    error = ((result - reference).abs().max() / reference.abs().max()).item()
+                    row = dict(shape=label, n=n, k=k, rows=rows, variant=name, weight_bytes=weight_bytes,
+                               rel_error_vs_fp32=error)
+                    if cuda:
+                        graph = capture(function)
+                        timing = time_graph(graph, 1, replays)
+                        del graph
+                        row.update(timing, tb_per_s=weight_bytes / (timing["median_us"] * 1e-6) / 1e12)
+                out.append(row)
+                print(row)
+    return out
+
+
 def draft_graph(model: str, context: int, replays: int) -> list[dict]:
-    """`draft_static` of the benchmark drafter with the head as it is and its int8 copy, each captured."""
+    """`draft_static` of the benchmark drafter with the head as it is or its int8 copy and the layers as they are or
+    their int8 copies (`DRAFT_VARIANTS`), each captured."""
     from hybridspec_hf.drafter import fused
 
     cuda = torch.cuda.is_available()
@@ -106,7 +157,7 @@ def draft_graph(model: str, context: int, replays: int) -> list[dict]:
 
 
 def _draft_graph(model: str, context: int, replays: int, cuda: bool, device: torch.device) -> list[dict]:
-    from hybridspec_hf.drafter import StaticDraftContext
+    from hybridspec_hf.drafter import StaticDraftContext, fused
 
     _, drafter = build(model, 4, device.type)
     width = drafter.fc.in_features
@@ -116,23 +167,30 @@ def _draft_graph(model: str, context: int, replays: int, cuda: bool, device: tor
     out, logits = [], {}
     with torch.no_grad():
         ctx.append(torch.randn(1, context, width, device=device, dtype=drafter.dtype), context)
-        for head in (None, "int8"):
-            drafter.config.head_quantization = head
+        for head, layers in DRAFT_VARIANTS:
+            drafter.config.head_quantization, drafter.config.layers_quantization = head, layers
+            ctx.fused = fused.refresh_weights(drafter, ctx.fused, device, drafter.dtype)  # the int8 layer copies
             with patches.fused_kernels():
+                if not fused.active(drafter, ctx):
+                    raise RuntimeError(f"draft graph: the fused draft path does not take head={head}, "
+                                       f"layers={layers}; the timing would not be the resident draft's")
                 function = lambda: drafter.draft_static(anchor, ctx, upcast=False)  # noqa: E731
-                logits[head] = function().float()
-                row = dict(head=head or "bf16 (the target's)")
+                logits[head, layers] = function().float()
+                row = dict(head=head or "bf16 (the target's)", layers=layers or "bf16")
                 if cuda:
                     graph = capture(function)
                     row.update(time_graph(graph, 1, replays))
                     del graph
+            plain = logits[DRAFT_VARIANTS[0]]
+            row.update(largest_logit_difference=(logits[head, layers] - plain).abs().max().item(),
+                       draft_agreement=(logits[head, layers].argmax(-1) == plain.argmax(-1)).float().mean().item())
             out.append(row)
             print(row)
-        drafter.config.head_quantization = None
-    difference = (logits["int8"] - logits[None]).abs().max().item()
-    agree = (logits["int8"].argmax(-1) == logits[None].argmax(-1)).float().mean().item()
-    out.append(dict(largest_logit_difference=difference, draft_agreement=agree))
+        drafter.config.head_quantization = drafter.config.layers_quantization = None
     return out
+
+
+DRAFT_VARIANTS = ((None, None), ("int8", None), (None, "int8"), ("int8", "int8"))  # (head, layers) quantization
 
 
 TAU_VARIANTS = (("the target's head", None, False), ("int8", "int8", False), ("int8 layers", None, True),
@@ -167,6 +225,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--part", choices=["kernel", "tau"], default="kernel")
     parser.add_argument("--model", default="qwen35_35b_a3b")
     parser.add_argument("--configs", default=DEFAULT_CONFIGS, help="int8 GEMV configs to time (kernel part)")
+    parser.add_argument("--layer-configs", default=DEFAULT_LAYER_CONFIGS,
+                        help="int8 GEMV configs to time at the drafter layers' shapes beside int8_config's (kernel "
+                             "part; 'none': the head and the draft graph only)")
     parser.add_argument("--rows", default="1,15")
     parser.add_argument("--replays", type=int, default=50)
     parser.add_argument("--context", type=int, default=512)
@@ -202,6 +263,12 @@ def main(argv: list[str] | None = None) -> dict:
     configs = args.configs.split(",") if cuda else args.configs.split(",")[:2]
     rows = [int(r) for r in args.rows.split(",")]
     alone = head_alone(vocab, hidden, rows, configs, args.replays)
+    layer_configs = [] if args.layer_configs == "none" else args.layer_configs.split(",")[:None if cuda else 1]
+    layers = []
+    if args.layer_configs != "none":
+        _, drafter = build(args.model if cuda else "tiny", 4, "cuda" if cuda else "cpu")
+        layers = layers_alone(layer_shapes(drafter), [16 if r > 1 else r for r in rows], layer_configs, args.replays)
+        del drafter
     graph = draft_graph(args.model if cuda else "tiny", args.context, args.replays)
     lines = ["| rows | head | µs (median) | p10 | p90 | weight MB | TB/s | argmax = fp32's |", "|---|---|---|---|---|---|---|---|"]
     for r in alone:
@@ -209,22 +276,34 @@ def main(argv: list[str] | None = None) -> dict:
             lines.append(f"| {r['rows']} | {r['variant']} | **{r['median_us']:.1f}** | {r['p10_us']:.1f} | "
                          f"{r['p90_us']:.1f} | {r['weight_bytes'] / 1e6:.0f} | {r['tb_per_s']:.2f} | "
                          f"{r['argmax_agreement_vs_fp32']:.3f} |")
-    lines += ["", "| draft graph | µs (median) | p10 | p90 |", "|---|---|---|---|"]
-    for r in graph[:-1]:
+    if layers:
+        lines += ["", "| layer projection | N x K | rows | variant | µs (median) | p10 | p90 | weight MB | TB/s |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in layers:
+            if "median_us" in r:
+                lines.append(f"| {r['shape']} | {r['n']} x {r['k']} | {r['rows']} | {r['variant']} | "
+                             f"**{r['median_us']:.1f}** | {r['p10_us']:.1f} | {r['p90_us']:.1f} | "
+                             f"{r['weight_bytes'] / 1e6:.1f} | {r['tb_per_s']:.2f} |")
+    lines += ["", "| draft graph: head | layers | µs (median) | p10 | p90 | largest logit difference | drafts equal |",
+              "|---|---|---|---|---|---|---|"]
+    for r in graph:
         if "median_us" in r:
-            lines.append(f"| head {r['head']} | **{r['median_us']:.1f}** | {r['p10_us']:.1f} | {r['p90_us']:.1f} |")
-    lines.append(f"\nDraft graph, int8 against bf16 head: largest logit difference {graph[-1]['largest_logit_difference']:.3g}, "
-                 f"drafts equal at {graph[-1]['draft_agreement']:.3f} of the positions (random weights).")
+            lines.append(f"| {r['head']} | {r['layers']} | **{r['median_us']:.1f}** | {r['p10_us']:.1f} | "
+                         f"{r['p90_us']:.1f} | {r['largest_logit_difference']:.3g} | {r['draft_agreement']:.3f} |")
     table = "\n".join(lines)
     print(table)
-    payload = dict(title=f"The drafter's LM head in int8 ({args.model})", environment=environment(),
-                   command=" ".join(sys.argv), weights="random", head_alone=alone, draft_graph=graph,
-                   int8_config=str(gemv_triton.INT8_CONFIG))
+    payload = dict(title=f"The drafter's LM head and layers in int8 ({args.model})", environment=environment(),
+                   command=" ".join(sys.argv), weights="random", head_alone=alone, layers_alone=layers,
+                   draft_graph=graph, int8_config=str(gemv_triton.INT8_CONFIG))
     if not cuda:
         return payload
     notes = (f"Random bf16 weights (the head N(0, 0.02)); head {vocab} x {hidden}; CUDA graphs, "
              f"{args.replays} timed replays after 20 untimed; the draft graph: e2e.py's {args.model} drafter "
-             f"(5 layers), a 16-token block over {args.context} context tokens, fused kernels.")
+             f"(5 layers), a 16-token block over {args.context} context tokens, fused kernels, with the head and "
+             "the layers each as they are (bf16) or int8 (head_quantization, layers_quantization); drafts equal: "
+             "the share of the block's argmax equal to the all-bf16 graph's. Layer projections: each drafter "
+             "layer's projection groups at 1 and 16 rows (a draft's block), bf16 as the draft path multiplies "
+             "(TABLE's GEMV config or cuBLAS) against the int8 GEMV at int8_config (auto) and the listed configs.")
     write_results(args.name or "draft_head", {**payload, "notes": notes}, table)
     return payload
 

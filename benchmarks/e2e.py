@@ -109,11 +109,12 @@ def build(name: str, layers: int | None, device: str):
     return target, drafter
 
 
-def roofline_bytes(target, tokens: int, routing=None, context: int = 0) -> dict | None:
+def roofline_bytes(target, tokens: int, routing=None, context: int = 0, distinct: float | None = None) -> dict | None:
     """Fewest bytes a target forward over `tokens` tokens moves, by part: dense weights (LM head included; the
     embedding table counted as the rows read), the distinct experts the tokens touch per MoE layer (uniform:
-    E·(1-(1-k/E)^w); calibrated: measured on the routing profile's bank), the GDN states read and written, and
-    `context` tokens of KV cache read. None for a model without experts."""
+    E·(1-(1-k/E)^w); calibrated: measured on the routing profile's bank; `distinct`: a count measured elsewhere,
+    mean per MoE layer), the GDN states read and written, and `context` tokens of KV cache read. None for a model
+    without experts."""
     config = target.config.get_text_config()
     experts = getattr(config, "num_experts", None)
     if experts is None:
@@ -124,7 +125,10 @@ def roofline_bytes(target, tokens: int, routing=None, context: int = 0) -> dict 
     embed = target.get_input_embeddings().weight
     routed = sum(p.numel() * p.element_size() for n, p in target.named_parameters() if ".mlp.experts." in n)
     dense = sum(p.numel() * p.element_size() for p in target.parameters()) - routed - embed.numel() * embed.element_size()
-    distinct = experts * (1 - (1 - k / experts) ** tokens)
+    if distinct is not None and routing is not None:
+        raise ValueError("roofline_bytes: give a routing profile or a measured distinct count, not both")
+    if distinct is None:
+        distinct = experts * (1 - (1 - k / experts) ** tokens)
     if routing is not None:
         bank = routing.bank(1, experts, k, rounds=64)  # [rounds, 1, B, k]
         distinct = sum(len(set(bank[r, 0, :tokens].flatten().tolist())) for r in range(64)) / 64
@@ -135,6 +139,24 @@ def roofline_bytes(target, tokens: int, routing=None, context: int = 0) -> dict 
             "GDN state (read + write)": 2 * types.count("linear_attention") * state,
             "KV cache": types.count("full_attention") * kv,
             "embedding rows": tokens * embed.shape[1] * embed.element_size()}
+
+
+def copy_tbps(device: torch.device | str = "cuda", gib: int = 2, repeats: int = 10) -> float:
+    """This GPU's device-to-device copy bandwidth (TB/s: bytes read + written per second, the median of `repeats`
+    copies of a `gib` GiB buffer): how HBM_TBPS was measured on the H200, so rooflines at it compare across GPUs."""
+    source = torch.empty(gib << 30, dtype=torch.uint8, device=device).random_(0, 256)
+    dest = torch.empty_like(source)
+    dest.copy_(source)
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dest.copy_(source)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3)
+    seconds = sorted(times)[len(times) // 2]
+    return 2 * source.numel() / seconds / 1e12
 
 
 def roofline_seconds(target, tokens: int, routing=None, context: int = 0) -> float | None:

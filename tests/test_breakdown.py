@@ -58,6 +58,53 @@ def test_breakdown_times_the_max_shape_round_at_forced_lengths(tmp_path, benchma
     roofline = [parts[label]["roofline_ms"] for label in forced]
     assert roofline[0] < roofline[1] < roofline[2]
     assert "round, max shape, w = 4 forced" in stem.with_suffix(".md").read_text()
+    # the routing pass: the routers' distinct experts over each forced round's valid rows, priced into the roofline
+    import e2e
+
+    target, _ = e2e.build("tiny", None, "cpu")
+    config = target.config.get_text_config()
+    k, size = config.num_experts_per_tok, 3 * config.hidden_size * config.moe_intermediate_size * 4  # fp32
+    layers = sum(1 for name, _ in target.named_modules() if name.endswith(".mlp.experts"))
+    for label, n in zip(forced, (1, 4, 16)):
+        routing = parts[label]["routing"]
+        assert routing["valid_tokens"] == n and routing["replays"] == 2
+        assert k <= routing["distinct_per_layer"] <= min(n * k, config.num_experts)
+        assert routing["uniform_per_layer"] == pytest.approx(breakdown.uniform_distinct(target, n))
+        measured, uniform = parts[label]["bytes_measured_routing"], parts[label]["bytes"]
+        assert measured["experts"] == pytest.approx(layers * routing["distinct_per_layer"] * size)
+        assert {key: v for key, v in measured.items() if key != "experts"} == {
+            key: v for key, v in uniform.items() if key != "experts"}
+    assert parts[forced[0]]["routing"]["distinct_per_layer"] == k  # one token: its k experts, all distinct
+    assert all("routing" not in row for label, row in parts.items() if label not in forced)
+    assert "Routing as measured" in stem.with_suffix(".md").read_text()
+
+
+def test_the_routing_pass_counts_what_the_routers_picked(benchmarks, cpu_only):
+    """`measured_routing` against a count made apart: the same forced rounds run with a RouterRecorder's hooks too,
+    whose host copies of every router call give the distinct experts over the valid rows independently."""
+    import breakdown
+    import e2e
+    import torch
+    from hybridspec_hf.generation.calibration import ForcedLength, shadow_selector
+    from hybridspec_hf.generation.router_hooks import RouterRecorder
+    from hybridspec_hf import patches
+
+    target, drafter = e2e.build("tiny", None, "cpu")
+    prompt = torch.randint(0, target.config.get_text_config().vocab_size, (1, 24),
+                           generator=torch.Generator().manual_seed(3))
+    forced = ForcedLength(16, shadow_selector(target, 16))
+    recorder = RouterRecorder(patches.moe_blocks(target))
+    kwargs = breakdown.generate_kwargs("hybridspec", "forced", prompt, drafter, forced)
+    try:
+        result = breakdown.measured_routing(target, prompt, 64, kwargs, forced, [3, 16], 2)
+    finally:
+        recorder.remove()
+    # the recorder saw every forward; the last 2 per w are the replays' (w = 3 then w = 16), each [layers, T, k]
+    replays = [f for f in recorder.forwards if f.shape[1] == 16][-4:]
+    for n, pair in zip((3, 16), (replays[:2], replays[2:])):
+        counts = [len(set(layer[:n].flatten().tolist())) for f in pair for layer in f]
+        assert result[n]["distinct_per_layer"] == pytest.approx(sum(counts) / len(counts))
+        assert result[n]["valid_tokens"] == n
 
 
 def test_kernels_are_attributed_to_module_op_and_the_python_line_that_launched_them(benchmarks):

@@ -26,9 +26,20 @@ def test_the_kernel_part_runs_on_the_cpu_with_either_head(draft_head, cpu_only, 
     for row in alone:  # int8 rows within a quantization step of the fp32 head; argmax on random data kept
         assert row["rel_error_vs_fp32"] < (0.005 if row["variant"].startswith("bf16") else 0.03)
         assert row["weight_bytes"] == (1000 * 256 * 2 if row["variant"].startswith("bf16") else 1000 * 256 + 4000)
-    heads = [row.get("head") for row in payload["draft_graph"][:2]]
-    assert heads == ["bf16 (the target's)", "int8"]
-    assert 0 < payload["draft_graph"][2]["largest_logit_difference"] < 0.1
+    graph = payload["draft_graph"]
+    assert [(row["head"], row["layers"]) for row in graph] == [
+        ("bf16 (the target's)", "bf16"), ("int8", "bf16"), ("bf16 (the target's)", "int8"), ("int8", "int8")]
+    assert graph[0]["largest_logit_difference"] == 0 and graph[0]["draft_agreement"] == 1
+    for row in graph[1:]:  # each int8 choice changes the logits, by less than a quantization step's worth
+        assert 0 < row["largest_logit_difference"] < 0.1
+    assert graph[3]["largest_logit_difference"] > 0 and graph[3]["largest_logit_difference"] != graph[1][
+        "largest_logit_difference"]  # the layers' copies were taken (the head's alone would give row 1's logits)
+    layers = payload["layers_alone"]  # each projection group at 1 and 16 rows: bf16, int8_config's, one listed
+    assert [row["shape"] for row in layers[::6]] == ["q|k|v", "o", "gate|up", "down"]
+    assert [(row["rows"], row["variant"].split()[:2]) for row in layers[:3]] == [
+        (1, ["bf16", "(the"]), (1, ["int8", "auto"]), (1, ["int8", "32x128s1w4t4"])]
+    for row in layers:
+        assert row["rel_error_vs_fp32"] < (0.005 if row["variant"].startswith("bf16") else 0.03), row
 
 
 def test_configs_are_parsed_or_refused(draft_head):
