@@ -617,9 +617,14 @@ def test_resident_rounds_hold_their_copy_and_its_values_follow_the_head(pair, pr
 
 
 def test_int8_config_keeps_the_heads_tile_and_splits_narrow_projections():
-    """int8_config: INT8_CONFIG for an LM head (and any N of >= 128 of its 64-row blocks); the drafter layers'
-    narrower projections get 32-row blocks and K split so that about 256 programs run, never a slice under 512."""
-    assert int8_config(248_320, 2048) == INT8_CONFIG and int8_config(12_288, 2048) == INT8_CONFIG
+    """int8_config: INT8_CONFIG for an LM head (and its 64-row blocks, K split toward 512 programs, for any N of >=
+    128 of them: the drafter's gate|up in 2 slices); the drafter layers' narrower projections get 32-row blocks and
+    K split so that about 256 programs run, never a slice under 512."""
+    assert int8_config(248_320, 2048) == INT8_CONFIG and int8_config(32_768, 2048) == INT8_CONFIG
+    gate_up = int8_config(12_288, 2048)
+    assert (gate_up.block_n, gate_up.block_k, gate_up.split_k, gate_up.num_warps, gate_up.num_stages) == (
+        INT8_CONFIG.block_n, INT8_CONFIG.block_k, 2, INT8_CONFIG.num_warps, INT8_CONFIG.num_stages)
+    assert int8_config(8_192, 2048).split_k == 4 and int8_config(8_192, 1024).split_k == 2  # slices of >= 512
     for n, k, split in ((2048, 4096, 4), (2048, 6144, 4), (5120, 2048, 1), (256, 2048, 4), (64, 512, 1)):
         config = int8_config(n, k)
         assert (config.block_n, config.block_k, config.split_k) == (32, 128, split), (n, k, config)

@@ -184,12 +184,16 @@ INT8_CONFIG = GemvConfig(64, 128, 1, 4, 4, True)
 
 
 def int8_config(n: int, k: int) -> GemvConfig:
-    """The int8 GEMV's config for a weight [N, K]: INT8_CONFIG where N makes ≥ 128 of its 64-row blocks (an LM head,
-    the drafter's gate|up); for narrower projections (a drafter layer's q|k|v, o and down, N = 2048-5120) 32-row
-    blocks with K split so that ≈ 256 programs run (by analogy with TABLE's bf16 configs, not swept on a GPU yet;
-    the drafter's int8 layers at these tiles: round_tiles_run152.md)."""
+    """The int8 GEMV's config for a weight [N, K]: INT8_CONFIG's 64-row blocks where N makes ≥ 128 of them (an LM
+    head; the drafter's gate|up, 192 blocks, with K split in 2 so that ≥ 384 programs run); for narrower projections
+    (a drafter layer's q|k|v, o and down, N = 2048-5120) 32-row blocks with K split so that ≈ 256 programs run.
+    Swept on an H100 (run 153, benchmarks/results/draft_head_run153.md, 16 rows): gate|up 12 288 x 2 048 16.8 µs at
+    64 x 128 split 2 against 20.0 unsplit (bf16 25.9); q|k|v, o and down within 0.8 µs of the best of ten configs
+    (and of bf16: these three are latency-bound alone, 12-18 µs)."""
     if n >= 128 * INT8_CONFIG.block_n:
-        return INT8_CONFIG
+        split = max(1, min(8, 512 * INT8_CONFIG.block_n // n, k // 512))
+        return INT8_CONFIG if split == 1 else GemvConfig(INT8_CONFIG.block_n, INT8_CONFIG.block_k, split,
+                                                         INT8_CONFIG.num_warps, INT8_CONFIG.num_stages, True)
     blocks = -(-n // 32)
     return GemvConfig(32, 128, max(1, min(8, 256 // blocks, k // 512)), 4, 4, True)
 
