@@ -198,15 +198,6 @@ def test_the_direct_rows_with_the_shared_slot_first_give_the_same_bits_in_a_grap
     assert all(torch.equal(outs[True, n], outs[False, n]) for n in (1, 4, 16))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("switch", ["DIRECT_LOOP", "DIRECT_LOOP_WIDE"])
-def test_the_direct_rows_looping_over_the_live_slots_give_the_same_bits_in_a_graph(dtype, switch, monkeypatch):
-    """moe_triton.DIRECT_LOOP (a few grid rows looping over the slots up to the last that may be live; at ≈ 2 and, with
-    DIRECT_LOOP_WIDE, ≈ 8 programs an SM) gives a row per slot's bits, the valid length read on the device."""
-    outs = _direct_rows_both_ways(dtype, monkeypatch, switch)
-    assert all(torch.equal(outs[True, n], outs[False, n]) for n in (1, 4, 16))
-
-
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
 def test_the_add_norm_and_router_in_one_launch_match_transformers_and_replay(family):
     """`norm_route_block_add` (the decoder layer's residual add, post_attention_layernorm and router in one compiled

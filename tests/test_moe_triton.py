@@ -431,54 +431,6 @@ def test_the_direct_rows_with_the_shared_slot_first_change_no_bit(tokens, valid,
     assert rel(outs[0], truth) < TOL[torch.float32]
 
 
-@pytest.mark.parametrize("tokens, valid, sms", [(16, 1, 2), (16, 4, 1), (16, 16, 3), (9, 5, 2), (32, 12, 4)])
-@pytest.mark.parametrize("shared, first", [(True, True), (True, False), (False, True)])
-def test_the_direct_rows_looping_over_the_live_slots_change_no_bit(tokens, valid, sms, shared, first, monkeypatch):
-    """DIRECT_LOOP (a few grid rows, each taking every LOOP-th slot up to the last that may be live) against a row
-    per slot, as a max-shape round runs the direct rows: the tokens past the valid length take token 0's experts with
-    weight 0 (`mask_invalid_routes`), a valid token routed as token 0 is (its slots all repeats), a duplicate expert
-    and a sentinel among the valid ones; with the shared expert first, last (every row looped over) or none."""
-    monkeypatch.setattr(moe_triton, "DIRECT_SHARED_FIRST", first)
-    x = make_block(41, tokens, 40, 24, 7, 3)
-    ids = x["top_k_index"]
-    ids[min(1, valid - 1), 1] = ids[min(1, valid - 1), 0]  # a duplicate
-    ids[valid - 1, 2] = 7  # a sentinel (E = 7)
-    if valid > 3:
-        ids[valid - 2] = ids[0]  # a valid token whose experts are all token 0's
-    x["top_k_index"], x["top_k_weights"] = mask_invalid_routes_reference(ids, x["top_k_weights"],
-                                                                         torch.tensor([valid]))
-    if not shared:
-        x = {k: x[k] for k in ("hidden", "top_k_index", "top_k_weights", "gate_up_proj", "down_proj")}
-    run = moe_block_triton if shared else fused_experts_triton
-    monkeypatch.setattr(moe_triton, "INTERPRETER_SMS", sms)
-    slots = tokens * 3 + shared
-    assert 0 < moe_triton.direct_loop_rows("direct", 1, slots, torch.device("cpu")) < slots  # the loop runs
-    outs = []
-    for loop in (True, False):
-        monkeypatch.setattr(moe_triton, "DIRECT_LOOP", loop)
-        outs.append(run(**x, mode="direct"))
-    assert torch.equal(outs[0], outs[1])
-    reference = moe_block_reference if shared else fused_experts_reference
-    truth = reference(**{k: v.double() if v.is_floating_point() else v for k, v in x.items()})
-    assert rel(outs[0], truth) < TOL[torch.float32]
-
-
-def test_the_direct_loop_rows_fill_the_gpu_and_give_way(monkeypatch):
-    """`direct_loop_rows`: ≈ DIRECT_LOOP_PER_SM programs an SM over the column blocks (H100: 132 SMs), 0 (a row per
-    slot) where that is no fewer rows than slots, outside the direct rows and with the switch off."""
-    cpu = torch.device("cpu")
-    per_sm, sms = moe_triton.DIRECT_LOOP_PER_SM, moe_triton.INTERPRETER_SMS
-    assert moe_triton.direct_loop_rows("direct", 1, 1000, cpu) == per_sm * sms
-    assert moe_triton.direct_loop_rows("direct", 3, 1000, cpu) == -(-per_sm * sms // 3)
-    assert moe_triton.direct_loop_rows("direct", 1, per_sm * sms, cpu) == 0
-    assert moe_triton.direct_loop_rows("sorted", 1, 1000, cpu) == 0
-    assert moe_triton.direct_loop_rows("decode", 1, 1000, cpu) == 0
-    monkeypatch.setattr(moe_triton, "DIRECT_LOOP_WIDE", True)
-    assert moe_triton.direct_loop_rows("direct", 1, 1000, cpu) == moe_triton.DIRECT_LOOP_WIDE_PER_SM * sms
-    monkeypatch.setattr(moe_triton, "DIRECT_LOOP", False)
-    assert moe_triton.direct_loop_rows("direct", 1, 1000, cpu) == 0
-
-
 @pytest.mark.parametrize("deep", [True, False])
 def test_the_direct_rows_deep_k_tiles_match_the_reference(deep, monkeypatch):
     """DIRECT_DEEP_K (256-deep K steps in 3 stages at 5-16 tokens) at H = 512, so that the 256-deep step is not

@@ -111,18 +111,6 @@ DIRECT_SHARED_FIRST = True
 # at batch 1 1.70 → 1.71x AR (medium), 2.56 → 2.57x (high). False: 32 x 128 / 64 x 128 in 4 stages (A/B:
 # `hybridspec-direct-deep-k`).
 DIRECT_DEEP_K = True
-# The direct rows' grid with LOOP rows of programs, each taking every LOOP-th slot up to the last that may be live
-# (`_live_rows`: the tokens past a round's valid length repeat token 0's experts), instead of one row per slot.
-# Their tiles hold 120-144 KB of shared memory, so one program fits an SM: inside a max-shape round at w = 1 the
-# 16-token grid held 9 live slots and 120 dead ones (2 064 + 4 128 programs, 1 920 + 3 840 of them only checking
-# their slot), ≈ 15 + 29 waves of one program an SM; the round's MoE took 1.6 ms against the AR step's 1.0 (the
-# same nine experts; breakdown_run154.md). LOOP: the grid rows that make ≈ DIRECT_LOOP_PER_SM programs an SM
-# (DIRECT_LOOP_WIDE: DIRECT_LOOP_WIDE_PER_SM, fewer slots a program at w = 16, where a grid row's share of the live
-# slots varies). False: a row per slot (A/B: `base-direct-loop`, `base+direct-loop-wide`).
-DIRECT_LOOP = True
-DIRECT_LOOP_PER_SM = 2
-DIRECT_LOOP_WIDE = False
-DIRECT_LOOP_WIDE_PER_SM = 8
 MODES = ("auto", "decode", "direct", "sorted")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -347,62 +335,18 @@ def _program_rows(ids, block_pairs, slot, expert, is_shared, T, S,
     return pair, row_ok
 
 
-def _live_rows(ids, T, S, K: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr, DIRECT: tl.constexpr,
-               SHARED: tl.constexpr, FIRST: tl.constexpr):
-    """How many grid rows (`_program_slot`) may hold a live slot. Direct rows with the shared expert first or none:
-    the pairs of the tokens up to the last one whose expert list is not token 0's (a token past a round's valid
-    length takes token 0's, router_triton.mask_invalid_routes, so its pairs all repeat earlier ones), plus the
-    shared expert's row; otherwise every row."""
-    shared_rows: tl.constexpr = 1 if SHARED else 0
-    if DIRECT and (FIRST or not SHARED):
-        rm = tl.arange(0, BM)
-        rj = tl.arange(0, KP)
-        token_ids = tl.load(ids + rm[:, None] * K + rj[None, :], mask=(rm[:, None] < T) & (rj[None, :] < K),
-                            other=-1)
-        first = tl.load(ids + rj, mask=rj < K, other=-1)
-        differs = tl.max((token_ids != first[None, :]).to(tl.int32), 1)
-        last = tl.max(tl.where(differs > 0, rm, 0), 0)  # token 0 at least
-        end = (last + 1) * K + shared_rows
-    else:
-        end = S + shared_rows
-    return end
-
-
 def _gate_up_kernel(
     hidden, ids, block_expert, block_pairs, w1, act, shared_w1, logit,
     T, S, E,
     stride_ht, stride_hh, stride_we, stride_wn, stride_wk,
     H: tl.constexpr, INTER: tl.constexpr, DIRECT: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
     SP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr,
-    SHARED: tl.constexpr, SHARED_FIRST: tl.constexpr, LOOP: tl.constexpr,
+    SHARED: tl.constexpr, SHARED_FIRST: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
-    if LOOP == 0:  # one slot a grid row
-        _gate_up_slot(hidden, ids, block_expert, block_pairs, w1, act, shared_w1, logit, T, S, E, stride_ht,
-                      stride_hh, stride_we, stride_wn, stride_wk, tl.program_id(1), H, INTER, DIRECT, K, KP, SP, BM,
-                      BN, BK, DOT_FP32, SHARED, SHARED_FIRST)
-    else:  # LOOP grid rows, each taking every LOOP-th row up to the last that may be live
-        end = _live_rows(ids, T, S, K, KP, BM, DIRECT, SHARED, SHARED_FIRST)
-        row = tl.program_id(1)
-        while row < end:  # (a while loop: the interpreter's range() takes no tensor bounds)
-            _gate_up_slot(hidden, ids, block_expert, block_pairs, w1, act, shared_w1, logit, T, S, E, stride_ht,
-                          stride_hh, stride_we, stride_wn, stride_wk, row, H, INTER, DIRECT, K, KP, SP, BM, BN, BK,
-                          DOT_FP32, SHARED, SHARED_FIRST)
-            row += LOOP
-
-
-def _gate_up_slot(
-    hidden, ids, block_expert, block_pairs, w1, act, shared_w1, logit,
-    T, S, E,
-    stride_ht, stride_hh, stride_we, stride_wn, stride_wk, row,
-    H: tl.constexpr, INTER: tl.constexpr, DIRECT: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-    SP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr,
-    SHARED: tl.constexpr, SHARED_FIRST: tl.constexpr,
-):
-    """Grid row `row`'s slot of the gate_up kernel: its expert's SiLU(gate)·up for the rows it serves."""
     i_n = tl.program_id(0)
-    slot = _program_slot(row, S, DIRECT, SHARED, SHARED_FIRST)
+    slot = _program_slot(tl.program_id(1), S, DIRECT, SHARED, SHARED_FIRST)
     expert, live, is_shared = _program_expert(ids, block_expert, slot, S, E, DIRECT, SP, SHARED)
     if live:
         pair, row_ok = _program_rows(ids, block_pairs, slot, expert, is_shared, T, S, DIRECT, K, KP, BM)
@@ -453,35 +397,12 @@ def _down_kernel(
     stride_we, stride_wn, stride_wk,
     H: tl.constexpr, INTER: tl.constexpr, DIRECT: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
     SP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr,
-    SHARED: tl.constexpr, SHARED_FIRST: tl.constexpr, LOOP: tl.constexpr,
+    SHARED: tl.constexpr, SHARED_FIRST: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
-    if LOOP == 0:  # one slot a grid row
-        _down_slot(act, ids, weights, block_expert, block_pairs, w2, rows, shared_w2, T, S, E, stride_we, stride_wn,
-                   stride_wk, tl.program_id(1), H, INTER, DIRECT, K, KP, SP, BM, BN, BK, DOT_FP32, SHARED,
-                   SHARED_FIRST)
-    else:  # LOOP grid rows, each taking every LOOP-th row up to the last that may be live
-        end = _live_rows(ids, T, S, K, KP, BM, DIRECT, SHARED, SHARED_FIRST)
-        row = tl.program_id(1)
-        while row < end:
-            _down_slot(act, ids, weights, block_expert, block_pairs, w2, rows, shared_w2, T, S, E, stride_we,
-                       stride_wn, stride_wk, row, H, INTER, DIRECT, K, KP, SP, BM, BN, BK, DOT_FP32, SHARED,
-                       SHARED_FIRST)
-            row += LOOP
-
-
-def _down_slot(
-    act, ids, weights, block_expert, block_pairs, w2, rows, shared_w2,
-    T, S, E,
-    stride_we, stride_wn, stride_wk, row,
-    H: tl.constexpr, INTER: tl.constexpr, DIRECT: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-    SP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr,
-    SHARED: tl.constexpr, SHARED_FIRST: tl.constexpr,
-):
-    """Grid row `row`'s slot of the down kernel: its expert's rows, weighted, to the pairs it serves."""
     i_n = tl.program_id(0)
-    slot = _program_slot(row, S, DIRECT, SHARED, SHARED_FIRST)
+    slot = _program_slot(tl.program_id(1), S, DIRECT, SHARED, SHARED_FIRST)
     expert, live, is_shared = _program_expert(ids, block_expert, slot, S, E, DIRECT, SP, SHARED)
     if live:
         pair, row_ok = _program_rows(ids, block_pairs, slot, expert, is_shared, T, S, DIRECT, K, KP, BM)
@@ -802,9 +723,6 @@ if HAS_TRITON:
     _program_slot = triton.jit(_program_slot)
     _program_expert = triton.jit(_program_expert)
     _program_rows = triton.jit(_program_rows)
-    _live_rows = triton.jit(_live_rows)
-    _gate_up_slot = triton.jit(_gate_up_slot)
-    _down_slot = triton.jit(_down_slot)
     _add_gated_shared = triton.jit(_add_gated_shared)
     _add_row_products = triton.jit(_add_row_products)
     _down_tile = triton.jit(_down_tile)
@@ -1069,22 +987,16 @@ def _launch(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, mode, b
     num_slots += 1 if shared is not None else 0
 
     tiles = _fit(gate_up_tiles, inter, hidden_size)
-    columns = triton.cdiv(inter, tiles.block_n)
-    loop = direct_loop_rows(mode, columns, num_slots, hidden.device)
-    _gate_up_kernel[(columns, loop or num_slots)](
+    _gate_up_kernel[(triton.cdiv(inter, tiles.block_n), num_slots)](
         hidden, ids, block_expert, block_pairs, gate_up_proj, act, shared_gate_up, logit,
         num_tokens, pairs, num_experts, *hidden.stride(), *gate_up_proj.stride(),
-        **common, BN=tiles.block_n, BK=tiles.block_k, LOOP=loop, num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages,
+        **common, BN=tiles.block_n, BK=tiles.block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     tiles = _fit(down_tiles, hidden_size, inter)
-    columns = triton.cdiv(hidden_size, tiles.block_n)
-    loop = direct_loop_rows(mode, columns, num_slots, hidden.device)
-    _down_kernel[(columns, loop or num_slots)](
+    _down_kernel[(triton.cdiv(hidden_size, tiles.block_n), num_slots)](
         act, ids, weights, block_expert, block_pairs, down_proj, rows, shared_down,
         num_tokens, pairs, num_experts, *down_proj.stride(),
-        **common, BN=tiles.block_n, BK=tiles.block_k, LOOP=loop, num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages,
+        **common, BN=tiles.block_n, BK=tiles.block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     if residual is not None:
         residual = residual if residual.stride(-1) == 1 else residual.contiguous()
@@ -1095,21 +1007,6 @@ def _launch(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, mode, b
         SHARED=shared is not None, RESIDUAL=residual is not None, num_warps=4,
     )
     return out
-
-
-INTERPRETER_SMS = 2  # the "SMs" the grid is sized for under TRITON_INTERPRET (few rows: every loop runs)
-
-
-def direct_loop_rows(mode: str, columns: int, slots: int, device: torch.device) -> int:
-    """The direct kernels' grid rows with DIRECT_LOOP (`_live_rows`): enough for ≈ DIRECT_LOOP_PER_SM (or with
-    DIRECT_LOOP_WIDE DIRECT_LOOP_WIDE_PER_SM) programs an SM over `columns` column blocks; 0 (a row per slot) when that is no fewer rows than `slots`, for other modes, or
-    with the switch off."""
-    if mode != "direct" or not DIRECT_LOOP:
-        return 0
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else INTERPRETER_SMS
-    per_sm = DIRECT_LOOP_WIDE_PER_SM if DIRECT_LOOP_WIDE else DIRECT_LOOP_PER_SM
-    rows = max(1, -(-per_sm * sms // columns))
-    return rows if rows < slots else 0
 
 
 @dataclass(frozen=True)
