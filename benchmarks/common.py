@@ -71,8 +71,6 @@ SWITCHES = {
                   "a speculative round's draft decision and selector update in one compiled region, not two"),
     "direct-shared-first": ("hybridspec_hf.kernels.moe_triton", "DIRECT_SHARED_FIRST",
                             "the MoE direct rows' shared-expert programs first, dead slots leaving before row loads"),
-    "down-pairs-ahead": ("hybridspec_hf.kernels.moe_triton", "DOWN_PAIRS_AHEAD",
-                         "the MoE down kernel reads its pairs' ids and routing weights before its K loop, not after"),
     "direct-deep-k": ("hybridspec_hf.kernels.moe_triton", "DIRECT_DEEP_K",
                       "the MoE direct rows at 5-16 tokens with 256-deep K steps in 3 stages (not 128 in 4)"),
     "round-tail": ("hybridspec_hf.generation.resident", "FUSED_ROUND_TAIL",

@@ -198,14 +198,6 @@ def test_the_direct_rows_with_the_shared_slot_first_give_the_same_bits_in_a_grap
     assert all(torch.equal(outs[True, n], outs[False, n]) for n in (1, 4, 16))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_down_kernel_reading_its_pairs_ahead_gives_the_same_bits_in_a_graph(dtype, monkeypatch):
-    """moe_triton.DOWN_PAIRS_AHEAD: the direct rows' down kernel reading its pairs' ids and routing weights before its
-    K loop gives the bits of reading them after it, eagerly and captured."""
-    outs = _direct_rows_both_ways(dtype, monkeypatch, "DOWN_PAIRS_AHEAD")
-    assert all(torch.equal(outs[True, n], outs[False, n]) for n in (1, 4, 16))
-
-
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
 def test_the_add_norm_and_router_in_one_launch_match_transformers_and_replay(family):
     """`norm_route_block_add` (the decoder layer's residual add, post_attention_layernorm and router in one compiled

@@ -431,33 +431,6 @@ def test_the_direct_rows_with_the_shared_slot_first_change_no_bit(tokens, valid,
     assert rel(outs[0], truth) < TOL[torch.float32]
 
 
-@pytest.mark.parametrize("mode, tokens, valid, shared", [
-    *[("direct", tokens, valid, shared) for tokens, valid in ((16, 1), (16, 5), (9, 9)) for shared in (True, False)],
-    ("sorted", 40, 40, False), ("sorted", 33, 20, False)])  # (the one-pass block takes the direct rows only)
-def test_the_down_kernel_reading_its_pairs_ahead_changes_no_bit(mode, tokens, valid, shared, monkeypatch):
-    """DOWN_PAIRS_AHEAD (the down kernel's pair ids and routing weights read before its K loop) against reading them
-    after it, as a max-shape round runs the direct rows (the tokens past the valid length take token 0's experts with
-    weight 0) and at the sorted blocks' sizes: an expert listed twice by one token, a sentinel, zero weights."""
-    x = make_block(43, tokens, 40, 24, 7, 3)
-    ids = x["top_k_index"]
-    ids[0, 1] = ids[0, 0]  # listed twice
-    ids[valid - 1, 2] = 7  # a sentinel (E = 7)
-    x["top_k_weights"][min(1, valid - 1), 0] = 0.0
-    x["top_k_index"], x["top_k_weights"] = mask_invalid_routes_reference(ids, x["top_k_weights"],
-                                                                         torch.tensor([valid]))
-    if not shared:
-        x = {k: x[k] for k in ("hidden", "top_k_index", "top_k_weights", "gate_up_proj", "down_proj")}
-    run = moe_block_triton if shared else fused_experts_triton
-    outs = []
-    for ahead in (True, False):
-        monkeypatch.setattr(moe_triton, "DOWN_PAIRS_AHEAD", ahead)
-        outs.append(run(**x, mode=mode))
-    assert torch.equal(outs[0], outs[1])
-    reference = moe_block_reference if shared else fused_experts_reference
-    truth = reference(**{k: v.double() if v.is_floating_point() else v for k, v in x.items()})
-    assert rel(outs[0], truth) < TOL[torch.float32]
-
-
 @pytest.mark.parametrize("deep", [True, False])
 def test_the_direct_rows_deep_k_tiles_match_the_reference(deep, monkeypatch):
     """DIRECT_DEEP_K (256-deep K steps in 3 stages at 5-16 tokens) at H = 512, so that the 256-deep step is not

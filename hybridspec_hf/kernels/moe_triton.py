@@ -111,11 +111,6 @@ DIRECT_SHARED_FIRST = True
 # at batch 1 1.70 → 1.71x AR (medium), 2.56 → 2.57x (high). False: 32 x 128 / 64 x 128 in 4 stages (A/B:
 # `hybridspec-direct-deep-k`).
 DIRECT_DEEP_K = True
-# The down kernel (direct rows and sorted blocks) reads its pairs' expert ids and routing weights before its K loop,
-# in flight with the first weight tiles, instead of after it: the direct rows' write-out read ids and weights column
-# by column, each column's loads after the previous column's store (a round trip each: 8 a program at top-k 8), on
-# the critical path of every program. Same bits. False: after the loop (A/B: `base-down-pairs-ahead`).
-DOWN_PAIRS_AHEAD = True
 MODES = ("auto", "decode", "direct", "sorted")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -402,7 +397,7 @@ def _down_kernel(
     stride_we, stride_wn, stride_wk,
     H: tl.constexpr, INTER: tl.constexpr, DIRECT: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
     SP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr,
-    SHARED: tl.constexpr, SHARED_FIRST: tl.constexpr, PAIRS_AHEAD: tl.constexpr,
+    SHARED: tl.constexpr, SHARED_FIRST: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
@@ -416,15 +411,6 @@ def _down_kernel(
             w_base = shared_w2  # the shared expert's down_proj [H, I]
         rn = i_n * BN + tl.arange(0, BN)
         mn = rn < H
-        rm = tl.arange(0, BM)
-        rj = tl.arange(0, KP)
-        if PAIRS_AHEAD:  # the pairs' ids and routing weights read now, in flight with the first weight tiles
-            if DIRECT:  # [BM, KP]: which pairs (t, j) name this expert, and their weights
-                pair_hit = (tl.load(ids + rm[:, None] * K + rj[None, :], mask=(rm[:, None] < T) & (rj[None, :] < K),
-                                    other=-1) == expert) & (expert >= 0)  # the shared slot's expert: -1
-                pair_w = tl.load(weights + rm[:, None] * K + rj[None, :], mask=pair_hit, other=0.0).to(tl.float32)
-            else:
-                row_w = tl.load(weights + pair, mask=row_ok, other=0.0).to(tl.float32)
         p_act = act + pair[:, None].to(tl.int64) * INTER
         p_w = w_base + rn[None, :] * stride_wn  # [BK, BN] tiles of down_e
         acc = tl.zeros([BM, BN], dtype=tl.float32)
@@ -437,24 +423,17 @@ def _down_kernel(
                 b_a, b_w = b_a.to(tl.float32), b_w.to(tl.float32)
             acc += tl.dot(b_a, b_w, input_precision="ieee" if DOT_FP32 else "tf32")
         if DIRECT:  # rows are tokens: write w[t, j] · y_t to every pair (t, j) that names this expert
+            rm = tl.arange(0, BM)
             for j in tl.static_range(K):
-                if PAIRS_AHEAD:  # column j of the tiles read ahead (the one weight plus zeros: exact)
-                    at_j = rj[None, :] == j
-                    hit = tl.max((pair_hit & at_j).to(tl.int32), 1) > 0
-                    b_wt = tl.sum(tl.where(at_j, pair_w, 0.0), 1)
-                else:  # each column's loads after the previous column's store
-                    hit = (tl.load(ids + rm * K + j, mask=rm < T, other=-1) == expert) & (expert >= 0)
-                    b_wt = tl.load(weights + rm * K + j, mask=hit, other=0.0).to(tl.float32)
+                hit = (tl.load(ids + rm * K + j, mask=rm < T, other=-1) == expert) & (expert >= 0)  # shared: -1
+                b_wt = tl.load(weights + rm * K + j, mask=hit, other=0.0).to(tl.float32)
                 p_out = rows + (rm * K + j)[:, None].to(tl.int64) * H + rn[None, :]
                 tl.store(p_out, acc * b_wt[:, None], mask=hit[:, None] & mn[None, :])
             if SHARED:  # the shared expert's y_t, unweighted, to row S + t
                 p_out = rows + pair[:, None].to(tl.int64) * H + rn[None, :]
                 tl.store(p_out, acc, mask=(row_ok & is_shared)[:, None] & mn[None, :])
         else:  # rows are pairs
-            if PAIRS_AHEAD:
-                b_wt = row_w
-            else:
-                b_wt = tl.load(weights + pair, mask=row_ok, other=0.0).to(tl.float32)
+            b_wt = tl.load(weights + pair, mask=row_ok, other=0.0).to(tl.float32)
             p_out = rows + pair[:, None].to(tl.int64) * H + rn[None, :]
             tl.store(p_out, acc * b_wt[:, None], mask=row_ok[:, None] & mn[None, :])
 
@@ -1017,8 +996,7 @@ def _launch(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, mode, b
     _down_kernel[(triton.cdiv(hidden_size, tiles.block_n), num_slots)](
         act, ids, weights, block_expert, block_pairs, down_proj, rows, shared_down,
         num_tokens, pairs, num_experts, *down_proj.stride(),
-        **common, BN=tiles.block_n, BK=tiles.block_k, PAIRS_AHEAD=DOWN_PAIRS_AHEAD, num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages,
+        **common, BN=tiles.block_n, BK=tiles.block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     if residual is not None:
         residual = residual if residual.stride(-1) == 1 else residual.contiguous()
