@@ -17,9 +17,12 @@ count, the GPU busy time (sum of kernel durations) and the wall time of a replay
 kernels grouped by kind (GEMMs, our Triton kernels by name, elementwise, reductions, copies, ...). The bytes
 roofline of each part is printed beside it: weights the part must read (routed experts counted as the distinct
 experts its tokens reach under a uniform router; the embedding as the rows read), the GDN state read and written,
-the KV cache read, at 4.25 TB/s. With PDL kernels overlap, so each part also charges every µs of its middle traced
-replay to the kernel the GPU waited for (`common.frontier`, as kernel_costs.py). Random weights, random drafter
-(acceptance ≈ 0: the cache grows by one token per round). Writes benchmarks/results/<name>.{json,md}.
+the KV cache read, at 4.25 TB/s (the H200's copy bandwidth) and at this GPU's own (`e2e.copy_tbps`); for the
+forced rounds (batch 1) also with their routed experts counted as their routers picked them (`measured_routing`:
+a capture of its own with hooks copying each router's ids; the rows below the round's valid length). With PDL
+kernels overlap, so each part also charges every µs of its middle traced replay to the kernel the GPU waited for
+(`common.frontier`, as kernel_costs.py). Random weights, random drafter (acceptance ≈ 0: the cache grows by one
+token per round). Writes benchmarks/results/<name>.{json,md}.
 """
 from __future__ import annotations
 
@@ -38,9 +41,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (add_switches, apply_switches, environment, frontier, switch_settings, timeline,  # noqa: E402
                     traced_kernels, write_results)
-from e2e import HBM_TBPS, build, copy_tbps, roofline_bytes  # noqa: E402
+from e2e import HBM_TBPS, build, copy_tbps, roofline_bytes, uniform_distinct  # noqa: E402
 
-from hybridspec_hf import HybridSpecConfig  # noqa: E402
+from hybridspec_hf import HybridSpecConfig, patches, release_graphs  # noqa: E402
 from hybridspec_hf.generation.calibration import ForcedLength, shadow_selector  # noqa: E402
 from hybridspec_hf.graphs.capture import Replay  # noqa: E402
 from hybridspec_hf.patches.experts import fused_experts_for  # noqa: E402
@@ -291,8 +294,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="also the max-shape round with its length forced to each w (comma list; as "
                              "calibration times C(w): HybridSpec's selector work runs beside it, its answer discarded)")
     parser.add_argument("--routing", action=argparse.BooleanOptionalAction, default=True,
-                        help="with --round-lengths: count the distinct experts the forced rounds' routers "
-                             "pick (a capture of its own) and price their roofline by them")
+                        help="with --round-lengths at batch 1: count the distinct experts the forced rounds' "
+                             "routers pick (a capture of its own) and price their roofline by them")
     parser.add_argument("--attribute", action="store_true",
                         help="also run each part eagerly under the profiler: kernels by (module, aten op, the "
                              "Python line of our package or transformers that launched it)")
@@ -355,9 +358,7 @@ def main(argv: list[str] | None = None) -> None:
     if HS_STEP in parts:
         print(step_difference(parts[AR_STEP], parts[HS_STEP]), flush=True)
     bandwidth = copy_tbps(device) if device == "cuda" else None
-    if round_lengths and args.routing:
-        from hybridspec_hf import release_graphs
-
+    if round_lengths and args.routing and args.batch == 1:
         release_graphs(target)  # the timed graphs go; the routing pass captures its own (with the ids' copies)
         distinct = measured_routing(target, prompt, capacity_tokens, generate_kwargs("hybridspec", "forced", prompt,
                                                                                      drafter, forced),
@@ -366,8 +367,7 @@ def main(argv: list[str] | None = None) -> None:
             row = parts[forced_label(n)]
             row["routing"] = measured
             length = row["context_tokens"]
-            row["bytes_measured_routing"] = {**part_bytes(target, drafter, n * args.batch, length, True,
-                                                          measured["distinct_per_layer"])}
+            row["bytes_measured_routing"] = part_bytes(target, drafter, n, length, True, measured["distinct_per_layer"])
     for row in parts.values():
         measured = row.get("bytes_measured_routing", row["bytes"])
         row["roofline_measured_routing_ms"] = sum(measured.values()) / (HBM_TBPS * 1e12) * 1e3
@@ -396,8 +396,6 @@ def measured_routing(target, prompt: torch.Tensor, capacity: int, kwargs: dict, 
     forward hooks that copy each router's ids [T, k] into a buffer, captured with the round (a capture of its own,
     after the timed graphs are released, so that those carry no copies); per replay the rows below the round's valid
     length (after the routing correction), the mean over layers and `replays` replays."""
-    from hybridspec_hf import patches
-
     blocks = patches.moe_blocks(target)
     block = kwargs["assistant_model"].config.block_size
     buffers = torch.full((len(blocks), block, blocks[0].gate.top_k), -1, dtype=torch.long, device=prompt.device)
@@ -430,16 +428,7 @@ def measured_routing(target, prompt: torch.Tensor, capacity: int, kwargs: dict, 
     finally:
         for handle in handles:
             handle.remove()
-        from hybridspec_hf import release_graphs
-
         release_graphs(target)
-
-
-def uniform_distinct(target, tokens: int) -> float:
-    """E·(1-(1-k/E)^T): the distinct experts per layer `tokens` tokens reach under a uniform router."""
-    config = target.config.get_text_config()
-    e, k = config.num_experts, config.num_experts_per_tok
-    return e * (1 - (1 - k / e) ** tokens)
 
 
 def step_difference(ar: dict, hs: dict) -> str:

@@ -267,7 +267,8 @@ def main(argv: list[str] | None = None) -> dict:
     layers = []
     if args.layer_configs != "none":
         _, drafter = build(args.model if cuda else "tiny", 4, "cuda" if cuda else "cpu")
-        layers = layers_alone(layer_shapes(drafter), [16 if r > 1 else r for r in rows], layer_configs, args.replays)
+        block_rows = [16 if r > 1 else r for r in rows]  # a draft multiplies its layers by its whole block
+        layers = layers_alone(layer_shapes(drafter), block_rows, layer_configs, args.replays)
         del drafter
     graph = draft_graph(args.model if cuda else "tiny", args.context, args.replays)
     lines = ["| rows | head | µs (median) | p10 | p90 | weight MB | TB/s | argmax = fp32's |", "|---|---|---|---|---|---|---|---|"]

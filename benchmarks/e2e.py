@@ -109,6 +109,13 @@ def build(name: str, layers: int | None, device: str):
     return target, drafter
 
 
+def uniform_distinct(target, tokens: int) -> float:
+    """E·(1-(1-k/E)^T): the distinct experts per MoE layer that `tokens` tokens reach under a uniform router."""
+    config = target.config.get_text_config()
+    experts, k = config.num_experts, config.num_experts_per_tok
+    return experts * (1 - (1 - k / experts) ** tokens)
+
+
 def roofline_bytes(target, tokens: int, routing=None, context: int = 0, distinct: float | None = None) -> dict | None:
     """Fewest bytes a target forward over `tokens` tokens moves, by part: dense weights (LM head included; the
     embedding table counted as the rows read), the distinct experts the tokens touch per MoE layer (uniform:
@@ -128,7 +135,7 @@ def roofline_bytes(target, tokens: int, routing=None, context: int = 0, distinct
     if distinct is not None and routing is not None:
         raise ValueError("roofline_bytes: give a routing profile or a measured distinct count, not both")
     if distinct is None:
-        distinct = experts * (1 - (1 - k / experts) ** tokens)
+        distinct = uniform_distinct(target, tokens)
     if routing is not None:
         bank = routing.bank(1, experts, k, rounds=64)  # [rounds, 1, B, k]
         distinct = sum(len(set(bank[r, 0, :tokens].flatten().tolist())) for r in range(64)) / 64
