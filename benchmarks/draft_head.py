@@ -81,20 +81,28 @@ def head_alone(vocab: int, hidden: int, rows_list: list[int], configs: list[str]
                                                               scale=quantized.scale))(parse_config(spec)),
                       quantized.weight.numel() + quantized.scale.numel() * 4) for spec in configs]
         for name, function, weight_bytes in variants:
-            with torch.no_grad():
-                logits = function()
-                error = ((logits.float() - reference).abs().max() / reference.abs().max()).item()
-                agree = (logits.float().argmax(-1) == reference.argmax(-1)).float().mean().item()
-                row = dict(rows=rows, variant=name, weight_bytes=weight_bytes, rel_error_vs_fp32=error,
-                           argmax_agreement_vs_fp32=agree)
-                if cuda:
-                    graph = capture(function)
-                    timing = time_graph(graph, 1, replays)
-                    del graph
-                    row.update(timing, tb_per_s=weight_bytes / (timing["median_us"] * 1e-6) / 1e12)
-            out.append(row)
-            print(row)
+            out.append(measured(function, reference, weight_bytes, replays, rows=rows, variant=name, argmax=True))
     return out
+
+
+def measured(function, reference: torch.Tensor, weight_bytes: int, replays: int, argmax: bool = False,
+             **fields) -> dict:
+    """A row for one product: `fields`, its weight bytes, its largest error against the fp32 `reference` relative to
+    the reference's largest value (and, with `argmax`, the share of rows whose argmax it keeps), and on CUDA the
+    call captured alone and timed (`time_graph`) with the TB/s of its weight bytes."""
+    with torch.no_grad():
+        result = function().float()
+        row = dict(fields, weight_bytes=weight_bytes,
+                   rel_error_vs_fp32=((result - reference).abs().max() / reference.abs().max()).item())
+        if argmax:
+            row["argmax_agreement_vs_fp32"] = (result.argmax(-1) == reference.argmax(-1)).float().mean().item()
+        if torch.cuda.is_available():
+            graph = capture(function)
+            timing = time_graph(graph, 1, replays)
+            del graph
+            row.update(timing, tb_per_s=weight_bytes / (timing["median_us"] * 1e-6) / 1e12)
+    print(row)
+    return row
 
 
 def layer_shapes(drafter) -> dict[str, tuple[int, int]]:
@@ -127,18 +135,8 @@ def layers_alone(shapes: dict[str, tuple[int, int]], rows_list: list[int], confi
                           (lambda c: lambda: gemv(x, quantized.weight, None, c, scale=quantized.scale))(c),
                           quantized.weight.numel() + quantized.scale.numel() * 4) for spec, c in specs]
             for name, function, weight_bytes in variants:
-                with torch.no_grad():
-                    result = function().float()
-                    error = ((result - reference).abs().max() / reference.abs().max()).item()
-                    row = dict(shape=label, n=n, k=k, rows=rows, variant=name, weight_bytes=weight_bytes,
-                               rel_error_vs_fp32=error)
-                    if cuda:
-                        graph = capture(function)
-                        timing = time_graph(graph, 1, replays)
-                        del graph
-                        row.update(timing, tb_per_s=weight_bytes / (timing["median_us"] * 1e-6) / 1e12)
-                out.append(row)
-                print(row)
+                out.append(measured(function, reference, weight_bytes, replays, shape=label, n=n, k=k, rows=rows,
+                                    variant=name))
     return out
 
 
