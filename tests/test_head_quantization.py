@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 import hybridspec_hf  # noqa: E402  (registers the generation strategies)
 from hybridspec_hf import DFlashConfig, HybridSpecConfig  # noqa: E402
 from hybridspec_hf.drafter import modeling_dflash  # noqa: E402
-from hybridspec_hf.drafter.configuration_dflash import HEAD_QUANTIZATIONS  # noqa: E402
+from hybridspec_hf.drafter.configuration_dflash import QUANTIZATIONS  # noqa: E402
 from hybridspec_hf.kernels import gemv_triton  # noqa: E402
 from hybridspec_hf.kernels.gemv_triton import (  # noqa: E402
     INT8_CONFIG,
@@ -337,7 +337,7 @@ def test_linear_int8_rejects_a_feature_mismatch():
 
 
 def test_config_accepts_none_and_int8_only():
-    assert HEAD_QUANTIZATIONS == (None, "int8")
+    assert QUANTIZATIONS == (None, "int8")
     assert DFlashConfig().head_quantization is None
     assert DFlashConfig(head_quantization="int8").head_quantization == "int8"
     for bad in ("int4", "INT8", "fp8", 8):

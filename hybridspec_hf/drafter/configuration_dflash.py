@@ -29,7 +29,7 @@ DFLASH_KEYS = (
     "output_multiplier",
     "final_logit_softcapping",
 )
-HEAD_QUANTIZATIONS = (None, "int8")  # DFlashConfig.head_quantization and .layers_quantization
+QUANTIZATIONS = (None, "int8")  # DFlashConfig.head_quantization and .layers_quantization
 # z-lab keys that mean another architecture (DFlash 2's convolutions and candidate selector, SpecForge's KDA/MLA).
 _UNSUPPORTED_DFLASH_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "attention_modes")
 
@@ -116,11 +116,11 @@ class DFlashConfig(PreTrainedConfig):
             self.target_layer_ids = build_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
         if self.target_layer_ids is not None:
             self.target_layer_ids = [int(i) for i in self.target_layer_ids]
-        if self.head_quantization not in HEAD_QUANTIZATIONS:
-            raise ValueError(f"head_quantization must be one of {HEAD_QUANTIZATIONS} (None: the target's LM head as "
+        if self.head_quantization not in QUANTIZATIONS:
+            raise ValueError(f"head_quantization must be one of {QUANTIZATIONS} (None: the target's LM head as "
                              f"it is; \"int8\": an int8 copy of it for drafting), got {self.head_quantization!r}.")
-        if self.layers_quantization not in HEAD_QUANTIZATIONS:
-            raise ValueError(f"layers_quantization must be one of {HEAD_QUANTIZATIONS} (None: the drafter's layers as "
+        if self.layers_quantization not in QUANTIZATIONS:
+            raise ValueError(f"layers_quantization must be one of {QUANTIZATIONS} (None: the drafter's layers as "
                              f"they are; \"int8\": int8 copies of their projections for drafting), got "
                              f"{self.layers_quantization!r}.")
         # Same reading of the sliding fields as Qwen3Config, which z-lab's drafter is built on.

@@ -175,7 +175,6 @@ def int8_equivalent(drafter):
     return twin
 
 
-
 def active(drafter, ctx) -> bool:
     """Whether `ctx`'s append and `drafter.draft_static` take the fused path now (see the module docstring)."""
     weights = ctx.fused
