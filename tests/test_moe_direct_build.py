@@ -1,6 +1,6 @@
 """The MoE direct-row kernels (kernels/moe_triton.py) build for sm_90 on any machine at every tile they take at the
-Qwen3.5-35B-A3B shape (16, 32 and 64 rows: up to 4 batch rows verifying 16 tokens; at 16 also with K split in 2 and
-4 slices), with the launch's stages, and so
+Qwen3.5-35B-A3B shape (16, 32 and 64 rows: up to 4 batch rows verifying 16 tokens; at 16 also with K split in 2 slices
+and DIRECT_K_SPLIT's 4), with the launch's stages, and so
 does the align kernel at up to 4,096 pairs: the interpreter, which the CPU tests run them in, accepts code the GPU
 compiler refuses. In a fresh process (see test_moe_decode_build.py)."""
 import pytest
@@ -17,10 +17,12 @@ pointers = dict(hidden="*bf16", ids="*i64", block_expert="*i32", block_pairs="*i
                 shared_w1="*bf16", logit="*fp32", weights="*bf16", w2="*bf16", rows="*fp32", shared_w2="*bf16",
                 partials="*fp32", counters="*i32")
 built = []
-for tokens, deep, split in ((16, False, 1), (16, True, 1), (16, True, 2), (16, True, 4), (32, False, 1),
+for tokens, deep, split in ((16, False, 1), (16, True, 1), (16, True, 2), (16, True, None), (32, False, 1),
                             (64, False, 1)):
     moe_triton.DIRECT_DEEP_K = deep
+    moe_triton.DIRECT_K_SPLIT = split is None  # None: the switch's own tiles (gate_up 4 slices, 2 stages)
     block_m, gate_up, down = moe_triton.default_tiles(tokens, "direct")
+    split = gate_up.split_k if split is None else split
     common = dict(H=2048, INTER=512, DIRECT=True, K=8, KP=8, SP=triton.next_power_of_2(block_m * 8), BM=block_m,
                   DOT_FP32=False, SHARED=True, SHARED_FIRST=True, PDL=True)
     for name, tiles, n, k, slots in (("_gate_up_kernel", gate_up, 512, 2048, 129), ("_down_kernel", down, 2048, 512,

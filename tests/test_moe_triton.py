@@ -476,17 +476,15 @@ def test_the_direct_rows_split_along_k_match_the_unsplit_rows(tokens, valid, gat
     assert torch.equal(got[valid:], torch.zeros_like(got[valid:]))  # the dead tokens: nothing routed
 
 
-def test_the_direct_k_split_switch_takes_the_round_blocks_tiles(monkeypatch):
-    """DIRECT_K_SPLIT gives the 5-16-token tiles DIRECT_K_SPLITS' slices (none below); at H = 512, I = 512 (the
-    256-deep steps unclamped: gate_up 2 steps in 2 slices, down 2 in 2) the rows match the unsplit ones."""
-    x = make_block(34, 16, 512, 512, 6, 3)
-    x["top_k_index"][3:] = -1
+def test_the_direct_k_split_switch_takes_the_16_token_tiles(monkeypatch):
+    """DIRECT_K_SPLIT gives the 16-token tiles gate_up's 4 slices (no other token count, no down split); at H = 1024
+    (the 256-deep steps unclamped: 4 steps in 4 slices) the rows match the unsplit ones."""
+    x = make_block(34, 16, 1024, 32, 6, 3)
     unsplit = moe_block_triton(**x, mode="direct")
     monkeypatch.setattr(moe_triton, "DIRECT_K_SPLIT", True)
-    monkeypatch.setattr(moe_triton, "DIRECT_K_SPLITS", (2, 2))
     _, gate_up, down = moe_triton.default_tiles(16, "direct")
-    assert (gate_up.split_k, down.split_k) == (2, 2)
-    assert all(t.split_k == 1 for t in moe_triton.default_tiles(4, "direct")[1:])
+    assert (gate_up.split_k, gate_up.num_stages, down.split_k) == (4, 2, 1)
+    assert all(t.split_k == 1 for n in (4, 15, 32) for t in moe_triton.default_tiles(n, "direct")[1:])
     assert rel(moe_block_triton(**x, mode="direct"), unsplit) < TOL[torch.float32]
 
 

@@ -111,14 +111,14 @@ DIRECT_SHARED_FIRST = True
 # at batch 1 1.70 → 1.71x AR (medium), 2.56 → 2.57x (high). False: 32 x 128 / 64 x 128 in 4 stages (A/B:
 # `hybridspec-direct-deep-k`).
 DIRECT_DEEP_K = True
-# The direct rows' reduction split at 5-16 tokens (a round's block): gate_up's K in DIRECT_K_SPLITS[0] slices, the
-# last program of a tile to arrive summing the partials in slice order (as the decode gate_up), down's I in
-# DIRECT_K_SPLITS[1] slices that the sum kernel adds in order. Aimed at a round's small w: at w = 1 the direct rows
-# run 144 gate_up programs of 256 KB and 288 down programs of 64 KB for the nine experts the AR step's decode
-# kernels read in 1 152 split-K programs (≈ 1.6 against 1.0 ms a round, run 154). Off until measured (A/B:
-# `direct-k-split`; round_tiles.py variants ...kN for other slices).
+# The direct rows' gate_up with its K in 4 slices at 16 tokens (a round's whole block live: an exact-length verify of
+# 16, or a max-shape one at w = 16), 2 stages; the last program of a tile to arrive sums the partials in slice order
+# (as the decode gate_up). Measured on an H100 in the max-shape round (runs 157-158, round_tiles_run157/158.md): at
+# w = 16 −0.96 ms a round (gate_up 4 slices, 2 stages; unsplit at 1-2 stages: +0.12 / +0.22 ms), but +0.14 to +0.31
+# ms at w = 1-8, where the max-shape round runs the same 16 rows with fewer live: so it is for the exact-length
+# verify (T = w), where 16 rows are 16 live tokens. Splitting down's I (slices the sum kernel adds) lost at every w.
+# False: no split (A/B: `direct-k-split`; round_tiles.py variants ...kN for other slices).
 DIRECT_K_SPLIT = False
-DIRECT_K_SPLITS = (4, 2)
 MODES = ("auto", "decode", "direct", "sorted")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -164,10 +164,11 @@ def default_tiles(num_tokens: int, mode: str) -> tuple[int, Tiles, Tiles]:
             return triton.next_power_of_2(num_tokens), Tiles(32, 64), Tiles(64, 64)
         if num_tokens <= 4:
             return 16, Tiles(16, 128), Tiles(32, 128)
-        gate_up_split, down_split = DIRECT_K_SPLITS if DIRECT_K_SPLIT and num_tokens > 4 else (1, 1)
+        if DIRECT_K_SPLIT and num_tokens == 16:
+            return 16, Tiles(32, 256, 4, 2, split_k=4), Tiles(64, 256, 4, 3)
         if DIRECT_DEEP_K:
-            return 16, Tiles(32, 256, 4, 3, gate_up_split), Tiles(64, 256, 4, 3, down_split)
-        return 16, Tiles(32, 128, split_k=gate_up_split), Tiles(64, 128, split_k=down_split)
+            return 16, Tiles(32, 256, 4, 3), Tiles(64, 256, 4, 3)
+        return 16, Tiles(32, 128), Tiles(64, 128)
     if num_tokens <= 32:  # sorted blocks at verification sizes: 16-row blocks, as the direct rows' narrow tiles
         return 16, Tiles(32, 128), Tiles(64, 128)
     return 64, Tiles(64, 64, 4, 3), Tiles(64, 64, 4, 3)
