@@ -42,7 +42,9 @@ _TILE = r"(\d+)x(\d+)(?:w(\d+))?(?:s(\d+))?(?:k(\d+))?"
 
 def parse_variant(spec: str) -> tuple | None:
     """"base" -> None; "g16x128-d32x128" or "g16x128w4s3k2-d32x64w8s4k2" -> (gate_up Tiles, down Tiles); a clear
-    SystemExit otherwise. Warps, stages and K slices (kN: split_k) default to Tiles' (4, 4, 1)."""
+    SystemExit otherwise. Warps, stages and K slices (kN: split_k) default to Tiles' (4, 4, 1). gate_up's slices are
+    taken on the device only when the block's last token is routed (moe_triton.DIRECT_K_SPLIT): a round forced below
+    w = 16 runs it unsplit; down's are always taken."""
     if spec == "base":
         return None
     match = re.fullmatch(f"g{_TILE}-d{_TILE}", spec)

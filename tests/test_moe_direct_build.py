@@ -30,6 +30,9 @@ for tokens, deep, split in ((16, False, 1), (16, True, 1), (16, True, 2), (16, T
         tiles, steps, fitted = moe_triton._fit_split(dataclasses.replace(tiles, split_k=split), n, k, slots)
         fn = triton.jit(getattr(moe_triton, name).fn)
         constexprs = dict(common, BN=tiles.block_n, BK=tiles.block_k, SPLIT=fitted, STEPS=steps)
+        if name == "_gate_up_kernel":
+            constexprs.update(STAGES=tiles.num_stages, WHOLE_STEPS=k // tiles.block_k,
+                              WHOLE_STAGES=moe_triton.WHOLE_K_STAGES)
         signature = {arg: pointers.get(arg, "i32") for arg in fn.arg_names if arg not in constexprs}
         signature.update({arg: "constexpr" for arg in constexprs})
         source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)

@@ -476,6 +476,32 @@ def test_the_direct_rows_split_along_k_match_the_unsplit_rows(tokens, valid, gat
     assert torch.equal(got[valid:], torch.zeros_like(got[valid:]))  # the dead tokens: nothing routed
 
 
+@pytest.mark.parametrize("valid", [1, 9, 15, 16])
+def test_the_direct_split_is_taken_only_when_the_last_token_is_routed(valid, monkeypatch):
+    """As a max-shape round masks them (`mask_invalid_routes`: the tokens past the valid length take token 0's
+    experts with weight 0), a gate_up launched in slices runs unsplit unless the last token is routed: then slice
+    0 takes all of K in the unsplit loop's order, so the same bits as the unsplit launch; with every token routed the
+    slices' sum, within the fp32 tolerance. Counters back at 0 either way."""
+    x = make_block(70 + valid, 16, 64, 32, 6, 3)
+    valid_t = torch.tensor([valid])
+    x["top_k_index"], x["top_k_weights"] = mask_invalid_routes_reference(x["top_k_index"], x["top_k_weights"],
+                                                                         valid_t)
+    calls = []
+    kernel = moe_triton._gate_up_kernel
+    monkeypatch.setattr(moe_triton, "_gate_up_kernel", type("Counted", (), {
+        "__getitem__": lambda self, grid: calls.append(grid) or kernel[grid]})())
+    split = moe_block_triton(**x, mode="direct", gate_up_tiles=Tiles(16, 16, 4, 2, split_k=2),
+                             down_tiles=Tiles(16, 16, 4, 2))
+    unsplit = moe_block_triton(**x, mode="direct", gate_up_tiles=Tiles(16, 16, 4, 2), down_tiles=Tiles(16, 16, 4, 2))
+    assert calls[0][0] == 2 * calls[1][0]  # the split launch had twice the programs
+    assert not gemv_triton._COUNTERS[torch.device("cpu")].any()
+    if valid < 16:
+        assert torch.equal(split, unsplit)
+    else:
+        assert not torch.equal(split, unsplit) and rel(split, unsplit) < TOL[torch.float32]
+    assert rel(split, moe_block_reference(**x)) < TOL[torch.float32]
+
+
 def test_the_direct_k_split_switch_takes_the_16_token_tiles(monkeypatch):
     """DIRECT_K_SPLIT gives the 16-token tiles gate_up's 4 slices (no other token count, no down split); at H = 1024
     (the 256-deep steps unclamped: 4 steps in 4 slices) the rows match the unsplit ones."""

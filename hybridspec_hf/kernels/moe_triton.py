@@ -111,14 +111,16 @@ DIRECT_SHARED_FIRST = True
 # at batch 1 1.70 → 1.71x AR (medium), 2.56 → 2.57x (high). False: 32 x 128 / 64 x 128 in 4 stages (A/B:
 # `hybridspec-direct-deep-k`).
 DIRECT_DEEP_K = True
-# The direct rows' gate_up with its K in 4 slices at 16 tokens (a round's whole block live: an exact-length verify of
-# 16, or a max-shape one at w = 16), 2 stages; the last program of a tile to arrive sums the partials in slice order
-# (as the decode gate_up). Measured on an H100 in the max-shape round (runs 157-158, round_tiles_run157/158.md): at
-# w = 16 −0.96 ms a round (gate_up 4 slices, 2 stages; unsplit at 1-2 stages: +0.12 / +0.22 ms), but +0.14 to +0.31
-# ms at w = 1-8, where the max-shape round runs the same 16 rows with fewer live: so it is for the exact-length
-# verify (T = w), where 16 rows are 16 live tokens. Splitting down's I (slices the sum kernel adds) lost at every w.
-# False: no split (A/B: `direct-k-split`; round_tiles.py variants ...kN for other slices).
+# The direct rows' gate_up with its K in 4 slices at 16 tokens, 2 stages, taken on the device only when the block's
+# last token is routed (weights not all 0): an exact-length verify of 16, a max-shape round at w = 16; with fewer
+# live tokens slice 0 runs all of K as the unsplit tiles do (WHOLE_K_STAGES) and the other slices leave. The last
+# program of a tile to arrive sums the partials in slice order (as the decode gate_up). Measured on an H100 in the
+# max-shape round with the split forced at every w (runs 157-158, round_tiles_run157/158.md): at w = 16 −0.96 ms a
+# round (unsplit at 1-2 stages: +0.12 / +0.22 ms there), but +0.14 to +0.31 ms at w = 1-8, hence the choice on the
+# device (not yet measured on a GPU). Splitting down's I (slices the sum kernel adds) lost at every w. False: no
+# split (A/B: `direct-k-split`; round_tiles.py variants ...kN for other slices, chosen on the device the same way).
 DIRECT_K_SPLIT = False
+WHOLE_K_STAGES = 3  # slice 0's whole-K loop when a split launch does not split: the unsplit 16-row tiles' stages
 MODES = ("auto", "decode", "direct", "sorted")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -133,8 +135,9 @@ def direct_limit() -> int:
 class Tiles:
     """Tile of one GEMM kernel: block_n output columns (gate_up: per half, so 2·block_n weight rows) by block_k of the
     reduction per step; num_stages: software-pipelined loads in flight; split_k: programs along the reduction (the
-    decode gate_up, reduced in the same launch; the direct rows' gate_up, reduced in the same launch, and down,
-    whose slices the sum kernel adds; the decode down and the sorted blocks take 1)."""
+    decode gate_up, reduced in the same launch; the direct rows' gate_up, reduced in the same launch and taken only
+    when the call's last token is routed, and down, whose slices the sum kernel adds; the decode down and the
+    sorted blocks take 1)."""
 
     block_n: int
     block_k: int
@@ -346,18 +349,43 @@ def _program_rows(ids, block_pairs, slot, expert, is_shared, T, S,
     return pair, row_ok
 
 
+def _gate_up_steps(p_gate, p_up, p_x, row_ok, mn, k_start, stride_wk, stride_hh, H: tl.constexpr, BM: tl.constexpr,
+                   BN: tl.constexpr, BK: tl.constexpr, STEPS: tl.constexpr, STAGES: tl.constexpr,
+                   DOT_FP32: tl.constexpr):
+    """(gate, up) [BM, BN] fp32: the products over STEPS steps of BK from k_start, STAGES loads in flight (None:
+    the launch's num_stages)."""
+    acc_gate = tl.zeros([BM, BN], dtype=tl.float32)
+    acc_up = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in tl.range(0, STEPS * BK, BK, num_stages=STAGES):
+        rk = k_start + k0 + tl.arange(0, BK)
+        mk = rk < H
+        b_w_gate = tl.load(p_gate + rk[:, None] * stride_wk, mask=mk[:, None] & mn[None, :], other=0.0)
+        b_w_up = tl.load(p_up + rk[:, None] * stride_wk, mask=mk[:, None] & mn[None, :], other=0.0)
+        b_x = tl.load(p_x + rk[None, :] * stride_hh, mask=row_ok[:, None] & mk[None, :], other=0.0)
+        b_x = b_x.to(b_w_gate.dtype)  # fp32 activations under bf16 weights: transformers casts them too
+        if DOT_FP32:
+            b_x, b_w_gate, b_w_up = b_x.to(tl.float32), b_w_gate.to(tl.float32), b_w_up.to(tl.float32)
+        acc_gate += tl.dot(b_x, b_w_gate, input_precision="ieee" if DOT_FP32 else "tf32")
+        acc_up += tl.dot(b_x, b_w_up, input_precision="ieee" if DOT_FP32 else "tf32")
+    return acc_gate, acc_up
+
+
 def _gate_up_kernel(
-    hidden, ids, block_expert, block_pairs, w1, act, shared_w1, logit, partials, counters,
+    hidden, ids, weights, block_expert, block_pairs, w1, act, shared_w1, logit, partials, counters,
     T, S, E,
     stride_ht, stride_hh, stride_we, stride_wn, stride_wk,
     H: tl.constexpr, INTER: tl.constexpr, DIRECT: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
     SP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr,
     SHARED: tl.constexpr, SHARED_FIRST: tl.constexpr, SPLIT: tl.constexpr, STEPS: tl.constexpr,
+    STAGES: tl.constexpr, WHOLE_STEPS: tl.constexpr, WHOLE_STAGES: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Program (i_n · SPLIT + i_k, row): BN gate and BN up columns of the row's expert for its tokens over K slice
     i_k (STEPS steps of BK); with SPLIT > 1 the last of the slice programs of (row, i_n) to arrive sums their
-    partials in slice order (integer counters, no float atomics) and stores SiLU(gate)·up, as the decode gate_up."""
+    partials in slice order (integer counters, no float atomics) and stores SiLU(gate)·up, as the decode gate_up.
+    The direct rows split only when the call's last token is routed (routing weights not all 0: a max-shape round's
+    tokens past its valid length carry weight 0, `mask_invalid_routes`); otherwise slice 0 takes all of K
+    (WHOLE_STEPS steps at WHOLE_STAGES) and the other slices' programs leave."""
     pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
     if SPLIT == 1:
         i_n = tl.program_id(0)
@@ -368,6 +396,12 @@ def _gate_up_kernel(
         k_start = i_k * (STEPS * BK)
     slot = _program_slot(tl.program_id(1), S, DIRECT, SHARED, SHARED_FIRST)
     expert, live, is_shared = _program_expert(ids, block_expert, slot, S, E, DIRECT, SP, SHARED)
+    split = SPLIT > 1
+    if DIRECT and SPLIT > 1:
+        rj = tl.arange(0, KP)
+        last = tl.load(weights + (T - 1) * K + rj, mask=rj < K, other=0.0).to(tl.float32)
+        split = tl.sum(tl.where(last != 0.0, 1, 0), 0) > 0
+        live = live & (split | (i_k == 0))
     if live:
         pair, row_ok = _program_rows(ids, block_pairs, slot, expert, is_shared, T, S, DIRECT, K, KP, BM)
         if DIRECT:  # rows are tokens, for the shared slot too
@@ -382,24 +416,17 @@ def _gate_up_kernel(
         p_x = hidden + token[:, None] * stride_ht
         p_gate = w_base + rn[None, :] * stride_wn  # [BK, BN] tiles of the gate rows ...
         p_up = p_gate + INTER * stride_wn  # ... and of the up rows I later
-        acc_gate = tl.zeros([BM, BN], dtype=tl.float32)
-        acc_up = tl.zeros([BM, BN], dtype=tl.float32)
-        for step in range(STEPS):
-            rk = k_start + step * BK + tl.arange(0, BK)
-            mk = rk < H
-            b_w_gate = tl.load(p_gate + rk[:, None] * stride_wk, mask=mk[:, None] & mn[None, :], other=0.0)
-            b_w_up = tl.load(p_up + rk[:, None] * stride_wk, mask=mk[:, None] & mn[None, :], other=0.0)
-            b_x = tl.load(p_x + rk[None, :] * stride_hh, mask=row_ok[:, None] & mk[None, :], other=0.0)
-            b_x = b_x.to(b_w_gate.dtype)  # fp32 activations under bf16 weights: transformers casts them too
-            if DOT_FP32:
-                b_x, b_w_gate, b_w_up = b_x.to(tl.float32), b_w_gate.to(tl.float32), b_w_up.to(tl.float32)
-            acc_gate += tl.dot(b_x, b_w_gate, input_precision="ieee" if DOT_FP32 else "tf32")
-            acc_up += tl.dot(b_x, b_w_up, input_precision="ieee" if DOT_FP32 else "tf32")
-        p_act = act + pair[:, None].to(tl.int64) * INTER + rn[None, :]
-        act_ok = row_ok[:, None] & mn[None, :]
-        if SPLIT == 1:
+        if SPLIT == 1:  # the launch's stages (no loop attribute)
+            acc_gate, acc_up = _gate_up_steps(p_gate, p_up, p_x, row_ok, mn, k_start, stride_wk, stride_hh, H, BM,
+                                              BN, BK, STEPS, None, DOT_FP32)
+            p_act = act + pair[:, None].to(tl.int64) * INTER + rn[None, :]
+            act_ok = row_ok[:, None] & mn[None, :]
             tl.store(p_act, acc_gate * tl.sigmoid(acc_gate) * acc_up, mask=act_ok)  # SiLU(gate) · up, fp32
-        else:  # partials [rows, I / BN, SPLIT, 2, BM, BN]; the last program of (row, i_n) to arrive sums them
+        elif split:  # partials [rows, I / BN, SPLIT, 2, BM, BN]; the last program of (row, i_n) to arrive sums them
+            acc_gate, acc_up = _gate_up_steps(p_gate, p_up, p_x, row_ok, mn, k_start, stride_wk, stride_hh, H, BM,
+                                              BN, BK, STEPS, STAGES, DOT_FP32)
+            p_act = act + pair[:, None].to(tl.int64) * INTER + rn[None, :]
+            act_ok = row_ok[:, None] & mn[None, :]
             tile = tl.program_id(1) * tl.cdiv(INTER, BN) + i_n
             offsets = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
             p_part = partials + (tile * SPLIT).to(tl.int64) * (2 * BM * BN) + offsets
@@ -415,6 +442,11 @@ def _gate_up_kernel(
                     acc_up += tl.load(p_part + s * (2 * BM * BN) + BM * BN, cache_modifier=".cg")
                 tl.store(p_act, acc_gate * tl.sigmoid(acc_gate) * acc_up, mask=act_ok)
                 tl.store(counters + tile, 0)  # zero again for the next launch
+        else:  # slice 0 alone, all of K (the other slices left above)
+            acc_gate, acc_up = _gate_up_steps(p_gate, p_up, p_x, row_ok, mn, 0, stride_wk, stride_hh, H, BM, BN, BK,
+                                              WHOLE_STEPS, WHOLE_STAGES, DOT_FP32)
+            p_act = act + pair[:, None].to(tl.int64) * INTER + rn[None, :]
+            tl.store(p_act, acc_gate * tl.sigmoid(acc_gate) * acc_up, mask=row_ok[:, None] & mn[None, :])
         if SHARED:
             takes_logit = is_shared & (i_n == 0)
             if SPLIT > 1:
@@ -465,8 +497,8 @@ def _down_kernel(
         p_act = act + pair[:, None].to(tl.int64) * INTER
         p_w = w_base + rn[None, :] * stride_wn  # [BK, BN] tiles of down_e
         acc = tl.zeros([BM, BN], dtype=tl.float32)
-        for step in range(STEPS):
-            rk = k_start + step * BK + tl.arange(0, BK)
+        for k0 in range(0, STEPS * BK, BK):
+            rk = k_start + k0 + tl.arange(0, BK)
             mk = rk < INTER
             b_w = tl.load(p_w + rk[:, None] * stride_wk, mask=mk[:, None] & mn[None, :], other=0.0)
             b_a = tl.load(p_act + rk[None, :], mask=row_ok[:, None] & mk[None, :], other=0.0).to(b_w.dtype)
@@ -778,6 +810,7 @@ if HAS_TRITON:
     _program_slot = triton.jit(_program_slot)
     _program_expert = triton.jit(_program_expert)
     _program_rows = triton.jit(_program_rows)
+    _gate_up_steps = triton.jit(_gate_up_steps)
     _add_gated_shared = triton.jit(_add_gated_shared)
     _add_row_products = triton.jit(_add_row_products)
     _down_tile = triton.jit(_down_tile)
@@ -1049,9 +1082,10 @@ def _launch(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, mode, b
     partials = torch.empty(num_slots * column_blocks * split * 2 * block_m * tiles.block_n if split > 1 else 1,
                            dtype=torch.float32, device=hidden.device)
     _gate_up_kernel[(column_blocks * split, num_slots)](
-        hidden, ids, block_expert, block_pairs, gate_up_proj, act, shared_gate_up, logit, partials,
+        hidden, ids, weights, block_expert, block_pairs, gate_up_proj, act, shared_gate_up, logit, partials,
         split_counters(hidden.device), num_tokens, pairs, num_experts, *hidden.stride(), *gate_up_proj.stride(),
-        **common, BN=tiles.block_n, BK=tiles.block_k, SPLIT=split, STEPS=gate_up_steps,
+        **common, BN=tiles.block_n, BK=tiles.block_k, SPLIT=split, STEPS=gate_up_steps, STAGES=tiles.num_stages,
+        WHOLE_STEPS=triton.cdiv(hidden_size, tiles.block_k), WHOLE_STAGES=WHOLE_K_STAGES,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     tiles, split = down_tiles, down_split
