@@ -349,6 +349,32 @@ def _program_rows(ids, block_pairs, slot, expert, is_shared, T, S,
     return pair, row_ok
 
 
+def _program_slice(SPLIT: tl.constexpr, STEPS: tl.constexpr, BK: tl.constexpr):
+    """(i_n, i_k, k_start) of grid column program_id(0) = i_n · SPLIT + i_k: its column block, its slice of the
+    reduction and where that slice starts (STEPS steps of BK a slice)."""
+    if SPLIT == 1:
+        return tl.program_id(0), 0, 0
+    i_k = tl.program_id(0) % SPLIT
+    return tl.program_id(0) // SPLIT, i_k, i_k * (STEPS * BK)
+
+
+def _store_slice(p_part, i_k, acc_gate, acc_up, SIZE: tl.constexpr):
+    """Slice i_k's gate and up partials (SIZE elements each) into partials laid out [slices, 2, SIZE] at p_part."""
+    tl.store(p_part + i_k * (2 * SIZE), acc_gate)
+    tl.store(p_part + i_k * (2 * SIZE) + SIZE, acc_up)
+
+
+def _slice_sums(p_part, like, SIZE: tl.constexpr, SPLIT: tl.constexpr):
+    """(gate, up): the SPLIT slices' partials at p_part summed in slice order (the same bits whatever order they
+    arrived in), shaped like `like`; read past L1 (other programs wrote them)."""
+    acc_gate = tl.zeros(like.shape, dtype=tl.float32)
+    acc_up = tl.zeros(like.shape, dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        acc_gate += tl.load(p_part + s * (2 * SIZE), cache_modifier=".cg")
+        acc_up += tl.load(p_part + s * (2 * SIZE) + SIZE, cache_modifier=".cg")
+    return acc_gate, acc_up
+
+
 def _gate_up_steps(p_gate, p_up, p_x, row_ok, mn, k_start, stride_wk, stride_hh, H: tl.constexpr, BM: tl.constexpr,
                    BN: tl.constexpr, BK: tl.constexpr, STEPS: tl.constexpr, STAGES: tl.constexpr,
                    DOT_FP32: tl.constexpr):
@@ -387,13 +413,7 @@ def _gate_up_kernel(
     tokens past its valid length carry weight 0, `mask_invalid_routes`); otherwise slice 0 takes all of K
     (WHOLE_STEPS steps at WHOLE_STAGES) and the other slices' programs leave."""
     pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
-    if SPLIT == 1:
-        i_n = tl.program_id(0)
-        k_start = 0
-    else:
-        i_n = tl.program_id(0) // SPLIT
-        i_k = tl.program_id(0) % SPLIT
-        k_start = i_k * (STEPS * BK)
+    i_n, i_k, k_start = _program_slice(SPLIT, STEPS, BK)
     slot = _program_slot(tl.program_id(1), S, DIRECT, SHARED, SHARED_FIRST)
     expert, live, is_shared = _program_expert(ids, block_expert, slot, S, E, DIRECT, SP, SHARED)
     split = SPLIT > 1
@@ -430,16 +450,11 @@ def _gate_up_kernel(
             tile = tl.program_id(1) * tl.cdiv(INTER, BN) + i_n
             offsets = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
             p_part = partials + (tile * SPLIT).to(tl.int64) * (2 * BM * BN) + offsets
-            tl.store(p_part + i_k * (2 * BM * BN), acc_gate)
-            tl.store(p_part + i_k * (2 * BM * BN) + BM * BN, acc_up)
+            _store_slice(p_part, i_k, acc_gate, acc_up, BM * BN)
             tl.debug_barrier()  # every thread's partial is written before the signal (release below)
             arrived = tl.atomic_add(counters + tile, 1, sem="acq_rel")
             if arrived == SPLIT - 1:  # in slice order, not arrival order: the same bits every call
-                acc_gate = tl.zeros([BM, BN], dtype=tl.float32)
-                acc_up = tl.zeros([BM, BN], dtype=tl.float32)
-                for s in tl.static_range(SPLIT):
-                    acc_gate += tl.load(p_part + s * (2 * BM * BN), cache_modifier=".cg")
-                    acc_up += tl.load(p_part + s * (2 * BM * BN) + BM * BN, cache_modifier=".cg")
+                acc_gate, acc_up = _slice_sums(p_part, acc_gate, BM * BN, SPLIT)
                 tl.store(p_act, acc_gate * tl.sigmoid(acc_gate) * acc_up, mask=act_ok)
                 tl.store(counters + tile, 0)  # zero again for the next launch
         else:  # slice 0 alone, all of K (the other slices left above)
@@ -477,13 +492,8 @@ def _down_kernel(
     BK), times the routing weights, to rows' slice i_k (rows [SPLIT, pairs (+ T), H], slice stride stride_rs);
     the sum kernel adds the slices in order."""
     pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
-    if SPLIT == 1:
-        i_n = tl.program_id(0)
-        k_start = 0
-    else:
-        i_n = tl.program_id(0) // SPLIT
-        i_k = tl.program_id(0) % SPLIT
-        k_start = i_k * (STEPS * BK)
+    i_n, i_k, k_start = _program_slice(SPLIT, STEPS, BK)
+    if SPLIT > 1:
         rows += i_k.to(tl.int64) * stride_rs
     slot = _program_slot(tl.program_id(1), S, DIRECT, SHARED, SHARED_FIRST)
     expert, live, is_shared = _program_expert(ids, block_expert, slot, S, E, DIRECT, SP, SHARED)
@@ -654,18 +664,13 @@ def _gate_up_decode_kernel(
             tile = slot * tl.cdiv(INTER, BN) + i_n
             offsets = rt[None, :] * BN + rb[:, None]
             p_part = partials + (tile * SPLIT).to(tl.int64) * (2 * TP * BN) + offsets
-            tl.store(p_part + i_k * (2 * TP * BN), acc_gate)
-            tl.store(p_part + i_k * (2 * TP * BN) + TP * BN, acc_up)
+            _store_slice(p_part, i_k, acc_gate, acc_up, TP * BN)
             if takes_logit:
                 tl.store(logit_partials + i_k * TP + rt[None, :], acc_logit)
             tl.debug_barrier()  # every thread's partial is written before the signal (release below)
             arrived = tl.atomic_add(counters + tile, 1, sem="acq_rel")
             if arrived == SPLIT - 1:  # in slice order, not arrival order: the same bits every call
-                acc_gate = tl.zeros([BN, TP], dtype=tl.float32)
-                acc_up = tl.zeros([BN, TP], dtype=tl.float32)
-                for s in tl.static_range(SPLIT):
-                    acc_gate += tl.load(p_part + s * (2 * TP * BN), cache_modifier=".cg")
-                    acc_up += tl.load(p_part + s * (2 * TP * BN) + TP * BN, cache_modifier=".cg")
+                acc_gate, acc_up = _slice_sums(p_part, acc_gate, TP * BN, SPLIT)
                 tl.store(p_act, acc_gate * tl.sigmoid(acc_gate) * acc_up, mask=act_ok)
                 if takes_logit:
                     acc_logit = tl.zeros([1, TP], dtype=tl.float32)
@@ -811,6 +816,9 @@ if HAS_TRITON:
     _program_expert = triton.jit(_program_expert)
     _program_rows = triton.jit(_program_rows)
     _gate_up_steps = triton.jit(_gate_up_steps)
+    _store_slice = triton.jit(_store_slice)
+    _program_slice = triton.jit(_program_slice)
+    _slice_sums = triton.jit(_slice_sums)
     _add_gated_shared = triton.jit(_add_gated_shared)
     _add_row_products = triton.jit(_add_row_products)
     _down_tile = triton.jit(_down_tile)
