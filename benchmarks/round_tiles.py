@@ -9,11 +9,12 @@ length, so its MoE layers run the direct-rows kernels at T = 16 whatever w the s
 `moe_triton.default_tiles(16, "direct")` picked for 16 valid tokens (≈ 102 distinct experts a layer under uniform
 routing) also serve rounds of one to eight (8 to ≈ 57 experts), where few slots make few programs (run 123 of
 gpu_rounds_runs.md, `breakdown_run123.md`: at w = 1 the round's gate_up took 1 030 µs against 775 for the AR step's
-decode kernel). Each variant sets the direct rows' tiles at the block's T (gate_up and down: block_n x block_k,
-warps, stages, K slices), captures the round afresh with its length forced (`calibration.ForcedLength` beside HybridSpec's
-selector work, as calibration times C(w)), and times a replay at each w (CUDA events, the median of `--replays`,
-three times; the verified length read back). "base" is the code's tiles; put it first and last: the spread of its
-rows is the noise. A variant may end in "+SWITCH" / "-SWITCH" (common.SWITCHES: that A/B switch on / off). Random bf16 weights, a random drafter (each replay commits ≈ 1 token).
+decode kernel). Each variant sets the direct rows' tiles at the block's T (gate_up and down: block_n x block_k, warps,
+stages, K slices), captures the round afresh with its length forced (`calibration.ForcedLength` beside HybridSpec's
+selector work, as calibration times C(w)), and times a replay at each w (CUDA events, the median of `--replays`, three
+times; the verified length read back). "base" is the code's tiles; put it first and last: the spread of its rows is
+the noise. A variant may end in "+SWITCH" / "-SWITCH" (common.SWITCHES: that A/B switch on / off). Random bf16
+weights, a random drafter (each replay commits ≈ 1 token).
 Writes benchmarks/results/<name>.{json,md}.
 """
 from __future__ import annotations

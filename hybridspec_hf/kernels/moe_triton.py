@@ -1052,7 +1052,8 @@ def _launch(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, mode, b
     if mode == "decode":
         return _launch_decode(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, out, gate_up_tiles,
                               down_tiles, shared, residual)
-    if mode == "sorted" and ((gate_up_tiles and gate_up_tiles.split_k != 1) or (down_tiles and down_tiles.split_k != 1)):
+    splits = (gate_up_tiles and gate_up_tiles.split_k != 1) or (down_tiles and down_tiles.split_k != 1)
+    if mode == "sorted" and splits:
         raise ValueError(f'split_k > 1 is for mode="decode" and "direct" only; got {gate_up_tiles}, {down_tiles} in '
                          f'mode {mode!r}')
     default_m, default_gate_up, default_down = default_tiles(num_tokens, mode)
