@@ -32,6 +32,7 @@ from hybridspec_hf.tiny_pair import (
     load_stdlib_split,
     load_tiny_pair,
     load_tiny_tokenizer,
+    spliced_prompts,
     stdlib_files,
 )
 
@@ -159,6 +160,24 @@ def test_code_prompts_are_deterministic_line_windows():
     a, b = code_prompts(files, 5, seed=3), code_prompts(files, 5, seed=3)
     assert a == b and len(a) == 5
     assert all(p.endswith("\n") and p.startswith("x") and 120 <= len(p) <= 320 for p in a)
+
+
+def test_spliced_prompts_join_two_windows_at_a_line():
+    """Each spliced prompt: its own first half of lines, then another prompt's second half; seeded; every prompt's
+    tail used once; a one-line prompt kept whole and never a partner; too few prompts refused."""
+    prompts = [f"a{i} = 1\nb{i} = 2\nc{i} = 3\nd{i} = 4\n" for i in range(6)] + ["single line\n"]
+    spliced = spliced_prompts(prompts, seed=1)
+    assert spliced == spliced_prompts(prompts, seed=1) and spliced != spliced_prompts(prompts, seed=2)
+    tails = []
+    for i, text in enumerate(spliced[:6]):
+        head = f"a{i} = 1\nb{i} = 2\n"
+        tail = text[len(head):]
+        assert text.startswith(head) and tail.startswith("c") and not tail.startswith(f"c{i} ")
+        tails.append(tail)
+    assert sorted(tails) == sorted(f"c{i} = 3\nd{i} = 4\n" for i in range(6))
+    assert spliced[6] == "single line\n"
+    with pytest.raises(ValueError, match="at least two prompts of two lines"):
+        spliced_prompts(["x\ny\n", "single\n"])
 
 
 def test_heldout_prompts_come_from_pinned_heldout_files():

@@ -24,6 +24,12 @@ all files, end them elsewhere:
 draws half the windows at most 200 characters long and half at most 480 (each at least 3/8 of that), every file
 visited round-robin for each length, the two lists interleaved: prompts that end where the 320-character windows of
 the default order rarely end, so the target's responses to them are new text from every file.
+
+    python scripts/tiny_pair/build_corpus.py --prompts-only --train-prompts 24576 --splice
+
+splices the training windows (each one's first half of lines + another's second half): the text is the training
+split's, but no training file continues from the junction, so the target's responses are text it cannot recall, the
+regime held-out prompts put it in (tiny_pair_gpu_runs.md, "A CPU probe").
 """
 from __future__ import annotations
 
@@ -43,7 +49,9 @@ from safetensors.torch import save_file
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from hybridspec_hf.tiny_pair import ASSETS_DIR, SPLIT_FILE, StdlibFile, code_prompts, sha256_bytes, stdlib_root  # noqa: E402
+from hybridspec_hf.tiny_pair import (  # noqa: E402
+    ASSETS_DIR, SPLIT_FILE, StdlibFile, code_prompts, sha256_bytes, spliced_prompts, stdlib_root,
+)
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>", "<|mask|>"]
 HELDOUT_PER_MILLE = 30
@@ -148,10 +156,11 @@ def write_prompts(data_dir: Path, train_files: list[StdlibFile], heldout_files: 
     per_length = [code_prompts(train_files, -(-args.train_prompts // len(lengths)), max_chars=n,
                                min_chars=n * 3 // 8, seed=args.seed + i) for i, n in enumerate(lengths)]
     train = [p for group in zip(*per_length) for p in group][:args.train_prompts]
-    if len(train) <= args.train_skip:
-        raise SystemExit(f"--train-skip {args.train_skip} leaves no training prompt: the split has {len(train)} "
-                         f"windows for --train-prompts {args.train_prompts}")
-    write_jsonl(data_dir / "train_prompts.jsonl", train[args.train_skip:])
+    if len(train) <= args.train_skip + 1:
+        raise SystemExit(f"--train-skip {args.train_skip} leaves fewer than two training prompts: the split has "
+                         f"{len(train)} windows for --train-prompts {args.train_prompts}")
+    train = train[args.train_skip:]
+    write_jsonl(data_dir / "train_prompts.jsonl", spliced_prompts(train, seed=args.seed) if args.splice else train)
     write_jsonl(data_dir / "heldout_prompts.jsonl", code_prompts(heldout_files, args.heldout_prompts, seed=args.seed))
     print(f"{len(train) - args.train_skip} training prompts (after {args.train_skip}), {args.heldout_prompts} held-out")
 
@@ -167,6 +176,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="write the prompt files from the pinned split only (keeps the tokenizer and streams)")
     parser.add_argument("--train-skip", type=int, default=0,
                         help="drop the first N training windows (of the same seeded order) from train_prompts.jsonl")
+    parser.add_argument("--splice", action="store_true",
+                        help="training prompts spliced: each window's first half of lines + another window's second "
+                             "half (hybridspec_hf.tiny_pair.spliced_prompts), continuations the target cannot recall")
     parser.add_argument("--train-lengths", default="320",
                         help="comma-separated maximum window lengths in characters; the training prompts are drawn "
                              "equally from each, interleaved (default 320: the order the shipped drafter trained on)")
