@@ -116,7 +116,7 @@ DIRECT_DEEP_K = True
 # live tokens slice 0 runs all of K as the unsplit tiles do (WHOLE_K_STAGES) and the other slices leave. The last
 # program of a tile to arrive sums the partials in slice order (as the decode gate_up). Measured on an H100 in the
 # max-shape round with the split forced at every w (runs 157-158, round_tiles_run157/158.md): at w = 16 −0.96 ms a
-# round (unsplit at 1-2 stages: +0.12 / +0.22 ms there), but +0.14 to +0.31 ms at w = 1-8, hence the choice on the
+# round (unsplit at 1 / 2 stages: +0.22 / +0.12 ms there), but +0.14 to +0.31 ms at w = 1-8, hence the choice on the
 # device (not yet measured on a GPU). Splitting down's I (slices the sum kernel adds) lost at every w. False: no
 # split (A/B: `direct-k-split`; round_tiles.py variants ...kN for other slices, chosen on the device the same way).
 DIRECT_K_SPLIT = False
