@@ -24,7 +24,6 @@ benchmarks/results/batch_<model>.{json,md,png}.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -34,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (add_switches, apply_switches, environment, method_variant, profile_elsewhere,  # noqa: E402
-                    results_path, switch_settings, variant_switches, write_results)
+                    read_json, results_path, switch_settings, variant_switches, write_results)
 from e2e import build, profile_halves  # noqa: E402
 
 import hybridspec_hf  # noqa: E402
@@ -119,7 +118,7 @@ def merge(sources: list[str], name: str) -> dict:
     batch sizes in order, each from the last source that has it; the environment is the first source's (its GPU and
     versions: every source must have run on the same GPU, torch, transformers and switches), with the merge's command,
     and every source's file, date and command in the JSON and the markdown. Measures nothing."""
-    reports = [json.loads(Path(path).read_text()) for path in sources]
+    reports = [read_json(path) for path in sources]
     keys = ("gpu", "torch", "transformers", "triton")
     for path, other in zip(sources[1:], reports[1:]):
         same = {k: (reports[0]["environment"].get(k), other["environment"].get(k)) for k in keys}

@@ -4,6 +4,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import datetime
+import gzip
 import importlib
 import json
 import platform
@@ -261,6 +262,19 @@ def results_path(name: str) -> Path:
     if len(path.parts) == 1 or (not path.is_absolute() and path.parent.parts[-2:] == ("benchmarks", "results")):
         return RESULTS / path.name
     return path.resolve()
+
+
+def read_json(path: str | Path):
+    """A results JSON, plain or gzip-compressed: "x.json.gz" is read through gzip, and a "x.json" that is not there
+    is read from "x.json.gz" beside it (results over 100 KB are committed compressed: the GPU machine takes at most
+    64 MiB of working tree a call)."""
+    path = Path(path)
+    if not path.exists() and path.suffix == ".json" and path.with_name(path.name + ".gz").exists():
+        path = path.with_name(path.name + ".gz")
+    if path.suffix == ".gz":
+        with gzip.open(path, "rt") as handle:
+            return json.load(handle)
+    return json.loads(path.read_text())
 
 
 def write_results(name: str, payload: dict, table: str) -> None:

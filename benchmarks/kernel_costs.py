@@ -29,7 +29,6 @@ import argparse
 import collections
 import contextlib
 import importlib
-import json
 import re
 import sys
 from pathlib import Path
@@ -39,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from breakdown import parts_of, summarize, wall_ms  # noqa: E402
 from common import (SWITCHES, environment, frontier, method_variant, switch_settings, timeline,  # noqa: E402
-                    traced_kernels, write_results)
+                    read_json, traced_kernels, write_results)
 from e2e import HBM_TBPS, build  # noqa: E402
 
 import hybridspec_hf  # noqa: E402
@@ -239,7 +238,7 @@ def compare(sources: list[str], name: str) -> dict:
     the step's kernels, wall and span. Measures nothing; writes <name>.{json,md}."""
     columns = []
     for source in sources:
-        report = json.loads(Path(source).read_text())
+        report = read_json(source)
         plains = [row for row in report["rows"] if row["variant"] == "plain" and row["timeline"]["kernels"]]
         if not plains:
             raise SystemExit(f"{source}: no plain row with a timeline (kernel_costs.py from 2026-12-03 on writes them)")

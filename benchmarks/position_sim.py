@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, write_results  # noqa: E402
+from common import environment, read_json, write_results  # noqa: E402
 
 POSITIONS = Path(__file__).resolve().parent / "profiles" / "tiny_pair_positions.safetensors"
 LATENCY_SOURCE = Path(__file__).resolve().parent / "results" / "strategies_cpu_tiny_pair.json"
@@ -221,7 +221,7 @@ def simulate(args) -> None:
     from hybridspec_hf.selector.latency import LatencyModel
     from hybridspec_hf.tiny_pair import ASSETS_DIR
 
-    source = json.loads(Path(args.latency).read_text())
+    source = read_json(args.latency)
     ar = source["per_prompt"]["ar"]
     cost_ar = sum(ar["seconds"]) / sum(ar["tokens"])  # AR's measured time per token (prefill included)
     cost = torch.tensor(source["latency_ms"]) * 1e-3
@@ -287,8 +287,8 @@ def sequence(args) -> None:
     from hybridspec_hf.selector import LatencyModel, make_selector
     from hybridspec_hf.tiny_pair import ASSETS_DIR
 
-    check = json.loads(Path(args.gpu_rounds).read_text())["selector_check"]
-    priced = json.loads(Path(args.prices).read_text())["selector_check"] if args.prices else check
+    check = read_json(args.gpu_rounds)["selector_check"]
+    priced = read_json(args.prices)["selector_check"] if args.prices else check
     decide_ar = priced["calibrated_C_ar_ms"] * 1e-3
     latency = LatencyModel(cost=torch.tensor(priced["calibrated_C_ms"])[None] * 1e-3,
                            cost_ar=torch.tensor([decide_ar]), context_lens=torch.tensor([256]))

@@ -26,14 +26,13 @@ rate (the current rule). × AR: the call's time of AR steps over its simulated t
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, write_results  # noqa: E402
+from common import environment, read_json, write_results  # noqa: E402
 from e2e import length_choice_bound, profile_halves  # noqa: E402
 
 from hybridspec_hf.selector.latency import LatencyModel  # noqa: E402
@@ -180,7 +179,7 @@ def simulate_cell(options: dict, progress: str, latency: LatencyModel, replay, e
 
 
 def main_calls(args) -> None:
-    source = json.loads(Path(args.batch_latency).read_text())
+    source = read_json(args.batch_latency)
     tables = source["latency_ms"]
     report = {"latency_source": args.batch_latency, "tokens": args.tokens, "cells": args.calls, "rows": args.rows,
               "results": {}}
@@ -239,7 +238,7 @@ def main() -> None:
         return main_calls(args)
     if not args.latency:
         parser.error("--latency is required (or --calls with --batch-latency)")
-    tables = json.loads(Path(args.latency).read_text())["latency"]
+    tables = read_json(args.latency)["latency"]
     report = {"latency_source": args.latency, "results": {}}
     lines = []
     for label, table in tables.items():

@@ -75,6 +75,24 @@ def test_results_names_land_where_the_commands_say(batch_benchmark, tmp_path):
     assert results_path(str(tmp_path / "x" / "run.md")) == tmp_path / "x" / "run"
 
 
+def test_results_read_plain_or_compressed_and_by_their_old_name(batch_benchmark, tmp_path):
+    """Results over 100 KB are committed as .json.gz; a command naming "x.json" (as it ran) still reads "x.json.gz",
+    a plain file is read as it is, and a name that is neither is an error naming it."""
+    import gzip
+
+    from common import read_json
+
+    payload = {"rows": [{"us": 1.5, "kernel": "gate_up"}], "title": "t"}
+    (tmp_path / "plain.json").write_text(json.dumps(payload))
+    with gzip.open(tmp_path / "packed.json.gz", "wt") as handle:
+        json.dump({**payload, "title": "packed"}, handle)
+    assert read_json(tmp_path / "plain.json") == payload
+    assert read_json(tmp_path / "packed.json.gz")["title"] == "packed"
+    assert read_json(str(tmp_path / "packed.json"))["title"] == "packed"
+    with pytest.raises(FileNotFoundError, match="missing.json"):
+        read_json(tmp_path / "missing.json")
+
+
 def test_round_kernels_prices_plain_steps_as_ar_steps_and_keeps_the_rest(benchmarks):
     """benchmarks/round_kernels.py: a drafted round's kernels are the call's less its plain steps at AR's per-step
     kernels, over the drafted rounds; names only the plain steps launch cancel out."""
