@@ -36,8 +36,6 @@ SWITCHES = {
             "programmatic dependent launch of our Triton kernels (Hopper: a kernel starts as the one before ends)"),
     "early-reads": ("hybridspec_hf.kernels.pdl", "EARLY_READS",
                     "reads of what kernels two back wrote before the PDL wait (MoE decode down, GDN step state)"),
-    "direct-k-split": ("hybridspec_hf.kernels.moe_triton", "DIRECT_K_SPLIT",
-                       "the MoE direct rows' gate_up K in 4 slices at 16 tokens (a whole block live)"),
     "wide-direct": ("hybridspec_hf.kernels.moe_triton", "WIDE_DIRECT",
                     "the MoE direct rows (no sort, shared expert as a slot) up to 32 tokens instead of 16"),
     "align-kernel": ("hybridspec_hf.kernels.moe_triton", "ALIGN_KERNEL",

@@ -9,12 +9,12 @@ length, so its MoE layers run the direct-rows kernels at T = 16 whatever w the s
 `moe_triton.default_tiles(16, "direct")` picked for 16 valid tokens (≈ 102 distinct experts a layer under uniform
 routing) also serve rounds of one to eight (8 to ≈ 57 experts), where few slots make few programs (run 123 of
 gpu_rounds_runs.md, `breakdown_run123.md`: at w = 1 the round's gate_up took 1 030 µs against 775 for the AR step's
-decode kernel). Each variant sets the direct rows' tiles at the block's T (gate_up and down: block_n x block_k, warps,
-stages, K slices), captures the round afresh with its length forced (`calibration.ForcedLength` beside HybridSpec's
-selector work, as calibration times C(w)), and times a replay at each w (CUDA events, the median of `--replays`, three
-times; the verified length read back). "base" is the code's tiles; put it first and last: the spread of its rows is
-the noise. A variant may end in "+SWITCH" / "-SWITCH" (common.SWITCHES: that A/B switch on / off). Random bf16
-weights, a random drafter (each replay commits ≈ 1 token).
+decode kernel). Each variant sets the direct rows' tiles at the block's T (gate_up and down: block_n x block_k,
+warps, stages), captures the round afresh with its length forced (`calibration.ForcedLength` beside HybridSpec's
+selector work, as calibration times C(w)), and times a replay at each w (CUDA events, the median of `--replays`,
+three times; the verified length read back). "base" is the code's tiles; put it first and last: the spread of its
+rows is the noise. A variant may end in "+SWITCH" / "-SWITCH" (common.SWITCHES: that A/B switch on / off). Random
+bf16 weights, a random drafter (each replay commits ≈ 1 token).
 Writes benchmarks/results/<name>.{json,md}.
 """
 from __future__ import annotations
@@ -38,25 +38,23 @@ from hybridspec_hf import HybridSpecConfig  # noqa: E402
 from hybridspec_hf.generation.calibration import ForcedLength, shadow_selector  # noqa: E402
 from hybridspec_hf.kernels import moe_triton  # noqa: E402
 
-_TILE = r"(\d+)x(\d+)(?:w(\d+))?(?:s(\d+))?(?:k(\d+))?"
+_TILE = r"(\d+)x(\d+)(?:w(\d+))?(?:s(\d+))?"
 
 
 def parse_variant(spec: str) -> tuple | None:
-    """"base" -> None; "g16x128-d32x128" or "g16x128w4s3k2-d32x64w8s4k2" -> (gate_up Tiles, down Tiles); a clear
-    SystemExit otherwise. Warps, stages and K slices (kN: split_k) default to Tiles' (4, 4, 1). gate_up's slices are
-    taken on the device only when the block's last token is routed (moe_triton.DIRECT_K_SPLIT): a round forced below
-    w = 16 runs it unsplit; down's are always taken."""
+    """"base" -> None; "g16x128-d32x128" or "g16x128w4s3-d32x64w8s4" -> (gate_up Tiles, down Tiles); a clear
+    SystemExit otherwise. Warps and stages default to Tiles' (4, 4)."""
     if spec == "base":
         return None
     match = re.fullmatch(f"g{_TILE}-d{_TILE}", spec)
     if match is None:
-        raise SystemExit(f"unknown variant {spec!r}: 'base' or gBNxBK[wWARPS][sSTAGES][kSLICES]-dBNxBK[wWARPS]"
-                         "[sSTAGES][kSLICES], e.g. g16x128-d32x128")
-    g = [int(v) if v else None for v in match.groups()[:5]]
-    d = [int(v) if v else None for v in match.groups()[5:]]
+        raise SystemExit(f"unknown variant {spec!r}: 'base' or gBNxBK[wWARPS][sSTAGES]-dBNxBK[wWARPS][sSTAGES], "
+                         "e.g. g16x128-d32x128")
+    g = [int(v) if v else None for v in match.groups()[:4]]
+    d = [int(v) if v else None for v in match.groups()[4:]]
 
-    def tiles(n, k, warps, stages, slices):
-        return moe_triton.Tiles(n, k, warps or 4, stages or 4, slices or 1)
+    def tiles(n, k, warps, stages):
+        return moe_triton.Tiles(n, k, warps or 4, stages or 4)
     return tiles(*g), tiles(*d)
 
 

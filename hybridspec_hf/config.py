@@ -44,10 +44,11 @@ class HybridSpecConfig:
     verify_shape: for strategies that choose w on the device: "max" verifies min(B, room) tokens with a device-side
         valid length (GPU-resident rounds: one graph per round, no host read inside it); "exact" reads w0 (+1 for the
         routing correction) on the host and verifies only those tokens (GPU-resident rounds: a draft graph, then the
-        verify graph of that length). "auto": "max" on CUDA — one hand-off per round, a 0.8 s capture and a 28 s
-        first-use calibration at the 35B-A3B shape; "exact" was 1.6–5.9 % faster end to end on the H200 (run 29 of
-        benchmarks/results/gpu_rounds_runs.md) for a second host read per round, 7 s of capture and 74 s of
-        calibration, so choose it for long generations — and "exact" elsewhere (on a CPU every verified row costs).
+        verify graph of that length). "auto": "max" on CUDA — one hand-off per round, a 0.6-1 s capture and a 36 s
+        first-use calibration at the 35B-A3B shape on an H100; "exact" was 2-5 % faster at batch 1 and 8 % at batch
+        4 once captured (run 160 of benchmarks/results/gpu_rounds_runs.md; 1.6–5.9 % on the H200 in run 29) for a
+        second host read per round, 3.4-4.8 s of capture and 94 s of calibration, so choose it for long generations
+        and batches — and "exact" elsewhere (on a CPU every verified row costs).
     cuda_graphs: "auto": GPU-resident rounds captured in CUDA graphs on CUDA when the call allows them, else the
         eager loop (telemetry.path_reason says why); "on": resident rounds required (on a CPU they run uncaptured);
         "off": the eager loop; "uncaptured": resident rounds required, never captured (every kernel launched from

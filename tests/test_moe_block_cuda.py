@@ -198,20 +198,6 @@ def test_the_direct_rows_with_the_shared_slot_first_give_the_same_bits_in_a_grap
     assert all(torch.equal(outs[True, n], outs[False, n]) for n in (1, 4, 16))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_direct_rows_split_along_k_match_the_unsplit_rows_in_a_graph(dtype, monkeypatch):
-    """moe_triton.DIRECT_K_SPLIT (gate_up's K in 4 slices at 16 rows, taken on the device when the last token is
-    routed): each replay the eager call's bits; with 1 or 4 valid tokens the unsplit rows' bits (slice 0 takes all
-    of K in their order), with 16 within the tolerance of the unsplit rows (fp32 sums in another order)."""
-    from hybridspec_hf.kernels import moe_triton
-
-    assert moe_triton.default_tiles(16, "direct")[1].split_k == 1  # off by default
-    outs = _direct_rows_both_ways(dtype, monkeypatch, "DIRECT_K_SPLIT")
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    assert all(torch.equal(outs[True, n], outs[False, n]) for n in (1, 4))
-    assert rel(outs[True, 16], outs[False, 16]) < tol
-
-
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
 def test_the_add_norm_and_router_in_one_launch_match_transformers_and_replay(family):
     """`norm_route_block_add` (the decoder layer's residual add, post_attention_layernorm and router in one compiled

@@ -1,6 +1,5 @@
 """The MoE direct-row kernels (kernels/moe_triton.py) build for sm_90 on any machine at every tile they take at the
-Qwen3.5-35B-A3B shape (16, 32 and 64 rows: up to 4 batch rows verifying 16 tokens; at 16 also with K split in 2 slices
-and DIRECT_K_SPLIT's 4), with the launch's stages, and so
+Qwen3.5-35B-A3B shape (16, 32 and 64 rows: up to 4 batch rows verifying 16 tokens), with the launch's stages, and so
 does the align kernel at up to 4,096 pairs: the interpreter, which the CPU tests run them in, accepts code the GPU
 compiler refuses. In a fresh process (see test_moe_decode_build.py)."""
 import pytest
@@ -9,30 +8,21 @@ from _build import build
 pytest.importorskip("triton")
 
 BUILD = """
-import dataclasses, json, triton
+import json, triton
 from triton.backends.compiler import GPUTarget
 from hybridspec_hf.kernels import moe_triton
 
 pointers = dict(hidden="*bf16", ids="*i64", block_expert="*i32", block_pairs="*i32", w1="*bf16", act="*fp32",
-                shared_w1="*bf16", logit="*fp32", weights="*bf16", w2="*bf16", rows="*fp32", shared_w2="*bf16",
-                partials="*fp32", counters="*i32")
+                shared_w1="*bf16", logit="*fp32", weights="*bf16", w2="*bf16", rows="*fp32", shared_w2="*bf16")
 built = []
-for tokens, deep, split in ((16, False, 1), (16, True, 1), (16, True, 2), (16, True, None), (32, False, 1),
-                            (64, False, 1)):
+for tokens, deep in ((16, False), (16, True), (32, False), (64, False)):
     moe_triton.DIRECT_DEEP_K = deep
-    moe_triton.DIRECT_K_SPLIT = split is None  # None: the switch's own tiles (gate_up 4 slices, 2 stages)
     block_m, gate_up, down = moe_triton.default_tiles(tokens, "direct")
-    split = gate_up.split_k if split is None else split
     common = dict(H=2048, INTER=512, DIRECT=True, K=8, KP=8, SP=triton.next_power_of_2(block_m * 8), BM=block_m,
                   DOT_FP32=False, SHARED=True, SHARED_FIRST=True, PDL=True)
-    for name, tiles, n, k, slots in (("_gate_up_kernel", gate_up, 512, 2048, 129), ("_down_kernel", down, 2048, 512,
-                                                                                    None)):
-        tiles, steps, fitted = moe_triton._fit_split(dataclasses.replace(tiles, split_k=split), n, k, slots)
+    for name, tiles in (("_gate_up_kernel", gate_up), ("_down_kernel", down)):
         fn = triton.jit(getattr(moe_triton, name).fn)
-        constexprs = dict(common, BN=tiles.block_n, BK=tiles.block_k, SPLIT=fitted, STEPS=steps)
-        if name == "_gate_up_kernel":
-            constexprs.update(STAGES=tiles.num_stages, WHOLE_STEPS=k // tiles.block_k,
-                              WHOLE_STAGES=moe_triton.WHOLE_K_STAGES)
+        constexprs = dict(common, BN=tiles.block_n, BK=tiles.block_k)
         signature = {arg: pointers.get(arg, "i32") for arg in fn.arg_names if arg not in constexprs}
         signature.update({arg: "constexpr" for arg in constexprs})
         source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
@@ -55,6 +45,7 @@ print(json.dumps(built))
 
 def test_the_direct_kernels_and_the_align_kernel_compile_for_sm90():
     built = build(BUILD)
-    assert [(t, m) for t, m, *_ in built] == [(16, 16)] * 8 + [(32, 32), (32, 32), (64, 64), (64, 64),
-                                                            (256, 256), (2048, 2048), (4096, 4096)]
+    assert [(t, m) for t, m, *_ in built] == [(16, 16), (16, 16), (16, 16), (16, 16), (32, 32), (32, 32), (64, 64),
+                                              (64, 64),
+                                              (256, 256), (2048, 2048), (4096, 4096)]
     assert all(0 < shared <= 160 * 1024 for *_, shared in built), built  # fits an H200 SM with room to spare

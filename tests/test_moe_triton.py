@@ -291,8 +291,8 @@ def test_decode_errors_name_the_problem():
     x = make_block(49, DECODE_KERNEL_MAX_TOKENS + 1, 40, 24, 4, 2)
     with pytest.raises(ValueError, match="at most 4 tokens"):
         moe_block_triton(**x, mode="decode")
-    with pytest.raises(ValueError, match='"decode" and "direct" only'):
-        fused_experts_triton(**make_layer(49, 20, 40, 24, 4, 2), mode="sorted", gate_up_tiles=Tiles(16, 16, split_k=2))
+    with pytest.raises(ValueError, match="decode"):
+        moe_block_triton(**x, mode="direct", gate_up_tiles=Tiles(16, 16, split_k=2))
 
 
 def test_align_pairs_blocks():
@@ -441,86 +441,6 @@ def test_the_direct_rows_deep_k_tiles_match_the_reference(deep, monkeypatch):
     x["top_k_index"][11:] = -1
     truth = moe_block_reference(**{k: v.double() if v.is_floating_point() else v for k, v in x.items()})
     assert rel(moe_block_triton(**x, mode="direct"), truth) < TOL[torch.float32]
-
-
-# (tokens, valid, gate_up split, down split, H, I): K in 2 or 4 whole steps of the 16-deep test tiles; 3 slices of
-# H = 40 (steps 16, 16, 8: the last masked); more slices than steps (clamped); a 64-row tile; rows past valid dead
-SPLIT_CASES = [(16, 1, 2, 2, 64, 32), (16, 4, 4, 2, 64, 32), (16, 16, 3, 1, 40, 24), (5, 5, 8, 4, 48, 20),
-               (40, 33, 2, 2, 64, 32)]
-
-
-@pytest.mark.parametrize("tokens, valid, gate_up_split, down_split, hidden, inter", SPLIT_CASES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_direct_rows_split_along_k_match_the_unsplit_rows(tokens, valid, gate_up_split, down_split, hidden,
-                                                               inter, dtype):
-    """The direct rows with gate_up's K (the last program of a tile to arrive summing the slices' partials in order)
-    and down's I (slices the sum kernel adds in order) split: the unsplit kernels' result within the fp32
-    tolerance, the same bits on every call, every counter back at 0; as a max-shape round runs them (the tokens
-    past the valid length routed to -1, a duplicate expert and a sentinel among the valid ones), with the shared
-    expert and residual and without (fused_experts_triton)."""
-    x = make_block(60 + tokens, tokens, hidden, inter, 6, 3, dtype)
-    x["top_k_index"][0, 1] = x["top_k_index"][0, 0]
-    x["top_k_index"][min(1, valid - 1), 2] = 6
-    x["top_k_index"][valid:] = -1
-    tiles = dict(gate_up_tiles=Tiles(16, 16, 4, 2, split_k=gate_up_split),
-                 down_tiles=Tiles(16, 16, 4, 2, split_k=down_split))
-    unsplit = dict(gate_up_tiles=Tiles(16, 16, 4, 2), down_tiles=Tiles(16, 16, 4, 2))
-    out = moe_block_triton(**x, mode="direct", **tiles)
-    assert not gemv_triton._COUNTERS[torch.device("cpu")].any()
-    assert torch.equal(moe_block_triton(**x, mode="direct", **tiles), out)
-    assert rel(out, moe_block_triton(**x, mode="direct", **unsplit)) < TOL[torch.float32]
-    assert rel(out, moe_block_reference(**x)) < TOL[dtype]
-    routed = {k: v for k, v in x.items() if k not in ("shared_gate_up", "shared_down", "residual")}
-    got = fused_experts_triton(**routed, mode="direct", **tiles)
-    assert rel(got, fused_experts_triton(**routed, mode="direct", **unsplit)) < TOL[torch.float32]
-    assert torch.equal(got[valid:], torch.zeros_like(got[valid:]))  # the dead tokens: nothing routed
-
-
-@pytest.mark.parametrize("valid", [1, 9, 15, 16])
-def test_the_direct_split_is_taken_only_when_the_last_token_is_routed(valid, monkeypatch):
-    """As a max-shape round masks them (`mask_invalid_routes`: the tokens past the valid length take token 0's
-    experts with weight 0), a gate_up launched in slices runs unsplit unless the last token is routed: then slice
-    0 takes all of K in the unsplit loop's order, so the same bits as the unsplit launch; with every token routed the
-    slices' sum, within the fp32 tolerance. Counters back at 0 either way."""
-    x = make_block(70 + valid, 16, 64, 32, 6, 3)
-    valid_t = torch.tensor([valid])
-    x["top_k_index"], x["top_k_weights"] = mask_invalid_routes_reference(x["top_k_index"], x["top_k_weights"],
-                                                                         valid_t)
-    calls = []
-    kernel = moe_triton._gate_up_kernel
-    monkeypatch.setattr(moe_triton, "_gate_up_kernel", type("Counted", (), {
-        "__getitem__": lambda self, grid: calls.append(grid) or kernel[grid]})())
-    split = moe_block_triton(**x, mode="direct", gate_up_tiles=Tiles(16, 16, 4, 2, split_k=2),
-                             down_tiles=Tiles(16, 16, 4, 2))
-    unsplit = moe_block_triton(**x, mode="direct", gate_up_tiles=Tiles(16, 16, 4, 2), down_tiles=Tiles(16, 16, 4, 2))
-    assert calls[0][0] == 2 * calls[1][0]  # the split launch had twice the programs
-    assert not gemv_triton._COUNTERS[torch.device("cpu")].any()
-    if valid < 16:
-        assert torch.equal(split, unsplit)
-    else:
-        assert not torch.equal(split, unsplit) and rel(split, unsplit) < TOL[torch.float32]
-    assert rel(split, moe_block_reference(**x)) < TOL[torch.float32]
-
-
-def test_the_direct_k_split_switch_takes_the_16_token_tiles(monkeypatch):
-    """DIRECT_K_SPLIT gives the 16-token tiles gate_up's 4 slices (no other token count, no down split); at H = 1024
-    (the 256-deep steps unclamped: 4 steps in 4 slices) the rows match the unsplit ones."""
-    x = make_block(34, 16, 1024, 32, 6, 3)
-    unsplit = moe_block_triton(**x, mode="direct")
-    monkeypatch.setattr(moe_triton, "DIRECT_K_SPLIT", True)
-    _, gate_up, down = moe_triton.default_tiles(16, "direct")
-    assert (gate_up.split_k, gate_up.num_stages, down.split_k) == (4, 2, 1)
-    assert all(t.split_k == 1 for n in (4, 15, 32) for t in moe_triton.default_tiles(n, "direct")[1:])
-    assert rel(moe_block_triton(**x, mode="direct"), unsplit) < TOL[torch.float32]
-
-
-def test_the_direct_split_is_fitted_to_the_reduction():
-    """Slices of whole K steps, none empty; no split where the gate_up tiles pass the split-K counters."""
-    fit = moe_triton._fit_split
-    assert fit(Tiles(32, 256, 4, 3, split_k=2), 512, 2048, 129)[1:] == (4, 2)
-    assert fit(Tiles(32, 256, 4, 3, split_k=3), 512, 2048, 129)[1:] == (3, 3)  # 3 + 3 + 2 steps
-    assert fit(Tiles(64, 256, 4, 3, split_k=4), 2048, 512, None)[1:] == (1, 2)  # 2 steps of I: 2 slices
-    assert fit(Tiles(32, 256, 4, 3, split_k=2), 512, 2048, 513)[1:] == (8, 1)  # 513 x 16 tiles > 4096 counters
 
 
 @pytest.mark.parametrize("tokens, top_k, experts, block_m", [(1, 2, 4, 16), (5, 3, 6, 16), (40, 3, 5, 16),

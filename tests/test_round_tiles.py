@@ -29,7 +29,6 @@ def test_round_tiles_variants_parse_or_are_refused(round_tiles):
 
     assert round_tiles.parse_variant("base") is None
     assert round_tiles.parse_variant("g16x128-d32x64w8s3") == (Tiles(16, 128, 4, 4), Tiles(32, 64, 8, 3))
-    assert round_tiles.parse_variant("g32x256w4s3k2-d64x256k4") == (Tiles(32, 256, 4, 3, 2), Tiles(64, 256, 4, 4, 4))
     with pytest.raises(SystemExit, match="unknown variant 'g16-d32'"):
         round_tiles.main(["--variants", "base,g16-d32"])
     with pytest.raises(SystemExit, match="unknown variant 'base\\+nonsense'"):

@@ -111,16 +111,6 @@ DIRECT_SHARED_FIRST = True
 # at batch 1 1.70 → 1.71x AR (medium), 2.56 → 2.57x (high). False: 32 x 128 / 64 x 128 in 4 stages (A/B:
 # `hybridspec-direct-deep-k`).
 DIRECT_DEEP_K = True
-# The direct rows' gate_up with its K in 4 slices at 16 tokens, 2 stages, taken on the device only when the block's
-# last token is routed (weights not all 0): an exact-length verify of 16, a max-shape round at w = 16; with fewer
-# live tokens slice 0 runs all of K as the unsplit tiles do (WHOLE_K_STAGES) and the other slices leave. The last
-# program of a tile to arrive sums the partials in slice order (as the decode gate_up). Measured on an H100 in the
-# max-shape round with the split forced at every w (runs 157-158, round_tiles_run157/158.md): at w = 16 −0.96 ms a
-# round (unsplit at 1 / 2 stages: +0.22 / +0.12 ms there), but +0.14 to +0.31 ms at w = 1-8, hence the choice on the
-# device (not yet measured on a GPU). Splitting down's I (slices the sum kernel adds) lost at every w. False: no
-# split (A/B: `direct-k-split`; round_tiles.py variants ...kN for other slices, chosen on the device the same way).
-DIRECT_K_SPLIT = False
-WHOLE_K_STAGES = 3  # slice 0's whole-K loop when a split launch does not split: the unsplit 16-row tiles' stages
 MODES = ("auto", "decode", "direct", "sorted")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -135,9 +125,7 @@ def direct_limit() -> int:
 class Tiles:
     """Tile of one GEMM kernel: block_n output columns (gate_up: per half, so 2·block_n weight rows) by block_k of the
     reduction per step; num_stages: software-pipelined loads in flight; split_k: programs along the reduction (the
-    decode gate_up, reduced in the same launch; the direct rows' gate_up, reduced in the same launch and taken only
-    when the call's last token is routed, and down, whose slices the sum kernel adds; the decode down and the
-    sorted blocks take 1)."""
+    decode gate_up only, reduced in the same launch; every other kernel takes 1)."""
 
     block_n: int
     block_k: int
@@ -167,8 +155,6 @@ def default_tiles(num_tokens: int, mode: str) -> tuple[int, Tiles, Tiles]:
             return triton.next_power_of_2(num_tokens), Tiles(32, 64), Tiles(64, 64)
         if num_tokens <= 4:
             return 16, Tiles(16, 128), Tiles(32, 128)
-        if DIRECT_K_SPLIT and num_tokens == 16:
-            return 16, Tiles(32, 256, 4, 2, split_k=4), Tiles(64, 256, 4, 3)
         if DIRECT_DEEP_K:
             return 16, Tiles(32, 256, 4, 3), Tiles(64, 256, 4, 3)
         return 16, Tiles(32, 128), Tiles(64, 128)
@@ -349,79 +335,19 @@ def _program_rows(ids, block_pairs, slot, expert, is_shared, T, S,
     return pair, row_ok
 
 
-def _program_slice(SPLIT: tl.constexpr, STEPS: tl.constexpr, BK: tl.constexpr):
-    """(i_n, i_k, k_start) of grid column program_id(0) = i_n · SPLIT + i_k: its column block, its slice of the
-    reduction and where that slice starts (STEPS steps of BK a slice)."""
-    if SPLIT == 1:
-        return tl.program_id(0), 0, 0
-    i_k = tl.program_id(0) % SPLIT
-    return tl.program_id(0) // SPLIT, i_k, i_k * (STEPS * BK)
-
-
-def _store_slice(p_part, i_k, acc_gate, acc_up, SIZE: tl.constexpr):
-    """Slice i_k's gate and up partials (SIZE elements each) into partials laid out [slices, 2, SIZE] at p_part."""
-    tl.store(p_part + i_k * (2 * SIZE), acc_gate)
-    tl.store(p_part + i_k * (2 * SIZE) + SIZE, acc_up)
-
-
-def _slice_sums(p_part, like, SIZE: tl.constexpr, SPLIT: tl.constexpr):
-    """(gate, up): the SPLIT slices' partials at p_part summed in slice order (the same bits whatever order they
-    arrived in), shaped like `like`; read past L1 (other programs wrote them)."""
-    acc_gate = tl.zeros(like.shape, dtype=tl.float32)
-    acc_up = tl.zeros(like.shape, dtype=tl.float32)
-    for s in tl.static_range(SPLIT):
-        acc_gate += tl.load(p_part + s * (2 * SIZE), cache_modifier=".cg")
-        acc_up += tl.load(p_part + s * (2 * SIZE) + SIZE, cache_modifier=".cg")
-    return acc_gate, acc_up
-
-
-def _gate_up_steps(p_gate, p_up, p_x, row_ok, mn, k_start, stride_wk, stride_hh, H: tl.constexpr, BM: tl.constexpr,
-                   BN: tl.constexpr, BK: tl.constexpr, STEPS: tl.constexpr, STAGES: tl.constexpr,
-                   DOT_FP32: tl.constexpr):
-    """(gate, up) [BM, BN] fp32: the products over STEPS steps of BK from k_start, STAGES loads in flight (None:
-    the launch's num_stages)."""
-    acc_gate = tl.zeros([BM, BN], dtype=tl.float32)
-    acc_up = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in tl.range(0, STEPS * BK, BK, num_stages=STAGES):
-        rk = k_start + k0 + tl.arange(0, BK)
-        mk = rk < H
-        b_w_gate = tl.load(p_gate + rk[:, None] * stride_wk, mask=mk[:, None] & mn[None, :], other=0.0)
-        b_w_up = tl.load(p_up + rk[:, None] * stride_wk, mask=mk[:, None] & mn[None, :], other=0.0)
-        b_x = tl.load(p_x + rk[None, :] * stride_hh, mask=row_ok[:, None] & mk[None, :], other=0.0)
-        b_x = b_x.to(b_w_gate.dtype)  # fp32 activations under bf16 weights: transformers casts them too
-        if DOT_FP32:
-            b_x, b_w_gate, b_w_up = b_x.to(tl.float32), b_w_gate.to(tl.float32), b_w_up.to(tl.float32)
-        acc_gate += tl.dot(b_x, b_w_gate, input_precision="ieee" if DOT_FP32 else "tf32")
-        acc_up += tl.dot(b_x, b_w_up, input_precision="ieee" if DOT_FP32 else "tf32")
-    return acc_gate, acc_up
-
-
 def _gate_up_kernel(
-    hidden, ids, weights, block_expert, block_pairs, w1, act, shared_w1, logit, partials, counters,
+    hidden, ids, block_expert, block_pairs, w1, act, shared_w1, logit,
     T, S, E,
     stride_ht, stride_hh, stride_we, stride_wn, stride_wk,
     H: tl.constexpr, INTER: tl.constexpr, DIRECT: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
     SP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr,
-    SHARED: tl.constexpr, SHARED_FIRST: tl.constexpr, SPLIT: tl.constexpr, STEPS: tl.constexpr,
-    STAGES: tl.constexpr, WHOLE_STEPS: tl.constexpr, WHOLE_STAGES: tl.constexpr,
+    SHARED: tl.constexpr, SHARED_FIRST: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Program (i_n · SPLIT + i_k, row): BN gate and BN up columns of the row's expert for its tokens over K slice
-    i_k (STEPS steps of BK); with SPLIT > 1 the last of the slice programs of (row, i_n) to arrive sums their
-    partials in slice order (integer counters, no float atomics) and stores SiLU(gate)·up, as the decode gate_up.
-    The direct rows split only when the call's last token is routed (routing weights not all 0: a max-shape round's
-    tokens past its valid length carry weight 0, `mask_invalid_routes`); otherwise slice 0 takes all of K
-    (WHOLE_STEPS steps at WHOLE_STAGES) and the other slices' programs leave."""
     pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
-    i_n, i_k, k_start = _program_slice(SPLIT, STEPS, BK)
+    i_n = tl.program_id(0)
     slot = _program_slot(tl.program_id(1), S, DIRECT, SHARED, SHARED_FIRST)
     expert, live, is_shared = _program_expert(ids, block_expert, slot, S, E, DIRECT, SP, SHARED)
-    split = SPLIT > 1
-    if DIRECT and SPLIT > 1:
-        rj = tl.arange(0, KP)
-        last = tl.load(weights + (T - 1) * K + rj, mask=rj < K, other=0.0).to(tl.float32)
-        split = tl.sum(tl.where(last != 0.0, 1, 0), 0) > 0
-        live = live & (split | (i_k == 0))
     if live:
         pair, row_ok = _program_rows(ids, block_pairs, slot, expert, is_shared, T, S, DIRECT, K, KP, BM)
         if DIRECT:  # rows are tokens, for the shared slot too
@@ -436,37 +362,23 @@ def _gate_up_kernel(
         p_x = hidden + token[:, None] * stride_ht
         p_gate = w_base + rn[None, :] * stride_wn  # [BK, BN] tiles of the gate rows ...
         p_up = p_gate + INTER * stride_wn  # ... and of the up rows I later
-        if SPLIT == 1:  # the launch's stages (no loop attribute)
-            acc_gate, acc_up = _gate_up_steps(p_gate, p_up, p_x, row_ok, mn, k_start, stride_wk, stride_hh, H, BM,
-                                              BN, BK, STEPS, None, DOT_FP32)
-            p_act = act + pair[:, None].to(tl.int64) * INTER + rn[None, :]
-            act_ok = row_ok[:, None] & mn[None, :]
-            tl.store(p_act, acc_gate * tl.sigmoid(acc_gate) * acc_up, mask=act_ok)  # SiLU(gate) · up, fp32
-        elif split:  # partials [rows, I / BN, SPLIT, 2, BM, BN]; the last program of (row, i_n) to arrive sums them
-            acc_gate, acc_up = _gate_up_steps(p_gate, p_up, p_x, row_ok, mn, k_start, stride_wk, stride_hh, H, BM,
-                                              BN, BK, STEPS, STAGES, DOT_FP32)
-            p_act = act + pair[:, None].to(tl.int64) * INTER + rn[None, :]
-            act_ok = row_ok[:, None] & mn[None, :]
-            tile = tl.program_id(1) * tl.cdiv(INTER, BN) + i_n
-            offsets = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
-            p_part = partials + (tile * SPLIT).to(tl.int64) * (2 * BM * BN) + offsets
-            _store_slice(p_part, i_k, acc_gate, acc_up, BM * BN)
-            tl.debug_barrier()  # every thread's partial is written before the signal (release below)
-            arrived = tl.atomic_add(counters + tile, 1, sem="acq_rel")
-            if arrived == SPLIT - 1:  # in slice order, not arrival order: the same bits every call
-                acc_gate, acc_up = _slice_sums(p_part, acc_gate, BM * BN, SPLIT)
-                tl.store(p_act, acc_gate * tl.sigmoid(acc_gate) * acc_up, mask=act_ok)
-                tl.store(counters + tile, 0)  # zero again for the next launch
-        else:  # slice 0 alone, all of K (the other slices left above)
-            acc_gate, acc_up = _gate_up_steps(p_gate, p_up, p_x, row_ok, mn, 0, stride_wk, stride_hh, H, BM, BN, BK,
-                                              WHOLE_STEPS, WHOLE_STAGES, DOT_FP32)
-            p_act = act + pair[:, None].to(tl.int64) * INTER + rn[None, :]
-            tl.store(p_act, acc_gate * tl.sigmoid(acc_gate) * acc_up, mask=row_ok[:, None] & mn[None, :])
+        acc_gate = tl.zeros([BM, BN], dtype=tl.float32)
+        acc_up = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, H, BK):
+            rk = k0 + tl.arange(0, BK)
+            mk = rk < H
+            b_w_gate = tl.load(p_gate + rk[:, None] * stride_wk, mask=mk[:, None] & mn[None, :], other=0.0)
+            b_w_up = tl.load(p_up + rk[:, None] * stride_wk, mask=mk[:, None] & mn[None, :], other=0.0)
+            b_x = tl.load(p_x + rk[None, :] * stride_hh, mask=row_ok[:, None] & mk[None, :], other=0.0)
+            b_x = b_x.to(b_w_gate.dtype)  # fp32 activations under bf16 weights: transformers casts them too
+            if DOT_FP32:
+                b_x, b_w_gate, b_w_up = b_x.to(tl.float32), b_w_gate.to(tl.float32), b_w_up.to(tl.float32)
+            acc_gate += tl.dot(b_x, b_w_gate, input_precision="ieee" if DOT_FP32 else "tf32")
+            acc_up += tl.dot(b_x, b_w_up, input_precision="ieee" if DOT_FP32 else "tf32")
+        b_act = acc_gate * tl.sigmoid(acc_gate) * acc_up  # SiLU(gate) · up, fp32
+        tl.store(act + pair[:, None].to(tl.int64) * INTER + rn[None, :], b_act, mask=row_ok[:, None] & mn[None, :])
         if SHARED:
-            takes_logit = is_shared & (i_n == 0)
-            if SPLIT > 1:
-                takes_logit = takes_logit & (i_k == 0)
-            if takes_logit:  # one program also takes the gate logit over all of K, row 2I of the copy (a GEMV)
+            if is_shared & (i_n == 0):  # one program also takes the gate logit, row 2I of the copy (a GEMV)
                 p_logit = shared_w1 + 2 * INTER * stride_wn
                 acc_logit = tl.zeros([BM], dtype=tl.float32)
                 for k0 in range(0, H, BK):
@@ -482,19 +394,14 @@ def _gate_up_kernel(
 def _down_kernel(
     act, ids, weights, block_expert, block_pairs, w2, rows, shared_w2,
     T, S, E,
-    stride_we, stride_wn, stride_wk, stride_rs,
+    stride_we, stride_wn, stride_wk,
     H: tl.constexpr, INTER: tl.constexpr, DIRECT: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
     SP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr,
-    SHARED: tl.constexpr, SHARED_FIRST: tl.constexpr, SPLIT: tl.constexpr, STEPS: tl.constexpr,
+    SHARED: tl.constexpr, SHARED_FIRST: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Program (i_n · SPLIT + i_k, row): BN output columns of the row's expert over I slice i_k (STEPS steps of
-    BK), times the routing weights, to rows' slice i_k (rows [SPLIT, pairs (+ T), H], slice stride stride_rs);
-    the sum kernel adds the slices in order."""
     pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
-    i_n, i_k, k_start = _program_slice(SPLIT, STEPS, BK)
-    if SPLIT > 1:
-        rows += i_k.to(tl.int64) * stride_rs
+    i_n = tl.program_id(0)
     slot = _program_slot(tl.program_id(1), S, DIRECT, SHARED, SHARED_FIRST)
     expert, live, is_shared = _program_expert(ids, block_expert, slot, S, E, DIRECT, SP, SHARED)
     if live:
@@ -507,8 +414,8 @@ def _down_kernel(
         p_act = act + pair[:, None].to(tl.int64) * INTER
         p_w = w_base + rn[None, :] * stride_wn  # [BK, BN] tiles of down_e
         acc = tl.zeros([BM, BN], dtype=tl.float32)
-        for k0 in range(0, STEPS * BK, BK):
-            rk = k_start + k0 + tl.arange(0, BK)
+        for k0 in range(0, INTER, BK):
+            rk = k0 + tl.arange(0, BK)
             mk = rk < INTER
             b_w = tl.load(p_w + rk[:, None] * stride_wk, mask=mk[:, None] & mn[None, :], other=0.0)
             b_a = tl.load(p_act + rk[None, :], mask=row_ok[:, None] & mk[None, :], other=0.0).to(b_w.dtype)
@@ -539,9 +446,8 @@ def _add_gated_shared(routed, shared, gate_logit, dtype: tl.constexpr):
     return (routed.to(dtype).to(tl.float32) + (gate * shared).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
 
 
-def _sum_kernel(rows, ids, out, logit, residual, E, S, stride_ot, stride_rt, stride_rs, H: tl.constexpr,
-                K: tl.constexpr, BN: tl.constexpr, SHARED: tl.constexpr, RESIDUAL: tl.constexpr, SPLIT: tl.constexpr,
-                PDL: tl.constexpr):
+def _sum_kernel(rows, ids, out, logit, residual, E, S, stride_ot, stride_rt, H: tl.constexpr, K: tl.constexpr,
+                BN: tl.constexpr, SHARED: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr):
     pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
     i_n = tl.program_id(0)
     i_t = tl.program_id(1).to(tl.int64)
@@ -549,16 +455,13 @@ def _sum_kernel(rows, ids, out, logit, residual, E, S, stride_ot, stride_rt, str
     mn = rn < H
     dtype = out.dtype.element_ty
     acc = tl.zeros([BN], dtype=tl.float32)
-    for j in tl.static_range(K):  # j, then the down kernel's I slices, in order: the same sum whatever the routing
+    for j in tl.static_range(K):  # j in order: the same sum whatever the routing
         expert = tl.load(ids + i_t * K + j)
         ok = (expert >= 0) & (expert < E)  # sentinel pairs were never written
-        for s in tl.static_range(SPLIT):
-            acc += tl.load(rows + s * stride_rs + (i_t * K + j) * H + rn, mask=mn & ok, other=0.0)
+        acc += tl.load(rows + (i_t * K + j) * H + rn, mask=mn & ok, other=0.0)
     value = acc.to(dtype).to(tl.float32)  # the experts' output, in the model dtype
     if SHARED:
-        shared = tl.zeros([BN], dtype=tl.float32)
-        for s in tl.static_range(SPLIT):
-            shared += tl.load(rows + s * stride_rs + (S + i_t) * H + rn, mask=mn, other=0.0)
+        shared = tl.load(rows + (S + i_t) * H + rn, mask=mn, other=0.0)
         value = _add_gated_shared(value, shared, tl.load(logit + i_t), dtype)
     if RESIDUAL:  # the decoder layer's residual + block output
         value = tl.load(residual + i_t * stride_rt + rn, mask=mn, other=0.0).to(tl.float32) + value
@@ -664,13 +567,18 @@ def _gate_up_decode_kernel(
             tile = slot * tl.cdiv(INTER, BN) + i_n
             offsets = rt[None, :] * BN + rb[:, None]
             p_part = partials + (tile * SPLIT).to(tl.int64) * (2 * TP * BN) + offsets
-            _store_slice(p_part, i_k, acc_gate, acc_up, TP * BN)
+            tl.store(p_part + i_k * (2 * TP * BN), acc_gate)
+            tl.store(p_part + i_k * (2 * TP * BN) + TP * BN, acc_up)
             if takes_logit:
                 tl.store(logit_partials + i_k * TP + rt[None, :], acc_logit)
             tl.debug_barrier()  # every thread's partial is written before the signal (release below)
             arrived = tl.atomic_add(counters + tile, 1, sem="acq_rel")
             if arrived == SPLIT - 1:  # in slice order, not arrival order: the same bits every call
-                acc_gate, acc_up = _slice_sums(p_part, acc_gate, TP * BN, SPLIT)
+                acc_gate = tl.zeros([BN, TP], dtype=tl.float32)
+                acc_up = tl.zeros([BN, TP], dtype=tl.float32)
+                for s in tl.static_range(SPLIT):
+                    acc_gate += tl.load(p_part + s * (2 * TP * BN), cache_modifier=".cg")
+                    acc_up += tl.load(p_part + s * (2 * TP * BN) + TP * BN, cache_modifier=".cg")
                 tl.store(p_act, acc_gate * tl.sigmoid(acc_gate) * acc_up, mask=act_ok)
                 if takes_logit:
                     acc_logit = tl.zeros([1, TP], dtype=tl.float32)
@@ -815,10 +723,6 @@ if HAS_TRITON:
     _program_slot = triton.jit(_program_slot)
     _program_expert = triton.jit(_program_expert)
     _program_rows = triton.jit(_program_rows)
-    _gate_up_steps = triton.jit(_gate_up_steps)
-    _store_slice = triton.jit(_store_slice)
-    _program_slice = triton.jit(_program_slice)
-    _slice_sums = triton.jit(_slice_sums)
     _add_gated_shared = triton.jit(_add_gated_shared)
     _add_row_products = triton.jit(_add_row_products)
     _down_tile = triton.jit(_down_tile)
@@ -1052,10 +956,8 @@ def _launch(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, mode, b
     if mode == "decode":
         return _launch_decode(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, out, gate_up_tiles,
                               down_tiles, shared, residual)
-    splits = (gate_up_tiles and gate_up_tiles.split_k != 1) or (down_tiles and down_tiles.split_k != 1)
-    if mode == "sorted" and splits:
-        raise ValueError(f'split_k > 1 is for mode="decode" and "direct" only; got {gate_up_tiles}, {down_tiles} in '
-                         f'mode {mode!r}')
+    if (gate_up_tiles and gate_up_tiles.split_k != 1) or (down_tiles and down_tiles.split_k != 1):
+        raise ValueError(f'split_k > 1 is for mode="decode" only; got {gate_up_tiles}, {down_tiles} in mode {mode!r}')
     default_m, default_gate_up, default_down = default_tiles(num_tokens, mode)
     block_m = block_m or default_m
     gate_up_tiles = gate_up_tiles or default_gate_up
@@ -1071,14 +973,10 @@ def _launch(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, mode, b
         align = align_pairs_triton if ALIGN_KERNEL and pairs <= ALIGN_KERNEL_MAX_PAIRS else align_pairs
         block_pairs, block_expert = align(top_k_index, num_experts, block_m)
         num_slots = block_expert.numel()
-    num_slots += 1 if shared is not None else 0
-    gate_up_tiles, gate_up_steps, gate_up_split = _fit_split(gate_up_tiles, inter, hidden_size, num_slots)
-    down_tiles, down_steps, down_split = _fit_split(down_tiles, hidden_size, inter, None)
     # act: SiLU(gate)·up per pair; rows: w · down(act) per pair; the shared expert's T rows after the S pairs'
     extra = num_tokens if shared is not None else 0
     act = torch.empty(pairs + extra, inter, dtype=torch.float32, device=hidden.device)
-    # rows [SPLIT, pairs + extra, H]: one slice per part of the down kernel's reduction, summed in order
-    rows = torch.empty(down_split, pairs + extra, hidden_size, dtype=torch.float32, device=hidden.device)
+    rows = torch.empty(pairs + extra, hidden_size, dtype=torch.float32, device=hidden.device)
     logit = torch.empty(num_tokens if shared is not None else 1, dtype=torch.float32, device=hidden.device)
     shared_gate_up, shared_down = shared if shared is not None else (gate_up_proj, down_proj)  # unused without
     hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
@@ -1086,31 +984,27 @@ def _launch(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, mode, b
                   SP=triton.next_power_of_2(block_m * top_k) if mode == "direct" else 1, BM=block_m,
                   DOT_FP32=gate_up_proj.dtype == torch.float32 or bool(triton.knobs.runtime.interpret),
                   SHARED=shared is not None, SHARED_FIRST=DIRECT_SHARED_FIRST)
-    tiles, split = gate_up_tiles, gate_up_split
-    column_blocks = triton.cdiv(inter, tiles.block_n)
-    partials = torch.empty(num_slots * column_blocks * split * 2 * block_m * tiles.block_n if split > 1 else 1,
-                           dtype=torch.float32, device=hidden.device)
-    _gate_up_kernel[(column_blocks * split, num_slots)](
-        hidden, ids, weights, block_expert, block_pairs, gate_up_proj, act, shared_gate_up, logit, partials,
-        split_counters(hidden.device), num_tokens, pairs, num_experts, *hidden.stride(), *gate_up_proj.stride(),
-        **common, BN=tiles.block_n, BK=tiles.block_k, SPLIT=split, STEPS=gate_up_steps, STAGES=tiles.num_stages,
-        WHOLE_STEPS=triton.cdiv(hidden_size, tiles.block_k), WHOLE_STAGES=WHOLE_K_STAGES,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    num_slots += 1 if shared is not None else 0
+
+    tiles = _fit(gate_up_tiles, inter, hidden_size)
+    _gate_up_kernel[(triton.cdiv(inter, tiles.block_n), num_slots)](
+        hidden, ids, block_expert, block_pairs, gate_up_proj, act, shared_gate_up, logit,
+        num_tokens, pairs, num_experts, *hidden.stride(), *gate_up_proj.stride(),
+        **common, BN=tiles.block_n, BK=tiles.block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
-    tiles, split = down_tiles, down_split
-    _down_kernel[(triton.cdiv(hidden_size, tiles.block_n) * split, num_slots)](
+    tiles = _fit(down_tiles, hidden_size, inter)
+    _down_kernel[(triton.cdiv(hidden_size, tiles.block_n), num_slots)](
         act, ids, weights, block_expert, block_pairs, down_proj, rows, shared_down,
-        num_tokens, pairs, num_experts, *down_proj.stride(), rows.stride(0),
-        **common, BN=tiles.block_n, BK=tiles.block_k, SPLIT=split, STEPS=down_steps,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        num_tokens, pairs, num_experts, *down_proj.stride(),
+        **common, BN=tiles.block_n, BK=tiles.block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     if residual is not None:
         residual = residual if residual.stride(-1) == 1 else residual.contiguous()
     block_sum = min(1024, triton.next_power_of_2(hidden_size))
     _sum_kernel[(triton.cdiv(hidden_size, block_sum), num_tokens)](
         rows, ids, out, logit, residual if residual is not None else out, num_experts, pairs, out.stride(0),
-        residual.stride(0) if residual is not None else 0, rows.stride(0), H=hidden_size, K=top_k, BN=block_sum,
-        SHARED=shared is not None, RESIDUAL=residual is not None, SPLIT=down_split, num_warps=4,
+        residual.stride(0) if residual is not None else 0, H=hidden_size, K=top_k, BN=block_sum,
+        SHARED=shared is not None, RESIDUAL=residual is not None, num_warps=4,
     )
     return out
 
@@ -1203,27 +1097,12 @@ def _fit_decode(tiles: Tiles, n: int, k: int, slots: int) -> tuple[Tiles, int, i
     return Tiles(block_n, block_k, tiles.num_warps, tiles.num_stages, split), steps, split
 
 
-def _fit_split(tiles: Tiles, n: int, k: int, slots: int | None) -> tuple[Tiles, int, int]:
-    """(tiles, steps, split) of a direct-rows or sorted-blocks launch over n output columns and a reduction of k:
-    `_fit`'s blocks, split_k slices of whole block_k steps with none empty, and no split where the launch's column
-    blocks x slots pass the split-K counters (`slots`: the gate_up launch's grid rows; None for down, whose slices
-    the sum kernel adds without counters)."""
-    tiles = _fit(tiles, n, k, tiles.split_k)
-    steps_all = triton.cdiv(k, tiles.block_k)
-    split = max(1, min(tiles.split_k, steps_all))
-    if slots is not None and slots * triton.cdiv(n, tiles.block_n) > COUNTERS:
-        split = 1
-    steps = triton.cdiv(steps_all, split)
-    split = triton.cdiv(steps_all, steps)
-    return tiles, steps, split
-
-
-def _fit(tiles: Tiles, n: int, k: int, split_k: int = 1) -> Tiles:
+def _fit(tiles: Tiles, n: int, k: int) -> Tiles:
     """Tiles no larger than the problem (tiny test shapes), no smaller than `tl.dot`'s 16."""
     def clamp(block, size):
         return max(16, min(block, triton.next_power_of_2(size)))
 
-    return Tiles(clamp(tiles.block_n, n), clamp(tiles.block_k, k), tiles.num_warps, tiles.num_stages, split_k)
+    return Tiles(clamp(tiles.block_n, n), clamp(tiles.block_k, k), tiles.num_warps, tiles.num_stages)
 
 
 def _check_shapes(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj) -> tuple[int, int, int, int, int]:
