@@ -275,10 +275,24 @@ def read_json(path: str | Path):
     return json.loads(path.read_text())
 
 
+COMPRESS_OVER = 100_000  # characters of JSON: larger results are written gzip-compressed (read them with read_json)
+
+
 def write_results(name: str, payload: dict, table: str) -> None:
+    """<name>.md (title, environment, notes, table) and the payload as <name>.json, or as <name>.json.gz when its
+    text passes COMPRESS_OVER characters (traces: the GPU machine takes at most 64 MiB of working tree a call, and
+    tests/test_repo_size.py keeps the tracked files under it); the other form of the name is removed."""
     stem = results_path(name)
     stem.parent.mkdir(parents=True, exist_ok=True)
-    stem.with_name(f"{stem.name}.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    text = json.dumps(payload, indent=2, default=str) + "\n"
+    plain, packed = stem.with_name(f"{stem.name}.json"), stem.with_name(f"{stem.name}.json.gz")
+    if len(text) > COMPRESS_OVER:
+        with gzip.open(packed, "wt", compresslevel=9) as handle:
+            handle.write(text)
+        plain.unlink(missing_ok=True)
+    else:
+        plain.write_text(text)
+        packed.unlink(missing_ok=True)
     env = payload["environment"]
     header = "\n".join(f"- {k}: {v}" for k, v in env.items())
     stem.with_name(f"{stem.name}.md").write_text(f"# {payload['title']}\n\n{header}\n\n{payload.get('notes', '')}\n\n{table}\n")

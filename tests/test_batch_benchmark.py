@@ -103,3 +103,22 @@ def test_round_kernels_prices_plain_steps_as_ar_steps_and_keeps_the_rest(benchma
             "tail": {"count": 10.0, "us": 20.0}, "decide": {"count": 6.0, "us": 9.0}}
     rounds = round_kernels.per_round(call, ar_step, plain=10, drafted=3)
     assert rounds == {"gemv": {"count": 6.0, "us": 30.0}, "decide": {"count": 2.0, "us": 3.0}}
+
+
+def test_large_results_are_written_compressed_and_replace_the_other_form(batch_benchmark, tmp_path, monkeypatch):
+    """A payload past COMPRESS_OVER characters lands as .json.gz (no stale .json beside it), a small one as .json (no
+    stale .json.gz); read_json reads either back equal to the payload."""
+    import common
+    from common import read_json, write_results
+
+    monkeypatch.setattr(common, "COMPRESS_OVER", 2_000)
+    stem = tmp_path / "run"
+    env = {"date": "2026-12-06", "gpu": "none"}
+    small = {"title": "t", "environment": env, "rows": [1.5, 2.5]}
+    large = {"title": "t", "environment": env, "rows": [float(i) / 7 for i in range(400)]}
+    write_results(str(stem), large, "| a |")
+    assert stem.with_suffix(".json.gz").exists() and not stem.with_suffix(".json").exists()
+    assert read_json(stem.with_suffix(".json")) == large and stem.with_suffix(".md").read_text().startswith("# t")
+    write_results(str(stem), small, "| a |")
+    assert stem.with_suffix(".json").exists() and not stem.with_suffix(".json.gz").exists()
+    assert read_json(stem.with_suffix(".json")) == small
