@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The README's "Where it stands" batch figures in one GPU call, every file packed into one tar (a device call returns
+# at most 8 files): HybridSpec (int8 and bf16 drafter heads) and vanilla DFlash against AR at batch 1 under the low /
+# medium / high profiles with max-shape rounds (the default), the int8-head method again with exact-length rounds,
+# and batch 4 medium both ways. Limits per step keep the whole under a 10-minute call (≈ 9 minutes on an H100 with a
+# cold Triton cache); a step cut by its limit still leaves its log in the tar.
+#
+#   bash benchmarks/headline.sh OUT_DIR [TAG]          # writes OUT_DIR/TAG.tar.gz (TAG: headline), run from the repo
+#   MODEL=tiny bash benchmarks/headline.sh /tmp/h     # the harness on a CPU (tiny random model: timings say nothing)
+#
+# The tar holds batch_b1_TAG_max / _exact and batch_b4_TAG_max / _exact .{md,json,png,log}; each md says its GPU,
+# versions, date and command. Random bf16 weights; acceptance replayed from the declared profiles (benchmarks/profiles).
+set -o pipefail
+out=${1:?usage: bash benchmarks/headline.sh OUT_DIR [TAG]}
+tag=${2:-headline}
+python=${PYTHON:-python3}
+work=$(mktemp -d)
+mkdir -p "$out"
+extra=()
+[ "${MODEL:-}" = tiny ] && extra=(--model tiny --tokens 8 --context 12)
+
+step() {  # step NAME LIMIT_S BATCH_ARGS...: one batch.py run, its output in NAME.log, the tar refreshed after it
+  local name=$1 limit=$2 start=$SECONDS
+  shift 2
+  timeout "$limit" "$python" benchmarks/batch.py "$@" "${extra[@]}" --name "$work/$name" > "$work/$name.log" 2>&1
+  echo "$name: rc $? after $((SECONDS - start)) s"
+  tail -n 3 "$work/$name.log"
+  tar -czf "$out/$tag.tar.gz" -C "$work" .
+}
+
+b1=(--batches 1 --profiles low,medium,high --repeats 3)
+b4=(--batches 4 --profiles medium --repeats 1)
+step "batch_b1_${tag}_max" 170 "${b1[@]}" --verify-shape max --methods ar,hybridspec+int8-head,hybridspec,dflash
+step "batch_b1_${tag}_exact" 200 "${b1[@]}" --verify-shape exact --methods ar,hybridspec+int8-head
+step "batch_b4_${tag}_max" 80 "${b4[@]}" --verify-shape max --methods ar,hybridspec+int8-head
+step "batch_b4_${tag}_exact" 110 "${b4[@]}" --verify-shape exact --methods ar,hybridspec+int8-head
