@@ -30,7 +30,7 @@ step() {  # step NAME LIMIT_S BATCH_ARGS...: one batch.py run, its output in NAM
 
 b1=(--batches 1 --profiles low,medium,high --repeats 3)
 b4=(--batches 4 --profiles medium --repeats 1)
-step "batch_b1_${tag}_max" 170 "${b1[@]}" --verify-shape max --methods ar,hybridspec+int8-head,hybridspec,dflash
-step "batch_b1_${tag}_exact" 200 "${b1[@]}" --verify-shape exact --methods ar,hybridspec+int8-head
+step "batch_b1_${tag}_max" 190 "${b1[@]}" --verify-shape max --methods ar,hybridspec+int8-head,hybridspec,dflash
+step "batch_b1_${tag}_exact" 190 "${b1[@]}" --verify-shape exact --methods ar,hybridspec+int8-head
 step "batch_b4_${tag}_max" 80 "${b4[@]}" --verify-shape max --methods ar,hybridspec+int8-head
 step "batch_b4_${tag}_exact" 110 "${b4[@]}" --verify-shape exact --methods ar,hybridspec+int8-head
