@@ -5,6 +5,7 @@ import argparse
 import json
 import os
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -264,3 +265,23 @@ def test_offline_tau_counts_every_full_block_and_skips_short_responses():
     block = result["block_sizes"]["4"]
     assert block["num_anchors"] == len(response) - 3  # anchors p with p + 3 inside the response
     assert 1.0 <= block["tau"] <= 4.0 and sum(block["tau_histogram"]) == block["num_anchors"]
+
+
+def test_build_corpus_prompt_files_count_what_they_write(tmp_path, capsys):
+    """scripts/tiny_pair/build_corpus.py --prompts-only: --train-skip drops that many windows, and the count it
+    prints is the count it wrote; a splice needs two prompts left, and says so."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "tiny_pair" / "build_corpus.py"
+    spec = importlib.util.spec_from_file_location("build_corpus", path)
+    build_corpus = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build_corpus)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # another Python version: files with another hash are skipped with a warning
+        build_corpus.main(["--prompts-only", "--train-prompts", "30", "--train-skip", "12", "--heldout-prompts", "4",
+                           "--data-dir", str(tmp_path)])
+        written = (tmp_path / "train_prompts.jsonl").read_text().splitlines()
+        assert len(written) == 18 and capsys.readouterr().out.startswith("18 training prompts (after 12)")
+        with pytest.raises(SystemExit, match="leaves 1 training prompts \\(2 needed\\)"):
+            build_corpus.main(["--prompts-only", "--train-prompts", "30", "--train-skip", "29", "--splice",
+                               "--heldout-prompts", "4", "--data-dir", str(tmp_path / "b")])

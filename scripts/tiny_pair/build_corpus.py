@@ -156,13 +156,14 @@ def write_prompts(data_dir: Path, train_files: list[StdlibFile], heldout_files: 
     per_length = [code_prompts(train_files, -(-args.train_prompts // len(lengths)), max_chars=n,
                                min_chars=n * 3 // 8, seed=args.seed + i) for i, n in enumerate(lengths)]
     train = [p for group in zip(*per_length) for p in group][:args.train_prompts]
-    if len(train) <= args.train_skip + 1:
-        raise SystemExit(f"--train-skip {args.train_skip} leaves fewer than two training prompts: the split has "
-                         f"{len(train)} windows for --train-prompts {args.train_prompts}")
     train = train[args.train_skip:]
+    needed = 2 if args.splice else 1  # a splice joins two windows
+    if len(train) < needed:
+        raise SystemExit(f"--train-skip {args.train_skip} leaves {len(train)} training prompts ({needed} needed): the "
+                         f"split has {len(train) + args.train_skip} windows for --train-prompts {args.train_prompts}")
     write_jsonl(data_dir / "train_prompts.jsonl", spliced_prompts(train, seed=args.seed) if args.splice else train)
     write_jsonl(data_dir / "heldout_prompts.jsonl", code_prompts(heldout_files, args.heldout_prompts, seed=args.seed))
-    print(f"{len(train) - args.train_skip} training prompts (after {args.train_skip}), {args.heldout_prompts} held-out")
+    print(f"{len(train)} training prompts (after {args.train_skip}), {args.heldout_prompts} held-out")
 
 
 def main(argv: list[str] | None = None) -> None:
