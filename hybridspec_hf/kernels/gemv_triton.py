@@ -217,6 +217,12 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return out.to(x.dtype)
 
 
+def weight_version(weight: torch.Tensor) -> tuple:
+    """What says that a weight's int8 copy is still its copy: its storage, in-place version, shape, dtype and device
+    (another tensor or a write into this one changes it)."""
+    return weight.data_ptr(), weight._version, tuple(weight.shape), weight.dtype, weight.device
+
+
 def quantize_rows(weight: torch.Tensor, chunk_rows: int = 32768, out: QuantizedRows | None = None) -> QuantizedRows:
     """Symmetric int8 per row: scale = max |row| / 127 (1 for an all-zero row), q = round(row / scale) (to nearest,
     ties to even), so |W - q · scale| ≤ scale / 2 elementwise (up to float32 rounding of the division: 0.5 + 4e-6
