@@ -82,6 +82,10 @@ SWITCHES = {
                       "a round's GDN commit on a side stream beside the selector update, append and advance"),
     "short-verify": ("hybridspec_hf.generation.resident", "SHORT_VERIFY",
                      "a max-shape round choosing w <= 2 verifies 2 tokens (a CUDA graph conditional branch; torch 2.13)"),
+    "int8-greedy-head": ("hybridspec_hf.generation.resident", "INT8_GREEDY_HEAD",
+                         "greedy tokens from the LM head's int8 copy and its candidate rows, not the bf16 head's argmax"),
+    "greedy-two-pass": ("hybridspec_hf.kernels.head_argmax_triton", "TWO_PASS",
+                        "the int8 greedy head judges candidates against the token's bound (a first launch), not a block's"),
     "gdn-recurrent": ("hybridspec_hf.kernels.gdn_triton", "RECURRENT_SHORT",
                       "GDN verify windows of <= RECURRENT_UPTO valid tokens token by token, not in the block form"),
 }

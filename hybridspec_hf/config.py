@@ -21,6 +21,7 @@ CALIBRATION_MODES = ("auto", "require")
 CUDA_GRAPH_MODES = ("auto", "on", "off", "uncaptured")
 GDN_VERIFIERS = ("block", "per_token_state")
 COMPILE_DECISIONS = ("auto", "off", "inductor", "aot_eager")
+GREEDY_HEADS = ("auto", "int8", "model")
 
 
 @dataclass
@@ -60,6 +61,14 @@ class HybridSpecConfig:
         generation/round_tail.py, any selector; ≈ 40 launches fewer). "auto": "inductor" for resident
         rounds on CUDA (the first capture compiles: seconds, cached by torch on this machine), "off" elsewhere;
         "off": eager; "inductor" / "aot_eager": that torch.compile backend, on any device (the CPU twin: tests).
+    greedy_head: where greedy GPU-resident rounds take their tokens from (sampling always reads the head's logits).
+        "int8": the LM head's int8 copy and only the head's rows that the copy's error bound leaves within reach of
+        the maximum (kernels/head_argmax_triton.py): the head's own first argmax (its logits rounded to its dtype),
+        up to the order of fp32 sums, with about half the head's bytes read a step; the copy is the drafter's int8
+        head where DFlashConfig.head_quantization is "int8", else ≈ 0.25 bytes per head weight more GPU memory
+        (0.5 GB at a 248k x 2 048 head) until `hybridspec_hf.release_graphs(target)`; a model whose head is not a
+        plain bias-free `lm_head` Linear is refused. "model": the head's logits and their argmax. "auto": "int8" on
+        CUDA where `generation.resident.INT8_GREEDY_HEAD` says so, "model" elsewhere.
     """
 
     static_length: int = 7
@@ -73,6 +82,7 @@ class HybridSpecConfig:
     cuda_graphs: str = "auto"
     gdn_verifier: str = "block"
     compile_decisions: str = "auto"
+    greedy_head: str = "auto"
     acceptance_profile: Any = field(default=None, repr=False)
     routing_profile: Any = field(default=None, repr=False)
 
@@ -91,6 +101,11 @@ class HybridSpecConfig:
             raise ValueError(f"cuda_graphs must be one of {CUDA_GRAPH_MODES}, got {self.cuda_graphs!r}.")
         if self.compile_decisions not in COMPILE_DECISIONS:
             raise ValueError(f"compile_decisions must be one of {COMPILE_DECISIONS}, got {self.compile_decisions!r}.")
+        if self.greedy_head not in GREEDY_HEADS:
+            raise ValueError(f"greedy_head must be one of {GREEDY_HEADS}, got {self.greedy_head!r}.")
+        if self.greedy_head == "int8" and self.cuda_graphs == "off":
+            raise ValueError('greedy_head="int8" is a GPU-resident rounds path; cuda_graphs="off" runs the eager loop. '
+                             'Use cuda_graphs="auto" or "on", or greedy_head="model".')
         if self.calibration not in CALIBRATION_MODES:
             raise ValueError(f"calibration must be one of {CALIBRATION_MODES}, got {self.calibration!r}.")
         if self.selector is not None and not isinstance(self.selector, LengthSelector):

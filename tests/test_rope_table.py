@@ -204,10 +204,10 @@ def test_a_one_token_forward_starts_with_two_launches_and_builds_the_mask_once(n
     patches.text_model(target).layers[0].register_forward_pre_hook(lambda *args: setattr(kernels, "on", False))
     forward = static_target.StaticTarget.forward
 
-    def counted_forward(self, tokens, verify=None):
+    def counted_forward(self, tokens, verify=None, head=True):
         kernels.ops, kernels.on, built[0] = [], True, 0
         with kernels:
-            out = forward(self, tokens, verify)
+            out = forward(self, tokens, verify, head)
         heads.append((kernels.ops, built[0]))
         return out
 

@@ -32,7 +32,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from hybridspec_hf.kernels.attention_triton import routed, static_attention
 from hybridspec_hf.kernels.dflash_triton import add_rms_norm
-from hybridspec_hf.kernels.gemv_triton import MAX_ROWS, QuantizedRows, linear_int8, quantize_rows
+from hybridspec_hf.kernels.gemv_triton import MAX_ROWS, QuantizedRows, linear_int8, quantize_rows, weight_version
 from hybridspec_hf.kernels.norm_triton import fused_kernels_active
 from hybridspec_hf.kernels.rope_triton import rope
 from hybridspec_hf.kernels.rope_triton import supported as rope_supported
@@ -649,7 +649,7 @@ class DFlashDrafter(PreTrainedModel):
                 or _is_sharded(head.weight) or (head.weight.is_cuda and rows > MAX_ROWS):
             return None
         weight = head.weight
-        key = (weight.data_ptr(), weight._version, tuple(weight.shape), weight.dtype, weight.device)
+        key = weight_version(weight)
         kept = self.__dict__.get("_head_int8")
         if kept is not None and kept[0] == key:
             return kept[1]

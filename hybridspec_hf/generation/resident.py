@@ -69,8 +69,9 @@ from hybridspec_hf.generation.round_tail import (commit_count, context_length, g
 from hybridspec_hf.generation.strategy import Choice, compiled_region
 from hybridspec_hf.generation.telemetry import RoundRecord
 from hybridspec_hf.graphs.capture import Replay, branch, branches_capture, host_syncs
-from hybridspec_hf.graphs.static_target import StaticTarget
-from hybridspec_hf.kernels import gdn_triton, step_tail_triton
+from hybridspec_hf.graphs.static_target import StaticTarget, head_skippable
+from hybridspec_hf.kernels import gdn_triton, head_argmax_triton, step_tail_triton
+from hybridspec_hf.kernels.gemv_triton import MAX_ROWS, quantize_rows, weight_version
 from hybridspec_hf.kernels.step_tail_triton import step_tail, step_tail_reference
 from hybridspec_hf.patches._cache import set_rows
 from hybridspec_hf.patches.experts import fused_experts_for
@@ -127,6 +128,16 @@ FUSED_DRAFT_TOKENS = True
 # between the selector's update and the append (the same place). Off until measured on a GPU (A/B:
 # `commit-beside`); the CPU has one stream and runs the same order either way.
 COMMIT_BESIDE = False
+# True: greedy rounds without logits processors take their tokens (a plain step's and a verification's of at most
+# MAX_ROWS rows) from an int8 copy of the target's LM head and only the head's rows its error bound leaves within
+# reach of the maximum (kernels/head_argmax_triton.py: the head's own first argmax, up to the order of fp32 sums),
+# not from the bf16 head's logits and torch's argmax: half of the step's largest read (1.02 GB at a 248k x 2 048
+# head). The copy is the drafter's int8 head where it has one (DFlashConfig.head_quantization), else made with the
+# rounds (≈ 0.5 GB more GPU memory at that head) and refreshed with the other weight copies. What
+# HybridSpecConfig(greedy_head="auto") does on the devices of INT8_GREEDY_HEAD_DEVICES (elsewhere its torch form costs
+# more than the head); "int8" / "model" choose either anywhere. Off until measured on a GPU (A/B: `int8-greedy-head`).
+INT8_GREEDY_HEAD = False
+INT8_GREEDY_HEAD_DEVICES = ("cuda",)
 SHORT_LENGTHS = (2,)  # verify lengths captured besides the block's, ascending
 _ACTIVE = "_hybridspec_resident"  # the target's most recently used rounds
 _KEPT = "_hybridspec_resident_kept"  # every rounds the target keeps, least recently used first
@@ -462,7 +473,7 @@ class ResidentRounds:
         if release_copies:
             if getattr(self, "head_copy", None) is not None:  # the drafter's reference too (made again on its next use)
                 self.drafter.release_quantized_head()
-            self.head_copy = None
+            self.head_copy = self.greedy_head = None
             patches.release_fused_moe(self.moe)
             patches.release_gdn_projections(self.target.gdn_layers)
             patches.release_attention_projections(self.attention)
@@ -486,6 +497,39 @@ class ResidentRounds:
         elif current is not None and current is not held:  # the drafter made another: its values into ours
             held.weight.copy_(current.weight)
             held.scale.copy_(current.scale)
+        self.greedy_head = self._greedy_head_copy()
+
+    def _greedy_head_copy(self):
+        """The int8 copy of the target's head that greedy tokens come from (the strategy's greedy_head; "auto":
+        INT8_GREEDY_HEAD on its devices), or None: the drafter's copy where it has one of this head, else our own,
+        made now or, when the head's weight changed (`weight_version`), made again into the same tensors (graphs read
+        them by address)."""
+        mode = self.strategy.greedy_head
+        if mode == "auto":
+            mode = "int8" if INT8_GREEDY_HEAD and self.device.type in INT8_GREEDY_HEAD_DEVICES and head_skippable(
+                self.model) else "model"
+        if mode == "model" or self.do_sample or len(self.logits_processor):
+            return None
+        if not head_skippable(self.model):
+            raise ValueError(f'greedy_head="int8": {type(self.model).__name__}\'s LM head is not a plain bias-free '
+                             '`lm_head` Linear that is its output embeddings (or its config scales or caps logits); '
+                             'use greedy_head="model" or "auto".')
+        weight = self.model.lm_head.weight
+        if self.head_copy is not None and self.head_copy.fits(weight):
+            return self.head_copy
+        held = getattr(self, "greedy_head", None)
+        key = weight_version(weight)
+        if held is not None and held is not self.head_copy and held.fits(weight):
+            if key != self.greedy_head_key:
+                quantize_rows(weight, out=held)
+        else:
+            held = quantize_rows(weight)
+        self.greedy_head_key = key
+        return held
+
+    def _greedy_tokens_from_copy(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Greedy tokens of final hidden states [N, T, H] from the head's int8 copy and its candidate rows -> [N, T]."""
+        return head_argmax_triton.greedy_tokens(hidden, self.model.lm_head.weight, self.greedy_head)
 
     def reset_selector(self) -> None:
         """A new generate() call: the selector's streams restart from its prior, in place (graphs hold them),
@@ -572,8 +616,11 @@ class ResidentRounds:
         session = self.target.session(decode_step=gdn_triton.DECODE_STEP and self.rows == 1)
         # not under calibrated routing: one token reads top-k experts whatever ids the profile would give it, and
         # the replay's kernels (≈ 0.15 ms a step at 35B, e2e run 44) would make the plain step dearer than AR's
-        logits, features = self.target.forward(self.last_token, verify=session)
-        if self.do_sample or len(self.logits_processor):
+        from_copy = self.greedy_head is not None  # a step's rows (≤ 16, BATCH_BUCKETS) fit the kernel
+        logits, features = self.target.forward(self.last_token, verify=session, head=not from_copy)
+        if from_copy:  # logits: the final hidden states
+            token = self._greedy_tokens_from_copy(logits)[:, 0]
+        elif self.do_sample or len(self.logits_processor):
             scores = self._scores(logits.float())[:, 0]  # [N, V]
             token = sample_tokens(scores.softmax(-1)) if self.do_sample else scores.argmax(-1)  # [N]
         else:
@@ -705,8 +752,11 @@ class ResidentRounds:
         the host unless `hand_off` is False). `draws`: sampling's random numbers, drawn before (`_draws`)."""
         t, choice, valid = self.verify_tokens, self.choice, self.round_valid
         tokens = self.block[:, :n]
-        session, logits, features = self._verify_forward(tokens, valid, choice)
-        if self.do_sample:
+        from_copy = self.greedy_head is not None and self.rows * n <= MAX_ROWS
+        session, logits, features = self._verify_forward(tokens, valid, choice, head=not from_copy)
+        if from_copy:  # logits: the final hidden states
+            target_tokens = self._greedy_tokens_from_copy(logits)
+        elif self.do_sample:
             coins, races = draws if draws is not None else (None, None)
             accepted, sampled = speculative_sample(tokens[:, 1:], self._scores(logits.float()).softmax(-1), valid,
                                                    coins=None if coins is None else coins[:, : n - 1], races=races)
@@ -774,16 +824,17 @@ class ResidentRounds:
             self.strategy.observe_round(self.round_w.view(1), *self._round_tokens())
         return draft_next
 
-    def _verify_forward(self, tokens: torch.Tensor, valid: torch.Tensor, choice):
+    def _verify_forward(self, tokens: torch.Tensor, valid: torch.Tensor, choice, head: bool = True):
         """The round's target forward: tokens [N, n] verified after each row's committed ones (GDN states not
         written), `valid` [N] long of them counting, the routing window armed with the round's `Choice` (or None).
-        Returns the verify session (what a commit reads), logits [N, n, V] and features [N, n, F]."""
+        Returns the verify session (what a commit reads), logits [N, n, V] (head=False: the final hidden states
+        [N, n, H]) and features [N, n, F]."""
         if choice is not None:
             self.window.arm(choice)
         session = self.target.session(valid)
         try:
             with self._routing_armed():
-                logits, features = self.target.forward(tokens, verify=session)
+                logits, features = self.target.forward(tokens, verify=session, head=head)
         finally:
             self.window.disarm()
         return session, logits, features

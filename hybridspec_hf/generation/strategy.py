@@ -100,6 +100,7 @@ class RoundStrategy:
         self.corrects = corrects  # routing correction on (needs a MoE router)
         self.profile = None  # timing mode: a selector.profiles.AcceptanceProfile replayed by resident rounds
         self.gdn_verifier = "block"  # or "per_token_state" (the serving engines' verifier, for benchmarks)
+        self.greedy_head = "auto"  # HybridSpecConfig.greedy_head
         self.routing = None  # timing mode: a selector.profiles.RoutingProfile replacing the routers' choices
         # the decisions' device work: eager, or compiled by `compile_decisions`; resident rounds compile them with
         # compile_backend (None: eager), _compiled says with which backend they were
@@ -126,6 +127,7 @@ class RoundStrategy:
             routing = RoutingProfile.from_dict(json.loads(Path(routing).read_text()))
         strategy.routing = routing
         strategy.gdn_verifier = settings.gdn_verifier
+        strategy.greedy_head = settings.greedy_head
         strategy.compile_backend = resolved_compile_backend(settings, next(target.parameters()).device)
         return strategy
 

@@ -25,6 +25,7 @@ sees exactly the cache AR decoding would have left.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 
@@ -83,6 +84,32 @@ def advance_lengths(count: torch.Tensor, length: torch.Tensor, next_position: to
     next_position.add_(count.view(1, -1, 1))
     if attention_lengths is not None:
         attention_lengths.copy_(length.expand_as(attention_lengths))
+
+
+@contextlib.contextmanager
+def without_head(model):
+    """Inside: the model's LM head (its `lm_head`, the output embeddings) is an identity, so its forward returns the
+    final hidden states where it returns logits (resident greedy rounds take their tokens from them:
+    kernels/head_argmax_triton.py). `head_skippable` says where that holds."""
+    if not head_skippable(model):
+        raise ValueError(f"{type(model).__name__}'s LM head cannot be taken out of its forward: it needs a plain "
+                         "`lm_head` nn.Linear without bias that is the model's output embeddings")
+    kept = model.lm_head
+    model.lm_head = torch.nn.Identity()
+    try:
+        yield
+    finally:
+        model.lm_head = kept
+
+
+def head_skippable(model) -> bool:
+    """Whether `without_head` applies: a plain bias-free nn.Linear `lm_head` that is the output embeddings, in a
+    model whose config scales or caps no logits (Qwen3.5 / Qwen3-Next do neither)."""
+    config = model.config.get_text_config()
+    head = getattr(model, "lm_head", None)
+    return (type(head) is torch.nn.Linear and head.bias is None and head is model.get_output_embeddings()
+            and not getattr(config, "final_logit_softcapping", None) and not getattr(config, "logit_scale", None)
+            and getattr(config, "output_multiplier", 1.0) in (None, 1.0))
 
 
 class StaticTarget:
@@ -194,11 +221,13 @@ class StaticTarget:
         return {"full_attention": self._dense_mask(self._slots(num_tokens)), "linear_attention": None}
 
     # ------------------------------------------------------------------------------------------------ forwards
-    def forward(self, tokens: torch.Tensor, verify: patches.VerifySession | None = None):
+    def forward(self, tokens: torch.Tensor, verify: patches.VerifySession | None = None, head: bool = True):
         """Logits [N, T, V] and features [N, T, F] of T tokens [N, T] after each row's committed ones.
 
         verify=None: the stock forward (AR: GDN and attention caches advance by T in place; use T = 1).
         With a session: GDN layers verify without writing their state; attention writes T keys past `length`.
+        head=False: the final hidden states [N, T, H] (what the LM head would multiply) instead of logits
+        (`without_head`).
         """
         num_tokens = tokens.shape[1]
         slots = self._slots(num_tokens)
@@ -218,7 +247,7 @@ class StaticTarget:
             # attention layers read `length` on the device (our static-cache kernel, on CUDA) or the mask (SDPA);
             # the rotary embedding its tokens' rows of the RoPE table
             with (patches.fused_kernels(), patches.static_cache_length(self.length, mask),
-                  patches.rope_slots(self.rope, slots)):
+                  patches.rope_slots(self.rope, slots), contextlib.nullcontext() if head else without_head(self.model)):
                 outputs = self.model(input_ids=tokens, position_ids=self._position_ids(positions),
                                      attention_mask=masks, use_cache=True, logits_to_keep=num_tokens,
                                      **{self.cache_kwarg: self.cache})
