@@ -1,0 +1,148 @@
+"""Offline τ of the shipped tiny pair's drafter beside context n-gram lookup, and of the two combined (issue 11).
+
+    PYTHONPATH=$PWD python benchmarks/context_lookup_tau.py --prompts 64 --max-new-tokens 192   # CPU, ≈ 3 minutes
+
+The target's greedy continuations of `--prompts` held-out stdlib prompts (fp32), then, at every anchor p whose
+16-token block fits the continuation (as `drafter.training.acceptance_lengths`): τ(p) = 1 + the longest prefix of a
+proposal equal to the target's next tokens, for
+  - the drafter: its argmax block (one DFlash forward on the target's features), what the rounds draft today;
+  - context lookup: the 15 tokens after the latest earlier occurrence of the last n tokens before the anchor
+    (n = `--max-ngram` down to 1, the longest that occurs; nothing where none does), as prompt-lookup decoding does;
+  - combined: the lookup's proposal where a match of at least `n_min` tokens exists and the drafter's own
+    confidence in its first three drafts (the product of their top-1 probabilities) is below a threshold, else the
+    drafter's; a rule the drafts themselves can evaluate (no look at the target's tokens);
+  - the larger of the two at each anchor (an oracle: a bound, not a rule).
+τ over all anchors and over the loop-free ("novel") ones, whose next 8 tokens occur nowhere earlier
+(`novel_continuations`, the training report's definition). Offline: no rounds run, and nothing here says what the
+selector's acceptance estimate of a lookup proposal would be (it reads the drafter's signals). Trained weights,
+real acceptance (greedy). Writes benchmarks/results/<name>.{json,md}.
+"""
+from __future__ import annotations
+
+import argparse
+import tempfile
+
+import torch
+from common import environment, write_results
+
+from hybridspec_hf.drafter.training import (NOVELTY_NGRAM, block_labels, distinct_ngram_ratio, draft_blocks,
+                                            greedy_consistent_length, novel_continuations, regenerate_responses,
+                                            target_features)
+from hybridspec_hf.tiny_pair import heldout_prompts, load_tiny_pair
+
+MIN_NGRAMS = (2, 3, 4)
+THRESHOLDS = (0.9, 0.7, 0.5)
+
+
+def lookup(ids: list[int], anchor: int, block: int, max_ngram: int) -> tuple[int, list[int]]:
+    """(n, proposal): the `block` - 1 tokens after the latest occurrence, ending before `anchor`, of the n tokens
+    ids[anchor - n + 1 .. anchor] for the largest n <= max_ngram that has one; (0, []) where none has."""
+    for n in range(min(max_ngram, anchor + 1), 0, -1):
+        key = ids[anchor - n + 1:anchor + 1]
+        for start in range(anchor - n, -1, -1):
+            if ids[start:start + n] == key:
+                return n, ids[start + n:start + n + block - 1]
+    return 0, []
+
+
+def accepted(proposal: list[int], truth: list[int]) -> int:
+    """Length of the longest prefix of `proposal` equal to `truth`'s."""
+    count = 0
+    for mine, theirs in zip(proposal, truth):
+        if mine != theirs:
+            break
+        count += 1
+    return count
+
+
+def anchor_rows(target, drafter, samples, block: int, max_ngram: int) -> list[dict]:
+    """Per anchor: the drafter's τ, the lookup's τ and match length, novelty, the drafter's first-3 confidence."""
+    rows = []
+    layer_ids = drafter.config.target_layer_ids
+    with torch.no_grad():
+        for sample in samples:
+            ids_t = torch.tensor([sample.ids])
+            features, logits = target_features(target, ids_t, layer_ids, return_logits=True)
+            length = greedy_consistent_length(sample, logits[0].argmax(-1))
+            ids = sample.ids[:length]
+            first, end = len(sample.prompt_ids), length - block + 1
+            if end <= first:
+                continue
+            novel = novel_continuations(ids, NOVELTY_NGRAM)
+            anchors = torch.arange(first, end)[None]
+            block_logits = draft_blocks(drafter, features[:, :length], ids_t[:, :length], anchors, block)
+            labels, _ = block_labels(ids_t[:, :length], torch.tensor([length]), anchors,
+                                     torch.ones_like(anchors, dtype=torch.bool), block)
+            match = block_logits.argmax(-1) == labels  # [1, n, block - 1]
+            tau_drafter = (1 + match.long().cumprod(2).sum(2))[0].tolist()
+            confidence = block_logits.softmax(-1).amax(-1)[0, :, :3].prod(-1).tolist()
+            for i, anchor in enumerate(range(first, end)):
+                n, proposal = lookup(ids, anchor, block, max_ngram)
+                rows.append({"drafter": tau_drafter[i], "lookup": 1 + accepted(proposal, ids[anchor + 1:]),
+                             "ngram": n, "novel": bool(novel[anchor]), "confidence": confidence[i]})
+    return rows
+
+
+def summary(rows: list[dict], args) -> list[dict]:
+    def line(name: str, taus: list[int], from_lookup: list[bool]) -> dict:
+        novel = [t for t, r in zip(taus, rows) if r["novel"]]
+        return {"proposal": name, "tau": sum(taus) / len(taus), "tau_novel": sum(novel) / len(novel) if novel else None,
+                "lookup_share": sum(from_lookup) / len(from_lookup)}
+
+    out = [line("drafter", [r["drafter"] for r in rows], [False] * len(rows)),
+           line(f"context lookup (n <= {args.max_ngram})", [r["lookup"] for r in rows], [r["ngram"] > 0 for r in rows])]
+    for n_min in MIN_NGRAMS:
+        for threshold in THRESHOLDS:
+            use = [r["ngram"] >= n_min and r["confidence"] < threshold for r in rows]
+            out.append(line(f"lookup where n >= {n_min} and drafter confidence < {threshold}",
+                            [r["lookup"] if u else r["drafter"] for r, u in zip(rows, use)], use))
+    out.append(line("the larger of the two (oracle)", [max(r["drafter"], r["lookup"]) for r in rows],
+                    [r["lookup"] > r["drafter"] for r in rows]))
+    return out
+
+
+def table(lines: list[dict]) -> str:
+    text = ["| proposal | τ16 (all anchors) | τ16 (loop-free anchors) | anchors taken from lookup |", "|---|---|---|---|"]
+    for r in lines:
+        novel = "-" if r["tau_novel"] is None else f"{r['tau_novel']:.2f}"
+        text.append(f"| {r['proposal']} | {r['tau']:.2f} | {novel} | {r['lookup_share']:.2f} |")
+    return "\n".join(text)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=192)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-ngram", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--name", default="context_lookup_tau_tiny_pair")
+    args = parser.parse_args(argv)
+    if args.block_size < 2 or args.max_ngram < 1:
+        raise SystemExit(f"--block-size must be >= 2 and --max-ngram >= 1; got {args.block_size}, {args.max_ngram}")
+    torch.set_num_threads(args.threads)
+    target, drafter, tokenizer = load_tiny_pair()
+    target.float()
+    drafter.float()
+    with tempfile.TemporaryDirectory() as folder:
+        samples = regenerate_responses(target, tokenizer, heldout_prompts(args.prompts), folder,
+                                       max_new_tokens=args.max_new_tokens, batch_size=16)
+    rows = anchor_rows(target, drafter, samples, args.block_size, args.max_ngram)
+    if not rows:
+        raise SystemExit("no anchor: every continuation is shorter than a block (raise --max-new-tokens)")
+    lines = summary(rows, args)
+    distinct = distinct_ngram_ratio([s.response_ids for s in samples], 4)
+    notes = (f"The shipped tiny pair (trained weights, fp32), {len(samples)} held-out stdlib prompts × "
+             f"{args.max_new_tokens} greedy tokens (distinct-4 of the continuations {distinct:.2f}), {len(rows)} "
+             f"anchors of block {args.block_size} ({sum(r['novel'] for r in rows) / len(rows):.2f} of them "
+             "loop-free). Offline τ: no rounds ran; 'drafter confidence' is the product of its first three drafts' "
+             "top-1 probabilities. The oracle row is a bound, not a rule.")
+    payload = {"title": "Offline τ: the drafter, context n-gram lookup, and the two combined (tiny pair, CPU)",
+               "environment": environment(), "notes": notes, "args": vars(args), "summary": lines,
+               "distinct_4": distinct, "anchors": len(rows)}
+    write_results(args.name, payload, table(lines))
+    return payload
+
+
+if __name__ == "__main__":
+    main()
