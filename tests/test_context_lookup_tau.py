@@ -19,6 +19,12 @@ def test_the_lookup_takes_the_longest_latest_match(lookup_tau):
     assert lookup_tau.accepted([1, 2, 3], [1, 2, 4]) == 2 and lookup_tau.accepted([], [1]) == 0
 
 
+def test_full_block_rounds_start_where_the_last_one_ended(lookup_tau):
+    rows = [{"sample": s, "anchor": a} for s, first in ((0, 5), (1, 3)) for a in range(first, first + 6)]
+    taus = [2, 1, 3, 1, 1, 1] + [6, 1, 1, 1, 1, 1]  # sample 0: anchors 5 -> 7 -> 10 -> 11 (none); 1: 3 -> 9 (none)
+    assert lookup_tau.rounds_tau(rows, taus) == pytest.approx((2 + 3 + 1 + 6) / 4)
+
+
 def test_a_short_run_reports_every_rule(lookup_tau, tmp_path):
     from hybridspec_hf.drafter.training import acceptance_lengths, regenerate_responses
     from hybridspec_hf.tiny_pair import heldout_prompts, load_tiny_pair
@@ -28,7 +34,7 @@ def test_a_short_run_reports_every_rule(lookup_tau, tmp_path):
     lines = payload["summary"]
     assert len(lines) == 2 + len(lookup_tau.MIN_NGRAMS) * len(lookup_tau.THRESHOLDS) + 1
     for line in lines:
-        assert 1 <= line["tau"] <= 8 and 0 <= line["lookup_share"] <= 1
+        assert 1 <= line["tau"] <= 8 and 1 <= line["tau_rounds"] <= 8 and 0 <= line["lookup_share"] <= 1
     assert lines[0]["lookup_share"] == 0
     oracle = lines[-1]["tau"]
     assert all(line["tau"] <= oracle + 1e-9 for line in lines)  # the per-anchor maximum bounds every rule
