@@ -34,10 +34,10 @@ step() {  # step NAME LIMIT_S COMMAND...: its output in NAME.log, the tar refres
   tar -czf "$out/$tag.tar.gz" -C "$work" .
 }
 
-step "cuda_tests_$tag" 150 "$python" -m pytest tests/test_head_argmax_cuda.py -q -p no:logging
-step "greedy_head_$tag" 90 "$python" benchmarks/greedy_head.py "${head[@]}" --name "$work/greedy_head_$tag"
+step "cuda_tests_$tag" 140 "$python" -m pytest tests/test_head_argmax_cuda.py -q -p no:logging
+step "greedy_head_$tag" 80 "$python" benchmarks/greedy_head.py "${head[@]}" --name "$work/greedy_head_$tag"
 step "kernel_costs_$tag" 150 "$python" benchmarks/kernel_costs.py "${costs[@]}" --name "$work/kernel_costs_$tag" \
   --variants plain,+int8-greedy-head,+int8-greedy-head-greedy-two-pass,plain,+int8-greedy-head
-step "batch_b1_$tag" 200 "$python" benchmarks/batch.py "${batch[@]}" --name "$work/batch_b1_$tag" --repeats 2 \
+step "batch_b1_$tag" 190 "$python" benchmarks/batch.py "${batch[@]}" --name "$work/batch_b1_$tag" --repeats 2 \
   --batches 1 --profiles low,medium,high \
   --methods ar,ar+int8-greedy-head,hybridspec+int8-head,hybridspec+int8-head+int8-greedy-head
