@@ -50,7 +50,7 @@ def with_two_pass(two_pass: bool, function):
     return call
 
 
-def rows_of(vocab: int, hidden: int, rows: int, seed: int, replays: int, weight, quantized) -> list[dict]:
+def rows_of(hidden: int, rows: int, seed: int, replays: int, weight, quantized) -> list[dict]:
     device = weight.device
     generator = torch.Generator(device=device).manual_seed(seed + rows)
     x = torch.randn(rows, hidden, device=device, generator=generator).to(torch.bfloat16)
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
     quantized = quantize_rows(weight)
     results = []
     for rows in rows_list:
-        results.extend(rows_of(args.vocab, args.hidden, rows, args.seed, args.replays, weight, quantized))
+        results.extend(rows_of(args.hidden, rows, args.seed, args.replays, weight, quantized))
     notes = (f"Head {args.vocab} x {args.hidden} bf16, random N(0, 0.02) weights, random N(0, 1) hidden states "
              f"(seed {args.seed}); each call captured alone in a CUDA graph, median of {args.replays} replays. "
              "'tokens = truth': rows whose token equals the first argmax of the head's bf16-rounded logits. "
