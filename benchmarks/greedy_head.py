@@ -50,6 +50,11 @@ def with_two_pass(two_pass: bool, function):
     return call
 
 
+def timed(device: torch.device) -> bool:
+    """Whether calls on `device` are captured and timed (CUDA; the CPU's interpreter runs only check tokens)."""
+    return device.type == "cuda"
+
+
 def rows_of(hidden: int, rows: int, seed: int, replays: int, weight, quantized) -> list[dict]:
     device = weight.device
     generator = torch.Generator(device=device).manual_seed(seed + rows)
@@ -70,12 +75,11 @@ def rows_of(hidden: int, rows: int, seed: int, replays: int, weight, quantized) 
     ]
     out = []
     for name, function, weight_bytes, extra in variants:
-        with torch.no_grad():
-            result = function()
+        result = function()
         row = dict(rows=rows, variant=name, weight_bytes=weight_bytes, **extra)
         if name != "int8 GEMV alone":
             row["tokens_equal_truth"] = int((result.view(-1) == truth).sum().item())
-        if torch.cuda.is_available():
+        if timed(device):
             graph = capture(function)
             timing = time_graph(graph, 1, replays)
             del graph
@@ -105,8 +109,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vocab", type=int, default=248320)
     parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--rows", default="1,4,16", help="tokens per call, comma-separated (each <= 16)")
+    parser.add_argument("--rows", default="1,2,4,8,16", help="tokens per call, comma-separated (each <= 16)")
     parser.add_argument("--replays", type=int, default=40)
+    parser.add_argument("--block-v-wide", type=int, default=None,
+                        help="head rows per program past 4 tokens (head_argmax_triton.BLOCK_V_WIDE; default its own)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--name", default="greedy_head")
     args = parser.parse_args(argv)
@@ -117,11 +123,17 @@ def main(argv: list[str] | None = None) -> dict:
     generator = torch.Generator(device=device).manual_seed(args.seed)
     weight = (torch.randn(args.vocab, args.hidden, device=device, generator=generator) * 0.02).to(torch.bfloat16)
     quantized = quantize_rows(weight)
+    if args.block_v_wide is not None:
+        if args.block_v_wide < 16 or args.block_v_wide & (args.block_v_wide - 1):
+            raise SystemExit(f"--block-v-wide: a power of two >= 16, got {args.block_v_wide}")
+        head_argmax_triton.BLOCK_V_WIDE = args.block_v_wide
     results = []
-    for rows in rows_list:
-        results.extend(rows_of(args.hidden, rows, args.seed, args.replays, weight, quantized))
+    with torch.no_grad():  # the captures too: with grad on, linear_int8 takes its torch reference (run 163: 2.3 ms)
+        for rows in rows_list:
+            results.extend(rows_of(args.hidden, rows, args.seed, args.replays, weight, quantized))
     notes = (f"Head {args.vocab} x {args.hidden} bf16, random N(0, 0.02) weights, random N(0, 1) hidden states "
-             f"(seed {args.seed}); each call captured alone in a CUDA graph, median of {args.replays} replays. "
+             f"(seed {args.seed}); BLOCK_V {head_argmax_triton.BLOCK_V} up to 4 rows, BLOCK_V_WIDE "
+             f"{head_argmax_triton.BLOCK_V_WIDE} past them; each call captured alone in a CUDA graph, median of {args.replays} replays. "
              "'tokens = truth': rows whose token equals the first argmax of the head's bf16-rounded logits. "
              "'head rows multiplied': candidates against the token's bound (two passes) or each block's own "
              "(one pass), from the torch rule (`_candidates`).")

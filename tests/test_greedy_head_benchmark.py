@@ -4,6 +4,7 @@ refused."""
 import os
 
 import pytest
+import torch
 
 
 @pytest.fixture
@@ -34,3 +35,26 @@ def test_the_smoke_run_keeps_the_heads_argmax(greedy_head, cpu_only, triton_inte
 def test_rows_past_the_kernels_limit_are_refused(greedy_head, tmp_path):
     with pytest.raises(SystemExit, match="--rows"):
         greedy_head.main(["--rows", "1,17", "--name", str(tmp_path / "gh")])
+
+
+def test_captures_run_with_grad_off(greedy_head, cpu_only, triton_interpreter, monkeypatch, tmp_path):
+    """Each variant is captured with grad off (on, linear_int8 takes its torch reference: run 163's 2.3 ms), and
+    --block-v-wide reaches the kernel's module."""
+    seen = []
+
+    def capture(function):
+        seen.append(torch.is_grad_enabled())
+        function()
+        return object()
+
+    monkeypatch.setattr(greedy_head, "timed", lambda device: True)
+    monkeypatch.setattr(greedy_head, "capture", capture)
+    monkeypatch.setattr(greedy_head, "time_graph", lambda graph, calls, replays: {
+        "median_us": 10.0, "p10_us": 9.0, "p90_us": 11.0, "replays": replays})
+    monkeypatch.setattr(greedy_head.head_argmax_triton, "BLOCK_V_WIDE", greedy_head.head_argmax_triton.BLOCK_V_WIDE)
+    greedy_head.main(["--vocab", "3000", "--hidden", "128", "--rows", "1,5", "--block-v-wide", "512",
+                      "--name", str(tmp_path / "gh")])
+    assert seen == [False] * 8
+    assert greedy_head.head_argmax_triton.BLOCK_V_WIDE == 512
+    with pytest.raises(SystemExit, match="--block-v-wide"):
+        greedy_head.main(["--block-v-wide", "100", "--name", str(tmp_path / "gh")])

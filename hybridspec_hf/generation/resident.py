@@ -135,8 +135,9 @@ COMMIT_BESIDE = False
 # head). The copy is the drafter's int8 head where it has one (DFlashConfig.head_quantization), else made with the
 # rounds (≈ 0.5 GB more GPU memory at that head) and refreshed with the other weight copies. What
 # HybridSpecConfig(greedy_head="auto") does on the devices of INT8_GREEDY_HEAD_DEVICES (elsewhere its torch form costs
-# more than the head); "int8" / "model" choose either anywhere. Off until measured on a GPU (A/B: `int8-greedy-head`).
-INT8_GREEDY_HEAD = False
+# more than the head); "int8" / "model" choose either anywhere. On since run 163 (H100, random 35B-A3B-shaped
+# weights): the AR step 3.08 -> 2.91-2.92 ms, AR at batch 1 +6-7 %, HybridSpec +0.2-3 % (A/B: `int8-greedy-head`).
+INT8_GREEDY_HEAD = True
 INT8_GREEDY_HEAD_DEVICES = ("cuda",)
 SHORT_LENGTHS = (2,)  # verify lengths captured besides the block's, ascending
 _ACTIVE = "_hybridspec_resident"  # the target's most recently used rounds
