@@ -52,7 +52,8 @@ NUM_WARPS = 8
 # True: a first launch takes each block's largest lower bound, so every block's candidates are judged against the
 # token's maximum (random 35B-shaped weights: ≈ 0.15-0.3 % of the head's rows, against ≈ 2.5 % of a 1 024-row block
 # judged alone); False: one launch, each block against its own (a superset: ≈ 24 MB more of the head read a token at
-# 248 320 x 2 048). Not measured yet (A/B: `greedy-two-pass`, off as "-greedy-two-pass").
+# 248 320 x 2 048). Run 163 (H100, the AR step in situ): two passes 2.911-2.920 ms, one pass 2.973 (A/B:
+# `greedy-two-pass`, off as "-greedy-two-pass").
 TWO_PASS = True
 MAX_HIDDEN = 16384
 _KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
