@@ -283,3 +283,56 @@ def test_resident_calibration_calls_stop_on_max_new_tokens_and_time_whole_w_roun
     calls.clear()
     calibrate_latency(target, drafter, context_lens=(16,), repeats=1, progress=False, cuda_graphs="off")
     assert calls and all("stopping_criteria" in c for c in calls)  # the eager loop: AfterRounds
+
+
+def _rounds(ratios):
+    from hybridspec_hf.generation.telemetry import RoundRecord
+
+    return [RoundRecord(w=4, accepted=1, emitted=2, committed=2, wall_s=ratio * 0.01, predicted_s=0.01)
+            for ratio in ratios]
+
+
+def test_a_calibration_that_priced_the_rounds_far_dearer_is_retired(tmp_path, monkeypatch):
+    """retire_if_busy deletes the file when the median measured / calibrated time is below STALE_RATIO over at
+    least STALE_ROUNDS rounds, says so, and keeps it otherwise (fewer rounds, a slower call, no file to own)."""
+    from hybridspec_hf.generation import calibration
+
+    said = []
+    monkeypatch.setattr(calibration.logger, "warning", lambda message, *args: said.append(message % args))
+    path = tmp_path / "latency.json"
+    n = calibration.STALE_ROUNDS
+    below, above = calibration.STALE_RATIO * 0.95, calibration.STALE_RATIO * 1.05
+    cases = [(None, [below] * n, False), (path, [below] * (n - 1), False), (path, [above] * n, False),
+             (path, [5.0] * n, False), (path, [below] * (n // 2 + 1) + [9.0] * (n // 2 - 1), True)]
+    for where, ratios, retired in cases:
+        path.write_text("{}")
+        assert calibration.retire_if_busy(where, _rounds(ratios)) is retired
+        assert path.exists() is not retired
+    assert len(said) == 1 and str(path) in said[0] and "calibrates afresh" in said[0]
+
+
+@pytest.mark.parametrize("scale", [20.0, 0.5])
+def test_a_busy_calibration_is_retaken_after_the_call_it_mispriced(pair, scale, tmp_path, monkeypatch):
+    """A cached calibration 20x dearer than the rounds (one taken while the machine was busy) is deleted after the
+    first call that measures it (output exact), and the next call calibrates afresh; one cheaper than the rounds
+    (this call slower) stays."""
+    from hybridspec_hf.generation import calibration
+
+    target, drafter, prompt, reference = pair
+    monkeypatch.setenv("HYBRIDSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(calibration, "STALE_ROUNDS", 3)
+    key = cache_key(target, drafter, "auto")
+    model = calibrate_latency(target, drafter, context_lens=(16,), repeats=1, progress=False)
+    model.key = key
+    model.cost, model.cost_ar = model.cost * scale, model.cost_ar * scale
+    path = cache_path(key)
+    model.save(path)
+    kwargs = dict(do_sample=False, max_new_tokens=24, assistant_model=drafter, generation_strategy="hybridspec",
+                  hybridspec_config=HybridSpecConfig(cuda_graphs="off"))
+    assert torch.equal(target.generate(prompt, **kwargs), reference)
+    assert len([r for r in hybridspec_hf.get_telemetry(target).rounds if r.predicted_s]) >= 3
+    assert path.exists() is (scale < 1)
+    calibrated = []
+    monkeypatch.setattr(calibration, "calibrate_latency", lambda *a, **k: calibrated.append(1) or model)
+    assert torch.equal(target.generate(prompt, **kwargs), reference)
+    assert calibrated == ([] if scale < 1 else [1])

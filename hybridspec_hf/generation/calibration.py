@@ -228,6 +228,47 @@ def resolve_latency_model(settings: HybridSpecConfig, target, drafter) -> Latenc
     return model
 
 
+# A cached calibration that priced a call's rounds this much dearer than they ran (median of measured / calibrated
+# over at least STALE_ROUNDS rounds) was taken while the machine was busy: the shipped tiny pair on 2 busy CPU cores
+# calibrated 5-9x dearer (measured / calibrated 0.1-0.2), clean runs measure 1.0-1.25x of a clean calibration.
+STALE_RATIO = 0.4
+STALE_ROUNDS = 16
+
+
+def auto_cache_file(settings: HybridSpecConfig, target, drafter) -> Path | None:
+    """The file `resolve_latency_model` read or wrote for these settings (calibration="auto" or "require", no
+    latency_model given, one process), else None: the calibration `retire_if_busy` may delete."""
+    if settings.latency_model is not None or distributed():
+        return None
+    shape = resolved_verify_shape(settings, next(target.parameters()).device)
+    return cache_path(cache_key(target, drafter, settings.kernel_backend, shape, settings.compile_decisions))
+
+
+def retire_if_busy(path: Path | None, rounds) -> bool:
+    """Delete the cached calibration at `path` (with a warning) when this call's rounds (telemetry RoundRecords with
+    predicted_s) ran in under STALE_RATIO of the time it priced them at, median over >= STALE_ROUNDS rounds: a
+    calibration taken on a busy machine, which would otherwise price every later call's rounds wrong. The next
+    call calibrates afresh. A call slower than its calibration (this machine busy now) keeps it. True if deleted."""
+    ratios = sorted(r.wall_s / r.predicted_s for r in rounds if r.predicted_s and r.predicted_s > 0)
+    if path is None or len(ratios) < STALE_ROUNDS:
+        return False
+    median = ratios[len(ratios) // 2]
+    if median >= STALE_RATIO:
+        return False
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as error:
+        logger.warning("HybridSpec: the cached latency calibration %s priced this call's rounds %.1fx dearer than "
+                       "they ran (taken while the machine was busy?) and could not be deleted (%s); delete it to "
+                       "calibrate afresh.", path, 1 / median, error)
+        return False
+    _READ.pop(str(path), None)
+    logger.warning("HybridSpec: the cached latency calibration %s priced this call's rounds %.1fx dearer than they "
+                   "ran (median over %d rounds; taken while the machine was busy?): deleted, the next call "
+                   "calibrates afresh.", path, 1 / median, len(ratios))
+    return True
+
+
 def latency_model_from(value) -> LatencyModel:
     """A LatencyModel given as itself or as a path to its JSON."""
     if isinstance(value, LatencyModel):

@@ -19,6 +19,7 @@ from hybridspec_hf import patches
 from hybridspec_hf.config import HybridSpecConfig
 from hybridspec_hf.generation.acceptance import greedy_accept, sample_tokens, score_positions, speculative_sample
 from hybridspec_hf.generation.batched import batched_decode, check_batched_call
+from hybridspec_hf.generation.calibration import retire_if_busy
 from hybridspec_hf.generation.checks import check_generation_config, check_logits_processors, finish_output
 from hybridspec_hf.generation.router_hooks import VerifyWindow
 from hybridspec_hf.generation.strategy import RoundStrategy
@@ -309,6 +310,7 @@ def hybridspec_decode(
         window.remove()
 
     telemetry.total_s = time.perf_counter() - start
+    retire_if_busy(strategy.calibration_file, telemetry.rounds)  # rounds timed here, as calibration times them
     if streamer is not None:
         streamer.end()
     return finish_output(generation_config, emitter, cache, cache_key)

@@ -18,7 +18,7 @@ import torch
 
 from hybridspec_hf.config import (CALIBRATED_STRATEGIES, HybridSpecConfig, resolved_compile_backend,
                                   resolved_verify_shape)
-from hybridspec_hf.generation.calibration import ForcedLength, resolve_latency_model
+from hybridspec_hf.generation.calibration import ForcedLength, auto_cache_file, resolve_latency_model
 from hybridspec_hf.graphs.capture import distributed
 from hybridspec_hf.selector.profiles import AcceptanceProfile, RoutingProfile, load_profile
 from hybridspec_hf.selector import (AcceptanceEstimator, LatencyModel, LengthSelector, count_new_experts, draft_signals,
@@ -101,6 +101,7 @@ class RoundStrategy:
         self.profile = None  # timing mode: a selector.profiles.AcceptanceProfile replayed by resident rounds
         self.gdn_verifier = "block"  # or "per_token_state" (the serving engines' verifier, for benchmarks)
         self.greedy_head = "auto"  # HybridSpecConfig.greedy_head
+        self.calibration_file = None  # the cached calibration its latency model came from (calibration.retire_if_busy)
         self.routing = None  # timing mode: a selector.profiles.RoutingProfile replacing the routers' choices
         # the decisions' device work: eager, or compiled by `compile_decisions`; resident rounds compile them with
         # compile_backend (None: eager), _compiled says with which backend they were
@@ -128,6 +129,8 @@ class RoundStrategy:
         strategy.routing = routing
         strategy.gdn_verifier = settings.gdn_verifier
         strategy.greedy_head = settings.greedy_head
+        if name in CALIBRATED_STRATEGIES and settings.selector is None:
+            strategy.calibration_file = auto_cache_file(settings, target, drafter)
         strategy.compile_backend = resolved_compile_backend(settings, next(target.parameters()).device)
         return strategy
 
