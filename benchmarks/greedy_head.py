@@ -133,7 +133,8 @@ def main(argv: list[str] | None = None) -> dict:
             results.extend(rows_of(args.hidden, rows, args.seed, args.replays, weight, quantized))
     notes = (f"Head {args.vocab} x {args.hidden} bf16, random N(0, 0.02) weights, random N(0, 1) hidden states "
              f"(seed {args.seed}); BLOCK_V {head_argmax_triton.BLOCK_V} up to 4 rows, BLOCK_V_WIDE "
-             f"{head_argmax_triton.BLOCK_V_WIDE} past them; each call captured alone in a CUDA graph, median of {args.replays} replays. "
+             f"{head_argmax_triton.BLOCK_V_WIDE} past them; each call captured alone in a CUDA graph, median of "
+             f"{args.replays} replays. "
              "'tokens = truth': rows whose token equals the first argmax of the head's bf16-rounded logits. "
              "'head rows multiplied': candidates against the token's bound (two passes) or each block's own "
              "(one pass), from the torch rule (`_candidates`).")
