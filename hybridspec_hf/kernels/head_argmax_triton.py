@@ -42,10 +42,12 @@ from . import pdl
 from .gdn_triton import HAS_TRITON, _LazyJit, tl, triton
 from .gemv_triton import MAX_ROWS, QuantizedRows, linear_int8, split_counters
 
-# head rows per program: 1 024 up to 4 tokens (a 248 320-row head: 243 programs a token), 2 048 past them (122: a
-# 16-token verification's 1 952 programs are ≈ 7 waves of 2 per SM); not measured yet
+# head rows per program: 1 024 up to 4 tokens (a 248 320-row head: 243 programs a token), BLOCK_V_WIDE past them.
+# Run 166 (H100, the head alone, `benchmarks/greedy_head.py`, two passes): 2 048 rows a program (fewer programs for a
+# 16-token verification) cost 273.6 / 358.3 µs at 8 / 16 tokens, 1 024 239.6 / 299.6 (the int8 GEMV alone 180 / 185,
+# the bf16 head + argmax 352 / 360): the candidates' kernels cost ≈ 7 µs a token at 1 024, more per program at 2 048
 BLOCK_V = 1024
-BLOCK_V_WIDE = 2048
+BLOCK_V_WIDE = 1024
 CANDIDATES = 8  # candidate rows multiplied at once: [8, K] of the head in one load
 MAX_BLOCK_K = 2048  # hidden values per load of the candidates' rows (K whole at the 35B-A3B shape)
 NUM_WARPS = 8
