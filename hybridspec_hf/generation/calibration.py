@@ -235,13 +235,12 @@ STALE_RATIO = 0.4
 STALE_ROUNDS = 16
 
 
-def auto_cache_file(settings: HybridSpecConfig, target, drafter) -> Path | None:
-    """The file `resolve_latency_model` read or wrote for these settings (calibration="auto" or "require", no
-    latency_model given, one process), else None: the calibration `retire_if_busy` may delete."""
-    if settings.latency_model is not None or distributed():
+def cached_file(settings: HybridSpecConfig, model: LatencyModel) -> Path | None:
+    """The cache file `resolve_latency_model` read or wrote `model` from (no latency_model given, one process), else
+    None: the calibration `retire_if_busy` may delete. Its key names the file (no second key computed)."""
+    if settings.latency_model is not None or distributed() or not model.key:
         return None
-    shape = resolved_verify_shape(settings, next(target.parameters()).device)
-    return cache_path(cache_key(target, drafter, settings.kernel_backend, shape, settings.compile_decisions))
+    return cache_path(model.key)
 
 
 def retire_if_busy(path: Path | None, rounds) -> bool:

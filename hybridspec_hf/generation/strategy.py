@@ -18,7 +18,7 @@ import torch
 
 from hybridspec_hf.config import (CALIBRATED_STRATEGIES, HybridSpecConfig, resolved_compile_backend,
                                   resolved_verify_shape)
-from hybridspec_hf.generation.calibration import ForcedLength, auto_cache_file, resolve_latency_model
+from hybridspec_hf.generation.calibration import ForcedLength, cached_file, resolve_latency_model
 from hybridspec_hf.graphs.capture import distributed
 from hybridspec_hf.selector.profiles import AcceptanceProfile, RoutingProfile, load_profile
 from hybridspec_hf.selector import (AcceptanceEstimator, LatencyModel, LengthSelector, count_new_experts, draft_signals,
@@ -129,8 +129,6 @@ class RoundStrategy:
         strategy.routing = routing
         strategy.gdn_verifier = settings.gdn_verifier
         strategy.greedy_head = settings.greedy_head
-        if name in CALIBRATED_STRATEGIES and settings.selector is None:
-            strategy.calibration_file = auto_cache_file(settings, target, drafter)
         strategy.compile_backend = resolved_compile_backend(settings, next(target.parameters()).device)
         return strategy
 
@@ -157,7 +155,8 @@ class RoundStrategy:
             selector = make_selector(name, {"threshold": settings.confidence_threshold})
         else:
             assert name in CALIBRATED_STRATEGIES
-            latency = resolve_latency_model(settings, target, drafter).for_batch(batch)
+            resolved = resolve_latency_model(settings, target, drafter)
+            latency = resolved.for_batch(batch)
             selector = make_selector(name, {"latency_model": latency})
             # the module-level defaults a selector read (HybridSpec's trust_tokens, carry_rounds, explore): part
             # of its decisions
@@ -177,7 +176,10 @@ class RoundStrategy:
             identity = (*identity, json.dumps(estimator.to_dict()))
         shape = resolved_verify_shape(settings, next(target.parameters()).device)
         corrects = bool(selector.routing_correction and has_router and correction_can_act(selector))
-        return cls(name, None, selector, estimator, corrects, shape, settings.kernel_backend, identity)
+        strategy = cls(name, None, selector, estimator, corrects, shape, settings.kernel_backend, identity)
+        if name in CALIBRATED_STRATEGIES and settings.selector is None:
+            strategy.calibration_file = cached_file(settings, resolved)
+        return strategy
 
     def correction_state(self, batched: bool) -> tuple[bool, str | None]:
         """(whether a call's rounds run the routing correction, why not where its selector has one)."""
