@@ -9,7 +9,9 @@ this times, each call captured alone in a CUDA graph (median of `--replays` repl
 leaves nothing of it in L2):
   - "bf16 head + argmax": F.linear on the bf16 head (cuBLAS), then argmax: what the model path does;
   - "int8 GEMV alone": the head's int8 copy times h (`gemv_triton.linear_int8`), the first kernel of the int8 path;
-  - "int8 greedy, two passes" / "one pass": `greedy_tokens` with `head_argmax_triton.TWO_PASS` True / False.
+  - "int8 greedy, two passes" / "one pass": `greedy_tokens` with `head_argmax_triton.TWO_PASS` True / False;
+  - "int8 greedy, two passes, every step": the same with `BOUNDED_CANDIDATES` False (the candidates' loop walks every
+    step of its block, as before run 167, instead of as many as the block has candidates).
 Beside each: weight bytes, TB/s, and whether its tokens equal the truth (`greedy_tokens_plain`: the head's logits
 rounded to bf16, first argmax) on every row; for the int8 rows, the head's rows multiplied (candidates against the
 token's bound, and against each block's own bound: what one pass multiplies). Weights random N(0, 0.02) bf16, hidden
@@ -38,15 +40,16 @@ from hybridspec_hf.kernels.head_argmax_triton import (_candidates, greedy_tokens
                                                       greedy_tokens_plain)
 
 
-def with_two_pass(two_pass: bool, function):
-    """function() with head_argmax_triton.TWO_PASS set for its launch (read at each launch: captures keep it)."""
+def with_switches(function, two_pass: bool, bounded: bool = True):
+    """function() with head_argmax_triton.TWO_PASS and BOUNDED_CANDIDATES set for its launch (read at each launch:
+    captures keep them)."""
     def call():
-        kept = head_argmax_triton.TWO_PASS
-        head_argmax_triton.TWO_PASS = two_pass
+        kept = head_argmax_triton.TWO_PASS, head_argmax_triton.BOUNDED_CANDIDATES
+        head_argmax_triton.TWO_PASS, head_argmax_triton.BOUNDED_CANDIDATES = two_pass, bounded
         try:
             return function()
         finally:
-            head_argmax_triton.TWO_PASS = kept
+            head_argmax_triton.TWO_PASS, head_argmax_triton.BOUNDED_CANDIDATES = kept
     return call
 
 
@@ -68,9 +71,12 @@ def rows_of(hidden: int, rows: int, seed: int, replays: int, weight, quantized) 
     variants = [
         ("bf16 head + argmax", lambda: torch.nn.functional.linear(x, weight).argmax(-1), weight.numel() * 2, {}),
         ("int8 GEMV alone", lambda: linear_int8(x, quantized), int8_bytes, {}),
-        ("int8 greedy, two passes", with_two_pass(True, lambda: greedy_tokens(x, weight, quantized)), int8_bytes,
+        ("int8 greedy, two passes", with_switches(lambda: greedy_tokens(x, weight, quantized), True), int8_bytes,
          {"candidate_rows_mean": per_token.mean().item(), "candidate_rows_max": per_token.max().item()}),
-        ("int8 greedy, one pass", with_two_pass(False, lambda: greedy_tokens(x, weight, quantized)), int8_bytes,
+        ("int8 greedy, two passes, every step", with_switches(lambda: greedy_tokens(x, weight, quantized), True,
+                                                               bounded=False), int8_bytes,
+         {"candidate_rows_mean": per_token.mean().item(), "candidate_rows_max": per_token.max().item()}),
+        ("int8 greedy, one pass", with_switches(lambda: greedy_tokens(x, weight, quantized), False), int8_bytes,
          {"candidate_rows_mean": per_block.mean().item(), "candidate_rows_max": per_block.max().item()}),
     ]
     out = []

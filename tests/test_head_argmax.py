@@ -2,7 +2,8 @@
 the kernel (under the Triton interpreter) and its torch reference give the head's own first argmax
 (`greedy_tokens_plain`: logits rounded to the head's dtype) on random heads, exact ties, ties made by the dtype's
 rounding, flat rows of logits (every row a candidate), negative logits, NaN, across program boundaries and for up to
-MAX_ROWS tokens, with the first pass (TWO_PASS) and without; they read no row of the head outside the candidates; the counters are zero after a launch.
+MAX_ROWS tokens, with the first pass (TWO_PASS) and without, the candidates' loop bounded by each block's count and
+walking every step; they read no row of the head outside the candidates; the counters are zero after a launch.
 
 Tokens are compared exactly: the rule is exact for the head's rounding; the only freedom left is the order of the
 fp32 sums, which the constructed ties below keep far from a rounding edge (their values are exact in fp32)."""
@@ -26,6 +27,13 @@ from hybridspec_hf.kernels.gemv_triton import (  # noqa: E402
 def two_pass(request, monkeypatch):
     """Every test with the first pass (each block judged against the token's bound) and without (its own)."""
     monkeypatch.setattr(ha, "TWO_PASS", request.param)
+    return request.param
+
+
+@pytest.fixture(params=[True, False], ids=["bounded", "every-step"], autouse=True)
+def bounded(request, monkeypatch):
+    """Every test with the candidates' loop bounded by each block's count and walking every step of the block."""
+    monkeypatch.setattr(ha, "BOUNDED_CANDIDATES", request.param)
     return request.param
 
 

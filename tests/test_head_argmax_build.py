@@ -1,8 +1,9 @@
 """The greedy-token kernel (kernels/head_argmax_triton.py `_greedy_kernel`) builds for sm_90 on any machine at the
 35B-A3B head's shape (K = 2 048, a 248 320-row head) for a bf16 and an fp16 head and the wider blocks of longer
-verifications, with and without its first pass (`_lower_kernel`, built too), with its PDL wait, its counter's acq_rel atomic and its bf16 rounding in integer arithmetic, at most
-one word spilled: the interpreter, which the CPU tests run it in, accepts code the GPU compiler refuses. In a fresh
-process (see test_moe_decode_build.py)."""
+verifications, with and without its first pass (`_lower_kernel`, built too), its candidates' loop bounded by each
+block's count and walking every step, with its PDL wait, its counter's acq_rel atomic and its bf16 rounding in
+integer arithmetic, at most one word spilled: the interpreter, which the CPU tests run it in, accepts code the GPU
+compiler refuses. In a fresh process (see test_moe_decode_build.py)."""
 import re
 
 import pytest
@@ -18,11 +19,13 @@ from hybridspec_hf.kernels import head_argmax_triton as ha
 
 fn = triton.jit(ha._greedy_kernel.fn)
 built = []
-for kind, dtype, block_v, two in ((0, "*bf16", ha.BLOCK_V, True), (1, "*fp16", ha.BLOCK_V, True),
-                                  (0, "*bf16", ha.BLOCK_V_WIDE, True), (0, "*bf16", ha.BLOCK_V, False)):
+for kind, dtype, block_v, two, bounded in ((0, "*bf16", ha.BLOCK_V, True, True), (1, "*fp16", ha.BLOCK_V, True, True),
+                                           (0, "*bf16", ha.BLOCK_V_WIDE, True, True),
+                                           (0, "*bf16", ha.BLOCK_V, False, True),
+                                           (0, "*bf16", ha.BLOCK_V, True, False)):
     programs = triton.cdiv(248320, block_v)
     constexprs = dict(K=2048, BLOCK_V=block_v, C=ha.CANDIDATES, BLOCK_K=ha.MAX_BLOCK_K, KP=2048,
-                      BLOCK_P=triton.next_power_of_2(programs), KIND=kind, TWO_PASS=two, PDL=True)
+                      BLOCK_P=triton.next_power_of_2(programs), KIND=kind, TWO_PASS=two, BOUNDED=bounded, PDL=True)
     pointers = dict(h=dtype, approx=dtype, scale="*fp32", w=dtype, lowers="*fp32", best="*i64", counters="*i32",
                     tokens="*i64")
     signature = {arg: pointers.get(arg, "fp32" if arg == "bound" else "i32")
@@ -47,7 +50,7 @@ print(json.dumps(built))
 
 def test_the_greedy_token_kernel_compiles_for_sm90_with_its_wait_and_atomic():
     built = build(BUILD, ROOT / "benchmarks")
-    assert [row[:2] for row in built] == [[True, True]] * 5
+    assert [row[:2] for row in built] == [[True, True]] * 6
     # ptxas -v where triton ships it: at most one word spilled (ptxas 12.x keeps the 1 024-row block at 128
     # registers with a 4-byte spill; the 2 048-row one at 152 with none)
     spills = [int(n) for *_, ptxas in built for n in re.findall(r"(\d+) bytes spill stores", ptxas)]

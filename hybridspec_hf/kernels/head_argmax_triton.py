@@ -57,6 +57,10 @@ NUM_WARPS = 8
 # 248 320 x 2 048). Run 163 (H100, the AR step in situ): two passes 2.911-2.920 ms, one pass 2.973 (A/B:
 # `greedy-two-pass`, off as "-greedy-two-pass").
 TWO_PASS = True
+# True: each program's loop over its candidates runs as many steps as the block has (a runtime bound); False: every
+# C-row step of the block, each skipped past the count by a branch (BLOCK_V / C = 128 steps; run 166's kernels).
+# The candidates' kernels cost ≈ 7 µs a token at 1 024 rows a program there (A/B: greedy_head.py --unbounded)
+BOUNDED_CANDIDATES = True
 MAX_HIDDEN = 16384
 _KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 NO_KEY = tl.constexpr(-(2**63)) if tl is not None else -(2**63)  # below every key: a program without candidates
@@ -153,10 +157,30 @@ def _lower_kernel(h, approx, scale, lowers, V, bound, stride_h, stride_a, stride
     tl.store(lowers + row * stride_l + i_v, lower)
 
 
+def _candidate_step(h, w, row, rv, cand, rank, base, mine, V, stride_h, stride_w, K: tl.constexpr, C: tl.constexpr,
+                    BLOCK_K: tl.constexpr, KP: tl.constexpr, KIND: tl.constexpr):
+    """The block's candidates base + 1 .. base + C (by rank): their exact logits from the head's rows, rounded to
+    its dtype, folded into `mine` as keys (the largest per slot)."""
+    slots = tl.arange(0, C)
+    hit = cand[None, :] & (rank[None, :] == base + 1 + slots[:, None])  # [C, BLOCK_V]: slot c's row
+    taken = tl.sum(hit.to(tl.int32), 1) > 0
+    index = tl.sum(tl.where(hit, rv[None, :], 0), 1)  # [C]
+    acc = tl.zeros([C], dtype=tl.float32)
+    for k0 in tl.static_range(0, KP, BLOCK_K):  # K whole at the head's hidden sizes: one round trip
+        ck = k0 + tl.arange(0, BLOCK_K)
+        mk = ck < K
+        b_w = tl.load(w + index.to(tl.int64)[:, None] * stride_w + ck[None, :],
+                      mask=taken[:, None] & mk[None, :], other=0.0).to(tl.float32)
+        b_h = tl.load(h + row * stride_h + ck, mask=mk, other=0.0).to(tl.float32)
+        acc += tl.sum(b_w * b_h[None, :], 1)
+    keys = _key(_round_to(acc, KIND), index, V)
+    return tl.maximum(mine, tl.where(taken, keys, mine))
+
+
 def _greedy_kernel(h, approx, scale, w, lowers, best, counters, tokens, V, bound, stride_h, stride_a, stride_w,
                    stride_l, stride_b, K: tl.constexpr, BLOCK_V: tl.constexpr, C: tl.constexpr,
                    BLOCK_K: tl.constexpr, KP: tl.constexpr, BLOCK_P: tl.constexpr, KIND: tl.constexpr,
-                   TWO_PASS: tl.constexpr, PDL: tl.constexpr):
+                   TWO_PASS: tl.constexpr, BOUNDED: tl.constexpr, PDL: tl.constexpr):
     pdl.enter(PDL)
     i_v = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
@@ -169,23 +193,18 @@ def _greedy_kernel(h, approx, scale, w, lowers, best, counters, tokens, V, bound
     cand = mv & (b_a + eps >= lower - tl.abs(lower) / 128)
     rank = tl.cumsum(cand.to(tl.int32), 0)  # 1, 2, ... at the candidates
     count = tl.sum(cand.to(tl.int32), 0)
-    slots = tl.arange(0, C)
     mine = tl.full([C], NO_KEY, tl.int64)
-    for base in range(0, BLOCK_V, C):  # C candidates at a time (the loop leaves once they are done)
-        if base < count:
-            hit = cand[None, :] & (rank[None, :] == base + 1 + slots[:, None])  # [C, BLOCK_V]: slot c's row
-            taken = tl.sum(hit.to(tl.int32), 1) > 0
-            index = tl.sum(tl.where(hit, rv[None, :], 0), 1)  # [C]
-            acc = tl.zeros([C], dtype=tl.float32)
-            for k0 in tl.static_range(0, KP, BLOCK_K):  # K whole at the head's hidden sizes: one round trip
-                ck = k0 + tl.arange(0, BLOCK_K)
-                mk = ck < K
-                b_w = tl.load(w + index.to(tl.int64)[:, None] * stride_w + ck[None, :],
-                              mask=taken[:, None] & mk[None, :], other=0.0).to(tl.float32)
-                b_h = tl.load(h + row * stride_h + ck, mask=mk, other=0.0).to(tl.float32)
-                acc += tl.sum(b_w * b_h[None, :], 1)
-            keys = _key(_round_to(acc, KIND), index, V)
-            mine = tl.maximum(mine, tl.where(taken, keys, mine))
+    if BOUNDED:  # C candidates at a time, as many steps as this block has candidates (a runtime bound)
+        base = count * 0
+        while base < count:
+            mine = _candidate_step(h, w, row, rv, cand, rank, base, mine, V, stride_h, stride_w, K, C, BLOCK_K, KP,
+                                   KIND)
+            base += C
+    else:  # every step of the block, skipped past its candidates (A/B)
+        for base in range(0, BLOCK_V, C):
+            if base < count:
+                mine = _candidate_step(h, w, row, rv, cand, rank, base, mine, V, stride_h, stride_w, K, C,
+                                       BLOCK_K, KP, KIND)
     tl.store(best + row * stride_b + i_v, tl.max(mine, 0))
     # the token's last program to arrive takes the largest key (a barrier, then an acq_rel atomic: gemv's split-K)
     tl.debug_barrier()
@@ -205,6 +224,7 @@ if HAS_TRITON:
     _key = triton.jit(_key)
     _round_to = triton.jit(_round_to)
     _bounds = triton.jit(_bounds)
+    _candidate_step = triton.jit(_candidate_step)
     _lower_kernel = _LazyJit(_lower_kernel, pdl=True)
     _greedy_kernel = _LazyJit(_greedy_kernel, pdl=True)
 
@@ -250,5 +270,5 @@ def greedy_tokens(hidden: torch.Tensor, weight: torch.Tensor, quantized: Quantiz
         rows, approx, quantized.scale, weight, lowers, best, split_counters(rows.device), tokens, v, error_bound(k),
         rows.stride(0), approx.stride(0), weight.stride(0), lowers.stride(0), best.stride(0), K=k,
         BLOCK_V=block_v, C=CANDIDATES, BLOCK_K=min(MAX_BLOCK_K, kp), KP=kp, BLOCK_P=triton.next_power_of_2(programs),
-        KIND=_KINDS[weight.dtype], TWO_PASS=TWO_PASS, num_warps=NUM_WARPS)
+        KIND=_KINDS[weight.dtype], TWO_PASS=TWO_PASS, BOUNDED=BOUNDED_CANDIDATES, num_warps=NUM_WARPS)
     return tokens.view(lead)
