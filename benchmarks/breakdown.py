@@ -300,7 +300,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="also run each part eagerly under the profiler: kernels by (module, aten op, the "
                              "Python line of our package or transformers that launched it)")
     add_switches(parser, "moe-one-pass", "moe-decode", "defer-appends", "pdl", "early-reads", "gdn-norm-fold",
-                 "wide-direct", "align-kernel", "int8-greedy-head", "greedy-two-pass")
+                 "wide-direct", "align-kernel", "int8-greedy-head", "greedy-two-pass",
+                 "bounded-candidates")
     args = parser.parse_args(argv)
     apply_switches(args)
     device = "cuda" if torch.cuda.is_available() else "cpu"

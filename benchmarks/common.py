@@ -86,6 +86,8 @@ SWITCHES = {
                          "greedy tokens from the LM head's int8 copy and its candidate rows, not the bf16 head's argmax"),
     "greedy-two-pass": ("hybridspec_hf.kernels.head_argmax_triton", "TWO_PASS",
                         "the int8 greedy head judges candidates against the token's bound (a first launch), not a block's"),
+    "bounded-candidates": ("hybridspec_hf.kernels.head_argmax_triton", "BOUNDED_CANDIDATES",
+                           "the int8 greedy head's candidates' loop runs as many steps as a block has candidates"),
     "gdn-recurrent": ("hybridspec_hf.kernels.gdn_triton", "RECURRENT_SHORT",
                       "GDN verify windows of <= RECURRENT_UPTO valid tokens token by token, not in the block form"),
 }
