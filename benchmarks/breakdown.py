@@ -16,10 +16,11 @@ plain step does not. Every kernel traced while a graph replays is that graph's, 
 count, the GPU busy time (sum of kernel durations) and the wall time of a replay (CUDA events, no profiler), with
 kernels grouped by kind (GEMMs, our Triton kernels by name, elementwise, reductions, copies, ...). The bytes
 roofline of each part is printed beside it: weights the part must read (routed experts counted as the distinct
-experts its tokens reach under a uniform router; the embedding as the rows read), the GDN state read and written,
-the KV cache read, at 4.25 TB/s (the H200's copy bandwidth) and at this GPU's own (`e2e.copy_tbps`); for the
-forced rounds (batch 1) also with their routed experts counted as their routers picked them (`measured_routing`:
-a capture of its own with hooks copying each router's ids; the rows below the round's valid length). With PDL
+experts its tokens reach under a uniform router; the embedding as the rows read; the LM head as its int8 copy where
+the part takes greedy tokens from it, `part_bytes`), the GDN state read and written, the KV cache read, at 4.25
+TB/s (the H200's copy bandwidth) and at this GPU's own (`e2e.copy_tbps`); for the forced rounds (batch 1) also
+with their routed experts counted as their routers picked them (`measured_routing`: a capture of its own with hooks
+copying each router's ids; the rows below the round's valid length). With PDL
 kernels overlap, so each part also charges every µs of its middle traced replay to the kernel the GPU waited for
 (`common.frontier`, as kernel_costs.py). Random weights, random drafter (acceptance ≈ 0: the cache grows by one
 token per round). Writes benchmarks/results/<name>.{json,md}.
@@ -46,6 +47,7 @@ from e2e import HBM_TBPS, build, copy_tbps, roofline_bytes, uniform_distinct  # 
 from hybridspec_hf import HybridSpecConfig, patches, release_graphs  # noqa: E402
 from hybridspec_hf.generation.calibration import ForcedLength, shadow_selector  # noqa: E402
 from hybridspec_hf.graphs.capture import Replay  # noqa: E402
+from hybridspec_hf.kernels import head_argmax_triton  # noqa: E402
 from hybridspec_hf.patches.experts import fused_experts_for  # noqa: E402
 from hybridspec_hf.selector.latency import LatencyModel  # noqa: E402
 
@@ -175,16 +177,25 @@ def summarize(kernels: list[dict], n: int) -> dict:
             "by_kind": per_replay(by_kind), "top_kernels": per_replay(by_name, 25), "all_kernels": per_replay(by_name)}
 
 
-def part_bytes(target, drafter, tokens: int, context: int, drafting: bool, distinct: float | None = None) -> dict:
+def part_bytes(target, drafter, tokens: int, context: int, drafting: bool, distinct: float | None = None,
+               int8_head: bool = False) -> dict:
     """Fewest bytes a part moves: its target forward over `tokens` tokens (`e2e.roofline_bytes`, uniform router or
     `distinct` experts a layer as measured; none for 0) and, when it drafts, the drafter's own weights and the LM
-    head it shares with the target."""
+    head it shares with the target. `int8_head`: the forward takes greedy tokens from the head's int8 copy
+    (`resident.INT8_GREEDY_HEAD`), so its head counts as that copy and its float32 row scales (the candidate rows it
+    reads of the head itself, ≈ 0.1-0.3 % of them, left out); the drafter's head likewise where its config
+    quantizes it."""
     moved = dict(roofline_bytes(target, tokens, None, context, distinct)) if tokens else {}
+    head = target.get_output_embeddings().weight
+    int8_bytes = head.numel() + head.shape[0] * 4
+    if tokens and int8_head:
+        moved[DENSE] -= head.numel() * head.element_size()
+        moved["LM head's int8 copy (greedy tokens)"] = int8_bytes
     if drafting:
         moved["drafter weights"] = sum(p.numel() * p.element_size() for n, p in drafter.named_parameters()
                                        if "lm_head" not in n and "embed" not in n)
-        head = target.get_output_embeddings().weight
-        moved["LM head"] = head.numel() * head.element_size()
+        quantized = getattr(drafter.config, "head_quantization", None) == "int8"
+        moved["LM head"] = int8_bytes if quantized else head.numel() * head.element_size()
     return moved
 
 
@@ -194,10 +205,14 @@ Part = collections.namedtuple("Part", "replay tokens drafting before")
 AR_STEP, DRAFT, ROUND = "AR step (w = 1)", "draft (drafting + choosing w0)", "round, max shape (one graph)"
 HS_STEP = "HybridSpec plain step (w = 1, no append)"
 OUTSIDE_GOAL_MS = 1.0  # issue 15, at B = 16
+DENSE = "dense weights (LM head included)"  # e2e.roofline_bytes's key
+
+
+FORWARD = "target forward alone"  # the parts that return logits (no greedy head)
 
 
 def forward_label(tokens: int) -> str:
-    return f"target forward alone, T = {tokens}"
+    return f"{FORWARD}, T = {tokens}"
 
 
 def target_forward(rounds, tokens: int) -> Replay:
@@ -349,7 +364,12 @@ def main(argv: list[str] | None = None) -> None:
                     print(f"    {value['kernels']:5d} {value['us']:8.1f} us  {key}", flush=True)
             length = int(rounds.target.length.max())
             row["context_tokens"] = length
-            row["bytes"] = part_bytes(target, drafter, part.tokens * args.batch, length, part.drafting)
+            # greedy tokens from the head's int8 copy: every part but the forward alone (it returns logits), for
+            # at most the kernel's rows (ResidentRounds: `from_copy`)
+            row["int8_head"] = (rounds.greedy_head is not None and not label.startswith(FORWARD)
+                                and part.tokens * args.batch <= head_argmax_triton.MAX_ROWS)
+            row["bytes"] = part_bytes(target, drafter, part.tokens * args.batch, length, part.drafting,
+                                      int8_head=row["int8_head"])
             row["roofline_ms"] = sum(row["bytes"].values()) / (HBM_TBPS * 1e12) * 1e3
             parts[label] = row
             print(f"{label}: {row['kernels']:.0f} kernels, busy {row['busy_us'] / 1e3:.3f} ms, wall "
@@ -368,7 +388,8 @@ def main(argv: list[str] | None = None) -> None:
             row = parts[forced_label(n)]
             row["routing"] = measured
             length = row["context_tokens"]
-            row["bytes_measured_routing"] = part_bytes(target, drafter, n, length, True, measured["distinct_per_layer"])
+            row["bytes_measured_routing"] = part_bytes(target, drafter, n, length, True, measured["distinct_per_layer"],
+                                                       int8_head=row["int8_head"])
     for row in parts.values():
         measured = row.get("bytes_measured_routing", row["bytes"])
         row["roofline_measured_routing_ms"] = sum(measured.values()) / (HBM_TBPS * 1e12) * 1e3

@@ -107,6 +107,33 @@ def test_the_routing_pass_counts_what_the_routers_picked(benchmarks, cpu_only):
         assert result[n]["valid_tokens"] == n
 
 
+def test_a_greedy_int8_head_counts_its_copy_not_the_head(benchmarks, cpu_only):
+    """Parts that take greedy tokens from the head's int8 copy price it as that copy and its row scales (V·K + 4·V
+    bytes) in place of the float head; the drafter's head as its config quantizes it; nothing else moves."""
+    import breakdown
+    import e2e
+
+    target, drafter = e2e.build("tiny", None, "cpu")
+    head = target.get_output_embeddings().weight
+    vocab, hidden = head.shape
+    float_head, int8_head = head.numel() * head.element_size(), vocab * hidden + 4 * vocab
+    assert float_head > int8_head
+    plain = breakdown.part_bytes(target, drafter, 4, 32, False)
+    copy = breakdown.part_bytes(target, drafter, 4, 32, False, int8_head=True)
+    assert plain[breakdown.DENSE] - copy[breakdown.DENSE] == float_head
+    assert copy.pop("LM head's int8 copy (greedy tokens)") == int8_head
+    assert {k: v for k, v in copy.items() if k != breakdown.DENSE} == \
+        {k: v for k, v in plain.items() if k != breakdown.DENSE}
+    assert breakdown.part_bytes(target, drafter, 0, 32, True, int8_head=True)["LM head"] == float_head
+    assert "LM head's int8 copy (greedy tokens)" not in breakdown.part_bytes(target, drafter, 0, 32, True,
+                                                                             int8_head=True)
+    drafter.config.head_quantization = "int8"
+    try:
+        assert breakdown.part_bytes(target, drafter, 0, 32, True)["LM head"] == int8_head
+    finally:
+        drafter.config.head_quantization = None
+
+
 def test_kernels_are_attributed_to_module_op_and_the_python_line_that_launched_them(benchmarks):
     """`attribute_events` on a chrome trace of two launches: each kernel charged (by correlation id, then by time on
     the launching thread) to the innermost module range, aten op and Python frame of our package or transformers;
