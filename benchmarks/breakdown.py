@@ -206,8 +206,6 @@ AR_STEP, DRAFT, ROUND = "AR step (w = 1)", "draft (drafting + choosing w0)", "ro
 HS_STEP = "HybridSpec plain step (w = 1, no append)"
 OUTSIDE_GOAL_MS = 1.0  # issue 15, at B = 16
 DENSE = "dense weights (LM head included)"  # e2e.roofline_bytes's key
-
-
 FORWARD = "target forward alone"  # the parts that return logits (no greedy head)
 
 
@@ -315,8 +313,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="also run each part eagerly under the profiler: kernels by (module, aten op, the "
                              "Python line of our package or transformers that launched it)")
     add_switches(parser, "moe-one-pass", "moe-decode", "defer-appends", "pdl", "early-reads", "gdn-norm-fold",
-                 "wide-direct", "align-kernel", "int8-greedy-head", "greedy-two-pass",
-                 "bounded-candidates")
+                 "wide-direct", "align-kernel", "int8-greedy-head", "greedy-two-pass", "bounded-candidates")
     args = parser.parse_args(argv)
     apply_switches(args)
     device = "cuda" if torch.cuda.is_available() else "cpu"

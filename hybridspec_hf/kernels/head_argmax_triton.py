@@ -58,8 +58,9 @@ NUM_WARPS = 8
 # `greedy-two-pass`, off as "-greedy-two-pass").
 TWO_PASS = True
 # True: each program's loop over its candidates runs as many steps as the block has (a runtime bound); False: every
-# C-row step of the block, each skipped past the count by a branch (BLOCK_V / C = 128 steps; run 166's kernels).
-# The candidates' kernels cost ≈ 7 µs a token at 1 024 rows a program there (A/B: greedy_head.py --unbounded)
+# C-row step of the block, each skipped past the count by a branch (BLOCK_V / C = 128 steps). Run 167 (H100, the head
+# alone, `benchmarks/greedy_head.py`): 190 / 207 / 250 µs at 1 / 4 / 16 tokens against 195 / 223 / 307 walking every
+# step; in situ HybridSpec +0.6 / +1.0 % (batch_b1_run169.md; A/B switch `bounded-candidates`)
 BOUNDED_CANDIDATES = True
 MAX_HIDDEN = 16384
 _KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
