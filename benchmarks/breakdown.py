@@ -47,7 +47,6 @@ from e2e import HBM_TBPS, build, copy_tbps, roofline_bytes, uniform_distinct  # 
 from hybridspec_hf import HybridSpecConfig, patches, release_graphs  # noqa: E402
 from hybridspec_hf.generation.calibration import ForcedLength, shadow_selector  # noqa: E402
 from hybridspec_hf.graphs.capture import Replay  # noqa: E402
-from hybridspec_hf.kernels import head_argmax_triton  # noqa: E402
 from hybridspec_hf.patches.experts import fused_experts_for  # noqa: E402
 from hybridspec_hf.selector.latency import LatencyModel  # noqa: E402
 
@@ -361,10 +360,8 @@ def main(argv: list[str] | None = None) -> None:
                     print(f"    {value['kernels']:5d} {value['us']:8.1f} us  {key}", flush=True)
             length = int(rounds.target.length.max())
             row["context_tokens"] = length
-            # greedy tokens from the head's int8 copy: every part but the forward alone (it returns logits), for
-            # at most the kernel's rows (ResidentRounds: `from_copy`)
-            row["int8_head"] = (rounds.greedy_head is not None and not label.startswith(FORWARD)
-                                and part.tokens * args.batch <= head_argmax_triton.MAX_ROWS)
+            # greedy tokens from the head's int8 copy: every part but the forward alone (it returns logits)
+            row["int8_head"] = not label.startswith(FORWARD) and rounds.greedy_from_copy(part.tokens)
             row["bytes"] = part_bytes(target, drafter, part.tokens * args.batch, length, part.drafting,
                                       int8_head=row["int8_head"])
             row["roofline_ms"] = sum(row["bytes"].values()) / (HBM_TBPS * 1e12) * 1e3

@@ -528,6 +528,11 @@ class ResidentRounds:
         self.greedy_head_key = key
         return held
 
+    def greedy_from_copy(self, tokens: int) -> bool:
+        """Whether a forward over `tokens` tokens of each row takes its greedy tokens from the head's int8 copy (the
+        kernel takes at most MAX_ROWS rows) instead of the head's logits."""
+        return self.greedy_head is not None and self.rows * tokens <= MAX_ROWS
+
     def _greedy_tokens_from_copy(self, hidden: torch.Tensor) -> torch.Tensor:
         """Greedy tokens of final hidden states [N, T, H] from the head's int8 copy and its candidate rows -> [N, T]."""
         return head_argmax_triton.greedy_tokens(hidden, self.model.lm_head.weight, self.greedy_head)
@@ -617,7 +622,7 @@ class ResidentRounds:
         session = self.target.session(decode_step=gdn_triton.DECODE_STEP and self.rows == 1)
         # not under calibrated routing: one token reads top-k experts whatever ids the profile would give it, and
         # the replay's kernels (≈ 0.15 ms a step at 35B, e2e run 44) would make the plain step dearer than AR's
-        from_copy = self.greedy_head is not None  # a step's rows (≤ 16, BATCH_BUCKETS) fit the kernel
+        from_copy = self.greedy_from_copy(1)
         logits, features = self.target.forward(self.last_token, verify=session, head=not from_copy)
         if from_copy:  # logits: the final hidden states
             token = self._greedy_tokens_from_copy(logits)[:, 0]
@@ -753,7 +758,7 @@ class ResidentRounds:
         the host unless `hand_off` is False). `draws`: sampling's random numbers, drawn before (`_draws`)."""
         t, choice, valid = self.verify_tokens, self.choice, self.round_valid
         tokens = self.block[:, :n]
-        from_copy = self.greedy_head is not None and self.rows * n <= MAX_ROWS
+        from_copy = self.greedy_from_copy(n)
         session, logits, features = self._verify_forward(tokens, valid, choice, head=not from_copy)
         if from_copy:  # logits: the final hidden states
             target_tokens = self._greedy_tokens_from_copy(logits)

@@ -45,7 +45,8 @@ from .gemv_triton import MAX_ROWS, QuantizedRows, linear_int8, split_counters
 # head rows per program: 1 024 up to 4 tokens (a 248 320-row head: 243 programs a token), BLOCK_V_WIDE past them.
 # Run 166 (H100, the head alone, `benchmarks/greedy_head.py`, two passes): 2 048 rows a program (fewer programs for a
 # 16-token verification) cost 273.6 / 358.3 µs at 8 / 16 tokens, 1 024 239.6 / 299.6 (the int8 GEMV alone 180 / 185,
-# the bf16 head + argmax 352 / 360): the candidates' kernels cost ≈ 7 µs a token at 1 024, more per program at 2 048
+# the bf16 head + argmax 352 / 360; both walking every candidates' step, before BOUNDED_CANDIDATES). Kept apart from
+# BLOCK_V to time other widths (`greedy_head.py --block-v-wide`; 512 not measured yet)
 BLOCK_V = 1024
 BLOCK_V_WIDE = 1024
 CANDIDATES = 8  # candidate rows multiplied at once: [8, K] of the head in one load
@@ -196,7 +197,7 @@ def _greedy_kernel(h, approx, scale, w, lowers, best, counters, tokens, V, bound
     count = tl.sum(cand.to(tl.int32), 0)
     mine = tl.full([C], NO_KEY, tl.int64)
     if BOUNDED:  # C candidates at a time, as many steps as this block has candidates (a runtime bound)
-        base = count * 0
+        base = count * 0  # an int32 scalar like count (the loop-carried type)
         while base < count:
             mine = _candidate_step(h, w, row, rv, cand, rank, base, mine, V, stride_h, stride_w, K, C, BLOCK_K, KP,
                                    KIND)
