@@ -74,8 +74,6 @@ SWITCHES = {
                             "the MoE direct rows' shared-expert programs first, dead slots leaving before row loads"),
     "direct-deep-k": ("hybridspec_hf.kernels.moe_triton", "DIRECT_DEEP_K",
                       "the MoE direct rows at 5-16 tokens with 256-deep K steps in 3 stages (not 128 in 4)"),
-    "fused-down-sum": ("hybridspec_hf.kernels.moe_triton", "FUSED_SUM",
-                       "the MoE direct rows' sum over experts in the down launch (its last programs), not a third launch"),
     "round-tail": ("hybridspec_hf.generation.resident", "FUSED_ROUND_TAIL",
                    "a round's acceptance, commit count and hand-off in compiled regions, not ≈ 40 launches"),
     "draft-tokens": ("hybridspec_hf.generation.resident", "FUSED_DRAFT_TOKENS",

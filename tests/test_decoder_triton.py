@@ -288,9 +288,9 @@ def test_resident_rounds_with_the_fused_moe_stay_exact_under_the_prepared_switch
     for name, owner in owners.items():
         monkeypatch.setattr(owner, name, name in switches)
     launched, routed, conv_gates = [], [], []
-    down_kernel = moe_triton._down_kernel  # the direct rows' down launch (decode steps run `_down_decode_kernel`)
-    monkeypatch.setattr(moe_triton, "_down_kernel", type("Counted", (), {
-        "__getitem__": lambda self, grid: launched.append(grid) or down_kernel[grid]})())
+    sum_kernel = moe_triton._sum_kernel
+    monkeypatch.setattr(moe_triton, "_sum_kernel", type("Counted", (), {
+        "__getitem__": lambda self, grid: launched.append(grid) or sum_kernel[grid]})())
     fused_route, one_launch = router_triton.add_norm_route, _gdn.conv_silu_gates
     monkeypatch.setattr(router_triton, "add_norm_route", lambda *a: routed.append(1) or fused_route(*a))
     monkeypatch.setattr(_gdn, "conv_silu_gates", lambda *a, **k: conv_gates.append(1) or one_launch(*a, **k))

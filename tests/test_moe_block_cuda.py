@@ -198,14 +198,6 @@ def test_the_direct_rows_with_the_shared_slot_first_give_the_same_bits_in_a_grap
     assert all(torch.equal(outs[True, n], outs[False, n]) for n in (1, 4, 16))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_direct_rows_sum_in_the_down_launch_gives_the_same_bits_in_a_graph(dtype, monkeypatch):
-    """moe_triton.FUSED_SUM: the sum by each column tile's last down program gives `_sum_kernel`'s bits, replay
-    after replay (its counters back at 0 each time)."""
-    outs = _direct_rows_both_ways(dtype, monkeypatch, "FUSED_SUM")
-    assert all(torch.equal(outs[True, n], outs[False, n]) for n in (1, 4, 16))
-
-
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
 def test_the_add_norm_and_router_in_one_launch_match_transformers_and_replay(family):
     """`norm_route_block_add` (the decoder layer's residual add, post_attention_layernorm and router in one compiled

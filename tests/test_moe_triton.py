@@ -431,45 +431,6 @@ def test_the_direct_rows_with_the_shared_slot_first_change_no_bit(tokens, valid,
     assert rel(outs[0], truth) < TOL[torch.float32]
 
 
-@pytest.mark.parametrize("tokens, valid, dtype, residual, shared", [
-    (16, 5, torch.bfloat16, True, True),  # a max-shape round's block: tokens past the valid length routed to -1
-    (16, 16, torch.float32, False, True),
-    (7, 7, torch.bfloat16, False, False),  # the routed experts alone (fused_experts_triton), no residual
-    (40, 33, torch.float32, True, True),  # a 64-row tile
-])
-def test_the_direct_rows_sum_in_the_down_launch_changes_no_bit(tokens, valid, dtype, residual, shared, monkeypatch):
-    """FUSED_SUM (each column tile's last down program sums the tokens' rows, the gated shared expert and the
-    residual) against `_sum_kernel`'s third launch: the same bits, no third launch, every counter back at 0; with a
-    duplicate expert, a sentinel and a zero weight among the valid tokens, H not a multiple of the column tile."""
-    x = make_block(53, tokens, 72, 24, 6, 3, dtype)
-    x["top_k_index"][0, 1] = x["top_k_index"][0, 0]
-    x["top_k_index"][min(1, valid - 1), 2] = -1
-    x["top_k_weights"][min(2, valid - 1)] = 0.0
-    x["top_k_index"][valid:] = -1
-    if not residual:
-        x["residual"] = None
-    if not shared:  # the routed experts alone
-        x = {k: v for k, v in x.items() if k not in ("shared_gate_up", "shared_down", "residual")}
-    run, reference = (moe_block_triton, moe_block_reference) if shared else (fused_experts_triton,
-                                                                             fused_experts_reference)
-    tiles = dict(gate_up_tiles=Tiles(16, 32), down_tiles=Tiles(16, 32))  # 5 column tiles of 16 over H = 72
-    sums = []
-    kernel = moe_triton._sum_kernel
-    monkeypatch.setattr(moe_triton, "_sum_kernel", type("Counted", (), {
-        "__getitem__": lambda self, grid: sums.append(grid) or kernel[grid]})())
-    outs = {}
-    for fused in (True, False):
-        monkeypatch.setattr(moe_triton, "FUSED_SUM", fused)
-        sums.clear()
-        outs[fused] = run(**x, mode="direct", **tiles)
-        assert bool(sums) != fused
-    assert torch.equal(outs[True], outs[False])
-    assert not gemv_triton._COUNTERS[torch.device("cpu")].any()
-    truth = reference(**{k: v.double() if v is not None and v.is_floating_point() else v for k, v in x.items()})
-    assert rel(outs[True], truth) < TOL[dtype]
-    assert not torch.equal(outs[True][:valid], outs[True][:valid].roll(1, 0))  # not one row repeated
-
-
 @pytest.mark.parametrize("deep", [True, False])
 def test_the_direct_rows_deep_k_tiles_match_the_reference(deep, monkeypatch):
     """DIRECT_DEEP_K (256-deep K steps in 3 stages at 5-16 tokens) at H = 512, so that the 256-deep step is not

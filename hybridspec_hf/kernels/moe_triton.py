@@ -111,12 +111,6 @@ DIRECT_SHARED_FIRST = True
 # at batch 1 1.70 → 1.71x AR (medium), 2.56 → 2.57x (high). False: 32 x 128 / 64 x 128 in 4 stages (A/B:
 # `hybridspec-direct-deep-k`).
 DIRECT_DEEP_K = True
-# True: the direct rows' sum over each token's experts (+ the gated shared expert, + the residual) in the down launch,
-# by the last program of each column tile to arrive (a counter of gemv_triton's split-K kind), instead of a third
-# launch (`_sum_kernel`): 40 launches fewer a verification at the 35B-A3B shape, where run 173 (H100,
-# breakdown_run173.md) charged `_sum_kernel` 105-117 µs of a round's traced span. Same sums in the same order (the
-# same bits). False: `_sum_kernel` after the down launch (A/B, `-fused-down-sum`).
-FUSED_SUM = True
 MODES = ("auto", "decode", "direct", "sorted")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -398,12 +392,12 @@ def _gate_up_kernel(
 
 
 def _down_kernel(
-    act, ids, weights, block_expert, block_pairs, w2, rows, shared_w2, out, logit, residual, counters,
+    act, ids, weights, block_expert, block_pairs, w2, rows, shared_w2,
     T, S, E,
-    stride_we, stride_wn, stride_wk, stride_ot, stride_rt,
+    stride_we, stride_wn, stride_wk,
     H: tl.constexpr, INTER: tl.constexpr, DIRECT: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
     SP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr,
-    SHARED: tl.constexpr, SHARED_FIRST: tl.constexpr, FUSED: tl.constexpr, RESIDUAL: tl.constexpr,
+    SHARED: tl.constexpr, SHARED_FIRST: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl.enter(PDL)  # PDL: nothing read before the kernel before this one completed
@@ -442,40 +436,6 @@ def _down_kernel(
             b_wt = tl.load(weights + pair, mask=row_ok, other=0.0).to(tl.float32)
             p_out = rows + pair[:, None].to(tl.int64) * H + rn[None, :]
             tl.store(p_out, acc * b_wt[:, None], mask=row_ok[:, None] & mn[None, :])
-    if FUSED:  # direct rows (FUSED_SUM): the column tile's last program to arrive sums its rows, as `_sum_kernel`
-        tl.debug_barrier()  # every thread's rows are written before the signal (release below)
-        arrived = tl.atomic_add(counters + i_n, 1, sem="acq_rel")
-        if arrived == tl.num_programs(1) - 1:
-            _sum_rows(rows, ids, out, logit, residual, i_n, T, E, S, stride_ot, stride_rt, H, K, BM, BN, SHARED,
-                      RESIDUAL)
-            tl.store(counters + i_n, 0)  # zero again for the next launch
-
-
-def _sum_rows(rows, ids, out, logit, residual, i_n, T, E, S, stride_ot, stride_rt, H: tl.constexpr, K: tl.constexpr,
-              BM: tl.constexpr, BN: tl.constexpr, SHARED: tl.constexpr, RESIDUAL: tl.constexpr):
-    """`_sum_kernel` for BN output columns of every token at once (the direct rows' tokens, BM >= T): the same sums in
-    the same order, so the same bits; the rows are read past L1 (written by the launch's other programs)."""
-    rm = tl.arange(0, BM)
-    t_ok = rm < T
-    rn = i_n * BN + tl.arange(0, BN)
-    mn = rn < H
-    dtype = out.dtype.element_ty
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for j in tl.static_range(K):  # j in order: the same sum whatever the routing
-        expert = tl.load(ids + rm * K + j, mask=t_ok, other=-1)
-        ok = t_ok & (expert >= 0) & (expert < E)  # sentinel pairs were never written
-        p_rows = rows + (rm * K + j)[:, None].to(tl.int64) * H + rn[None, :]
-        acc += tl.load(p_rows, mask=ok[:, None] & mn[None, :], other=0.0, cache_modifier=".cg")
-    value = acc.to(dtype).to(tl.float32)  # the experts' output, in the model dtype
-    out_ok = t_ok[:, None] & mn[None, :]
-    if SHARED:
-        p_shared = rows + (S + rm)[:, None].to(tl.int64) * H + rn[None, :]
-        shared = tl.load(p_shared, mask=out_ok, other=0.0, cache_modifier=".cg")
-        gate_logit = tl.load(logit + rm, mask=t_ok, other=0.0, cache_modifier=".cg")
-        value = _add_gated_shared(value, shared, gate_logit[:, None], dtype)
-    if RESIDUAL:  # the decoder layer's residual + block output
-        value = tl.load(residual + rm[:, None] * stride_rt + rn[None, :], mask=out_ok, other=0.0).to(tl.float32) + value
-    tl.store(out + rm[:, None] * stride_ot + rn[None, :], value.to(dtype), mask=out_ok)
 
 
 def _add_gated_shared(routed, shared, gate_logit, dtype: tl.constexpr):
@@ -764,7 +724,6 @@ if HAS_TRITON:
     _program_expert = triton.jit(_program_expert)
     _program_rows = triton.jit(_program_rows)
     _add_gated_shared = triton.jit(_add_gated_shared)
-    _sum_rows = triton.jit(_sum_rows)
     _add_row_products = triton.jit(_add_row_products)
     _down_tile = triton.jit(_down_tile)
     _down_decode_rows = triton.jit(_down_decode_rows)
@@ -1034,20 +993,13 @@ def _launch(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, mode, b
         **common, BN=tiles.block_n, BK=tiles.block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     tiles = _fit(down_tiles, hidden_size, inter)
+    _down_kernel[(triton.cdiv(hidden_size, tiles.block_n), num_slots)](
+        act, ids, weights, block_expert, block_pairs, down_proj, rows, shared_down,
+        num_tokens, pairs, num_experts, *down_proj.stride(),
+        **common, BN=tiles.block_n, BK=tiles.block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
     if residual is not None:
         residual = residual if residual.stride(-1) == 1 else residual.contiguous()
-    column_tiles = triton.cdiv(hidden_size, tiles.block_n)
-    fused = FUSED_SUM and mode == "direct" and column_tiles <= COUNTERS
-    _down_kernel[(column_tiles, num_slots)](
-        act, ids, weights, block_expert, block_pairs, down_proj, rows, shared_down, out, logit,
-        residual if residual is not None else out, split_counters(hidden.device) if fused else ids,
-        num_tokens, pairs, num_experts, *down_proj.stride(), out.stride(0),
-        residual.stride(0) if residual is not None else 0,
-        **common, BN=tiles.block_n, BK=tiles.block_k, FUSED=fused, RESIDUAL=residual is not None,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-    )
-    if fused:
-        return out
     block_sum = min(1024, triton.next_power_of_2(hidden_size))
     _sum_kernel[(triton.cdiv(hidden_size, block_sum), num_tokens)](
         rows, ids, out, logit, residual if residual is not None else out, num_experts, pairs, out.stride(0),
