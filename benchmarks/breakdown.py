@@ -47,6 +47,7 @@ from e2e import HBM_TBPS, build, copy_tbps, roofline_bytes, uniform_distinct  # 
 from hybridspec_hf import HybridSpecConfig, patches, release_graphs  # noqa: E402
 from hybridspec_hf.generation.calibration import ForcedLength, shadow_selector  # noqa: E402
 from hybridspec_hf.graphs.capture import Replay  # noqa: E402
+from hybridspec_hf.kernels.gemv_triton import int8_rows_bytes  # noqa: E402
 from hybridspec_hf.patches.experts import fused_experts_for  # noqa: E402
 from hybridspec_hf.selector.latency import LatencyModel  # noqa: E402
 
@@ -186,7 +187,7 @@ def part_bytes(target, drafter, tokens: int, context: int, drafting: bool, disti
     quantizes it."""
     moved = dict(roofline_bytes(target, tokens, None, context, distinct)) if tokens else {}
     head = target.get_output_embeddings().weight
-    int8_bytes = head.numel() + head.shape[0] * 4
+    int8_bytes = int8_rows_bytes(*head.shape)
     if tokens and int8_head:
         moved[DENSE] -= head.numel() * head.element_size()
         moved["LM head's int8 copy (greedy tokens)"] = int8_bytes
@@ -200,16 +201,16 @@ def part_bytes(target, drafter, tokens: int, context: int, drafting: bool, disti
 
 # A graph to trace: `tokens` the target's forward in it takes (0: none), whether it drafts, and what to run before
 # its replays (a verify graph replays the last draft, all its tokens valid; the forward alone, a fresh round's block)
-Part = collections.namedtuple("Part", "replay tokens drafting before")
+# greedy: the part's forward ends in greedy tokens (from the head's int8 copy where `greedy_from_copy`), not logits
+Part = collections.namedtuple("Part", "replay tokens drafting before greedy", defaults=(True,))
 AR_STEP, DRAFT, ROUND = "AR step (w = 1)", "draft (drafting + choosing w0)", "round, max shape (one graph)"
 HS_STEP = "HybridSpec plain step (w = 1, no append)"
 OUTSIDE_GOAL_MS = 1.0  # issue 15, at B = 16
 DENSE = "dense weights (LM head included)"  # e2e.roofline_bytes's key
-FORWARD = "target forward alone"  # the parts that return logits (no greedy head)
 
 
 def forward_label(tokens: int) -> str:
-    return f"{FORWARD}, T = {tokens}"
+    return f"target forward alone, T = {tokens}"
 
 
 def target_forward(rounds, tokens: int) -> Replay:
@@ -266,7 +267,7 @@ def parts_of(rounds, strategy: str, verify_shape: str, lengths: list[int], round
         return {forced_label(n): Part(rounds.spec, n, True, lambda n=n: forced.set(n)) for n in round_lengths}
     parts = {ROUND: Part(rounds.spec, block, True, lambda: None)}
     for n in (block, 1):
-        parts[forward_label(n)] = Part(target_forward(rounds, n), n, False, rounds.spec)
+        parts[forward_label(n)] = Part(target_forward(rounds, n), n, False, rounds.spec, greedy=False)  # logits
     return parts
 
 
@@ -360,8 +361,7 @@ def main(argv: list[str] | None = None) -> None:
                     print(f"    {value['kernels']:5d} {value['us']:8.1f} us  {key}", flush=True)
             length = int(rounds.target.length.max())
             row["context_tokens"] = length
-            # greedy tokens from the head's int8 copy: every part but the forward alone (it returns logits)
-            row["int8_head"] = not label.startswith(FORWARD) and rounds.greedy_from_copy(part.tokens)
+            row["int8_head"] = part.greedy and rounds.greedy_from_copy(part.tokens)
             row["bytes"] = part_bytes(target, drafter, part.tokens * args.batch, length, part.drafting,
                                       int8_head=row["int8_head"])
             row["roofline_ms"] = sum(row["bytes"].values()) / (HBM_TBPS * 1e12) * 1e3

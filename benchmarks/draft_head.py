@@ -79,7 +79,7 @@ def head_alone(vocab: int, hidden: int, rows_list: list[int], configs: list[str]
                      weight.numel() * 2)]
         variants += [(f"int8 {spec}", (lambda c: lambda: gemv(x, quantized.weight, None, c,
                                                               scale=quantized.scale))(parse_config(spec)),
-                      quantized.weight.numel() + quantized.scale.numel() * 4) for spec in configs]
+                      quantized.nbytes) for spec in configs]
         for name, function, weight_bytes in variants:
             out.append(measured(function, reference, weight_bytes, replays, rows=rows, variant=name, argmax=True))
     return out
@@ -133,7 +133,7 @@ def layers_alone(shapes: dict[str, tuple[int, int]], rows_list: list[int], confi
             variants += [(f"int8 {spec} = {c.block_n}x{c.block_k}s{c.split_k}w{c.num_warps}t{c.num_stages}"
                           if spec == "auto" else f"int8 {spec}",
                           (lambda c: lambda: gemv(x, quantized.weight, None, c, scale=quantized.scale))(c),
-                          quantized.weight.numel() + quantized.scale.numel() * 4) for spec, c in specs]
+                          quantized.nbytes) for spec, c in specs]
             for name, function, weight_bytes in variants:
                 out.append(measured(function, reference, weight_bytes, replays, shape=label, n=n, k=k, rows=rows,
                                     variant=name))

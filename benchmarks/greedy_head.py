@@ -67,7 +67,7 @@ def rows_of(hidden: int, rows: int, seed: int, replays: int, weight, quantized) 
     per_token = _candidates(x, approx, quantized.scale).sum(-1).float()
     per_block = _candidates(x, approx, quantized.scale, block=head_argmax_triton.BLOCK_V if rows <= 4
                             else head_argmax_triton.BLOCK_V_WIDE).sum(-1).float()
-    int8_bytes = quantized.weight.numel() + quantized.scale.numel() * 4
+    int8_bytes = quantized.nbytes
     variants = [
         ("bf16 head + argmax", lambda: torch.nn.functional.linear(x, weight).argmax(-1), weight.numel() * 2, {}),
         ("int8 GEMV alone", lambda: linear_int8(x, quantized), int8_bytes, {}),

@@ -121,6 +121,8 @@ def test_quantize_rows_all_zero_row_has_scale_one_and_zero_codes():
     others = [0, 1, 3, 4]
     assert bool((quantized.scale[others] != 1.0).all()) and bool(quantized.weight[others].any(dim=1).all())
     assert torch.isfinite(quantized.scale).all()
+    # what a GEMV reads of the copy: 5 x 64 int8 codes and 5 float32 scales
+    assert quantized.nbytes == quantized.weight.nbytes + quantized.scale.nbytes == 5 * 64 + 5 * 4
 
 
 def test_quantize_rows_in_chunks_of_rows_is_the_same():

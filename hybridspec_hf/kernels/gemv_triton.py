@@ -170,10 +170,20 @@ class QuantizedRows:
     def shape(self) -> torch.Size:
         return self.weight.shape
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes a GEMV reads of the copy: its int8 rows and their scales (`int8_rows_bytes`)."""
+        return int8_rows_bytes(*self.weight.shape)
+
     def fits(self, weight: torch.Tensor) -> bool:
         """Whether `quantize_rows(weight, out=self)` can write weight's copy into these tensors (same shape and
         device): a CUDA graph captured with them then reads the new values."""
         return self.weight.shape == weight.shape and self.weight.device == weight.device
+
+
+def int8_rows_bytes(n: int, k: int) -> int:
+    """Bytes of the int8 copy of a weight [N, K] (`QuantizedRows`): N·K int8 values and N float32 scales."""
+    return n * k + 4 * n
 
 
 # The int8 GEMV's config (`linear_int8`): 64 rows by 128 columns of int8 (8 KB) a step in 4 stages, K whole per

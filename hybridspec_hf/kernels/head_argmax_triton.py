@@ -46,7 +46,8 @@ from .gemv_triton import MAX_ROWS, QuantizedRows, linear_int8, split_counters
 # Run 166 (H100, the head alone, `benchmarks/greedy_head.py`, two passes): 2 048 rows a program (fewer programs for a
 # 16-token verification) cost 273.6 / 358.3 µs at 8 / 16 tokens, 1 024 239.6 / 299.6 (the int8 GEMV alone 180 / 185,
 # the bf16 head + argmax 352 / 360; both walking every candidates' step, before BOUNDED_CANDIDATES). Kept apart from
-# BLOCK_V to time other widths (`greedy_head.py --block-v-wide`; 512 not measured yet)
+# BLOCK_V to time other widths (`greedy_head.py --block-v-wide`): 512 lost in run 173 (16 tokens 1.30x over the bf16
+# head against 1 024's 1.52x in run 167, greedy_head_run173_w512.md)
 BLOCK_V = 1024
 BLOCK_V_WIDE = 1024
 CANDIDATES = 8  # candidate rows multiplied at once: [8, K] of the head in one load
