@@ -659,6 +659,41 @@ def test_a_grown_drafter_drafts_as_before_and_its_new_layers_learn(target):
         grow_drafter(drafter, 1)
 
 
+def test_a_widened_drafter_drafts_as_before_and_its_new_columns_learn(target):
+    """widen_features (train_drafter(init_drafter=..., target_layer_ids=more)): the new layer's fc columns start at
+    zero, so every draft equals the trained drafter's whatever the new layer's features hold; those columns get
+    gradients; the config (and its z-lab mirror) names the new layers; dropping a layer is refused with the way out."""
+    from hybridspec_hf.drafter.training import widen_features
+
+    drafter = _drafter(target)  # reads target layers [0, 2, 3]
+    wide = widen_features(drafter, [0, 1, 2, 3])
+    assert wide.config.target_layer_ids == [0, 1, 2, 3] and not wide.training
+    assert wide.config.to_dict()["dflash_config"]["target_layer_ids"] == [0, 1, 2, 3]
+    assert wide.fc.in_features == 4 * HIDDEN
+    wide_features = _features(7, batch=2, n_feat=4)  # blocks: layers 0, 1, 2, 3; layer 1's is not zero
+    blocks = wide_features.split(HIDDEN, dim=-1)
+    narrow_features = torch.cat([blocks[0], blocks[2], blocks[3]], dim=-1)
+    anchor = torch.tensor([[9], [3]])
+    torch.testing.assert_close(wide.draft(anchor, wide_features, wide.new_context_cache()),
+                               drafter.draft(anchor, narrow_features, drafter.new_context_cache()),
+                               rtol=1e-12, atol=1e-12)
+    for name, weight in drafter.state_dict().items():
+        if name != "fc.weight":
+            assert torch.equal(wide.state_dict()[name], weight) and wide.state_dict()[name] is not weight
+    wide.train()
+    anchors = torch.tensor([[1, 4]])
+    noise = wide.embed(torch.full((1, 12), VOCAB - 1))
+    hidden = wide(noise, _features(8, n_feat=4), position_ids=block_position_ids(anchors, 6),
+                  attention_mask=block_attention_mask(anchors, 8, 6)).last_hidden_state
+    wide.compute_logits(hidden).logsumexp(-1).sum().backward()
+    assert wide.fc.weight.grad[:, HIDDEN:2 * HIDDEN].abs().sum() > 0  # the new layer's columns learn
+    assert widen_features(drafter, [0, 2, 3]) is drafter
+    with pytest.raises(ValueError, match="must hold each of the drafter's layers"):
+        widen_features(drafter, [0, 1, 3])
+    with pytest.raises(ValueError, match="must hold each of the drafter's layers"):
+        widen_features(drafter, [0, 2, 3, 3])
+
+
 @pytest.mark.parametrize("multiplier, softcap", [(1.0, None), (2.0, None), (1.0, 5.0)])
 def test_head_dtype_logits_only_where_nothing_follows_the_head(multiplier, softcap):
     """`upcast=False` (the resident rounds' drafts and signals read the logits in fp32 themselves): the head's own

@@ -14,12 +14,16 @@ from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 from hybridspec_hf.drafter import DFlashDrafter
 from hybridspec_hf.drafter.training import (
     Sample,
+    SoftTargets,
     acceptance_lengths,
     add_train_drafter_arguments,
     block_labels,
+    dflash_loss,
     distinct_ngram_ratio,
     load_prompts,
     novel_continuations,
+    pad_samples,
+    precompute_features,
     run_train_drafter,
     sample_anchors,
     target_features,
@@ -204,6 +208,41 @@ def test_anchor_labels_and_novelty():
     assert distinct_ngram_ratio([[1, 1, 1, 1]], 2) == pytest.approx(1 / 3)
 
 
+def test_soft_targets_sit_on_the_labels_and_the_loss_mixes_them():
+    """SoftTargets.at_blocks gives block position k of anchor p the target's distribution at p+k-1, the one whose
+    argmax a greedy response put at p+k (so its top id is block_labels' label); dflash_loss with α = 0 is the plain
+    weighted CE, with α = 1 and one-hot soft targets on the labels the same, and with α = 0.5 the mean of the two."""
+    torch.manual_seed(0)
+    vocab, width = 11, 9
+    ids = torch.randint(0, vocab, (2, width))
+    lengths = torch.tensor([9, 7])
+    logits = torch.randn(2, width, vocab)
+    logits[:, :-1].scatter_(-1, ids[:, 1:, None], 6.0)  # greedy-consistent: position t's argmax is x_{t+1}
+    soft = SoftTargets.from_logits(logits, 4)
+    assert soft.probs.shape == (2, width, 4) and torch.allclose(soft.probs.sum(-1), torch.ones(2, width))
+    anchors, valid = torch.tensor([[1, 3], [2, 5]]), torch.ones(2, 2, dtype=torch.bool)
+    labels, exists = block_labels(ids, lengths, anchors, valid, block_size=4)
+    at = SoftTargets.pad([soft.row(0, 9), soft.row(1, 7)]).at_blocks(anchors, 4)
+    assert at.probs.shape == (2, 2, 3, 4)
+    assert torch.equal(at.ids[..., 0][exists], labels[exists])
+    assert 0.5 < at.probs[..., 0][exists].min() and at.probs[..., 0][exists].max() < 0.999
+    drafter_logits = torch.randn(2, 2, 3, vocab)
+    plain, _ = dflash_loss(drafter_logits, labels, exists, gamma=2.0)
+    weights = torch.exp(-torch.arange(3.0) / 2.0).expand_as(labels) * exists
+    ce = torch.nn.functional.cross_entropy(drafter_logits.flatten(0, 2), labels.flatten(), reduction="none")
+    torch.testing.assert_close(plain, (ce.view_as(labels) * weights).sum() / weights.sum())
+    one_hot = SoftTargets(torch.ones(2, 2, 3, 1), labels[..., None])
+    torch.testing.assert_close(dflash_loss(drafter_logits, labels, exists, 2.0, one_hot, 1.0)[0], plain)
+    full, _ = dflash_loss(drafter_logits, labels, exists, 2.0, at, 1.0)
+    half, _ = dflash_loss(drafter_logits, labels, exists, 2.0, at, 0.5)
+    torch.testing.assert_close(half, (plain + full) / 2)
+    assert not torch.isclose(full, plain)  # the soft targets carry more than the label
+    with pytest.raises(ValueError, match="needs `soft`"):
+        dflash_loss(drafter_logits, labels, exists, 2.0, None, 0.5)
+    with pytest.raises(ValueError, match="distill_topk must be in 1..11"):
+        SoftTargets.from_logits(logits, 12)
+
+
 def tiny_random_target(tokenizer) -> Qwen3_5MoeForCausalLM:
     config = Qwen3_5MoeTextConfig(
         vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=4, head_dim=16, num_attention_heads=2,
@@ -252,6 +291,39 @@ def test_training_pipeline_regenerates_trains_saves_reloads_and_reports_tau(tmp_
         "--tokenizer", str(ASSETS_DIR / "tokenizer")])
     assert run_train_drafter(grown).config.num_hidden_layers == 2
     assert json.loads((tmp_path / "grown" / "config.json").read_text())["num_hidden_layers"] == 2
+    # distilled (part of the loss on the target's top-k distributions), from cached features and without, widened
+    # to read one more target layer; a weight outside [0, 1] is refused before anything runs
+    assert drafter.config.target_layer_ids == [2]  # z-lab's rule for one draft layer of a 4-layer target
+    for cache in (True, False):
+        out = tmp_path / f"distilled_{cache}"
+        distilled = train_drafter(target, prompts, out, tokenizer=tokenizer, block_size=4, steps=2, batch_size=2,
+                                  num_anchors=4, max_new_tokens=8, regen_batch_size=4, init_drafter=str(tmp_path),
+                                  target_layer_ids=[2, 3] if cache else None,
+                                  cache_features=cache, distill_weight=0.5, distill_topk=8, log_every=1)
+        log = json.loads((out / "training_log.json").read_text())
+        assert log["recipe"]["distill_weight"] == 0.5 and log["recipe"]["distill_topk"] == 8
+        assert log["feature_cache"] is cache and all(torch.isfinite(torch.tensor(e["loss"])) for e in log["loss_curve"])
+        if cache:
+            assert distilled.config.target_layer_ids == [2, 3] and distilled.fc.in_features == 2 * 32
+    with pytest.raises(ValueError, match="distill_weight must be in"):
+        train_drafter(target, prompts, tmp_path / "bad", tokenizer=tokenizer, distill_weight=1.5)
+
+
+def test_precomputed_soft_targets_equal_the_targets_logits():
+    tokenizer = load_tiny_tokenizer()
+    target = tiny_random_target(tokenizer)
+    samples = [Sample([5, 6, 7], [8, 9]), Sample([4, 5], [6, 7, 8, 9, 10])]
+    features, soft = precompute_features(target, samples, [1, 2], pad_id=tokenizer.pad_token_id, device="cpu",
+                                         dtype=torch.float32, batch_size=2, distill_topk=5)
+    for sample, f, s in zip(samples, features, soft):
+        ids = torch.tensor([sample.ids])
+        feats, logits = target_features(target, ids, [1, 2], return_logits=True)
+        torch.testing.assert_close(f, feats[0])
+        top = logits[0].float().topk(5, dim=-1)
+        assert torch.equal(s.ids, top.indices.int())
+        torch.testing.assert_close(s.probs, top.values.softmax(-1))
+    ids, starts, lengths = pad_samples(samples, tokenizer.pad_token_id, "cpu")
+    assert lengths.tolist() == [5, 7] and starts.tolist() == [3, 2]
 
 
 def test_offline_tau_counts_every_full_block_and_skips_short_responses():

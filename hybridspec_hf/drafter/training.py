@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from .modeling_dflash import DFlashDrafter, block_attention_mask, block_position_ids
@@ -249,17 +248,67 @@ def target_features(target, input_ids: torch.Tensor, layer_ids: Sequence[int],
 
 @torch.no_grad()
 def precompute_features(target, samples: Sequence[Sample], layer_ids: Sequence[int], pad_id: int, device,
-                        dtype: torch.dtype, batch_size: int = 64) -> list[torch.Tensor]:
-    """Target features of every sample, [len(sample.ids), n_feat*H] each in `dtype` on `device` (one target pass)."""
+                        dtype: torch.dtype, batch_size: int = 64,
+                        distill_topk: int = 0) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[SoftTargets]]:
+    """Target features of every sample, [len(sample.ids), n_feat*H] each in `dtype` on `device` (one target pass).
+
+    With distill_topk > 0 also each sample's `SoftTargets` (the target's top-k next-token probabilities at every
+    position, from the same pass)."""
     order = sorted(range(len(samples)), key=lambda i: len(samples[i].ids))  # similar lengths share a batch
     features: list[torch.Tensor | None] = [None] * len(samples)
+    soft: list[SoftTargets | None] = [None] * len(samples)
     for start in tqdm(range(0, len(order), batch_size), desc="target features", unit="batch"):
         batch = order[start:start + batch_size]
         ids, _, lengths = pad_samples([samples[i] for i in batch], pad_id, device)
-        out = target_features(target, ids, layer_ids).to(dtype)
+        if distill_topk:
+            out, logits = target_features(target, ids, layer_ids, return_logits=True)
+            top = SoftTargets.from_logits(logits, distill_topk)
+        else:
+            out = target_features(target, ids, layer_ids)
+        out = out.to(dtype)
         for row, i in enumerate(batch):
             features[i] = out[row, :int(lengths[row])].clone()
-    return features
+            if distill_topk:
+                soft[i] = top.row(row, int(lengths[row]))
+    return (features, soft) if distill_topk else features
+
+
+@dataclass
+class SoftTargets:
+    """The target's top-k next-token distribution at each position: probs [..., S, k] (renormalised over the k, float)
+    and their token ids [..., S, k]; position t holds the distribution of token t+1."""
+
+    probs: torch.Tensor
+    ids: torch.Tensor
+
+    @classmethod
+    def from_logits(cls, logits: torch.Tensor, k: int) -> SoftTargets:
+        if not 1 <= k <= logits.shape[-1]:
+            raise ValueError(f"distill_topk must be in 1..{logits.shape[-1]} (the vocabulary), got {k}.")
+        values, ids = logits.float().topk(k, dim=-1)
+        return cls(values.softmax(-1), ids)
+
+    def row(self, row: int, length: int) -> SoftTargets:
+        """Row `row`'s first `length` positions, stored compactly (probs bf16 on CUDA, ids int32)."""
+        dtype = torch.bfloat16 if self.probs.is_cuda else torch.float32
+        return SoftTargets(self.probs[row, :length].to(dtype).clone(), self.ids[row, :length].int().clone())
+
+    @classmethod
+    def pad(cls, rows: Sequence[SoftTargets]) -> SoftTargets:
+        """Right-padded batch of per-sample rows (padding: probability 0 on token 0)."""
+        return cls(torch.nn.utils.rnn.pad_sequence([r.probs for r in rows], batch_first=True),
+                   torch.nn.utils.rnn.pad_sequence([r.ids for r in rows], batch_first=True))
+
+    def at_blocks(self, anchors: torch.Tensor, block_size: int) -> SoftTargets:
+        """The distributions of the labels of `block_labels`: block position k of anchor p predicts x_{p+k}, whose
+        distribution the target gave at position p+k-1 -> [B, N, B-1, k]."""
+        positions = (anchors[:, :, None] + torch.arange(block_size - 1, device=anchors.device))  # p + k - 1
+        index = positions.clamp(max=self.probs.shape[1] - 1).flatten(1)  # [B, N*(B-1)]
+        k = self.probs.shape[-1]
+        gather = index[:, :, None].expand(-1, -1, k)
+        shape = (*positions.shape, k)
+        return SoftTargets(self.probs.gather(1, gather).view(shape).float(),
+                           self.ids.gather(1, gather).view(shape).long())
 
 
 # --------------------------------------------------------------------------------------------------- loss
@@ -322,12 +371,22 @@ def draft_blocks(drafter: DFlashDrafter, features: torch.Tensor, ids: torch.Tens
     return drafter.compute_logits(hidden)
 
 
-def dflash_loss(logits: torch.Tensor, labels: torch.Tensor, exists: torch.Tensor, gamma: float) -> tuple[torch.Tensor, dict]:
-    """Σ w_k·CE / Σ w_k over existing labels, w_k = exp(-(k-1)/γ) for block position k; plus accuracy metrics."""
+def dflash_loss(logits: torch.Tensor, labels: torch.Tensor, exists: torch.Tensor, gamma: float,
+                soft: SoftTargets | None = None, distill_weight: float = 0.0) -> tuple[torch.Tensor, dict]:
+    """Σ w_k·CE / Σ w_k over existing labels, w_k = exp(-(k-1)/γ) for block position k; plus accuracy metrics.
+
+    With `soft` (the target's top-k distributions of the labels, `SoftTargets.at_blocks`) and distill_weight α the
+    per-label term is (1 - α)·CE(label) + α·CE(target's top-k distribution), the same weights w_k."""
     block = logits.shape[2] + 1
     weights = torch.exp(-torch.arange(block - 1, device=logits.device, dtype=torch.float32) / gamma)  # k-1 = 0..B-2
     weights = weights.expand_as(labels) * exists
-    ce = F.cross_entropy(logits.float().flatten(0, 2), labels.flatten(), reduction="none").view_as(labels)
+    log_probs = logits.float().log_softmax(-1)
+    ce = -log_probs.gather(-1, labels[..., None])[..., 0]
+    if distill_weight:
+        if soft is None:
+            raise ValueError("dflash_loss: distill_weight > 0 needs `soft`, the target's top-k distributions.")
+        soft_ce = -(soft.probs * log_probs.gather(-1, soft.ids)).sum(-1)
+        ce = (1 - distill_weight) * ce + distill_weight * soft_ce
     loss = (ce * weights).sum() / weights.sum().clamp(min=1e-6)
     with torch.no_grad():
         match = (logits.argmax(-1) == labels) & exists
@@ -535,6 +594,41 @@ def grow_drafter(drafter: DFlashDrafter, num_layers: int) -> DFlashDrafter:
     return grown
 
 
+def widen_features(drafter: DFlashDrafter, target_layer_ids: Sequence[int]) -> DFlashDrafter:
+    """`drafter` reading the outputs of `target_layer_ids`, a superset of its own layers (any order), with the new
+    layers' columns of `fc` zero: the fused context, and every draft, is the trained drafter's until training moves
+    them. The other weights are copied; the result is a new model in the drafter's dtype, device and mode, bound to the
+    same target. The drafter's own layer list is returned unchanged."""
+    old_ids = list(drafter.config.target_layer_ids)
+    new_ids = [int(i) for i in target_layer_ids]
+    missing = [i for i in old_ids if i not in new_ids]
+    if missing or len(set(new_ids)) != len(new_ids):
+        raise ValueError(f"widen_features: target_layer_ids {new_ids} must hold each of the drafter's layers "
+                         f"{old_ids} once (missing {missing}); a drafter cannot stop reading a layer it was "
+                         "trained on: train a fresh one for another set.")
+    if new_ids == old_ids:
+        return drafter
+    config = drafter.config.__class__(**{**drafter.config.to_dict(), "target_layer_ids": new_ids,
+                                         "dflash_config": {"target_layer_ids": new_ids}})
+    wide = DFlashDrafter(config).to(device=drafter.device, dtype=drafter.dtype).train(drafter.training)
+    state = drafter.state_dict()
+    hidden = drafter.config.hidden_size
+    old_fc = state.pop("fc.weight")
+    wide.load_state_dict(state, strict=False)
+    with torch.no_grad():
+        wide.fc.weight.zero_()
+        for j, layer in enumerate(old_ids):
+            k = new_ids.index(layer)
+            wide.fc.weight[:, k * hidden:(k + 1) * hidden] = old_fc[:, j * hidden:(j + 1) * hidden]
+    missing_keys = set(wide.state_dict()) - set(state) - {"fc.weight"}
+    if missing_keys:
+        raise RuntimeError(f"widen_features: weights of the wide drafter not copied: {sorted(missing_keys)}.")
+    wide.acceptance_estimator = None  # fitted on the narrower drafter's traces: refit after training
+    if drafter._target_modules is not None:
+        wide._target_modules = drafter._target_modules
+    return wide
+
+
 def train_drafter(target, prompts, output_dir: str | Path, *, tokenizer=None, num_layers: int | None = None,
                   block_size: int = 16, steps: int = 1000, time_budget_s: float | None = None,
                   target_layer_ids: Sequence[int] | None = None, mask_token_id: int | None = None,
@@ -545,8 +639,8 @@ def train_drafter(target, prompts, output_dir: str | Path, *, tokenizer=None, nu
                   eval_prompts=None, eval_block_sizes: Sequence[int] = (16, 8), prompt_field: str | None = None,
                   target_dtype: torch.dtype | None = None, save_dtype: torch.dtype | None = None,
                   mixed_precision: str | None = None, cache_features: bool | None = None,
-                  feature_cache_gib: float = 16.0, init_drafter=None, log_every: int = 50, seed: int = 0,
-                  accelerator=None) -> DFlashDrafter:
+                  feature_cache_gib: float = 16.0, init_drafter=None, distill_weight: float = 0.0,
+                  distill_topk: int = 32, log_every: int = 50, seed: int = 0, accelerator=None) -> DFlashDrafter:
     """Regenerate responses with `target`, train a DFlash drafter on them, save it, and report τ.
 
     Args:
@@ -556,7 +650,8 @@ def train_drafter(target, prompts, output_dir: str | Path, *, tokenizer=None, nu
             `training_log.json` (loss curve, recipe) and `eval.json` (τ per block size, calibration).
         num_layers, block_size, target_layer_ids, mask_token_id, drafter_overrides: `DFlashDrafter.from_target`
             (num_layers default 1). With init_drafter, num_layers above its own appends layers that start as the
-            identity (`grow_drafter`); below it is an error.
+            identity (`grow_drafter`); below it is an error; target_layer_ids that add layers to its own widen its
+            context input with zero weights (`widen_features`); dropping one of its layers is an error.
             mask_token_id defaults to the tokenizer's mask token, else the last vocabulary row.
         steps: optimizer steps. With `time_budget_s` the schedule runs on the clock instead (warm-up and cosine over
             the fraction of the budget used; training stops when it is spent), and steps is an upper bound: step
@@ -573,11 +668,19 @@ def train_drafter(target, prompts, output_dir: str | Path, *, tokenizer=None, nu
             Same features either way (the target is frozen, no dropout); the cache rounds them to bf16, which
             autocast does to the drafter's fc input anyway.
         init_drafter: a `DFlashDrafter` or a saved one's path to continue training from (its config wins over
-            block_size / target_layer_ids / mask_token_id; num_layers may grow it); default: a fresh one.
+            block_size / mask_token_id; num_layers and target_layer_ids may grow it); default: a fresh one.
+        distill_weight: α of the loss (1 - α)·CE(response token) + α·CE(target's distribution), the target's
+            next-token distribution at each label kept as its top `distill_topk` probabilities (renormalised), from
+            the same target pass as the features; 0 (default): the response tokens alone, as DFlash trains.
     Returns the trained drafter in fp32, bound to the target. The evaluation uses the weights as saved and reloaded.
     """
     from accelerate import Accelerator
 
+    if not 0.0 <= distill_weight <= 1.0:
+        raise ValueError(f"distill_weight must be in [0, 1] (the share of the loss on the target's distribution), "
+                         f"got {distill_weight}.")
+    if distill_weight and distill_topk < 1:
+        raise ValueError(f"distill_topk must be >= 1 (probabilities kept per position), got {distill_topk}.")
     output_dir = Path(output_dir)
     if accelerator is None:
         if mixed_precision is None:
@@ -610,6 +713,8 @@ def train_drafter(target, prompts, output_dir: str | Path, *, tokenizer=None, nu
         drafter = init_drafter.to(device).bind_target(target)
         if num_layers is not None:
             drafter = grow_drafter(drafter, num_layers).bind_target(target)
+        if target_layer_ids is not None:
+            drafter = widen_features(drafter, target_layer_ids).bind_target(target)
         num_layers, block_size = drafter.config.num_hidden_layers, drafter.config.block_size
     gamma = gamma or DEFAULT_GAMMA.get(block_size, block_size / 2)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -617,10 +722,14 @@ def train_drafter(target, prompts, output_dir: str | Path, *, tokenizer=None, nu
     feature_bytes = sum(len(s.ids) for s in samples) * len(layer_ids) * drafter.config.hidden_size * 2
     if cache_features is None:
         cache_features = device.type == "cuda" and feature_bytes < feature_cache_gib * 2**30
-    cached = None
+    topk = distill_topk if distill_weight else 0
+    cached, cached_soft = None, None
     if cache_features:
         cache_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        cached = precompute_features(target, samples, layer_ids, pad_id, device, cache_dtype, batch_size=regen_batch_size)
+        cached = precompute_features(target, samples, layer_ids, pad_id, device, cache_dtype,
+                                     batch_size=regen_batch_size, distill_topk=topk)
+        if topk:
+            cached, cached_soft = cached
     drafter = drafter.to(dtype=torch.float32)
     drafter.train()
     decay = [p for n, p in drafter.named_parameters() if p.ndim >= 2]
@@ -656,15 +765,24 @@ def train_drafter(target, prompts, output_dir: str | Path, *, tokenizer=None, nu
             group["lr"] = lr * scale
         pick = torch.randint(0, len(samples), (batch_size,), generator=generator).tolist()
         ids, starts, lengths = pad_samples([samples[i] for i in pick], pad_id, device)
-        if cached is None:
+        soft = None
+        if cached is None and topk:
+            features, target_logits = target_features(target, ids, layer_ids, return_logits=True)
+            soft = SoftTargets.from_logits(target_logits, topk)
+            del target_logits
+        elif cached is None:
             features = target_features(target, ids, layer_ids)
         else:
             features = torch.nn.utils.rnn.pad_sequence([cached[i] for i in pick], batch_first=True)
+            if topk:
+                soft = SoftTargets.pad([cached_soft[i] for i in pick])
         anchors, valid = sample_anchors(starts, lengths, ids.shape[1], num_anchors, generator)
         labels, exists = block_labels(ids, lengths, anchors, valid, block_size)
+        if soft is not None:
+            soft = soft.at_blocks(anchors, block_size)
         with accelerator.autocast():
             logits = draft_blocks(drafter, features, ids, anchors, block_size, model=model)
-            loss, metrics = dflash_loss(logits, labels, exists, gamma)
+            loss, metrics = dflash_loss(logits, labels, exists, gamma, soft, distill_weight)
         accelerator.backward(loss)
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), grad_clip)
         optimizer.step()
@@ -690,6 +808,7 @@ def train_drafter(target, prompts, output_dir: str | Path, *, tokenizer=None, nu
                       "weight_decay": weight_decay, "grad_clip": grad_clip, "gamma": gamma,
                       "max_new_tokens": max_new_tokens, "max_prompt_tokens": max_prompt_tokens,
                       "temperature": temperature, "mixed_precision": accelerator.mixed_precision, "seed": seed,
+                      "distill_weight": distill_weight, "distill_topk": topk or None,
                       "drafter_overrides": drafter_overrides or {}},
            "parameters": sum(p.numel() for p in drafter.parameters()),
            "num_train_sequences": len(samples),
@@ -766,7 +885,8 @@ def add_train_drafter_arguments(parser: argparse.ArgumentParser) -> argparse.Arg
                          help="drafter decoder layers (default 1; with --init-drafter: its own, or more to grow it)")
     drafter.add_argument("--block-size", type=int, default=16, help="B: anchor + B-1 mask tokens per draft")
     drafter.add_argument("--target-layer-ids", type=int, nargs="+", default=None,
-                         help="target layers whose outputs condition the drafter (default: spread over the depth)")
+                         help="target layers whose outputs condition the drafter (default: spread over the depth; "
+                              "with --init-drafter: more layers than its own widen it)")
     drafter.add_argument("--mask-token-id", type=int, default=None,
                          help="mask token id (default: the tokenizer's mask token, else the last vocabulary row)")
     drafter.add_argument("--intermediate-size", type=int, default=None, help="drafter MLP width (default: 3 × hidden)")
@@ -785,6 +905,11 @@ def add_train_drafter_arguments(parser: argparse.ArgumentParser) -> argparse.Arg
     train.add_argument("--grad-clip", type=float, default=1.0, help="gradient-norm clip")
     train.add_argument("--gamma", type=float, default=None,
                        help="loss decay over block positions (default: 7 / 5 / 4 for B = 16 / 10 / 8, else B/2)")
+    train.add_argument("--distill-weight", type=float, default=0.0,
+                       help="share of the loss on the target's next-token distribution (top-k) instead of the "
+                            "response token (default 0: the response tokens alone)")
+    train.add_argument("--distill-topk", type=int, default=32,
+                       help="target probabilities kept per position for --distill-weight")
     train.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"], default=None,
                        help="accelerate's mixed precision (default: bf16 on GPU, no on CPU)")
     train.add_argument("--cache-features", action=argparse.BooleanOptionalAction, default=None,
@@ -811,7 +936,7 @@ def run_train_drafter(args: argparse.Namespace) -> DFlashDrafter:
         eval_block_sizes=args.eval_block_sizes, prompt_field=args.prompt_field,
         target_dtype=dtype(args.target_dtype), save_dtype=dtype(args.save_dtype),
         mixed_precision=args.mixed_precision, cache_features=args.cache_features, init_drafter=args.init_drafter,
-        log_every=args.log_every,
+        distill_weight=args.distill_weight, distill_topk=args.distill_topk, log_every=args.log_every,
         seed=args.seed)
 
 
@@ -828,4 +953,5 @@ __all__ = [
     "run_train_drafter",
     "target_features",
     "train_drafter",
+    "widen_features",
 ]

@@ -7,6 +7,11 @@
         --deadline-s 175 --regen-budget-s 40 --eval-reserve-s 30
     # CPU smoke test of the same code path, seconds per stage:
     python scripts/tiny_pair/run_pipeline.py --work /tmp/tp --out /tmp/tp/out --smoke
+    # drafter variants side by side: one response stage, then one training process per variant, all at once on
+    # the same device and clock (the tiny drafters leave the GPU mostly idle), each evaluated on the same prompts:
+    python scripts/tiny_pair/run_pipeline.py ... --init-drafter hybridspec_hf/assets/tiny_pair/drafter \
+        --variant 'ce={}' --variant 'kd={"distill_weight": 0.5}' \
+        --variant 'kd_l7={"distill_weight": 0.5, "target_layer_ids": [1, 3, 5, 7]}'
 
 Stages, each bounded by the wall-clock deadline (measured from the start of this script):
 1. target: `train_target.py` for --target-budget-s, saved in bf16; held-out perplexity of the SAVED weights in fp32.
@@ -16,7 +21,8 @@ Stages, each bounded by the wall-clock deadline (measured from the start of this
    (its learning-rate schedule follows the clock).
 4. evaluation: τ per block size on the held-out continuations, calibration, distinct-n (`evaluate_drafter`), with
    the weights as saved (bf16) loaded in fp32.
-Everything lands in --out as at most 8 files: target/ (config and ≤ 14 MB shards), drafter.tar, results.json, logs.
+Everything lands in --out as at most 8 files: target/ (config and ≤ 14 MB shards), drafter.tar, results.json, logs
+(with --variant: drafter_<name>.tar each, at most 5 variants, and their logs in variant_logs.tar).
 """
 from __future__ import annotations
 
@@ -24,7 +30,9 @@ import argparse
 import datetime
 import json
 import math
+import os
 import platform
+import subprocess
 import sys
 import shutil
 import tarfile
@@ -83,6 +91,33 @@ def saved_target_perplexity(target_dir: Path, data: Path, seq_len: int, device, 
             "dtype": "float32 from bf16 weights"}
 
 
+VARIANT_KEYS = {"distill_weight", "distill_topk", "target_layer_ids", "lr", "gamma", "num_anchors", "batch_size"}
+MAX_VARIANTS = 5  # drafter_<name>.tar each, beside results.json and variant_logs.tar: the 8 files a call returns
+
+
+def parse_variant(text: str) -> tuple[str, dict]:
+    """'name={"distill_weight": 0.5}' -> ("name", {...}); names are file-name safe, keys train_drafter's."""
+    name, sep, spec = text.partition("=")
+    if not sep or not name.replace("_", "").isalnum():
+        raise ValueError(f"--variant {text!r}: write NAME=JSON with a name of letters, digits and _ "
+                         "(e.g. kd={\"distill_weight\": 0.5})")
+    try:
+        options = json.loads(spec)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--variant {name}: {spec!r} is not JSON ({e})") from None
+    if not isinstance(options, dict) or set(options) - VARIANT_KEYS:
+        raise ValueError(f"--variant {name}: keys must be among {sorted(VARIANT_KEYS)}, got {spec!r}")
+    return name, options
+
+
+def drafter_options(args, overrides: dict | None = None) -> dict:
+    """train_drafter keywords of one drafter run: the command line's, then a variant's."""
+    options = {"lr": args.drafter_lr, "batch_size": 2 if args.smoke else args.drafter_batch_size,
+               "num_anchors": 8 if args.smoke else 64, "distill_weight": args.distill_weight,
+               "distill_topk": args.distill_topk, "target_layer_ids": args.target_layer_ids}
+    return {**options, **(overrides or {})}
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", required=True, help="scratch folder (models, response shards)")
@@ -112,16 +147,38 @@ def main(argv=None) -> None:
     parser.add_argument("--ul-distinct-goal", type=float, default=0.72)
     parser.add_argument("--ul-steps-per-round", type=int, default=4,
                         help="updates per round of greedy continuations (train_target.py --ul-steps-per-round)")
+    parser.add_argument("--distill-weight", type=float, default=0.0,
+                        help="share of the drafter's loss on the target's top-k distribution (train_drafter)")
+    parser.add_argument("--distill-topk", type=int, default=32)
+    parser.add_argument("--target-layer-ids", type=int, nargs="+", default=None,
+                        help="target layers the drafter reads (with --init-drafter: more than its own widen it)")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
+                        help="train this drafter variant beside the others (train_drafter keywords: "
+                             f"{', '.join(sorted(VARIANT_KEYS))}); repeatable, at most {MAX_VARIANTS}")
+    parser.add_argument("--variant-worker", default=None, help=argparse.SUPPRESS)  # NAME=JSON, run by the parent
+    parser.add_argument("--variant-until", type=float, default=None, help=argparse.SUPPRESS)  # epoch seconds
     parser.add_argument("--smoke", action="store_true", help="toy sizes for a CPU dry run")
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what variant workers are started with
     if args.target_dir and args.init_target:
         parser.error("--target-dir (use a target as it is) and --init-target (train it further) exclude each other")
+    try:
+        args.variants = [parse_variant(v) for v in args.variant]
+    except ValueError as e:
+        parser.error(str(e))
+    if len(args.variants) > MAX_VARIANTS or len({n for n, _ in args.variants}) != len(args.variants):
+        parser.error(f"--variant: at most {MAX_VARIANTS}, each with its own name (got "
+                     f"{[n for n, _ in args.variants]})")
+    if args.variants and args.target_only:
+        parser.error("--variant trains drafters; --target-only stops before them")
+    if args.variant_worker:
+        return variant_worker(args)
     work, out, data_dir = Path(args.work), Path(args.out), Path(args.data_dir)
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               "versions": versions(), "argv": sys.argv, "stages_s": {}}
+               "versions": versions(), "argv": args.argv, "stages_s": {}}
 
     try:
         run_stages(args, work, out, data_dir, device, results)
@@ -194,6 +251,7 @@ def drafter_stages(args, target_dir: Path, work: Path, out: Path, data_dir: Path
     if args.smoke:
         n_train = 8
     train_prompts = train_prompts[:n_train]
+    (work / "train_prompts_used.json").write_text(json.dumps(train_prompts))  # what variant workers train on
     print(f"{per_prompt * 1e3:.1f} ms per prompt -> {n_train} training prompts", flush=True)
     regenerate_responses(target, tokenizer, train_prompts, drafter_dir / "regen", temperature=0.0,
                          desc="regenerate (train)", **common)
@@ -203,16 +261,14 @@ def drafter_stages(args, target_dir: Path, work: Path, out: Path, data_dir: Path
                                           "response": tokenizer.decode(s.response_ids)} for s in eval_samples[:6]]}
     results["stages_s"]["responses"] = elapsed()
 
+    if args.variants:
+        del target
+        return run_variants(args, work, out, drafter_dir, results)
+
     stage("drafter")
     budget = args.deadline_s - elapsed() - args.eval_reserve_s
     print(f"drafter training budget {budget:.0f} s", flush=True)
-    layers = args.drafter_layers if args.init_drafter else args.drafter_layers or 3  # None: the init's own
-    train_drafter(target, train_prompts, drafter_dir, tokenizer=tokenizer, num_layers=layers,
-                  block_size=16, steps=4 if args.smoke else 100_000, time_budget_s=60 if args.smoke else budget,
-                  batch_size=2 if args.smoke else args.drafter_batch_size, num_anchors=8 if args.smoke else 64,
-                  lr=args.drafter_lr, warmup_ratio=0.04, weight_decay=0.01, grad_clip=1.0,
-                  max_new_tokens=max_new, max_prompt_tokens=512, regen_batch_size=regen_batch, temperature=0.0,
-                  save_dtype=torch.bfloat16, log_every=1 if args.smoke else 50, init_drafter=args.init_drafter)
+    train_one_drafter(args, target, tokenizer, train_prompts, drafter_dir, budget, drafter_options(args))
     results["drafter"] = json.loads((drafter_dir / "training_log.json").read_text())
     results["stages_s"]["drafter"] = elapsed()
     with tarfile.open(out / "drafter.tar", "w") as tar:
@@ -228,6 +284,96 @@ def drafter_stages(args, target_dir: Path, work: Path, out: Path, data_dir: Path
     print(json.dumps({"tau": {b: r["tau"] for b, r in results["drafter_eval"]["block_sizes"].items()},
                       "ppl": results["target"].get("shipped_weights", {}).get("heldout_perplexity"),
                       "distinct": results["drafter_eval"]["distinct_ngram_ratio"], "elapsed_s": elapsed()}), flush=True)
+
+
+def train_one_drafter(args, target, tokenizer, train_prompts, drafter_dir: Path, budget: float, options: dict) -> None:
+    layers = args.drafter_layers if args.init_drafter else args.drafter_layers or 3  # None: the init's own
+    train_drafter(target, train_prompts, drafter_dir, tokenizer=tokenizer, num_layers=layers,
+                  block_size=16, steps=4 if args.smoke else 100_000, time_budget_s=min(budget, 60) if args.smoke
+                  else budget, warmup_ratio=0.04, weight_decay=0.01, grad_clip=1.0,
+                  max_new_tokens=16 if args.smoke else args.max_new_tokens, max_prompt_tokens=512,
+                  regen_batch_size=4 if args.smoke else args.regen_batch_size, temperature=0.0,
+                  save_dtype=torch.bfloat16, log_every=1 if args.smoke else 50, init_drafter=args.init_drafter,
+                  **options)
+
+
+def run_variants(args, work: Path, out: Path, drafter_dir: Path, results: dict) -> None:
+    """One process per variant, all at once, each on a copy of the response shards, to the same deadline."""
+    stage(f"drafter variants {[name for name, _ in args.variants]}")
+    until = time.time() + args.deadline_s - elapsed()
+    procs = {}
+    for name, options in args.variants:
+        own = work / "variants" / name
+        for shards in ("regen", "eval_regen"):
+            shutil.copytree(drafter_dir / shards, own / shards, dirs_exist_ok=True)
+        log = open(work / f"variant_{name}.log", "w")
+        procs[name] = (subprocess.Popen([sys.executable, __file__, *strip_variants(args.argv),
+                                         "--variant-worker", f"{name}={json.dumps(options)}",
+                                         "--variant-until", str(until)],
+                                        stdout=log, stderr=subprocess.STDOUT, env={**os.environ}), log)
+    for name, (proc, log) in procs.items():
+        proc.wait()
+        log.close()
+    results["variants"] = {}
+    for name, (proc, _) in procs.items():
+        path = work / "variants" / name / "variant_result.json"
+        result = json.loads(path.read_text()) if path.exists() else {}
+        results["variants"][name] = result | {"returncode": proc.returncode}
+        if (work / "variants" / name / "model.safetensors").exists():
+            with tarfile.open(out / f"drafter_{name}.tar", "w") as tar:
+                for file in ("config.json", "model.safetensors"):
+                    tar.add(work / "variants" / name / file, arcname=f"drafter_{name}/{file}")
+    with tarfile.open(out / "variant_logs.tar", "w") as tar:
+        for name in procs:
+            tar.add(work / f"variant_{name}.log", arcname=f"variant_{name}.log")
+    results["stages_s"]["variants"] = elapsed()
+    print(json.dumps({name: {"tau": {b: r["tau"] for b, r in v.get("eval", {}).get("block_sizes", {}).items()},
+                             "returncode": v["returncode"]} for name, v in results["variants"].items()}), flush=True)
+    failed = [name for name, v in results["variants"].items() if v["returncode"]]
+    if failed:
+        raise RuntimeError(f"drafter variants {failed} failed: see variant_logs.tar")
+
+
+def strip_variants(argv: list[str]) -> list[str]:
+    """The command line without its --variant options (a worker trains one variant, named on its own line)."""
+    kept, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--variant":
+            skip = True
+        elif not a.startswith("--variant="):
+            kept.append(a)
+    return kept
+
+
+def variant_worker(args) -> None:
+    """One variant (run by `run_variants`): train on the copied responses until the parent's deadline less the
+    evaluation reserve, then evaluate the weights as saved; result in <work>/variants/<name>/variant_result.json."""
+    from transformers import AutoTokenizer, Qwen3_5MoeForCausalLM
+
+    name, overrides = parse_variant(args.variant_worker)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    own = Path(args.work) / "variants" / name
+    tokenizer = AutoTokenizer.from_pretrained(str(ASSETS_DIR / "tokenizer"))
+    target = Qwen3_5MoeForCausalLM.from_pretrained(str(args.target_dir or Path(args.work) / "target"),
+                                                   dtype=torch.float32).to(device).eval()
+    train_prompts = json.loads((Path(args.work) / "train_prompts_used.json").read_text())
+    eval_prompts = load_prompts(Path(args.data_dir) / "heldout_prompts.jsonl")[: 4 if args.smoke else None]
+    budget = args.variant_until - time.time() - args.eval_reserve_s
+    print(f"variant {name} {overrides}: training budget {budget:.0f} s", flush=True)
+    train_one_drafter(args, target, tokenizer, train_prompts, own, budget, drafter_options(args, overrides))
+    drafter = DFlashDrafter.from_pretrained(str(own), dtype=torch.float32).to(device).eval()
+    drafter.bind_target(target)
+    common = dict(max_new_tokens=16 if args.smoke else args.max_new_tokens, max_prompt_tokens=512,
+                  batch_size=4 if args.smoke else args.regen_batch_size)
+    result = {"options": drafter_options(args, overrides),
+              "training_log": json.loads((own / "training_log.json").read_text()),
+              "eval": evaluate_drafter(target, drafter, tokenizer, eval_prompts, own / "eval_regen",
+                                       block_sizes=(16, 8), **common)}
+    (own / "variant_result.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({"variant": name, "tau": {b: r["tau"] for b, r in result["eval"]["block_sizes"].items()}}),
+          flush=True)
 
 
 if __name__ == "__main__":
