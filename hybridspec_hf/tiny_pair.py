@@ -72,12 +72,12 @@ def stdlib_files(split: str = "heldout", root: str | Path | None = None, *, stri
     if missing or changed:
         message = (
             f"stdlib split {split!r}: {len(missing)} pinned files missing and {len(changed)} with another sha256 under "
-            f"{root} (the split was pinned on Python {load_stdlib_split()['python_version']}); they are skipped. "
-            f"First ones: {(missing + changed)[:3]}"
+            f"{root} (the split was pinned on Python {load_stdlib_split()['python_version']}). "
+            f"First ones: {(missing + changed)[:3]}."
         )
         if strict:
             raise RuntimeError(message)
-        warnings.warn(message, stacklevel=2)
+        warnings.warn(message + " They are skipped.", stacklevel=2)
     return found
 
 

@@ -341,19 +341,27 @@ def test_offline_tau_counts_every_full_block_and_skips_short_responses():
 
 def test_build_corpus_prompt_files_count_what_they_write(tmp_path, capsys):
     """scripts/tiny_pair/build_corpus.py --prompts-only: --train-skip drops that many windows, and the count it
-    prints is the count it wrote; a splice needs two prompts left, and says so."""
+    prints is the count it wrote; a splice needs two prompts left, and says so; on a stdlib other than the pinned one
+    (the GPU machine's Python) it refuses instead of writing other prompts or failing on a missing file."""
     import importlib.util
 
     path = Path(__file__).resolve().parents[1] / "scripts" / "tiny_pair" / "build_corpus.py"
     spec = importlib.util.spec_from_file_location("build_corpus", path)
     build_corpus = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(build_corpus)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # another Python version: files with another hash are skipped with a warning
-        build_corpus.main(["--prompts-only", "--train-prompts", "30", "--train-skip", "12", "--heldout-prompts", "4",
-                           "--data-dir", str(tmp_path)])
-        written = (tmp_path / "train_prompts.jsonl").read_text().splitlines()
-        assert len(written) == 18 and capsys.readouterr().out.startswith("18 training prompts (after 12)")
-        with pytest.raises(SystemExit, match="leaves 1 training prompts \\(2 needed\\)"):
-            build_corpus.main(["--prompts-only", "--train-prompts", "30", "--train-skip", "29", "--splice",
-                               "--heldout-prompts", "4", "--data-dir", str(tmp_path / "b")])
+    with pytest.raises(SystemExit, match="--prompts-only needs the pinned split's files unchanged: .* missing"):
+        with pytest.MonkeyPatch.context() as patch:  # another interpreter's stdlib: refused, nothing written
+            patch.setattr(build_corpus, "stdlib_root", lambda: tmp_path / "no_stdlib")
+            build_corpus.main(["--prompts-only", "--data-dir", str(tmp_path / "refused")])
+    assert not (tmp_path / "refused").exists()
+    try:
+        stdlib_files("train", strict=True)
+    except RuntimeError:
+        pytest.skip("the pinned stdlib split is not this interpreter's (prompt files are built on the pinned one)")
+    build_corpus.main(["--prompts-only", "--train-prompts", "30", "--train-skip", "12", "--heldout-prompts", "4",
+                       "--data-dir", str(tmp_path)])
+    written = (tmp_path / "train_prompts.jsonl").read_text().splitlines()
+    assert len(written) == 18 and capsys.readouterr().out.startswith("18 training prompts (after 12)")
+    with pytest.raises(SystemExit, match="leaves 1 training prompts \\(2 needed\\)"):
+        build_corpus.main(["--prompts-only", "--train-prompts", "30", "--train-skip", "29", "--splice",
+                           "--heldout-prompts", "4", "--data-dir", str(tmp_path / "b")])

@@ -50,7 +50,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from hybridspec_hf.tiny_pair import (  # noqa: E402
-    ASSETS_DIR, SPLIT_FILE, StdlibFile, code_prompts, sha256_bytes, spliced_prompts, stdlib_root,
+    ASSETS_DIR, SPLIT_FILE, StdlibFile, code_prompts, sha256_bytes, spliced_prompts, stdlib_files, stdlib_root,
 )
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>", "<|mask|>"]
@@ -187,9 +187,13 @@ def main(argv: list[str] | None = None) -> None:
 
     root = stdlib_root()
     data_dir = Path(args.data_dir)
-    if args.prompts_only:
-        split = json.loads(SPLIT_FILE.read_text())
-        write_prompts(data_dir, read_split_files(root, split, "train"), read_split_files(root, split, "heldout"), args)
+    if args.prompts_only:  # the pinned files exactly, or a clear refusal (another Python has other files)
+        try:
+            train, heldout = (stdlib_files(which, root, strict=True) for which in ("train", "heldout"))
+        except RuntimeError as e:
+            raise SystemExit(f"--prompts-only needs the pinned split's files unchanged: {e} Run it on that "
+                             "Python version (prompt files travel to other machines as files).") from None
+        write_prompts(data_dir, train, heldout, args)
         return
     split = build_split(root)
     SPLIT_FILE.parent.mkdir(parents=True, exist_ok=True)
