@@ -598,7 +598,7 @@ def widen_features(drafter: DFlashDrafter, target_layer_ids: Sequence[int]) -> D
     """`drafter` reading the outputs of `target_layer_ids`, a superset of its own layers (any order), with the new
     layers' columns of `fc` zero: the fused context, and every draft, is the trained drafter's until training moves
     them. The other weights are copied; the result is a new model in the drafter's dtype, device and mode, bound to the
-    same target. The drafter's own layer list is returned unchanged."""
+    same target (the drafter itself where the layers are its own)."""
     old_ids = list(drafter.config.target_layer_ids)
     new_ids = [int(i) for i in target_layer_ids]
     missing = [i for i in old_ids if i not in new_ids]
@@ -614,15 +614,15 @@ def widen_features(drafter: DFlashDrafter, target_layer_ids: Sequence[int]) -> D
     state = drafter.state_dict()
     hidden = drafter.config.hidden_size
     old_fc = state.pop("fc.weight")
-    wide.load_state_dict(state, strict=False)
+    missing_keys, unexpected = wide.load_state_dict(state, strict=False)
+    if unexpected or set(missing_keys) != {"fc.weight"}:
+        raise RuntimeError(f"widen_features: weights that do not map onto the wide drafter (missing {missing_keys}, "
+                           f"unexpected {unexpected}).")
     with torch.no_grad():
         wide.fc.weight.zero_()
         for j, layer in enumerate(old_ids):
             k = new_ids.index(layer)
             wide.fc.weight[:, k * hidden:(k + 1) * hidden] = old_fc[:, j * hidden:(j + 1) * hidden]
-    missing_keys = set(wide.state_dict()) - set(state) - {"fc.weight"}
-    if missing_keys:
-        raise RuntimeError(f"widen_features: weights of the wide drafter not copied: {sorted(missing_keys)}.")
     wide.acceptance_estimator = None  # fitted on the narrower drafter's traces: refit after training
     if drafter._target_modules is not None:
         wide._target_modules = drafter._target_modules

@@ -30,7 +30,6 @@ import argparse
 import datetime
 import json
 import math
-import os
 import platform
 import subprocess
 import sys
@@ -310,7 +309,7 @@ def run_variants(args, work: Path, out: Path, drafter_dir: Path, results: dict) 
         procs[name] = (subprocess.Popen([sys.executable, __file__, *strip_variants(args.argv),
                                          "--variant-worker", f"{name}={json.dumps(options)}",
                                          "--variant-until", str(until)],
-                                        stdout=log, stderr=subprocess.STDOUT, env={**os.environ}), log)
+                                        stdout=log, stderr=subprocess.STDOUT), log)
     for name, (proc, log) in procs.items():
         proc.wait()
         log.close()
@@ -362,6 +361,9 @@ def variant_worker(args) -> None:
     eval_prompts = load_prompts(Path(args.data_dir) / "heldout_prompts.jsonl")[: 4 if args.smoke else None]
     budget = args.variant_until - time.time() - args.eval_reserve_s
     print(f"variant {name} {overrides}: training budget {budget:.0f} s", flush=True)
+    if budget < 5:
+        raise SystemExit(f"variant {name}: {budget:.0f} s left for training before the evaluation reserve; raise "
+                         "--deadline-s or lower --regen-budget-s / --eval-reserve-s")
     train_one_drafter(args, target, tokenizer, train_prompts, own, budget, drafter_options(args, overrides))
     drafter = DFlashDrafter.from_pretrained(str(own), dtype=torch.float32).to(device).eval()
     drafter.bind_target(target)
