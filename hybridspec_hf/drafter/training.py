@@ -562,6 +562,22 @@ def load_target(target, tokenizer=None, dtype: torch.dtype | None = None, device
     return target, tokenizer
 
 
+def _rebuilt(drafter: DFlashDrafter, state: dict, new_weight, what: str, **config_changes) -> DFlashDrafter:
+    """A new drafter with `config_changes`, in `drafter`'s dtype, device and mode, bound to the same target, holding
+    `state`; the weights it does not hold must be new ones (`new_weight(key)`), or this is refused. Its acceptance
+    estimator is dropped: it was fitted on the old drafter's traces (refit after training)."""
+    config = drafter.config.__class__(**{**drafter.config.to_dict(), **config_changes})
+    rebuilt = DFlashDrafter(config).to(device=drafter.device, dtype=drafter.dtype).train(drafter.training)
+    missing, unexpected = rebuilt.load_state_dict(state, strict=False)
+    if unexpected or not all(new_weight(key) for key in missing):
+        raise RuntimeError(f"{what}: weights that do not map onto the new drafter (missing {missing}, "
+                           f"unexpected {unexpected}).")
+    rebuilt.acceptance_estimator = None
+    if drafter._target_modules is not None:
+        rebuilt._target_modules = drafter._target_modules
+    return rebuilt
+
+
 def grow_drafter(drafter: DFlashDrafter, num_layers: int) -> DFlashDrafter:
     """`drafter` with decoder layers appended up to `num_layers` that start as the identity: each new layer's output
     projections (attention o_proj and MLP down_proj) are zero, so the residual stream, and every draft, is the
@@ -573,24 +589,16 @@ def grow_drafter(drafter: DFlashDrafter, num_layers: int) -> DFlashDrafter:
                          f"num_layers >= {have} (or train a fresh drafter with fewer layers).")
     if num_layers == have:
         return drafter
-    config = drafter.config.__class__(**{**drafter.config.to_dict(), "num_hidden_layers": num_layers,
-                                         "layer_types": list(drafter.config.layer_types)
-                                         + [drafter.config.layer_types[-1]] * (num_layers - have)})
-    grown = DFlashDrafter(config).to(device=drafter.device, dtype=drafter.dtype).train(drafter.training)
-    missing, unexpected = grown.load_state_dict(drafter.state_dict(), strict=False)
-    new = {f"layers.{i}." for i in range(have, num_layers)}
-    if unexpected or any(not any(key.startswith(prefix) for prefix in new) for key in missing):
-        raise RuntimeError(f"grow_drafter: weights that do not map onto the grown drafter (missing {missing}, "
-                           f"unexpected {unexpected}).")
+    new = tuple(f"layers.{i}." for i in range(have, num_layers))
+    layer_types = list(drafter.config.layer_types) + [drafter.config.layer_types[-1]] * (num_layers - have)
+    grown = _rebuilt(drafter, drafter.state_dict(), lambda key: key.startswith(new), "grow_drafter",
+                     num_hidden_layers=num_layers, layer_types=layer_types)
     with torch.no_grad():
         for layer in grown.layers[have:]:
             for projection in (layer.self_attn.o_proj, layer.mlp.down_proj):
                 projection.weight.zero_()
                 if projection.bias is not None:
                     projection.bias.zero_()
-    grown.acceptance_estimator = None  # fitted on the smaller drafter's traces: refit after training
-    if drafter._target_modules is not None:
-        grown._target_modules = drafter._target_modules
     return grown
 
 
@@ -608,24 +616,16 @@ def widen_features(drafter: DFlashDrafter, target_layer_ids: Sequence[int]) -> D
                          "trained on: train a fresh one for another set.")
     if new_ids == old_ids:
         return drafter
-    config = drafter.config.__class__(**{**drafter.config.to_dict(), "target_layer_ids": new_ids,
-                                         "dflash_config": {"target_layer_ids": new_ids}})
-    wide = DFlashDrafter(config).to(device=drafter.device, dtype=drafter.dtype).train(drafter.training)
     state = drafter.state_dict()
-    hidden = drafter.config.hidden_size
     old_fc = state.pop("fc.weight")
-    missing_keys, unexpected = wide.load_state_dict(state, strict=False)
-    if unexpected or set(missing_keys) != {"fc.weight"}:
-        raise RuntimeError(f"widen_features: weights that do not map onto the wide drafter (missing {missing_keys}, "
-                           f"unexpected {unexpected}).")
+    wide = _rebuilt(drafter, state, lambda key: key == "fc.weight", "widen_features", target_layer_ids=new_ids,
+                    dflash_config={"target_layer_ids": new_ids})
+    hidden = drafter.config.hidden_size
     with torch.no_grad():
         wide.fc.weight.zero_()
         for j, layer in enumerate(old_ids):
             k = new_ids.index(layer)
             wide.fc.weight[:, k * hidden:(k + 1) * hidden] = old_fc[:, j * hidden:(j + 1) * hidden]
-    wide.acceptance_estimator = None  # fitted on the narrower drafter's traces: refit after training
-    if drafter._target_modules is not None:
-        wide._target_modules = drafter._target_modules
     return wide
 
 
