@@ -6,22 +6,31 @@ The target's greedy continuations of `--prompts` held-out stdlib prompts (fp32),
 16-token block fits the continuation (as `drafter.training.acceptance_lengths`): τ(p) = 1 + the longest prefix of a
 proposal equal to the target's next tokens, for
   - the drafter: its argmax block (one DFlash forward on the target's features), what the rounds draft today;
-  - context lookup: the 15 tokens after the latest earlier occurrence of the last n tokens before the anchor
-    (n = `--max-ngram` down to 1, the longest that occurs; nothing where none does), as prompt-lookup decoding does;
+  - context lookup: `drafter.lookup.context_lookup` on the tokens up to the anchor (nothing after it): the 15
+    tokens after the latest earlier occurrence of the last n tokens (n = `--max-ngram` down to 1, the longest that
+    occurs), repeated with their period past the end; nothing where no n matches;
   - combined: the lookup's proposal where a match of at least `n_min` tokens exists and the drafter's own
     confidence in its first three drafts (the product of their top-1 probabilities) is below a threshold, else the
     drafter's; a rule the drafts themselves can evaluate (no look at the target's tokens);
+  - the rule the rounds apply (HybridSpecConfig(context_lookup=...)): the lookup's proposal where the estimated
+    Σ p̂ of its match length (`selector.lookup.LookupEstimator`, `--lookup-estimator`) exceeds the drafter's
+    (its acceptance estimator on its own block);
   - the larger of the two at each anchor (an oracle: a bound, not a rule).
 τ over all anchors and over the loop-free ("novel") ones, whose next 8 tokens occur nowhere earlier
 (`novel_continuations`, the training report's definition), and the tokens per round of full-block rounds run from
-each continuation's start, each at the anchor where the one before ended (what vanilla DFlash's loop would see). Offline: no rounds run, and nothing here says what the
-selector's acceptance estimate of a lookup proposal would be (it reads the drafter's signals). Trained weights,
-real acceptance (greedy). Writes benchmarks/results/<name>.{json,md}.
+each continuation's start, each at the anchor where the one before ended (what vanilla DFlash's loop would see).
+Offline: no rounds run. Trained weights, real acceptance (greedy). Writes benchmarks/results/<name>.{json,md}.
+
+The lookup table the tiny pair ships is fitted here on training-split prompts (held-out ones stay for evaluation):
+
+    PYTHONPATH=$PWD python benchmarks/context_lookup_tau.py --split train --prompts 128 \
+        --fit-lookup hybridspec_hf/assets/tiny_pair/lookup_estimator.json --name context_lookup_fit_tiny_pair
 """
 from __future__ import annotations
 
 import argparse
 import tempfile
+from pathlib import Path
 
 import torch
 from common import environment, write_results
@@ -29,21 +38,13 @@ from common import environment, write_results
 from hybridspec_hf.drafter.training import (NOVELTY_NGRAM, block_labels, distinct_ngram_ratio, draft_blocks,
                                             greedy_consistent_length, novel_continuations, regenerate_responses,
                                             target_features)
-from hybridspec_hf.tiny_pair import heldout_prompts, load_tiny_pair
+from hybridspec_hf.drafter.lookup import context_lookup
+from hybridspec_hf.selector import AcceptanceEstimator, draft_signals
+from hybridspec_hf.selector.lookup import LookupEstimator
+from hybridspec_hf.tiny_pair import ASSETS_DIR, code_prompts, heldout_prompts, load_tiny_pair, stdlib_files
 
 MIN_NGRAMS = (2, 3, 4)
 THRESHOLDS = (0.9, 0.7, 0.5)
-
-
-def lookup(ids: list[int], anchor: int, block: int, max_ngram: int) -> tuple[int, list[int]]:
-    """(n, proposal): the `block` - 1 tokens after the latest occurrence, ending before `anchor`, of the n tokens
-    ids[anchor - n + 1 .. anchor] for the largest n <= max_ngram that has one; (0, []) where none has."""
-    for n in range(min(max_ngram, anchor + 1), 0, -1):
-        key = ids[anchor - n + 1:anchor + 1]
-        for start in range(anchor - n, -1, -1):
-            if ids[start:start + n] == key:
-                return n, ids[start + n:start + n + block - 1]
-    return 0, []
 
 
 def accepted(proposal: list[int], truth: list[int]) -> int:
@@ -57,8 +58,12 @@ def accepted(proposal: list[int], truth: list[int]) -> int:
 
 
 def anchor_rows(target, drafter, samples, block: int, max_ngram: int) -> list[dict]:
-    """Per anchor: the drafter's τ, the lookup's τ and match length, novelty, the drafter's first-3 confidence."""
+    """Per anchor: the drafter's τ, the lookup's τ and match length (n >= 1), novelty, the drafter's first-3
+    confidence and its estimated Σ p̂ (the drafter's acceptance estimator, as the rounds compute it)."""
     rows = []
+    estimator = drafter.acceptance_estimator
+    if estimator is None or estimator.block_size != block:  # fitted for another block size: D-Cut's product
+        estimator = AcceptanceEstimator.default(block)
     layer_ids = drafter.config.target_layer_ids
     with torch.no_grad():
         for index, sample in enumerate(samples):
@@ -77,10 +82,13 @@ def anchor_rows(target, drafter, samples, block: int, max_ngram: int) -> list[di
             match = block_logits.argmax(-1) == labels  # [1, n, block - 1]
             tau_drafter = (1 + match.long().cumprod(2).sum(2))[0].tolist()
             confidence = block_logits.softmax(-1).amax(-1)[0, :, :3].prod(-1).tolist()
+            expected = estimator.survival(draft_signals(block_logits[0])).sum(-1).tolist()
             for i, anchor in enumerate(range(first, end)):
-                n, proposal = lookup(ids, anchor, block, max_ngram)
-                rows.append({"drafter": tau_drafter[i], "lookup": 1 + accepted(proposal, ids[anchor + 1:]),
-                             "ngram": n, "novel": bool(novel[anchor]), "confidence": confidence[i],
+                # what the rounds see: the tokens up to the anchor, nothing after it
+                proposal, n = context_lookup(ids_t[:, : anchor + 1], block, 1, max_ngram)
+                rows.append({"drafter": tau_drafter[i], "ngram": int(n),
+                             "lookup": 1 + accepted(proposal[0].tolist(), ids[anchor + 1:]) if int(n) else 1,
+                             "novel": bool(novel[anchor]), "confidence": confidence[i], "expected": expected[i],
                              "sample": index, "anchor": anchor})
     return rows
 
@@ -98,7 +106,7 @@ def rounds_tau(rows: list[dict], taus: list[int]) -> float:
     return tokens / rounds
 
 
-def summary(rows: list[dict], args) -> list[dict]:
+def summary(rows: list[dict], args, lookup_estimator: LookupEstimator | None) -> list[dict]:
     def line(name: str, taus: list[int], from_lookup: list[bool]) -> dict:
         novel = [t for t, r in zip(taus, rows) if r["novel"]]
         return {"proposal": name, "tau": sum(taus) / len(taus), "tau_novel": sum(novel) / len(novel) if novel else None,
@@ -111,6 +119,13 @@ def summary(rows: list[dict], args) -> list[dict]:
             use = [r["ngram"] >= n_min and r["confidence"] < threshold for r in rows]
             out.append(line(f"lookup where n >= {n_min} and drafter confidence < {threshold}",
                             [r["lookup"] if u else r["drafter"] for r, u in zip(rows, use)], use))
+    if lookup_estimator is not None:  # the rule the rounds apply (generation/loop.py): the larger estimated Σ p̂
+        ngram = torch.tensor([r["ngram"] for r in rows])
+        lookup_expected = lookup_estimator.survival(ngram).sum(-1).tolist()
+        use = [e > r["expected"] for r, e in zip(rows, lookup_expected)]
+        out.append(line(f"lookup where its estimated Σ p̂ (n in [{lookup_estimator.min_ngram}, "
+                        f"{lookup_estimator.max_ngram}]) exceeds the drafter's",
+                        [r["lookup"] if u else r["drafter"] for r, u in zip(rows, use)], use))
     out.append(line("the larger of the two (oracle)", [max(r["drafter"], r["lookup"]) for r in rows],
                     [r["lookup"] > r["drafter"] for r in rows]))
     return out
@@ -133,7 +148,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-ngram", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--name", default="context_lookup_tau_tiny_pair")
+    parser.add_argument("--split", choices=("heldout", "train"), default="heldout",
+                        help="prompts from the held-out stdlib files (evaluation) or the training ones (--fit-lookup)")
+    parser.add_argument("--fit-lookup", metavar="JSON", default=None,
+                        help="fit a LookupEstimator on these rows and write it here (use --split train)")
+    parser.add_argument("--min-ngram", type=int, default=2, help="the fitted table's smallest match length")
+    parser.add_argument("--lookup-estimator", metavar="JSON", default=str(ASSETS_DIR / "lookup_estimator.json"),
+                        help="the table the 'estimated Σ p̂' rule reads (default: the tiny pair's; skipped if absent)")
     args = parser.parse_args(argv)
+    if args.fit_lookup and args.split != "train":
+        raise SystemExit("--fit-lookup fits on training-split prompts only: add --split train (held-out prompts "
+                         "stay for evaluation)")
     if args.block_size < 2 or args.max_ngram < 1:
         raise SystemExit(f"--block-size must be >= 2 and --max-ngram >= 1; got {args.block_size}, {args.max_ngram}")
     torch.set_num_threads(args.threads)
@@ -141,14 +166,29 @@ def main(argv: list[str] | None = None) -> dict:
     target.float()
     drafter.float()
     with tempfile.TemporaryDirectory() as folder:
-        samples = regenerate_responses(target, tokenizer, heldout_prompts(args.prompts), folder,
+        prompts = (heldout_prompts(args.prompts) if args.split == "heldout"
+                   else code_prompts(stdlib_files("train"), args.prompts, seed=1))
+        samples = regenerate_responses(target, tokenizer, prompts, folder,
                                        max_new_tokens=args.max_new_tokens, batch_size=16)
     rows = anchor_rows(target, drafter, samples, args.block_size, args.max_ngram)
     if not rows:
         raise SystemExit("no anchor: every continuation is shorter than a block (raise --max-new-tokens)")
-    lines = summary(rows, args)
+    fitted = None
+    if args.fit_lookup:
+        ngram = torch.tensor([r["ngram"] for r in rows])
+        fitted = LookupEstimator.fit(ngram, torch.tensor([r["lookup"] - 1 for r in rows]), args.block_size,
+                                     args.min_ngram, args.max_ngram)
+        fitted.save(args.fit_lookup)
+        print(f"wrote {args.fit_lookup}: Σ p̂ by n = {fitted.table.sum(-1).tolist()}")
+    elif Path(args.lookup_estimator).is_file():
+        fitted = LookupEstimator.load(args.lookup_estimator)
+        if fitted.block_size != args.block_size:
+            print(f"{args.lookup_estimator} rates blocks of {fitted.block_size}, not {args.block_size}: its rule is "
+                  "left out")
+            fitted = None
+    lines = summary(rows, args, fitted)
     distinct = distinct_ngram_ratio([s.response_ids for s in samples], 4)
-    notes = (f"The shipped tiny pair (trained weights, fp32), {len(samples)} held-out stdlib prompts × "
+    notes = (f"The shipped tiny pair (trained weights, fp32), {len(samples)} {args.split} stdlib prompts × "
              f"{args.max_new_tokens} greedy tokens (distinct-4 of the continuations {distinct:.2f}), {len(rows)} "
              f"anchors of block {args.block_size} ({sum(r['novel'] for r in rows) / len(rows):.2f} of them "
              "loop-free). Offline τ: no rounds ran; 'drafter confidence' is the product of its first three drafts' "

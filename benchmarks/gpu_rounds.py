@@ -5,7 +5,9 @@
 
 Big part: random weights and a random router (uniform routing: about 8 → 102 distinct experts per layer from w = 1
 to 16); a random DFlash drafter, so τ ≈ 1 and every round shows the cost of verifying w tokens. Acceptance is not
-measured there. Tiny part: trained weights, held-out stdlib prompts, real acceptance and routing.
+measured there. Tiny part: trained weights, held-out stdlib prompts, real acceptance and routing; the strategies that
+choose w run with context lookup (HybridSpecConfig(context_lookup="auto"): the shipped pair's table), and
+`hybridspec_lookup_off` is HybridSpec without it.
 Writes benchmarks/results/gpu_rounds_{part}.json and .md (or --out DIR).
 """
 from __future__ import annotations
@@ -37,7 +39,12 @@ def median(values):
     return statistics.median(values) if values else float("nan")
 
 
+LOOKUP_OFF = "_lookup_off"  # a method name's suffix: the strategy with HybridSpecConfig(context_lookup="off")
+
+
 def run_generate(target, prompt, strategy, drafter, max_new, settings=None, **kwargs):
+    if strategy.endswith(LOOKUP_OFF):
+        strategy, settings = strategy[: -len(LOOKUP_OFF)], HybridSpecConfig(context_lookup="off")
     torch.cuda.synchronize()
     start = time.perf_counter()
     if strategy == "hf":
@@ -71,7 +78,8 @@ def tiny(args) -> tuple[dict, str]:
         print("fp32", strategy, same, "/", len(prompts), tel.path, flush=True)
 
     target, drafter, tokenizer = load_tiny_pair(dtype=torch.bfloat16, device="cuda")
-    methods = ["hf"] + STRATEGIES
+    # the strategies that choose w run with context lookup (the shipped pair's table); HybridSpec without it beside
+    methods = ["hf"] + STRATEGIES + ["hybridspec" + LOOKUP_OFF]
     for method in methods:  # warm-up: captures and calibrations happen here, not in the timed runs
         run_generate(target, prompts[0], method, drafter, 32)
     rows = {m: {"seconds": [], "tokens": [], "tau": [], "w": [], "identical": 0, "gaps": [], "decode_s": [],

@@ -3,6 +3,9 @@
 Trained weights (hybridspec_hf.load_tiny_pair), held-out stdlib prompts (files never trained on), real acceptance
 and real routing. Reports tokens/s, speedup over AR, τ, mean w, and whether the text equals AR's.
 
+The strategies that choose w from estimates run with context lookup (HybridSpecConfig(context_lookup="auto"), the
+shipped pair's table); `hybridspec_lookup_off` is HybridSpec without it, beside them.
+
 `--strategies ...,prompt_lookup` adds transformers' own speculative decoding that needs no drafter (prompt lookup,
 `prompt_lookup_num_tokens=--lookup-tokens`), which runs on these targets from transformers 5.25 on (it keeps a GDN
 state per drafted token); on older versions, which refuse it, the row is left out with a note.
@@ -60,6 +63,9 @@ def main() -> None:
             stock["prompt_lookup"] = dict(prompt_lookup_num_tokens=args.lookup_tokens)
     runs = {"ar": {}} | {s: dict(assistant_model=drafter, generation_strategy=s, hybridspec_config=settings)
                          for s in names} | stock
+    if "hybridspec" in names and drafter.lookup_estimator is not None:  # context lookup's share, side by side
+        runs["hybridspec_lookup_off"] = dict(assistant_model=drafter, generation_strategy="hybridspec",
+                                             hybridspec_config=dataclasses.replace(settings, context_lookup="off"))
     for spec in args.variant:  # HybridSpec with other selector options (its own selector object)
         name, _, options = spec.partition("=")
         selector = make_selector("hybridspec", {"latency_model": latency, **json.loads(options)})
@@ -91,6 +97,8 @@ def main() -> None:
                     telemetry = hybridspec_hf.get_telemetry(target)
                     row["tau"].append(telemetry.mean_emitted)
                     row["w"].append(telemetry.mean_verified)
+                    copied = [r.lookup for r in telemetry.rounds if r.lookup is not None]
+                    row.setdefault("lookup_share", []).append(sum(copied) / len(copied) if copied else 0.0)
         for name, seconds in runs_s.items():
             rows[name]["seconds"].append(statistics.median(seconds))
             rows[name]["runs_s"].append(seconds)
@@ -104,16 +112,19 @@ def main() -> None:
             "tau": statistics.mean(row["tau"]) if row["tau"] else None if name in stock else 1.0,  # stock: unknown
             "mean_w": statistics.mean(row["w"]) if row["w"] else None if name in stock else 1.0,
             "identical_to_ar": all(row["identical"]) if row["identical"] else True,
+            # drafted rounds that verified the context-lookup proposal (mean over prompts); None: no lookup
+            "lookup_share": statistics.mean(row["lookup_share"]) if row.get("lookup_share") else None,
         }
         ratios = [ar / seconds for ar, seconds in zip(rows["ar"]["seconds"], row["seconds"], strict=True)]
         summary[name] |= {"per_prompt_median": statistics.median(ratios), "per_prompt_min": min(ratios),
                           "prompts_below_0.97": sum(r < 0.97 for r in ratios)}
     lines = ["| strategy | tokens/s | speedup vs AR | per prompt: median / min / below 0.97× | τ (tokens/round) | "
-             "mean w | identical to AR |", "|---|---|---|---|---|---|---|"]
+             "mean w | rounds verifying a copy | identical to AR |", "|---|---|---|---|---|---|---|---|"]
     for name, s in summary.items():
         lines.append(f"| {name} | {s['tokens_per_s']:.1f} | {s['speedup_vs_ar']:.2f}× | "
                      f"{s['per_prompt_median']:.2f}× / {s['per_prompt_min']:.2f}× / {s['prompts_below_0.97']} | "
-                     f"{_cell(s['tau'])} | {_cell(s['mean_w'])} | {s['identical_to_ar']} |")
+                     f"{_cell(s['tau'])} | {_cell(s['mean_w'])} | {_cell(s['lookup_share'])} | "
+                     f"{s['identical_to_ar']} |")
     payload = {
         "title": "Verification strategies on the tiny trained pair (CPU)",
         "notes": ("Trained weights (shipped tiny qwen3_5_moe target + DFlash drafter); held-out stdlib prompts; "

@@ -120,7 +120,14 @@ def demo(args) -> int:
     print(f"{args.strategy + ':':12s}{new / ours_s:8.1f} tokens/s   speedup {ar_s / ours_s:.2f}x")
     print(f"rounds: {len(telemetry.rounds)}, mean accepted drafts {telemetry.mean_accepted:.2f}, "
           f"τ (tokens/round) {telemetry.mean_emitted:.2f}, mean verified w {telemetry.mean_verified:.2f}")
-    print("per round (w/accepted/emitted):", " ".join(f"{r.w}/{r.accepted}/{r.emitted}" for r in telemetry.rounds))
+    if telemetry.context_lookup:
+        copied = sum(bool(r.lookup) for r in telemetry.rounds)
+        print(f"context lookup: {copied} of {sum(r.drafted for r in telemetry.rounds)} drafted rounds verified the "
+              "tokens that followed an earlier occurrence of the last ones instead of the drafts (marked *)")
+    elif telemetry.context_lookup_off and args.strategy not in ("ar", "dflash", "static"):
+        print(f"context lookup: off ({telemetry.context_lookup_off})")
+    print("per round (w/accepted/emitted):",
+          " ".join(f"{r.w}/{r.accepted}/{r.emitted}{'*' if r.lookup else ''}" for r in telemetry.rounds))
     return 0 if identical else 1
 
 

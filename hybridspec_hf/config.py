@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from hybridspec_hf.selector import AcceptanceEstimator, LatencyModel, LengthSelector
+from hybridspec_hf.selector.lookup import LookupEstimator
 
 # "hybridspec": Dinkelbach length + plain-decoding option + routing correction; "nominal": the same without routing
 # correction; "dflash": verify the whole block; "static": a fixed length; "ratio": per-round G(w)/C(w) (EVICT-like);
@@ -22,6 +23,7 @@ CUDA_GRAPH_MODES = ("auto", "on", "off", "uncaptured")
 GDN_VERIFIERS = ("block", "per_token_state")
 COMPILE_DECISIONS = ("auto", "off", "inductor", "aot_eager")
 GREEDY_HEADS = ("auto", "int8", "model")
+CONTEXT_LOOKUP_MODES = ("auto", "on", "off")
 
 
 @dataclass
@@ -70,6 +72,16 @@ class HybridSpecConfig:
         plain bias-free `lm_head` Linear is refused. "model": the head's logits and their argmax. "auto": "int8" on
         CUDA while `generation.resident.INT8_GREEDY_HEAD` is on (the default since run 163: an H100's AR step
         3.08 -> 2.91 ms), "model" elsewhere.
+    context_lookup: a second proposal beside the drafter's block each round (drafter/lookup.py): the tokens that
+        followed the latest earlier occurrence of the last n tokens (prompt-lookup decoding), verified instead of
+        the drafter's block where its estimated Σ p̂ (a `selector.lookup.LookupEstimator` table by match length)
+        exceeds the drafter's. Exact either way (both are verified alike). For the strategies that choose w from
+        estimates ("hybridspec", "nominal", "ratio", "confidence"), batch 1, in the eager loop and the GPU-resident
+        rounds alike (the host keeps the context's n-grams and stages each round's proposal before its replay).
+        "auto": on where that holds and a table is at hand (`lookup_estimator`, else the drafter's
+        `drafter.lookup_estimator`: the shipped tiny pair has one), off elsewhere (telemetry.context_lookup_off
+        says why); "on": required (a clear error where it cannot run); "off": the drafter's block only.
+    lookup_estimator: a `selector.lookup.LookupEstimator` or a path to its JSON; None: the drafter's own.
     """
 
     static_length: int = 7
@@ -84,6 +96,8 @@ class HybridSpecConfig:
     gdn_verifier: str = "block"
     compile_decisions: str = "auto"
     greedy_head: str = "auto"
+    context_lookup: str = "auto"
+    lookup_estimator: Any = None
     acceptance_profile: Any = field(default=None, repr=False)
     routing_profile: Any = field(default=None, repr=False)
 
@@ -107,11 +121,14 @@ class HybridSpecConfig:
         if self.greedy_head == "int8" and self.cuda_graphs == "off":
             raise ValueError('greedy_head="int8" is a GPU-resident rounds path; cuda_graphs="off" runs the eager loop. '
                              'Use cuda_graphs="auto" or "on", or greedy_head="model".')
+        if self.context_lookup not in CONTEXT_LOOKUP_MODES:
+            raise ValueError(f"context_lookup must be one of {CONTEXT_LOOKUP_MODES}, got {self.context_lookup!r}.")
         if self.calibration not in CALIBRATION_MODES:
             raise ValueError(f"calibration must be one of {CALIBRATION_MODES}, got {self.calibration!r}.")
         if self.selector is not None and not isinstance(self.selector, LengthSelector):
             raise TypeError(f"selector must be a hybridspec_hf.selector.LengthSelector, got {type(self.selector).__name__}.")
-        for name, kind in (("acceptance_estimator", AcceptanceEstimator), ("latency_model", LatencyModel)):
+        for name, kind in (("acceptance_estimator", AcceptanceEstimator), ("latency_model", LatencyModel),
+                           ("lookup_estimator", LookupEstimator)):
             value = getattr(self, name)
             if value is not None and not isinstance(value, (kind, str, os.PathLike)):
                 raise TypeError(f"{name} must be a {kind.__name__} or a path to its JSON, got {type(value).__name__}.")

@@ -155,7 +155,8 @@ def load_tiny_pair(dtype: torch.dtype = torch.float32, device: str | torch.devic
 
     Works offline; the drafter is bound to the target (it borrows the target's embedding and LM head) and carries the
     acceptance estimator fitted on the pair's traces (`drafter.acceptance_estimator`, used by the calibrated
-    strategies when HybridSpecConfig names none). On CPU the
+    strategies when HybridSpecConfig names none) and the survival table of context-lookup proposals
+    (`drafter.lookup_estimator`, HybridSpecConfig.context_lookup). On CPU the
     target's experts run transformers' "eager" implementation: its default, grouped_mm, decodes one token ~25× slower
     there (590 vs 24 ms per token on 2 cores, torch 2.13).
     """
@@ -174,4 +175,9 @@ def load_tiny_pair(dtype: torch.dtype = torch.float32, device: str | torch.devic
         from hybridspec_hf.selector import AcceptanceEstimator
 
         drafter.acceptance_estimator = AcceptanceEstimator.load(fitted)
+    table = root / "lookup_estimator.json"  # context lookup's survival, fitted on training-split traces
+    if drafter.lookup_estimator is None and table.is_file():
+        from hybridspec_hf.selector.lookup import LookupEstimator
+
+        drafter.lookup_estimator = LookupEstimator.load(table)
     return target, drafter, load_tiny_tokenizer(root / "tokenizer")

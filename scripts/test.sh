@@ -13,4 +13,4 @@ export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1
   tests/test_errors_and_integration.py tests/test_drafter.py tests/test_tensor_parallel.py tests/test_resident.py \
   tests/test_patches.py tests/test_exception_safety.py tests/test_properties.py tests/test_devices.py \
   tests/test_batched.py tests/test_attention_triton.py tests/test_gemv_triton.py tests/test_moe_block_triton.py \
-  tests/test_routing_and_syncs.py tests/test_rope_table.py
+  tests/test_routing_and_syncs.py tests/test_rope_table.py tests/test_context_lookup.py

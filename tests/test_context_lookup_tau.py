@@ -1,5 +1,6 @@
-"""benchmarks/context_lookup_tau.py: the lookup finds the latest, longest earlier match; a short run on the shipped
-tiny pair writes every row with τ in [1, B] and the drafter's row equal to `acceptance_lengths`' τ."""
+"""benchmarks/context_lookup_tau.py: a short run on the shipped tiny pair writes every row with τ in [1, B] and the
+drafter's row equal to `acceptance_lengths`' τ; `--fit-lookup` fits a table on training-split prompts only.
+(The lookup itself is tested in test_context_lookup.py.)"""
 import pytest
 
 
@@ -10,12 +11,7 @@ def lookup_tau(benchmarks):
     return context_lookup_tau
 
 
-def test_the_lookup_takes_the_longest_latest_match(lookup_tau):
-    ids = [1, 2, 3, 9, 1, 2, 4, 7, 8, 1, 2]
-    assert lookup_tau.lookup(ids, 10, 4, 4) == (2, [4, 7, 8])  # "1 2" last seen at 4-5, then 4 7 8
-    assert lookup_tau.lookup(ids, 10, 4, 1) == (1, [4, 7, 8])  # "2" alone: the same, latest occurrence
-    assert lookup_tau.lookup([5, 6, 7], 2, 4, 3) == (0, [])
-    assert lookup_tau.lookup([5, 5, 5], 2, 3, 2) == (2, [5])  # the proposal stops at the anchor's end of text
+def test_accepted_counts_the_leading_matches(lookup_tau):
     assert lookup_tau.accepted([1, 2, 3], [1, 2, 4]) == 2 and lookup_tau.accepted([], [1]) == 0
 
 
@@ -29,20 +25,32 @@ def test_a_short_run_reports_every_rule(lookup_tau, tmp_path):
     from hybridspec_hf.drafter.training import acceptance_lengths, regenerate_responses
     from hybridspec_hf.tiny_pair import heldout_prompts, load_tiny_pair
 
-    payload = lookup_tau.main(["--prompts", "3", "--max-new-tokens", "40", "--block-size", "8",
+    payload = lookup_tau.main(["--prompts", "3", "--max-new-tokens", "48", "--block-size", "16",
                                "--name", str(tmp_path / "lk")])
     lines = payload["summary"]
-    assert len(lines) == 2 + len(lookup_tau.MIN_NGRAMS) * len(lookup_tau.THRESHOLDS) + 1
+    # the rules, the estimated-Σ p̂ rule (the shipped pair's table) and the oracle
+    assert len(lines) == 2 + len(lookup_tau.MIN_NGRAMS) * len(lookup_tau.THRESHOLDS) + 2
     for line in lines:
-        assert 1 <= line["tau"] <= 8 and 1 <= line["tau_rounds"] <= 8 and 0 <= line["lookup_share"] <= 1
+        assert 1 <= line["tau"] <= 16 and 1 <= line["tau_rounds"] <= 16 and 0 <= line["lookup_share"] <= 1
     assert lines[0]["lookup_share"] == 0
     oracle = lines[-1]["tau"]
     assert all(line["tau"] <= oracle + 1e-9 for line in lines)  # the per-anchor maximum bounds every rule
     target, drafter, tokenizer = load_tiny_pair()
     target.float()
     drafter.float()
-    samples = regenerate_responses(target, tokenizer, heldout_prompts(3), tmp_path / "regen", max_new_tokens=40,
+    samples = regenerate_responses(target, tokenizer, heldout_prompts(3), tmp_path / "regen", max_new_tokens=48,
                                    batch_size=16)
-    reference = acceptance_lengths(target, drafter, samples, (8,))["block_sizes"]["8"]["tau"]
+    reference = acceptance_lengths(target, drafter, samples, (16,))["block_sizes"]["16"]["tau"]
     assert lines[0]["tau"] == pytest.approx(reference, abs=1e-6)
     assert "| the larger of the two (oracle) |" in (tmp_path / "lk.md").read_text()
+
+
+def test_the_table_is_fitted_on_training_prompts_only(lookup_tau, tmp_path):
+    from hybridspec_hf.selector.lookup import LookupEstimator
+
+    with pytest.raises(SystemExit, match="--split train"):
+        lookup_tau.main(["--fit-lookup", str(tmp_path / "t.json")])
+    lookup_tau.main(["--split", "train", "--prompts", "2", "--max-new-tokens", "40", "--block-size", "8",
+                     "--min-ngram", "1", "--fit-lookup", str(tmp_path / "t.json"), "--name", str(tmp_path / "f")])
+    table = LookupEstimator.load(tmp_path / "t.json")
+    assert table.block_size == 8 and (table.min_ngram, table.max_ngram) == (1, 4)

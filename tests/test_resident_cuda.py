@@ -290,3 +290,25 @@ def test_the_int8_draft_head_serves_one_requests_block_on_a_gpu():
     assert torch.equal(batch, plain)
     block = plain[:, :MAX_ROWS]
     assert not torch.equal(one, block) and torch.allclose(one, block, rtol=0.05, atol=0.05 * block.abs().max().item())
+
+
+@pytest.mark.parametrize("verify_shape", ["max", "exact"])
+@pytest.mark.parametrize("strategy", ["hybridspec", "confidence"])
+def test_context_lookup_runs_captured_without_syncs_and_equals_ar(verify_shape, strategy, sync_errors):
+    """Each round's lookup proposal is staged from the host before the replay; the captured draft graph chooses
+    between it and the drafts; greedy output stays AR's and copies are verified."""
+    from test_context_lookup import always_copy, flat_latency, repetitive_prompt
+
+    prompt = repetitive_prompt(3)
+    target, _ = _pair()
+    with torch.no_grad():
+        ar = target.generate(prompt.cuda(), do_sample=False, max_new_tokens=40)
+    target, drafter = _pair(reference=ar.cpu())
+    settings = HybridSpecConfig(verify_shape=verify_shape, context_lookup="on", lookup_estimator=always_copy(8),
+                                latency_model=flat_latency())
+    out = target.generate(prompt.cuda(), do_sample=False, max_new_tokens=40, assistant_model=drafter,
+                          generation_strategy=strategy, hybridspec_config=settings)
+    telemetry = hybridspec_hf.get_telemetry(target)
+    assert telemetry.path == "cuda_graphs" and telemetry.context_lookup
+    assert torch.equal(out.cpu(), ar.cpu())
+    assert sum(bool(r.lookup) for r in telemetry.rounds) > 0

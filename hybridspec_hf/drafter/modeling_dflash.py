@@ -457,6 +457,7 @@ class DFlashDrafter(PreTrainedModel):
 
     config_class = DFlashConfig
     ESTIMATOR_FILE = "acceptance_estimator.json"  # beside the weights: the drafter's fitted acceptance estimator
+    LOOKUP_FILE = "lookup_estimator.json"  # beside the weights: survival of context-lookup proposals (drafter/lookup.py)
     base_model_prefix = "model"  # as z-lab's (Qwen3PreTrainedModel); checkpoint keys carry no prefix
     main_input_name = "noise_embeds"
     supports_gradient_checkpointing = True
@@ -481,6 +482,9 @@ class DFlashDrafter(PreTrainedModel):
         # selector.AcceptanceEstimator fitted on this drafter's traces; None: the uncalibrated prefix product).
         # save_pretrained writes it beside the weights and from_pretrained reads it back from a local folder.
         self.acceptance_estimator = None
+        # HybridSpecConfig(context_lookup=...)'s table when the config names none (a selector.lookup.LookupEstimator;
+        # None: context lookup stays off under "auto"); saved and read back like the acceptance estimator.
+        self.lookup_estimator = None
         self.post_init()
 
     @classmethod
@@ -491,12 +495,19 @@ class DFlashDrafter(PreTrainedModel):
             from hybridspec_hf.selector import AcceptanceEstimator
 
             model.acceptance_estimator = AcceptanceEstimator.load(fitted)
+        table = Path(str(pretrained_model_name_or_path)) / cls.LOOKUP_FILE
+        if table.is_file():
+            from hybridspec_hf.selector.lookup import LookupEstimator
+
+            model.lookup_estimator = LookupEstimator.load(table)
         return model
 
     def save_pretrained(self, save_directory, *args, **kwargs) -> None:
         super().save_pretrained(save_directory, *args, **kwargs)
         if self.acceptance_estimator is not None:
             self.acceptance_estimator.save(Path(str(save_directory)) / self.ESTIMATOR_FILE)
+        if self.lookup_estimator is not None:
+            self.lookup_estimator.save(Path(str(save_directory)) / self.LOOKUP_FILE)
 
     # ----------------------------------------------------------------------------------------------- target
     @classmethod

@@ -17,6 +17,7 @@ import torch
 
 from hybridspec_hf import patches
 from hybridspec_hf.config import HybridSpecConfig
+from hybridspec_hf.drafter.lookup import ContextIndex
 from hybridspec_hf.generation.acceptance import greedy_accept, sample_tokens, score_positions, speculative_sample
 from hybridspec_hf.generation.batched import batched_decode, check_batched_call
 from hybridspec_hf.generation.calibration import retire_if_busy
@@ -123,7 +124,11 @@ def _resident(model, drafter, strategy, logits_processor, generation_config, sto
         telemetry.resident_memory_bytes = rounds.memory_bytes
         rounds.start(cache, positions, context, first, generation_config.max_length, host.eos,
                      profile_start=getattr(strategy.profile, "start_row", 0))
-    resident_decode(rounds, host, telemetry, rounds.strategy.predicted_latency)  # syncs only at each hand-off
+        lookup = rounds.lookup
+        index = (ContextIndex(emitter.input_ids[0].tolist(), rounds.block_size, lookup.min_ngram, lookup.max_ngram)
+                 if lookup is not None else None)
+    # syncs only at each hand-off
+    resident_decode(rounds, host, telemetry, rounds.strategy.predicted_latency, index)
     with host_syncs():
         rounds.finish(cache, host.length - 1)
         emitter.input_ids = host.sequences()
@@ -167,6 +172,9 @@ def hybridspec_decode(
     batched = input_ids.shape[0] > 1 or padded
     telemetry.routing_correction, telemetry.routing_correction_off = strategy.correction_state(batched)
     if batched:
+        strategy.switch_lookup_off("a batched call (batch > 1 or a left-padded prompt): context lookup runs one "
+                                   "row at a time")
+        telemetry.context_lookup_off = strategy.lookup_off
         from hybridspec_hf.generation.resident import batch_unsupported_reason
 
         check_batched_call(streamer, cache, input_ids.shape[0])
@@ -193,6 +201,7 @@ def hybridspec_decode(
     window = VerifyWindow(moe_blocks)
     resident = _use_resident_rounds(settings, model, drafter, strategy, generation_config, logits_processor, cache,
                                     telemetry)
+    telemetry.context_lookup, telemetry.context_lookup_off = strategy.lookup is not None, strategy.lookup_off
     try:
         # Prefill: exactly AR's first forward; its features become the drafter's first context.
         with host_syncs() if resident else contextlib.nullcontext():
@@ -217,6 +226,9 @@ def hybridspec_decode(
         # (Strategy.plain_run); those run no selector work
         decides = drafter is not None and strategy.takes_plain_steps()
         plain_left = 0
+        lookup = strategy.lookup
+        index = (ContextIndex(emitter.input_ids[0].tolist(), block_size, lookup.min_ngram, lookup.max_ngram)
+                 if lookup is not None else None)  # the context's n-grams, for the lookup's proposals
 
         while not emitter.finished:
             round_start = time.perf_counter()
@@ -225,19 +237,29 @@ def hybridspec_decode(
             anchor = emitter.input_ids[:, -1:]
             max_tokens = strategy.max_tokens(w_max)
             with _sync_free(strategy.mode == "max"):
-                # 1. Draft (not when the round is a plain decoding step).
+                # 1. Draft (not when the round is a plain decoding step), and the context-lookup proposal.
                 drafted = draft_next and max_tokens > 1
+                lookup_ngram = None
                 if drafted:
                     # [B, block-1, V], beside the tokens (a no-op unless the drafter or the LM head is elsewhere)
                     draft_logits = drafter.draft(anchor, context, draft_cache).to(anchor.device)
                     context = context[:, :0]
                     drafts = draft_logits.argmax(dim=-1)
+                    if index is not None:
+                        proposal, ngram = index.propose()
+                        copied = torch.tensor([proposal], device=anchor.device)  # [1, block-1]
+                        lookup_ngram = torch.tensor([ngram], device=anchor.device)
+
+                # 2. Choose w0 on the device (and the proposal: the drafts or the copy, whichever is expected to
+                # yield more); stage 0 runs w0 + 1 tokens when the routing correction is on.
+                choice = (strategy.choose(draft_logits, committed_len, w_max, lookup_ngram=lookup_ngram)
+                          if drafted and strategy.mode != "fixed" else None)
+                if drafted:
+                    if lookup_ngram is not None:
+                        drafts = torch.where(choice.lookup[:, None], copied, drafts)
                     tokens = torch.cat([anchor, drafts[:, : max_tokens - 1]], dim=1)  # [B, T]
                 else:
                     tokens = anchor
-
-                # 2. Choose w0 on the device; stage 0 runs w0 + 1 tokens when the routing correction is on.
-                choice = strategy.choose(draft_logits, committed_len, w_max) if drafted and strategy.mode != "fixed" else None
                 valid = choice.valid if choice is not None else None  # [B] tokens that count, or all
                 masked = valid  # the valid length the verification masks tokens past
                 if choice is not None:
@@ -278,7 +300,7 @@ def hybridspec_decode(
 
             # 5. Hand-off: the round's one device→host transfer; emit token by token until a criterion fires.
             handoff = strategy.handoff(accepted, valid, choice, next_draft, tokens.shape[1]).tolist()
-            a, w, kept, n_new, draft_next = handoff[0], handoff[1], handoff[2], handoff[3], handoff[4]
+            a, w, kept, n_new, draft_next, copied_used = handoff[:6]
             if decides and not drafted:  # handoff[4] counts the plain steps still to come
                 plain_left, draft_next = draft_next, draft_next == 0
             draft_next = bool(draft_next)
@@ -288,6 +310,8 @@ def hybridspec_decode(
                 committed += 1
                 if emitter.finished:
                     break
+            if index is not None:
+                index.extend(target_tokens[0, :committed].tolist())
 
             # 6. Commit m tokens: GDN states S_m, conv windows, attention KV; their features feed the drafter.
             with _sync_free(strategy.mode == "max"):
@@ -304,6 +328,7 @@ def hybridspec_decode(
                 extra_kept=bool(kept) if corrected else None,
                 n_new=n_new if corrected else None,
                 predicted_s=strategy.predicted_latency(w, committed_len, drafted),
+                lookup=bool(copied_used) if lookup_ngram is not None else None,
             ))
     finally:
         runner.close()

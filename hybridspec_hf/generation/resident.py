@@ -61,6 +61,7 @@ import time
 import torch
 
 from hybridspec_hf import patches
+from hybridspec_hf.drafter.lookup import ContextIndex
 from hybridspec_hf.generation.acceptance import sample_tokens, speculative_sample
 from hybridspec_hf.generation.checks import ROW_WISE_PROCESSORS
 from hybridspec_hf.generation.router_hooks import RoutingReplay, VerifyWindow
@@ -390,6 +391,16 @@ class ResidentRounds:
             SHORT_VERIFY and self.speculative and not self.exact and strategy.mode != "fixed" and device_commit
             and branches) else ()
         self.verify_length = torch.zeros(1, dtype=torch.long, pin_memory=pinned)
+        # context lookup (one row, a strategy that chooses w): the host's proposal for the next round (its tokens,
+        # then its match length) staged in pinned memory and copied into the buffers the draft graph reads; the
+        # graph hands back whether the round verified it
+        self.lookup = strategy.lookup if self.speculative and rows == 1 and strategy.mode != "fixed" else None
+        if self.lookup is not None:
+            self.lookup.table = self.lookup.table.to(self.device)  # before capture: no copy inside a graph
+            self.lookup_staged = torch.zeros(self.block_size, dtype=torch.long, pin_memory=pinned)
+            self.lookup_tokens = torch.zeros(1, self.block_size - 1, **long)
+            self.lookup_ngram = torch.zeros(1, **long)
+            self.lookup_used = torch.zeros(1, dtype=torch.long, pin_memory=pinned)
         self.verified = self.verify_tokens  # tokens the last round verified (its commit graph, in "exact")
         self.step = self.step_append = self.spec = self.draft = self.decide = None
         # plain steps exist (a selector that may not draft): the first after a speculative round decides how many
@@ -737,7 +748,13 @@ class ResidentRounds:
         if self.strategy.mode != "fixed":
             with patches.fused_kernels():  # the draft signals in one launch
                 if self.rows == 1:
-                    self.choice = self.strategy.choose(draft_logits, self.round_context_len, w_max, signals)
+                    ngram = self.lookup_ngram if self.lookup is not None else None
+                    self.choice = self.strategy.choose(draft_logits, self.round_context_len, w_max, signals, ngram)
+                    if self.lookup is not None:  # the copy where it is expected to yield more than the drafts
+                        copied = torch.where(self.choice.lookup[:, None], self.lookup_tokens[:, : t - 1],
+                                             self.block[:, 1:])
+                        self.block = torch.cat([self.block[:, :1], copied], dim=1)
+                        self.lookup_used.copy_(self.choice.lookup.long(), non_blocking=True)
                 else:
                     self.choice = self.strategy.choose_rows(draft_logits, self.round_context_len, w_max, self.live,
                                                             signals)
@@ -931,6 +948,13 @@ class ResidentRounds:
         self.deferred_steps = 0 if full else self.deferred_steps + 1
         return self._read_handoff()
 
+    def stage_lookup(self, proposal: list[int], ngram: int) -> None:
+        """The next speculative round's context-lookup proposal (ContextIndex.propose), copied to the device ahead
+        of its replay (the pinned staging is rewritten only after the previous round's hand-off: its copy is done)."""
+        self.lookup_staged.copy_(torch.tensor([*proposal, ngram], dtype=torch.long))
+        self.lookup_tokens.copy_(self.lookup_staged[:-1].view(1, -1), non_blocking=True)
+        self.lookup_ngram.copy_(self.lookup_staged[-1:], non_blocking=True)
+
     def run_spec(self) -> list[int]:
         if not self.exact:
             self.spec()
@@ -1047,9 +1071,12 @@ class HostEmitter:
         return torch.cat([self.input_ids, new], dim=1)
 
 
-def resident_decode(rounds: ResidentRounds, emitter: HostEmitter, telemetry, predicted_latency) -> None:
+def resident_decode(rounds: ResidentRounds, emitter: HostEmitter, telemetry, predicted_latency,
+                    index: ContextIndex | None = None) -> None:
     """Rounds until a criterion fires; the caller prefilled and `rounds.start(...)`-ed. Host time per round: one
-    replay (two for a speculative round), one wait for the hand-off, and the emission of its tokens."""
+    replay (two for a speculative round), one wait for the hand-off, and the emission of its tokens. index: the
+    context's n-grams (the call's tokens so far) where the rounds run context lookup: each speculative round's
+    proposal is staged from it, and it takes each round's tokens."""
     draft_next = rounds.speculative and not (rounds.decides and rounds.opens_plain)
     plain_left = 0  # plain steps a deciding step ordered before the next draft (they run without selector work)
     predicted = []  # (w, context, drafted) of each round: its calibrated latency is looked up after the loop
@@ -1058,6 +1085,8 @@ def resident_decode(rounds: ResidentRounds, emitter: HostEmitter, telemetry, pre
     while not emitter.finished:
         rounds.waited_s = 0.0
         if draft_next:
+            if index is not None:
+                rounds.stage_lookup(*index.propose())
             tokens, a, device_m, _, w, kept, n_new, draft_next = rounds.unpack(rounds.run_spec())
             a, device_m = a[0], device_m[0]
             committed = 0
@@ -1071,6 +1100,7 @@ def resident_decode(rounds: ResidentRounds, emitter: HostEmitter, telemetry, pre
             elif committed != device_m:
                 raise RuntimeError(f"HybridSpec: the device committed {device_m} tokens, the host emitted {committed}.")
             drafted = True
+            copied = bool(rounds.lookup_used[0]) if index is not None and rounds.strategy.mode != "fixed" else None
         else:
             decide = rounds.decides and plain_left == 0
             tokens, _, _, _, _, _, _, plan = rounds.unpack(rounds.run_step(decide, last=plain_left == 1))
@@ -1078,7 +1108,9 @@ def resident_decode(rounds: ResidentRounds, emitter: HostEmitter, telemetry, pre
             draft_next = rounds.decides and plain_left <= 0
             a, w, kept, n_new = 0, 1, 0, 0  # m = 1
             emitter.emit(tokens[0][0])
-            committed, drafted = 1, False
+            committed, drafted, copied = 1, False, None
+        if index is not None:
+            index.extend(tokens[0][:committed])
         draft_next = bool(draft_next) and rounds.speculative
         now = time.perf_counter()
         corrected = drafted and rounds.strategy.corrects
@@ -1089,6 +1121,7 @@ def resident_decode(rounds: ResidentRounds, emitter: HostEmitter, telemetry, pre
             extra_kept=bool(kept) if corrected else None,
             n_new=n_new if corrected else None,
             host_s=now - last - rounds.waited_s,
+            lookup=copied,
         ))
         predicted.append((w, context_len, drafted))
         context_len += committed

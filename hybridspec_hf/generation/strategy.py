@@ -20,6 +20,7 @@ from hybridspec_hf.config import (CALIBRATED_STRATEGIES, HybridSpecConfig, resol
                                   resolved_verify_shape)
 from hybridspec_hf.generation.calibration import ForcedLength, cached_file, resolve_latency_model
 from hybridspec_hf.graphs.capture import distributed
+from hybridspec_hf.selector.lookup import LookupEstimator
 from hybridspec_hf.selector.profiles import AcceptanceProfile, RoutingProfile, load_profile
 from hybridspec_hf.selector import (AcceptanceEstimator, LatencyModel, LengthSelector, count_new_experts, draft_signals,
                                     make_selector)
@@ -50,6 +51,7 @@ class Choice:
     # (first-layer ids [1, T, k], n_new, keep, valid) -> None, writing the three in place; None: no correction
     correction: Callable[..., None] | None = None
     signals: dict | None = None  # the draft signals w0 was chosen from (the estimator's online update reads them)
+    lookup: torch.Tensor | None = None  # [1] bool: verify the context-lookup proposal, not the drafts (None: none)
 
     @property
     def corrects(self) -> bool:
@@ -99,6 +101,11 @@ class RoundStrategy:
         self.estimator = estimator
         self.corrects = corrects  # routing correction on (needs a MoE router)
         self.profile = None  # timing mode: a selector.profiles.AcceptanceProfile replayed by resident rounds
+        # context lookup (HybridSpecConfig.context_lookup): the survival table of its proposals, None while off;
+        # lookup_off says why it is off under "auto", lookup_required that "on" asked for it
+        self.lookup: LookupEstimator | None = None
+        self.lookup_off: str | None = None
+        self.lookup_required = False
         self.gdn_verifier = "block"  # or "per_token_state" (the serving engines' verifier, for benchmarks)
         self.greedy_head = "auto"  # HybridSpecConfig.greedy_head
         self.calibration_file = None  # the cached calibration its latency model came from (calibration.retire_if_busy)
@@ -130,7 +137,22 @@ class RoundStrategy:
         strategy.gdn_verifier = settings.gdn_verifier
         strategy.greedy_head = settings.greedy_head
         strategy.compile_backend = resolved_compile_backend(settings, next(target.parameters()).device)
+        strategy.lookup_required = settings.context_lookup == "on"
+        strategy.lookup, off = _context_lookup(settings, strategy, drafter, batch)
+        strategy.switch_lookup_off(off)
+        if strategy.lookup is not None:  # the table is part of what the decisions depend on (graph reuse)
+            strategy._identity = (*strategy._identity, json.dumps(strategy.lookup.to_dict()))
         return strategy
+
+    def switch_lookup_off(self, reason: str | None) -> None:
+        """Context lookup off for this call, because of `reason` (None: leave it as it is). Raises where
+        HybridSpecConfig(context_lookup="on") asked for it."""
+        if reason is None:
+            return
+        if self.lookup_required:
+            raise ValueError(f"HybridSpecConfig(context_lookup='on') cannot run in this call: {reason}. Use "
+                             "context_lookup='auto' (on only where it can run) or 'off'.")
+        self.lookup, self.lookup_off = None, reason
 
     @classmethod
     def _build(cls, name: str, settings: HybridSpecConfig, target, drafter, has_router: bool,
@@ -203,19 +225,23 @@ class RoundStrategy:
         """Tokens a round drafts for (anchor + drafts); "exact" trims to the choice after `choose`."""
         return min(self.fixed_length, w_max) if self.mode == "fixed" else w_max
 
-    def choose(self, draft_logits: torch.Tensor, context_len, w_max, signals: dict | None = None) -> Choice:
+    def choose(self, draft_logits: torch.Tensor, context_len, w_max, signals: dict | None = None,
+               lookup_ngram: torch.Tensor | None = None) -> Choice:
         """w0 from the drafts' survival estimates; arms the routing correction for the extra token.
 
         context_len, w_max: ints, or [1] long device tensors (GPU-resident rounds). signals: the draft signals to
-        use instead of the drafts' own (timing mode replays a profile's, see selector.profiles)."""
+        use instead of the drafts' own (timing mode replays a profile's, see selector.profiles). lookup_ngram: [1]
+        long, the match length of this round's context-lookup proposal (0: none; `self.lookup` rates it): where its
+        Σ p̂ exceeds the drafts', w0 is chosen from its survival and `Choice.lookup` says to verify it instead."""
         estimator = self.estimator.to(draft_logits.device)
         signals = signals if signals is not None else draft_signals(draft_logits)
-        survival, w0, valid, keep, n_new = self._decide(estimator, signals, context_len, w_max)
+        copied = self.lookup.survival(lookup_ngram) if lookup_ngram is not None else None
+        survival, w0, valid, keep, n_new, lookup = self._decide(estimator, signals, context_len, w_max, copied)
         if not self.corrects:
-            return Choice(w0, valid, keep, n_new, signals=signals)
+            return Choice(w0, valid, keep, n_new, signals=signals, lookup=lookup)
         correction = functools.partial(self._correct_padded, survival=survival, w0=w0, context_len=context_len,
                                        w_max=w_max)
-        return Choice(w0, valid, keep, n_new, correction, signals)
+        return Choice(w0, valid, keep, n_new, correction, signals, lookup)
 
     def _correct_padded(self, ids: torch.Tensor, *args, survival: torch.Tensor, **kwargs) -> None:
         """`_correct` on ids padded to the block's B tokens (id -1: no expert) when stage 0 verified fewer
@@ -227,21 +253,27 @@ class RoundStrategy:
             extra_at = extra_at.clamp(max=tokens - 1)  # as count_new_experts reads the unpadded ids (no extra token)
         self._correct(ids, *args, survival=survival, extra_at=extra_at, **kwargs)
 
-    def _choose(self, estimator: AcceptanceEstimator, signals: dict, context_len, w_max) -> tuple:
-        """(survival [1, B-1], w0 [1], valid [1], keep [1] False, n_new [1] 0) of one row's drafts: the device work
-        of `choose` after the signals (one compiled region with `compile_decisions`: the zeros the routing correction
-        overwrites come out of its kernels, not two launches of their own). valid = w0, + 1 (the extra token in stage
-        0) when the routing correction is on and there is room for it."""
+    def _choose(self, estimator: AcceptanceEstimator, signals: dict, context_len, w_max,
+                copied: torch.Tensor | None = None) -> tuple:
+        """(survival [1, B-1], w0 [1], valid [1], keep [1] False, n_new [1] 0, lookup [1] bool or None) of one row's
+        drafts: the device work of `choose` after the signals (one compiled region with `compile_decisions`: the
+        zeros the routing correction overwrites come out of its kernels, not two launches of their own). valid = w0,
+        + 1 (the extra token in stage 0) when the routing correction is on and there is room for it. copied: the
+        survival [1, B-1] of a context-lookup proposal, taken (lookup True) where its Σ p̂ exceeds the drafts'."""
         survival = estimator.survival(signals)  # [1, B-1]
+        lookup = None
+        if copied is not None:
+            lookup = copied.sum(-1) > survival.sum(-1)  # [1]
+            survival = torch.where(lookup[:, None], copied, survival)
         # [1] long. Clamped on the device (no sync): a custom selector's w0 = 0 would verify nothing that counts,
         # and w0 > w_max would read past the block.
         w0 = self.selector.choose(survival, context_len, w_max).long().clamp(min=1)
         w0 = torch.minimum(w0, w_max) if isinstance(w_max, torch.Tensor) else w0.clamp(max=w_max)
         keep, n_new = torch.zeros_like(w0, dtype=torch.bool), torch.zeros_like(w0)
         if not self.corrects:
-            return survival, w0, w0.clone(), keep, n_new
+            return survival, w0, w0.clone(), keep, n_new, lookup
         # stage 0 includes the extra token when there is room for it
-        return survival, w0, w0 + (w0 < w_max).long(), keep, n_new
+        return survival, w0, w0 + (w0 < w_max).long(), keep, n_new, lookup
 
     def _correction(self, ids: torch.Tensor, n_new: torch.Tensor, keep: torch.Tensor, valid: torch.Tensor, *,
                     survival: torch.Tensor, w0: torch.Tensor, context_len, w_max, extra_at: torch.Tensor) -> None:
@@ -313,7 +345,10 @@ class RoundStrategy:
         the positions this round verified. On the device, no host sync."""
         # an offline estimator learns nothing: not even the verified count is built (a launch a round on CUDA)
         if choice is not None and self.estimator is not None and self.estimator.online_lr != 0.0:
-            self.estimator.observe(choice.signals, accepted.view(-1), choice.valid.view(-1) - 1)
+            verified = choice.valid.view(-1) - 1
+            if choice.lookup is not None:  # a round that verified copied tokens says nothing of the drafts
+                verified = torch.where(choice.lookup, 0, verified)
+            self.estimator.observe(choice.signals, accepted.view(-1), verified)
 
     def should_draft(self, context_len: int):
         """Whether the next round drafts (decided from the rounds so far; read at the hand-off)."""
@@ -372,13 +407,15 @@ class RoundStrategy:
         return self.selector is not None and type(self.selector).should_draft is not LengthSelector.should_draft
 
     def handoff(self, accepted, valid, choice: Choice | None, next_draft, tokens: int) -> torch.Tensor:
-        """The round's one transfer: [a, w, kept, n_new, draft_next] as one long tensor."""
+        """The round's one transfer: [a, w, kept, n_new, draft_next, lookup] as one long tensor."""
         like = accepted.view(-1)[:1]
         w = valid.view(-1)[:1] if valid is not None else torch.full_like(like, tokens)
         kept = choice.keep.view(-1)[:1].long() if choice is not None else torch.zeros_like(like)
         n_new = choice.n_new.view(-1)[:1] if choice is not None else torch.zeros_like(like)
         draft = next_draft.view(-1)[:1].long() if isinstance(next_draft, torch.Tensor) else torch.full_like(like, int(next_draft))
-        return torch.cat([like, w, kept, n_new, draft.to(like.device)])
+        copied = (choice.lookup.long() if choice is not None and choice.lookup is not None
+                  else torch.zeros_like(like))
+        return torch.cat([like, w, kept, n_new, draft.to(like.device), copied])
 
     def predicted_latency(self, w: int, context_len: int, drafted: bool) -> float | None:
         """C(w) (or C_ar) of the calibration this round was chosen with; None for uncalibrated strategies."""
@@ -441,6 +478,33 @@ class _CompiledDecision:
             return self.eager(*args, **kwargs)
 
 
+def _context_lookup(settings: HybridSpecConfig, strategy: "RoundStrategy", drafter,
+                    batch: int) -> tuple[LookupEstimator | None, str | None]:
+    """(the survival table context lookup runs with, or None; why it is off, or None)."""
+    if settings.context_lookup == "off":
+        return None, "context_lookup='off'"
+    value = settings.lookup_estimator
+    if value is None:
+        value = getattr(drafter, "lookup_estimator", None)
+    if strategy.mode == "fixed":
+        return None, (f"strategy {strategy.name!r} verifies a fixed length; context lookup serves the strategies "
+                      "that choose w from estimates (hybridspec, nominal, ratio, confidence)")
+    if batch > 1:
+        return None, "a batched call (batch > 1): context lookup runs one row at a time"
+    if strategy.profile is not None:
+        return None, "timing mode (acceptance_profile=) replays the drafts' acceptance, not the lookup's"
+    if value is None:
+        return None, ("no survival table for lookup proposals: pass HybridSpecConfig(lookup_estimator=...) or set "
+                      "drafter.lookup_estimator (fit one with selector.lookup.LookupEstimator.fit on traces of "
+                      "training-split text, e.g. benchmarks/context_lookup_tau.py --split train --fit-lookup FILE)")
+    estimator = value if isinstance(value, LookupEstimator) else LookupEstimator.load(value)
+    if estimator.block_size != drafter.config.block_size:
+        raise ValueError(f"the lookup estimator was fitted for block_size={estimator.block_size}, the drafter drafts "
+                         f"blocks of {drafter.config.block_size}: fit one for this block size or pass "
+                         "context_lookup='off'.")
+    return estimator, None
+
+
 def _estimator(value, block_size: int) -> AcceptanceEstimator:
     if value is None:
         return AcceptanceEstimator.default(block_size)
@@ -469,6 +533,6 @@ def _settings_identity(settings: HybridSpecConfig) -> str:
     for name, value in data.items():
         if isinstance(value, LatencyModel):
             data[name] = f"LatencyModel({value.digest()})"
-        elif isinstance(value, AcceptanceEstimator):
-            data[name] = f"AcceptanceEstimator({json.dumps(value.to_dict())})"
+        elif isinstance(value, (AcceptanceEstimator, LookupEstimator)):
+            data[name] = f"{type(value).__name__}({json.dumps(value.to_dict())})"
     return repr(data)

@@ -28,6 +28,7 @@ class RoundRecord:
     predicted_s: float | None = None  # calibrated latency of this round's choice (C(w), or C_ar for a plain step)
     host_s: float | None = None  # GPU-resident rounds: wall time minus the wait for the hand-off (host work)
     rows: int = 1  # batch rows verified in this round (batched calls: accepted/emitted/committed sum over them)
+    lookup: bool | None = None  # context lookup: the round verified the copied proposal, not the drafts
 
 
 @dataclass
@@ -45,6 +46,8 @@ class GenerationTelemetry:
     resident_memory_bytes: int = 0  # GPU memory the resident rounds hold (static cache, buffers, graph pools)
     routing_correction: bool = False  # whether this call's rounds ran the routing correction
     routing_correction_off: str | None = None  # why a strategy that has one ("hybridspec") ran without it
+    context_lookup: bool = False  # whether this call's rounds could verify context-lookup proposals
+    context_lookup_off: str | None = None  # why context lookup was off, where it was
 
     @property
     def new_tokens(self) -> int:

@@ -1,0 +1,85 @@
+"""Survival p̂_i of a context-lookup proposal (drafter/lookup.py), by the length n of the match it came from.
+
+The drafter's signals say nothing about a copied proposal, so its survival comes from a table fitted on traces of
+lookup proposals against the target's tokens: for each match length n in [min_ngram, max_ngram] and position i the
+conditional acceptance c_{n,i} = P(copy i accepted | copies < i accepted), estimated as a count with a prior that
+pulls it to the position's rate over every n (`pooling` pseudo-observations; positions reached rarely by one n lean
+on the others), survival p̂_{n,i} = c_{n,1}·…·c_{n,i}. The strategies compare Σ_i p̂ of the two proposals and verify
+the one expected to yield more (generation/loop.py).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from hybridspec_hf.selector.survival import conditional_outcomes
+
+_FORMAT = "hybridspec.lookup_acceptance/1"
+
+
+class LookupEstimator:
+    """p̂ [rows, B-1] of lookup proposals from their match lengths n [rows]: a table [max - min + 1, B-1]."""
+
+    def __init__(self, survival: torch.Tensor, min_ngram: int, max_ngram: int):
+        if survival.dim() != 2 or survival.shape[0] != max_ngram - min_ngram + 1 or min_ngram < 1:
+            raise ValueError(f"survival must be [max_ngram - min_ngram + 1, B-1] with min_ngram >= 1, got "
+                             f"{tuple(survival.shape)} for n in [{min_ngram}, {max_ngram}].")
+        if bool((survival < 0).any() or (survival > 1).any() or (survival[:, 1:] > survival[:, :-1]).any()):
+            raise ValueError("survival must be probabilities, non-increasing along each row.")
+        self.table = survival.float()  # [n range, B-1]
+        self.min_ngram, self.max_ngram = int(min_ngram), int(max_ngram)
+
+    @property
+    def block_size(self) -> int:
+        return self.table.shape[1] + 1
+
+    def survival(self, n: torch.Tensor) -> torch.Tensor:
+        """p̂ [rows, B-1] fp32 of proposals from matches of length n [rows] long; 0 where n is outside the table's
+        range (no proposal). No host sync."""
+        if self.table.device != n.device:
+            self.table = self.table.to(n.device)
+        inside = (n >= self.min_ngram) & (n <= self.max_ngram)
+        row = (n - self.min_ngram).clamp(0, self.table.shape[0] - 1)
+        return self.table[row] * inside[:, None]
+
+    @classmethod
+    def fit(cls, n: torch.Tensor, accepted: torch.Tensor, block_size: int, min_ngram: int, max_ngram: int,
+            verified: torch.Tensor | int | None = None, pooling: float = 20.0) -> "LookupEstimator":
+        """From traces of lookup proposals: n [N] long match lengths, accepted [N] long copies accepted, verified
+        [N] long or int copies verified (w - 1; default block_size - 1). Rows with n outside [min_ngram, max_ngram]
+        are ignored."""
+        keep = (n >= min_ngram) & (n <= max_ngram)
+        if not bool(keep.any()):
+            raise ValueError(f"no trace has a match length in [{min_ngram}, {max_ngram}]; nothing to fit.")
+        positions = block_size - 1
+        verified = positions if verified is None else verified
+        if isinstance(verified, torch.Tensor) and verified.dim() > 0:
+            verified = verified[keep]
+        y, observed = conditional_outcomes(accepted[keep].long(), verified, positions)  # [M, P]
+        y, observed = y.double() * observed, observed.double()
+        row = n[keep].long() - min_ngram
+        levels = max_ngram - min_ngram + 1
+        hits = torch.zeros(levels, positions, dtype=torch.float64).index_add_(0, row, y)
+        seen = torch.zeros(levels, positions, dtype=torch.float64).index_add_(0, row, observed)
+        pooled = (hits.sum(0) + 0.5) / (seen.sum(0) + 1.0)  # [P], a Jeffreys-like start where nothing was seen
+        conditional = (hits + pooling * pooled) / (seen + pooling)
+        return cls(conditional.cumprod(-1).float(), min_ngram, max_ngram)
+
+    def to_dict(self) -> dict:
+        return {"format": _FORMAT, "min_ngram": self.min_ngram, "max_ngram": self.max_ngram,
+                "survival": self.table.cpu().tolist()}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "LookupEstimator":
+        if data.get("format") != _FORMAT:
+            raise ValueError(f"not a lookup-estimator dict: format {data.get('format')!r}, expected {_FORMAT!r}.")
+        return cls(torch.tensor(data["survival"], dtype=torch.float32), data["min_ngram"], data["max_ngram"])
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "LookupEstimator":
+        return cls.from_dict(json.loads(Path(path).read_text()))

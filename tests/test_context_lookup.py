@@ -1,0 +1,237 @@
+"""Context lookup (HybridSpecConfig.context_lookup): the proposal equals a plain-Python search, its survival table
+fits counts, greedy output stays AR's and sampling the target's distribution while copied proposals are verified,
+and every case it cannot serve is refused ("on") or reported ("auto")."""
+import pytest
+import torch
+from _tiny import VOCAB, make_drafter, make_target
+from test_exactness import assert_same_as_ar, reference, run
+
+import hybridspec_hf
+from hybridspec_hf import HybridSpecConfig
+from hybridspec_hf.drafter.lookup import context_lookup
+from hybridspec_hf.selector.lookup import LookupEstimator
+
+
+def python_lookup(ids: list[int], block: int, low: int, high: int) -> tuple[int, list[int] | None]:
+    """The definition, read literally: the longest n, its latest earlier occurrence, the tokens after it with the
+    period they repeat with past the end."""
+    length = len(ids)
+    for n in range(min(high, length - 1), low - 1, -1):
+        for start in range(length - n - 1, -1, -1):
+            if ids[start:start + n] == ids[length - n:]:
+                begin = start + n
+                return n, [ids[begin + k % (length - begin)] for k in range(block - 1)]
+    return 0, None
+
+
+@pytest.mark.parametrize("symbols", [2, 3, 6])
+def test_the_proposal_is_the_latest_longest_match_continued_with_its_period(symbols):
+    generator = torch.Generator().manual_seed(symbols)
+    for length in (1, 2, 3, 5, 9, 40):
+        ids = torch.randint(0, symbols, (16, length), generator=generator)
+        proposal, n = context_lookup(ids, 8, 2, 4)
+        for row in range(16):
+            want_n, want = python_lookup(ids[row].tolist(), 8, 2, 4)
+            assert int(n[row]) == want_n, (ids[row].tolist(), int(n[row]), want_n)
+            if want is not None:
+                assert proposal[row].tolist() == want
+
+
+def test_a_loop_is_proposed_past_the_end_of_the_text():
+    ids = torch.tensor([[7, 1, 2, 3, 1, 2, 3, 1, 2]])  # "3 1 2" last seen at 3-5, then "3 1 2" and around again
+    proposal, n = context_lookup(ids, 8, 1, 3)
+    assert int(n) == 3 and proposal[0].tolist() == [3, 1, 2, 3, 1, 2, 3]
+    proposal, n = context_lookup(torch.tensor([[4, 5, 6]]), 4, 1, 2)
+    assert int(n) == 0  # nothing earlier matches
+    with pytest.raises(ValueError, match="min_ngram <= max_ngram"):
+        context_lookup(ids, 8, 3, 2)
+    with pytest.raises(ValueError, match="token ids"):
+        context_lookup(ids[0], 8, 1, 2)
+
+
+def test_the_table_fits_the_counts_and_round_trips(tmp_path):
+    # n = 2: 40 proposals, half accept 3 copies, half 0; n = 3: every one accepts all 4 (block 5)
+    n = torch.tensor([2] * 40 + [3] * 40 + [1] * 5)
+    accepted = torch.tensor([3, 0] * 20 + [4] * 40 + [4] * 5)
+    table = LookupEstimator.fit(n, accepted, block_size=5, min_ngram=2, max_ngram=3, pooling=1e-9)
+    assert table.table[0].tolist() == pytest.approx([0.5, 0.5, 0.5, 0.0], abs=1e-6)
+    assert table.table[1].tolist() == pytest.approx([1.0] * 4, abs=1e-6)
+    survival = table.survival(torch.tensor([3, 0, 5, 2]))
+    assert survival[1].sum() == 0 and survival[2].sum() == 0 and survival[3].tolist() == table.table[0].tolist()
+    pooled = LookupEstimator.fit(n, accepted, block_size=5, min_ngram=2, max_ngram=4)  # n = 4 never seen: pooled
+    assert 0 < float(pooled.table[2, 0]) < 1 and bool((pooled.table[:, 1:] <= pooled.table[:, :-1]).all())
+    pooled.save(tmp_path / "t.json")
+    assert torch.equal(LookupEstimator.load(tmp_path / "t.json").table, pooled.table)
+    with pytest.raises(ValueError, match="non-increasing"):
+        LookupEstimator(torch.tensor([[0.5, 0.9]]), 1, 1)
+    with pytest.raises(ValueError, match="nothing to fit"):
+        LookupEstimator.fit(torch.tensor([1]), torch.tensor([2]), 5, 2, 3)
+
+
+def always_copy(block_size: int, low: int = 1, high: int = 4) -> LookupEstimator:
+    """A table that rates every copy as certain: a match always wins over the drafts (lookup rounds happen)."""
+    return LookupEstimator(torch.ones(high - low + 1, block_size - 1), low, high)
+
+
+def flat_latency(block_size: int = 8):
+    """Rounds barely dearer than a plain step: a calibrated strategy drafts (whatever calibration other tests left)."""
+    from hybridspec_hf.selector import LatencyModel
+
+    return LatencyModel(cost=torch.linspace(1.0, 1.1, block_size)[None], cost_ar=torch.tensor([0.9]),
+                        context_lens=torch.tensor([64]))
+
+
+def repetitive_prompt(seed: int, length: int = 24) -> torch.Tensor:
+    pattern = torch.randint(0, VOCAB, (5,), generator=torch.Generator().manual_seed(seed))
+    return pattern.repeat(length // 5 + 1)[:length].view(1, -1)
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_moe", "qwen3_next"])
+@pytest.mark.parametrize("strategy", ["hybridspec", "confidence"])
+def test_greedy_output_stays_ar_while_copies_are_verified(name, strategy, fp64_gdn):
+    target = make_target(name)
+    used = 0
+    for seed in range(3):
+        prompt = repetitive_prompt(seed)
+        ar = reference(target, prompt, 30)
+        drafter = make_drafter(target, 8, ar.sequences, error_rate=0.5)
+        settings = HybridSpecConfig(context_lookup="on", lookup_estimator=always_copy(8),
+                                    latency_model=flat_latency())
+        out = run(target, prompt, drafter, strategy, 30, hybridspec_config=settings)
+        assert_same_as_ar(out, ar)
+        telemetry = hybridspec_hf.get_telemetry(target)
+        assert telemetry.context_lookup and telemetry.context_lookup_off is None
+        used += sum(bool(r.lookup) for r in telemetry.rounds)
+    assert used > 0, "no round verified a copied proposal"
+
+
+def exact_last_two(target, prompt, top_k: int) -> dict[tuple[int, int], float]:
+    """P(the 2nd and 3rd sampled tokens) under top-k sampling at temperature 1, summed over the 1st: exact."""
+    def step(ids):
+        with torch.no_grad():
+            logits = target(ids).logits[0, -1].double()
+        values, index = logits.topk(top_k)
+        return index.tolist(), values.softmax(-1).tolist()
+
+    joint = {}
+    for t1, p1 in zip(*step(prompt)):
+        one = torch.cat([prompt, torch.tensor([[t1]])], 1)
+        for t2, p2 in zip(*step(one)):
+            for t3, p3 in zip(*step(torch.cat([one, torch.tensor([[t2]])], 1))):
+                joint[(t2, t3)] = joint.get((t2, t3), 0.0) + p1 * p2 * p3
+    return joint
+
+
+@pytest.mark.parametrize("shape,strategy", [("max", "confidence"), ("exact", "confidence"), ("max", "hybridspec")])
+def test_resident_rounds_verify_copies_and_stay_ar(shape, strategy):
+    """GPU-resident rounds (here on the CPU, uncaptured: the same graphs' code) stage the host's proposal each round;
+    greedy output stays AR's, rounds verify copies, and the per-round telemetry says which."""
+    target = make_target("qwen3_5_moe", dtype=torch.float32)
+    used = 0
+    for seed in range(2):
+        prompt = repetitive_prompt(seed)
+        ar = reference(target, prompt, 30)
+        drafter = make_drafter(target, 8, ar.sequences, error_rate=0.5).float()
+        settings = HybridSpecConfig(context_lookup="on", lookup_estimator=always_copy(8), cuda_graphs="on",
+                                    verify_shape=shape, latency_model=flat_latency())
+        out = run(target, prompt, drafter, strategy, 30, hybridspec_config=settings)
+        telemetry = hybridspec_hf.get_telemetry(target)
+        assert telemetry.path == "static_eager" and telemetry.context_lookup
+        assert torch.equal(out, ar.sequences)
+        assert all(r.lookup is not None for r in telemetry.rounds if r.drafted)
+        used += sum(bool(r.lookup) for r in telemetry.rounds)
+    assert used > 0, "no resident round verified a copied proposal"
+
+
+def test_sampling_with_copies_keeps_the_target_distribution():
+    """400 sampled continuations against the exact distribution of their last two tokens (a chi-square test on
+    the cells expected >= 5 times, the rest pooled: p > 1e-3), while copies are verified."""
+    target = make_target("qwen3_5_moe", seed=9, dtype=torch.float32)
+    prompt = repetitive_prompt(4, 10)
+    greedy = target.generate(prompt, do_sample=False, max_new_tokens=12)
+    drafter = make_drafter(target, 8, greedy, error_rate=0.5).float()
+    settings = HybridSpecConfig(context_lookup="on", lookup_estimator=always_copy(8))
+    draws, copied, rounds = 400, 0, 0
+    torch.manual_seed(0)
+    counts: dict[tuple[int, int], int] = {}
+    for _ in range(draws):
+        out = target.generate(prompt, assistant_model=drafter, generation_strategy="confidence",
+                              hybridspec_config=settings, do_sample=True, temperature=1.0, top_k=4, max_new_tokens=3)
+        key = tuple(out[0, -2:].tolist())
+        counts[key] = counts.get(key, 0) + 1
+        telemetry = hybridspec_hf.get_telemetry(target)
+        copied += sum(bool(r.lookup) for r in telemetry.rounds)
+        rounds += len(telemetry.rounds)
+    assert copied > rounds // 10, f"only {copied} of {rounds} rounds verified a copy"
+    exact = exact_last_two(target, prompt, 4)
+    assert set(counts) <= set(exact), "a pair outside the top-4 support was sampled"
+    big = [k for k, p in exact.items() if p * draws >= 5]
+    assert len(big) >= 4
+    observed = [counts.get(k, 0) for k in big] + [draws - sum(counts.get(k, 0) for k in big)]
+    expected = [exact[k] * draws for k in big] + [draws * (1 - sum(exact[k] for k in big))]
+    observed, expected = torch.tensor(observed, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64)
+    statistic = ((observed - expected) ** 2 / expected).sum()
+    pvalue = torch.special.gammaincc(torch.tensor((len(big)) / 2, dtype=torch.float64), statistic / 2)
+    assert float(pvalue) > 1e-3, (float(statistic), len(big))
+
+
+def test_what_lookup_cannot_serve_is_refused_under_on_and_reported_under_auto():
+    target = make_target("qwen3_5_moe", dtype=torch.float32)
+    prompt = repetitive_prompt(1)
+    drafter = make_drafter(target, 8).float()
+    on = HybridSpecConfig(context_lookup="on", lookup_estimator=always_copy(8))
+    with pytest.raises(ValueError, match="fixed length"):
+        run(target, prompt, drafter, "dflash", 4, hybridspec_config=on)
+    with pytest.raises(ValueError, match="no survival table"):
+        run(target, prompt, drafter, "confidence", 4, hybridspec_config=HybridSpecConfig(context_lookup="on"))
+    with pytest.raises(ValueError, match="batch"):
+        run(target, prompt.repeat(2, 1), drafter, "confidence", 4, hybridspec_config=on)
+    with pytest.raises(ValueError, match="block_size=4"):
+        run(target, prompt, drafter, "confidence", 4,
+            hybridspec_config=HybridSpecConfig(context_lookup="on", lookup_estimator=always_copy(4)))
+    with pytest.raises(ValueError, match="context_lookup must be one of"):
+        HybridSpecConfig(context_lookup="yes")
+    with pytest.raises(TypeError, match="lookup_estimator"):
+        HybridSpecConfig(lookup_estimator=3)
+    # "auto": off where it cannot run, and why; the model still generates (AR's tokens)
+    ar = reference(target, prompt, 6)
+    for strategy, settings, reason, rows in (
+        ("confidence", HybridSpecConfig(), "no survival table", 1),
+        ("dflash", HybridSpecConfig(lookup_estimator=always_copy(8)), "fixed length", 1),
+        ("confidence", HybridSpecConfig(lookup_estimator=always_copy(8)), "batch", 2),
+    ):
+        out = run(target, prompt.repeat(rows, 1), drafter, strategy, 6, hybridspec_config=settings)
+        telemetry = hybridspec_hf.get_telemetry(target)
+        assert not telemetry.context_lookup and reason in telemetry.context_lookup_off
+        assert torch.equal(out, ar.sequences.repeat(rows, 1))
+
+
+def test_the_drafter_saves_and_reads_its_table(tmp_path):
+    from hybridspec_hf import DFlashDrafter
+
+    target = make_target("qwen3_5_moe", dtype=torch.float32)
+    drafter = DFlashDrafter.from_target(target, num_layers=1, block_size=8)
+    drafter.lookup_estimator = LookupEstimator.fit(torch.tensor([2, 3, 3]), torch.tensor([1, 7, 2]), 8, 2, 3)
+    drafter.save_pretrained(tmp_path)
+    loaded = DFlashDrafter.from_pretrained(tmp_path)
+    assert torch.equal(loaded.lookup_estimator.table, drafter.lookup_estimator.table)
+
+
+def test_the_host_index_proposes_what_the_definition_does():
+    """ContextIndex (what the loops run, extended round by round) against context_lookup on the whole sequence."""
+    from hybridspec_hf.drafter.lookup import ContextIndex
+
+    generator = torch.Generator().manual_seed(5)
+    for symbols, low, high in ((2, 1, 3), (3, 2, 4), (5, 1, 1), (4, 3, 3)):
+        ids = torch.randint(0, symbols, (60,), generator=generator)
+        index = ContextIndex(ids[:3].tolist(), 8, low, high)
+        end = 3
+        while end < 60:
+            proposal, n = context_lookup(ids[:end].view(1, -1), 8, low, high)
+            mine, my_n = index.propose()
+            assert my_n == int(n), (ids[:end].tolist(), my_n, int(n))
+            if my_n:
+                assert mine == proposal[0].tolist()
+            step = int(torch.randint(1, 5, (1,), generator=generator))
+            index.extend(ids[end:end + step].tolist())
+            end += step
