@@ -102,6 +102,7 @@ def test_greedy_output_stays_ar_while_copies_are_verified(name, strategy, fp64_g
         telemetry = hybridspec_hf.get_telemetry(target)
         assert telemetry.context_lookup and telemetry.context_lookup_off is None
         used += sum(bool(r.lookup) for r in telemetry.rounds)
+        assert f"{sum(bool(r.lookup) for r in telemetry.rounds)} verifying a context-lookup copy" in telemetry.summary()
     assert used > 0, "no round verified a copied proposal"
 
 

@@ -457,7 +457,7 @@ class DFlashDrafter(PreTrainedModel):
 
     config_class = DFlashConfig
     ESTIMATOR_FILE = "acceptance_estimator.json"  # beside the weights: the drafter's fitted acceptance estimator
-    LOOKUP_FILE = "lookup_estimator.json"  # beside the weights: survival of context-lookup proposals (drafter/lookup.py)
+    LOOKUP_FILE = "lookup_estimator.json"  # beside the weights: survival of context-lookup proposals (lookup.py)
     base_model_prefix = "model"  # as z-lab's (Qwen3PreTrainedModel); checkpoint keys carry no prefix
     main_input_name = "noise_embeds"
     supports_gradient_checkpointing = True

@@ -75,8 +75,10 @@ class GenerationTelemetry:
         return {**asdict(self), "new_tokens": self.new_tokens, "mean_emitted": self.mean_emitted}
 
     def summary(self) -> str:
+        copied = (f", {sum(bool(r.lookup) for r in self.rounds)} verifying a context-lookup copy"
+                  if self.context_lookup else "")
         return (
-            f"{self.strategy}: {len(self.rounds)} rounds, {self.new_tokens} new tokens, "
+            f"{self.strategy}: {len(self.rounds)} rounds{copied}, {self.new_tokens} new tokens, "
             f"τ = {self.mean_emitted:.2f} tokens/round, mean w = {self.mean_verified:.2f}, "
             f"{self.tokens_per_second:.1f} tokens/s"
         )
