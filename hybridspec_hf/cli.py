@@ -311,9 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate")
     p.add_argument("--threads", type=int, default=2, help="CPU threads (torch.set_num_threads)")
     p.add_argument("--prompt-index", type=int, default=12,
-                   help="which held-out stdlib prompt (default 12: HybridSpec's speedup on it, 1.24x, sits at the "
-                        "median (rank 17 of 32) of the held-out prompts in "
-                        "benchmarks/results/strategies_cpu_tiny_pair.md)")
+                   help="which held-out stdlib prompt (default 12: HybridSpec's speedup on it, 1.74x, rank 14 of 32 "
+                        "(the 44th percentile) of the held-out prompts in "
+                        "benchmarks/results/strategies_cpu_tiny_pair_dec07_lookup.md, whose median is 1.83x)")
     p.add_argument("--random", action="store_true", help="use a tiny random pair instead of the trained one")
     p.set_defaults(run=demo)
 
