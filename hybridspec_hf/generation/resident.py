@@ -391,15 +391,13 @@ class ResidentRounds:
             SHORT_VERIFY and self.speculative and not self.exact and strategy.mode != "fixed" and device_commit
             and branches) else ()
         self.verify_length = torch.zeros(1, dtype=torch.long, pin_memory=pinned)
-        # context lookup (one row, a strategy that chooses w): the host's proposal for the next round (its tokens,
-        # then its match length) staged in pinned memory and copied into the buffers the draft graph reads; the
-        # graph hands back whether the round verified it
+        # context lookup (one row, a strategy that chooses w; its table already on the device): the host's proposal
+        # for the next round (its B-1 tokens, then its match length) staged in pinned memory and copied in one piece
+        # into the buffer the draft graph reads; the graph hands back whether the round verified it
         self.lookup = strategy.lookup if self.speculative and rows == 1 and strategy.mode != "fixed" else None
         if self.lookup is not None:
-            self.lookup.table = self.lookup.table.to(self.device)  # before capture: no copy inside a graph
-            self.lookup_staged = torch.zeros(self.block_size, dtype=torch.long, pin_memory=pinned)
-            self.lookup_tokens = torch.zeros(1, self.block_size - 1, **long)
-            self.lookup_ngram = torch.zeros(1, **long)
+            self.lookup_staged = torch.zeros(1, self.block_size, dtype=torch.long, pin_memory=pinned)
+            self.lookup_proposal = torch.zeros(1, self.block_size, **long)
             self.lookup_used = torch.zeros(1, dtype=torch.long, pin_memory=pinned)
         self.verified = self.verify_tokens  # tokens the last round verified (its commit graph, in "exact")
         self.step = self.step_append = self.spec = self.draft = self.decide = None
@@ -748,10 +746,10 @@ class ResidentRounds:
         if self.strategy.mode != "fixed":
             with patches.fused_kernels():  # the draft signals in one launch
                 if self.rows == 1:
-                    ngram = self.lookup_ngram if self.lookup is not None else None
+                    ngram = self.lookup_proposal[0, -1:] if self.lookup is not None else None
                     self.choice = self.strategy.choose(draft_logits, self.round_context_len, w_max, signals, ngram)
                     if self.lookup is not None:  # the copy where it is expected to yield more than the drafts
-                        copied = torch.where(self.choice.lookup[:, None], self.lookup_tokens[:, : t - 1],
+                        copied = torch.where(self.choice.lookup[:, None], self.lookup_proposal[:, : t - 1],
                                              self.block[:, 1:])
                         self.block = torch.cat([self.block[:, :1], copied], dim=1)
                         self.lookup_used.copy_(self.choice.lookup.long(), non_blocking=True)
@@ -951,9 +949,10 @@ class ResidentRounds:
     def stage_lookup(self, proposal: list[int], ngram: int) -> None:
         """The next speculative round's context-lookup proposal (ContextIndex.propose), copied to the device ahead
         of its replay (the pinned staging is rewritten only after the previous round's hand-off: its copy is done)."""
-        self.lookup_staged.copy_(torch.tensor([*proposal, ngram], dtype=torch.long))
-        self.lookup_tokens.copy_(self.lookup_staged[:-1].view(1, -1), non_blocking=True)
-        self.lookup_ngram.copy_(self.lookup_staged[-1:], non_blocking=True)
+        staged = self.lookup_staged.numpy()  # a view: no tensor made on the host
+        staged[0, :-1] = proposal
+        staged[0, -1] = ngram
+        self.lookup_proposal.copy_(self.lookup_staged, non_blocking=True)
 
     def run_spec(self) -> list[int]:
         if not self.exact:
@@ -1100,7 +1099,7 @@ def resident_decode(rounds: ResidentRounds, emitter: HostEmitter, telemetry, pre
             elif committed != device_m:
                 raise RuntimeError(f"HybridSpec: the device committed {device_m} tokens, the host emitted {committed}.")
             drafted = True
-            copied = bool(rounds.lookup_used[0]) if index is not None and rounds.strategy.mode != "fixed" else None
+            copied = bool(rounds.lookup_used.numpy()[0]) if index is not None else None
         else:
             decide = rounds.decides and plain_left == 0
             tokens, _, _, _, _, _, _, plan = rounds.unpack(rounds.run_step(decide, last=plain_left == 1))

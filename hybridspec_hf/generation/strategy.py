@@ -138,10 +138,11 @@ class RoundStrategy:
         strategy.greedy_head = settings.greedy_head
         strategy.compile_backend = resolved_compile_backend(settings, next(target.parameters()).device)
         strategy.lookup_required = settings.context_lookup == "on"
-        strategy.lookup, off = _context_lookup(settings, strategy, drafter, batch)
+        lookup, off = _context_lookup(settings, strategy, drafter, batch)
         strategy.switch_lookup_off(off)
-        if strategy.lookup is not None:  # the table is part of what the decisions depend on (graph reuse)
-            strategy._identity = (*strategy._identity, json.dumps(strategy.lookup.to_dict()))
+        if lookup is not None:  # the table is part of what the decisions depend on (graph reuse)
+            strategy._identity = (*strategy._identity, json.dumps(lookup.to_dict()))
+            strategy.lookup = lookup.to(next(target.parameters()).device)  # this call's copy, on the device
         return strategy
 
     def switch_lookup_off(self, reason: str | None) -> None:

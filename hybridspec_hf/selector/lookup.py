@@ -35,14 +35,20 @@ class LookupEstimator:
     def block_size(self) -> int:
         return self.table.shape[1] + 1
 
+    def to(self, device: torch.device | str) -> "LookupEstimator":
+        """A copy with its table on `device` (this one stays where it is: a drafter's or a config's table is
+        shared between calls, and reading it back from a GPU would be a sync)."""
+        moved = LookupEstimator(self.table, self.min_ngram, self.max_ngram)
+        moved.table = moved.table.to(device)
+        return moved
+
     def survival(self, n: torch.Tensor) -> torch.Tensor:
         """p̂ [rows, B-1] fp32 of proposals from matches of length n [rows] long; 0 where n is outside the table's
-        range (no proposal). No host sync."""
-        if self.table.device != n.device:
-            self.table = self.table.to(n.device)
+        range (no proposal). No host sync where the table is on n's device (`to`)."""
+        table = self.table if self.table.device == n.device else self.table.to(n.device)
         inside = (n >= self.min_ngram) & (n <= self.max_ngram)
-        row = (n - self.min_ngram).clamp(0, self.table.shape[0] - 1)
-        return self.table[row] * inside[:, None]
+        row = (n - self.min_ngram).clamp(0, table.shape[0] - 1)
+        return table[row] * inside[:, None]
 
     @classmethod
     def fit(cls, n: torch.Tensor, accepted: torch.Tensor, block_size: int, min_ngram: int, max_ngram: int,
