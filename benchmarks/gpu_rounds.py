@@ -315,9 +315,10 @@ def main() -> None:
         import shutil
 
         Path(args.out).mkdir(parents=True, exist_ok=True)  # a folder: the .json and the .md both land in it
-        for suffix in ("json", "md"):
-            stem = results_path(name)
-            shutil.copy(stem.with_name(f"{stem.name}.{suffix}"), args.out)
+        stem = results_path(name)
+        for suffix in ("json", "json.gz", "md"):  # write_results packs a large payload as .json.gz
+            if stem.with_name(f"{stem.name}.{suffix}").exists():
+                shutil.copy(stem.with_name(f"{stem.name}.{suffix}"), args.out)
     print(table)
 
 

@@ -19,7 +19,7 @@ import torch
 from hybridspec_hf.config import (CALIBRATED_STRATEGIES, HybridSpecConfig, resolved_compile_backend,
                                   resolved_verify_shape)
 from hybridspec_hf.generation.calibration import ForcedLength, cached_file, resolve_latency_model
-from hybridspec_hf.graphs.capture import distributed
+from hybridspec_hf.graphs.capture import distributed, host_syncs
 from hybridspec_hf.selector.lookup import LookupEstimator
 from hybridspec_hf.selector.profiles import AcceptanceProfile, RoutingProfile, load_profile
 from hybridspec_hf.selector import (AcceptanceEstimator, LatencyModel, LengthSelector, count_new_experts, draft_signals,
@@ -142,7 +142,8 @@ class RoundStrategy:
         strategy.switch_lookup_off(off)
         if lookup is not None:  # the table is part of what the decisions depend on (graph reuse)
             strategy._identity = (*strategy._identity, json.dumps(lookup.to_dict()))
-            strategy.lookup = lookup.to(next(target.parameters()).device)  # this call's copy, on the device
+            with host_syncs():  # the call's set-up: a pageable host→device copy counts as a sync
+                strategy.lookup = lookup.to(next(target.parameters()).device)  # this call's copy, on the device
         return strategy
 
     def switch_lookup_off(self, reason: str | None) -> None:
