@@ -66,6 +66,8 @@ def test_the_table_fits_the_counts_and_round_trips(tmp_path):
         LookupEstimator(torch.tensor([[0.5, 0.9]]), 1, 1)
     with pytest.raises(ValueError, match="nothing to fit"):
         LookupEstimator.fit(torch.tensor([1]), torch.tensor([2]), 5, 2, 3)
+    with pytest.raises(ValueError, match="one count per traced proposal"):
+        LookupEstimator.fit(torch.tensor([2, 3]), torch.tensor([2]), 5, 2, 3)
 
 
 def always_copy(block_size: int, low: int = 1, high: int = 4) -> LookupEstimator:

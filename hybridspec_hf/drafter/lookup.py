@@ -81,4 +81,4 @@ class ContextIndex:
                 begin = start + n
                 period = length - begin
                 return [seq[begin + k % period] for k in range(self.block_size - 1)], n
-        return [seq[-1]] * (self.block_size - 1), 0
+        return [seq[-1] if seq else 0] * (self.block_size - 1), 0

@@ -56,6 +56,9 @@ class LookupEstimator:
         """From traces of lookup proposals: n [N] long match lengths, accepted [N] long copies accepted, verified
         [N] long or int copies verified (w - 1; default block_size - 1). Rows with n outside [min_ngram, max_ngram]
         are ignored."""
+        if n.shape != accepted.shape or n.dim() != 1:
+            raise ValueError(f"n and accepted are one count per traced proposal ([N] each), got shapes "
+                             f"{tuple(n.shape)} and {tuple(accepted.shape)}.")
         keep = (n >= min_ngram) & (n <= max_ngram)
         if not bool(keep.any()):
             raise ValueError(f"no trace has a match length in [{min_ngram}, {max_ngram}]; nothing to fit.")
