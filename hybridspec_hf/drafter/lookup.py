@@ -7,7 +7,9 @@ held-out prompts the better of the two per round is worth ≈ 1.6 tokens a round
 (benchmarks/results/context_lookup_tau_tiny_pair.md). The proposal is verified exactly like the drafter's, so it
 changes nothing the target emits.
 
-Pure torch on token ids, no host sync, the same number of launches whatever is found.
+`context_lookup` is the definition in torch (no host sync, the same launches whatever is found: tests and the
+offline benchmark); `ContextIndex` keeps the same search up to date on the host, a few dictionary reads a round
+(what the round loops run).
 """
 from __future__ import annotations
 

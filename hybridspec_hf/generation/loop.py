@@ -107,6 +107,14 @@ def _use_resident_rounds(settings, model, drafter, strategy, generation_config, 
     return True
 
 
+def _context_index(lookup, input_ids: torch.Tensor, block_size: int) -> ContextIndex | None:
+    """The n-grams of the call's tokens so far (prompt + first token), for context lookup's proposals; None where
+    the call runs without it (`lookup`: the strategy's table, or None)."""
+    if lookup is None:
+        return None
+    return ContextIndex(input_ids[0].tolist(), block_size, lookup.min_ngram, lookup.max_ngram)
+
+
 def _resident(model, drafter, strategy, logits_processor, generation_config, stopping_criteria, streamer, emitter,
               runner, cache, context, first, telemetry) -> None:
     """The rest of the call on GPU-resident rounds (generation/resident.py); the prefill ran eagerly."""
@@ -124,9 +132,7 @@ def _resident(model, drafter, strategy, logits_processor, generation_config, sto
         telemetry.resident_memory_bytes = rounds.memory_bytes
         rounds.start(cache, positions, context, first, generation_config.max_length, host.eos,
                      profile_start=getattr(strategy.profile, "start_row", 0))
-        lookup = rounds.lookup
-        index = (ContextIndex(emitter.input_ids[0].tolist(), rounds.block_size, lookup.min_ngram, lookup.max_ngram)
-                 if lookup is not None else None)
+        index = _context_index(rounds.lookup, emitter.input_ids, rounds.block_size)
     # syncs only at each hand-off
     resident_decode(rounds, host, telemetry, rounds.strategy.predicted_latency, index)
     with host_syncs():
@@ -226,9 +232,7 @@ def hybridspec_decode(
         # (Strategy.plain_run); those run no selector work
         decides = drafter is not None and strategy.takes_plain_steps()
         plain_left = 0
-        lookup = strategy.lookup
-        index = (ContextIndex(emitter.input_ids[0].tolist(), block_size, lookup.min_ngram, lookup.max_ngram)
-                 if lookup is not None else None)  # the context's n-grams, for the lookup's proposals
+        index = _context_index(strategy.lookup, emitter.input_ids, block_size)
 
         while not emitter.finished:
             round_start = time.perf_counter()
@@ -247,8 +251,8 @@ def hybridspec_decode(
                     drafts = draft_logits.argmax(dim=-1)
                     if index is not None:
                         proposal, ngram = index.propose()
-                        copied = torch.tensor([proposal], device=anchor.device)  # [1, block-1]
-                        lookup_ngram = torch.tensor([ngram], device=anchor.device)
+                        staged = torch.tensor([[*proposal, ngram]], device=anchor.device)  # one copy to the device
+                        copied, lookup_ngram = staged[:, :-1], staged[0, -1:]  # [1, block-1], [1]
 
                 # 2. Choose w0 on the device (and the proposal: the drafts or the copy, whichever is expected to
                 # yield more); stage 0 runs w0 + 1 tokens when the routing correction is on.

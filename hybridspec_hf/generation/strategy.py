@@ -138,7 +138,8 @@ class RoundStrategy:
         strategy.greedy_head = settings.greedy_head
         strategy.compile_backend = resolved_compile_backend(settings, next(target.parameters()).device)
         strategy.lookup_required = settings.context_lookup == "on"
-        lookup, off = _context_lookup(settings, strategy, drafter, batch)
+        # (a batch, or a left-padded prompt, turns it off in the loop: generation/loop.py)
+        lookup, off = _context_lookup(settings, strategy, drafter)
         strategy.switch_lookup_off(off)
         if lookup is not None:  # the table is part of what the decisions depend on (graph reuse)
             strategy._identity = (*strategy._identity, json.dumps(lookup.to_dict()))
@@ -480,8 +481,8 @@ class _CompiledDecision:
             return self.eager(*args, **kwargs)
 
 
-def _context_lookup(settings: HybridSpecConfig, strategy: "RoundStrategy", drafter,
-                    batch: int) -> tuple[LookupEstimator | None, str | None]:
+def _context_lookup(settings: HybridSpecConfig, strategy: "RoundStrategy",
+                    drafter) -> tuple[LookupEstimator | None, str | None]:
     """(the survival table context lookup runs with, or None; why it is off, or None)."""
     if settings.context_lookup == "off":
         return None, "context_lookup='off'"
@@ -491,8 +492,6 @@ def _context_lookup(settings: HybridSpecConfig, strategy: "RoundStrategy", draft
     if strategy.mode == "fixed":
         return None, (f"strategy {strategy.name!r} verifies a fixed length; context lookup serves the strategies "
                       "that choose w from estimates (hybridspec, nominal, ratio, confidence)")
-    if batch > 1:
-        return None, "a batched call (batch > 1): context lookup runs one row at a time"
     if strategy.profile is not None:
         return None, "timing mode (acceptance_profile=) replays the drafts' acceptance, not the lookup's"
     if value is None:
