@@ -12,16 +12,18 @@ proposal equal to the target's next tokens, for
   - combined: the lookup's proposal where a match of at least `n_min` tokens exists and the drafter's own
     confidence in its first three drafts (the product of their top-1 probabilities) is below a threshold, else the
     drafter's; a rule the drafts themselves can evaluate (no look at the target's tokens);
-  - the rule the rounds apply (HybridSpecConfig(context_lookup=...)): the lookup's proposal where the estimated
-    Σ p̂ of its match length (`selector.lookup.LookupEstimator`, `--lookup-estimator`) exceeds the drafter's
-    (its acceptance estimator on its own block);
+  - the rule the rounds apply (HybridSpecConfig(context_lookup=...)): the lookup's proposal where its estimated
+    Σ p̂ exceeds the drafter's (its acceptance estimator on its own block); the copy's p̂ is λ·(the table by match
+    length, `selector.lookup.LookupEstimator`, `--lookup-estimator`) + (1 - λ)·(the drafter's acceptance estimator
+    on the signals of the copied tokens, `selector.copy_signals`), with the table's λ; the table alone beside it;
   - the larger of the two at each anchor (an oracle: a bound, not a rule).
 τ over all anchors and over the loop-free ("novel") ones, whose next 8 tokens occur nowhere earlier
 (`novel_continuations`, the training report's definition), and the tokens per round of full-block rounds run from
 each continuation's start, each at the anchor where the one before ended (what vanilla DFlash's loop would see).
 Offline: no rounds run. Trained weights, real acceptance (greedy). Writes benchmarks/results/<name>.{json,md}.
 
-The lookup table the tiny pair ships is fitted here on training-split prompts (held-out ones stay for evaluation):
+The lookup table the tiny pair ships is fitted here on training-split prompts (held-out ones stay for evaluation),
+its λ after it on the same rows (the λ in 0, 0.1, ..., 1 with the most tokens per anchor):
 
     PYTHONPATH=$PWD python benchmarks/context_lookup_tau.py --split train --prompts 128 \
         --fit-lookup hybridspec_hf/assets/tiny_pair/lookup_estimator.json --name context_lookup_fit_tiny_pair
@@ -39,7 +41,7 @@ from hybridspec_hf.drafter.training import (NOVELTY_NGRAM, block_labels, distinc
                                             greedy_consistent_length, novel_continuations, regenerate_responses,
                                             target_features)
 from hybridspec_hf.drafter.lookup import context_lookup
-from hybridspec_hf.selector import AcceptanceEstimator, draft_signals
+from hybridspec_hf.selector import AcceptanceEstimator, copy_signals, draft_signals
 from hybridspec_hf.selector.lookup import LookupEstimator
 from hybridspec_hf.tiny_pair import ASSETS_DIR, code_prompts, heldout_prompts, load_tiny_pair, stdlib_files
 
@@ -82,14 +84,19 @@ def anchor_rows(target, drafter, samples, block: int, max_ngram: int) -> list[di
             match = block_logits.argmax(-1) == labels  # [1, n, block - 1]
             tau_drafter = (1 + match.long().cumprod(2).sum(2))[0].tolist()
             confidence = block_logits.softmax(-1).amax(-1)[0, :, :3].prod(-1).tolist()
-            expected = estimator.survival(draft_signals(block_logits[0])).sum(-1).tolist()
+            signals = draft_signals(block_logits[0])
+            expected = estimator.survival(signals).sum(-1).tolist()
+            # what the rounds see: the tokens up to each anchor, nothing after it
+            found = [context_lookup(ids_t[:, : anchor + 1], block, 1, max_ngram) for anchor in range(first, end)]
+            copies = torch.cat([proposal for proposal, _ in found])  # [anchors, block - 1]
+            # the drafter's estimate of each copy (what the rounds mix with the table, selector/lookup.py)
+            rating = estimator.survival(copy_signals(block_logits[0], signals, block_logits[0].argmax(-1), copies))
             for i, anchor in enumerate(range(first, end)):
-                # what the rounds see: the tokens up to the anchor, nothing after it
-                proposal, n = context_lookup(ids_t[:, : anchor + 1], block, 1, max_ngram)
-                rows.append({"drafter": tau_drafter[i], "ngram": int(n),
-                             "lookup": 1 + accepted(proposal[0].tolist(), ids[anchor + 1:]) if int(n) else 1,
+                n = int(found[i][1])
+                rows.append({"drafter": tau_drafter[i], "ngram": n,
+                             "lookup": 1 + accepted(copies[i].tolist(), ids[anchor + 1:]) if n else 1,
                              "novel": bool(novel[anchor]), "confidence": confidence[i], "expected": expected[i],
-                             "sample": index, "anchor": anchor})
+                             "rating": rating[i], "sample": index, "anchor": anchor})
     return rows
 
 
@@ -120,12 +127,17 @@ def summary(rows: list[dict], args, lookup_estimator: LookupEstimator | None) ->
             out.append(line(f"lookup where n >= {n_min} and drafter confidence < {threshold}",
                             [r["lookup"] if u else r["drafter"] for r, u in zip(rows, use)], use))
     if lookup_estimator is not None:  # the rule the rounds apply (generation/loop.py): the larger estimated Σ p̂
-        ngram = torch.tensor([r["ngram"] for r in rows])
-        lookup_expected = lookup_estimator.survival(ngram).sum(-1).tolist()
-        use = [e > r["expected"] for r, e in zip(rows, lookup_expected)]
-        out.append(line(f"lookup where its estimated Σ p̂ (n in [{lookup_estimator.min_ngram}, "
-                        f"{lookup_estimator.max_ngram}]) exceeds the drafter's",
-                        [r["lookup"] if u else r["drafter"] for r, u in zip(rows, use)], use))
+        ngram, rating = torch.tensor([r["ngram"] for r in rows]), torch.stack([r["rating"] for r in rows])
+        weight = lookup_estimator.table_weight
+        for name, rated in (("its table (λ = 1)", None), (f"λ = {weight:g} of its table, the rest the drafter's "
+                                                            "rating of the copy (what the rounds apply)", rating)):
+            if rated is not None and weight == 1.0:
+                continue  # the table alone: the row above
+            lookup_expected = lookup_estimator.survival(ngram, rated).sum(-1).tolist()
+            use = [e > r["expected"] for r, e in zip(rows, lookup_expected)]
+            out.append(line(f"lookup where its estimated Σ p̂ (n in [{lookup_estimator.min_ngram}, "
+                            f"{lookup_estimator.max_ngram}]; {name}) exceeds the drafter's",
+                            [r["lookup"] if u else r["drafter"] for r, u in zip(rows, use)], use))
     out.append(line("the larger of the two (oracle)", [max(r["drafter"], r["lookup"]) for r in rows],
                     [r["lookup"] > r["drafter"] for r in rows]))
     return out
@@ -178,8 +190,13 @@ def main(argv: list[str] | None = None) -> dict:
         ngram = torch.tensor([r["ngram"] for r in rows])
         fitted = LookupEstimator.fit(ngram, torch.tensor([r["lookup"] - 1 for r in rows]), args.block_size,
                                      args.min_ngram, args.max_ngram)
+        # then λ, the table's share against the drafter's rating of the copy, on the same rows
+        fitted.table_weight = LookupEstimator.fit_table_weight(
+            fitted.survival(ngram), torch.stack([r["rating"] for r in rows]),
+            torch.tensor([r["expected"] for r in rows]), torch.tensor([r["lookup"] for r in rows]),
+            torch.tensor([r["drafter"] for r in rows]))
         fitted.save(args.fit_lookup)
-        print(f"wrote {args.fit_lookup}: Σ p̂ by n = {fitted.table.sum(-1).tolist()}")
+        print(f"wrote {args.fit_lookup}: Σ p̂ by n = {fitted.table.sum(-1).tolist()}, λ = {fitted.table_weight}")
     elif Path(args.lookup_estimator).is_file():
         fitted = LookupEstimator.load(args.lookup_estimator)
         if fitted.block_size != args.block_size:

@@ -4,7 +4,9 @@ Trained weights (hybridspec_hf.load_tiny_pair), held-out stdlib prompts (files n
 and real routing. Reports tokens/s, speedup over AR, τ, mean w, and whether the text equals AR's.
 
 The strategies that choose w from estimates run with context lookup (HybridSpecConfig(context_lookup="auto"), the
-shipped pair's table); `hybridspec_lookup_off` is HybridSpec without it, beside them.
+shipped pair's table); `hybridspec_lookup_off` is HybridSpec without it, beside them, and `hybridspec_table_only`
+HybridSpec rating each copy by its table alone (λ = 1: without the drafter's rating of the copied tokens) where the
+shipped table mixes the two.
 
 `--strategies ...,prompt_lookup` adds transformers' own speculative decoding that needs no drafter (prompt lookup,
 `prompt_lookup_num_tokens=--lookup-tokens`), which runs on these targets from transformers 5.25 on (it keeps a GDN
@@ -24,6 +26,7 @@ from common import environment, tiny_pair_setup, write_results
 
 import hybridspec_hf
 from hybridspec_hf.selector import make_selector
+from hybridspec_hf.selector.lookup import LookupEstimator
 
 STRATEGIES = ["dflash", "static", "confidence", "ratio", "nominal", "hybridspec"]
 
@@ -66,6 +69,12 @@ def main() -> None:
     if "hybridspec" in names and drafter.lookup_estimator is not None:  # context lookup's share, side by side
         runs["hybridspec_lookup_off"] = dict(assistant_model=drafter, generation_strategy="hybridspec",
                                              hybridspec_config=dataclasses.replace(settings, context_lookup="off"))
+        table = drafter.lookup_estimator
+        if table.table_weight < 1.0:  # the copy rated by its table alone (the drafter's rating of it left out)
+            alone = LookupEstimator(table.table, table.min_ngram, table.max_ngram, table_weight=1.0)
+            runs["hybridspec_table_only"] = dict(assistant_model=drafter, generation_strategy="hybridspec",
+                                                 hybridspec_config=dataclasses.replace(settings,
+                                                                                       lookup_estimator=alone))
     for spec in args.variant:  # HybridSpec with other selector options (its own selector object)
         name, _, options = spec.partition("=")
         selector = make_selector("hybridspec", {"latency_model": latency, **json.loads(options)})

@@ -256,7 +256,8 @@ def hybridspec_decode(
 
                 # 2. Choose w0 on the device (and the proposal: the drafts or the copy, whichever is expected to
                 # yield more); stage 0 runs w0 + 1 tokens when the routing correction is on.
-                choice = (strategy.choose(draft_logits, committed_len, w_max, lookup_ngram=lookup_ngram)
+                choice = (strategy.choose(draft_logits, committed_len, w_max,
+                                          lookup=None if lookup_ngram is None else (copied, lookup_ngram, drafts))
                           if drafted and strategy.mode != "fixed" else None)
                 if drafted:
                     if lookup_ngram is not None:

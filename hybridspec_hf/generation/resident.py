@@ -746,11 +746,12 @@ class ResidentRounds:
         if self.strategy.mode != "fixed":
             with patches.fused_kernels():  # the draft signals in one launch
                 if self.rows == 1:
-                    ngram = self.lookup_proposal[0, -1:] if self.lookup is not None else None
-                    self.choice = self.strategy.choose(draft_logits, self.round_context_len, w_max, signals, ngram)
+                    proposal = None
+                    if self.lookup is not None:  # (copied tokens, match length, drafts)
+                        proposal = (self.lookup_proposal[:, : t - 1], self.lookup_proposal[0, -1:], drafts)
+                    self.choice = self.strategy.choose(draft_logits, self.round_context_len, w_max, signals, proposal)
                     if self.lookup is not None:  # the copy where it is expected to yield more than the drafts
-                        copied = torch.where(self.choice.lookup[:, None], self.lookup_proposal[:, : t - 1],
-                                             self.block[:, 1:])
+                        copied = torch.where(self.choice.lookup[:, None], proposal[0], self.block[:, 1:])
                         self.block = torch.cat([self.block[:, :1], copied], dim=1)
                         self.lookup_used.copy_(self.choice.lookup.long(), non_blocking=True)
                 else:

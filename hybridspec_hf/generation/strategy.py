@@ -22,8 +22,8 @@ from hybridspec_hf.generation.calibration import ForcedLength, cached_file, reso
 from hybridspec_hf.graphs.capture import distributed, host_syncs
 from hybridspec_hf.selector.lookup import LookupEstimator
 from hybridspec_hf.selector.profiles import AcceptanceProfile, RoutingProfile, load_profile
-from hybridspec_hf.selector import (AcceptanceEstimator, LatencyModel, LengthSelector, count_new_experts, draft_signals,
-                                    make_selector)
+from hybridspec_hf.selector import (AcceptanceEstimator, LatencyModel, LengthSelector, copy_signals, count_new_experts,
+                                    draft_signals, make_selector)
 from hybridspec_hf.selector import length_rules
 
 # the selectors whose decisions `RoundStrategy.compile_decisions` compiles: this package's (pure torch, no host sync);
@@ -229,22 +229,29 @@ class RoundStrategy:
         return min(self.fixed_length, w_max) if self.mode == "fixed" else w_max
 
     def choose(self, draft_logits: torch.Tensor, context_len, w_max, signals: dict | None = None,
-               lookup_ngram: torch.Tensor | None = None) -> Choice:
+               lookup: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> Choice:
         """w0 from the drafts' survival estimates; arms the routing correction for the extra token.
 
         context_len, w_max: ints, or [1] long device tensors (GPU-resident rounds). signals: the draft signals to
-        use instead of the drafts' own (timing mode replays a profile's, see selector.profiles). lookup_ngram: [1]
-        long, the match length of this round's context-lookup proposal (0: none; `self.lookup` rates it): where its
-        Σ p̂ exceeds the drafts', w0 is chosen from its survival and `Choice.lookup` says to verify it instead."""
+        use instead of the drafts' own (timing mode replays a profile's, see selector.profiles). lookup: this
+        round's context-lookup proposal, (tokens [1, B-1] long, its match length n [1] long (0: none), the drafts
+        [1, B-1] long = draft_logits.argmax(-1)); `self.lookup` rates it from n and from the drafter's estimate of
+        the copied tokens (`copy_signals`): where its Σ p̂ exceeds the drafts', w0 is chosen from its survival and
+        `Choice.lookup` says to verify it instead."""
         estimator = self.estimator.to(draft_logits.device)
         signals = signals if signals is not None else draft_signals(draft_logits)
-        copied = self.lookup.survival(lookup_ngram) if lookup_ngram is not None else None
-        survival, w0, valid, keep, n_new, lookup = self._decide(estimator, signals, context_len, w_max, copied)
+        copied = None
+        if lookup is not None:
+            tokens, ngram, drafts = lookup
+            rating = (estimator.survival(copy_signals(draft_logits, signals, drafts, tokens))
+                      if self.lookup.table_weight < 1.0 else None)  # λ = 1: the table alone
+            copied = self.lookup.survival(ngram, rating)
+        survival, w0, valid, keep, n_new, use_copy = self._decide(estimator, signals, context_len, w_max, copied)
         if not self.corrects:
-            return Choice(w0, valid, keep, n_new, signals=signals, lookup=lookup)
+            return Choice(w0, valid, keep, n_new, signals=signals, lookup=use_copy)
         correction = functools.partial(self._correct_padded, survival=survival, w0=w0, context_len=context_len,
                                        w_max=w_max)
-        return Choice(w0, valid, keep, n_new, correction, signals, lookup)
+        return Choice(w0, valid, keep, n_new, correction, signals, use_copy)
 
     def _correct_padded(self, ids: torch.Tensor, *args, survival: torch.Tensor, **kwargs) -> None:
         """`_correct` on ids padded to the block's B tokens (id -1: no expert) when stage 0 verified fewer

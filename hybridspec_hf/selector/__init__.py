@@ -9,6 +9,7 @@
 from .survival import (
     AcceptanceEstimator,
     accepted_from_matched,
+    copy_signals,
     draft_signals,
     expected_calibration_error,
     survival_outcomes,
@@ -48,6 +49,7 @@ __all__ = [
     "StaticLength",
     "accepted_from_matched",
     "calibrate",
+    "copy_signals",
     "count_new_experts",
     "distinct_expert_counts",
     "draft_signals",

@@ -66,6 +66,19 @@ def draft_signals(draft_logits: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"top1": top1, "margin": top1 - second, "entropy": entropy}
 
 
+def copy_signals(draft_logits: torch.Tensor, signals: Mapping[str, torch.Tensor], drafts: torch.Tensor,
+                 tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The drafter's signals of other tokens than its drafts (a context-lookup copy, selector/lookup.py), read from
+    the same draft logits: "top1" the probability it gives each token, "margin" that minus its top-1 probability
+    (the drafts' own margin where the token is the draft), "entropy" the position's. draft_logits [batch, B-1, V],
+    signals (`draft_signals` of them), drafts = draft_logits.argmax(-1), tokens [batch, B-1] long. Two gathers, no
+    pass over the vocabulary: p(token) = top1 · exp(logit[token] - logit[draft])."""
+    picked = draft_logits.gather(-1, torch.stack([tokens, drafts], -1)).float()  # [batch, B-1, 2]
+    top1 = signals["top1"] * torch.exp(picked[..., 0] - picked[..., 1])
+    margin = torch.where(tokens == drafts, signals["margin"], top1 - signals["top1"])
+    return {"top1": top1, "margin": margin, "entropy": signals["entropy"]}
+
+
 def draft_tokens_and_signals(draft_logits: torch.Tensor, signals: bool = True
                              ) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
     """The drafts (draft_logits.argmax(-1) [batch, B-1] long) and, when `signals`, their `draft_signals`. Inside
