@@ -28,8 +28,14 @@ def test_a_short_run_reports_every_rule(lookup_tau, tmp_path):
     payload = lookup_tau.main(["--prompts", "3", "--max-new-tokens", "48", "--block-size", "16",
                                "--name", str(tmp_path / "lk")])
     lines = payload["summary"]
-    # the rules, the estimated-Σ p̂ rule (the shipped pair's table) and the oracle
-    assert len(lines) == 2 + len(lookup_tau.MIN_NGRAMS) * len(lookup_tau.THRESHOLDS) + 2
+    # the rules, the estimated-Σ p̂ rule (the shipped pair's table alone, and mixed with the drafter's rating of
+    # the copy where its table_weight < 1) and the oracle
+    from hybridspec_hf.selector.lookup import LookupEstimator
+    from hybridspec_hf.tiny_pair import ASSETS_DIR
+
+    mixed = LookupEstimator.load(ASSETS_DIR / "lookup_estimator.json").table_weight < 1
+    assert len(lines) == 2 + len(lookup_tau.MIN_NGRAMS) * len(lookup_tau.THRESHOLDS) + 2 + mixed
+    assert sum("what the rounds apply" in line["proposal"] for line in lines) == mixed
     for line in lines:
         assert 1 <= line["tau"] <= 16 and 1 <= line["tau_rounds"] <= 16 and 0 <= line["lookup_share"] <= 1
     assert lines[0]["lookup_share"] == 0
@@ -54,3 +60,4 @@ def test_the_table_is_fitted_on_training_prompts_only(lookup_tau, tmp_path):
                      "--min-ngram", "1", "--fit-lookup", str(tmp_path / "t.json"), "--name", str(tmp_path / "f")])
     table = LookupEstimator.load(tmp_path / "t.json")
     assert table.block_size == 8 and (table.min_ngram, table.max_ngram) == (1, 4)
+    assert 0 <= table.table_weight <= 1 and abs(table.table_weight * 10 - round(table.table_weight * 10)) < 1e-9
