@@ -91,7 +91,8 @@ class LookupEstimator:
                          tau_copy: torch.Tensor, tau_drafts: torch.Tensor, steps: int = 10) -> float:
         """λ in {0, 1/steps, ..., 1} under which the rule "verify the copy where Σ(λ·table + (1 - λ)·rating) >
         drafts_expected" yields the most tokens per anchor over traced anchors: table_survival, rating [N, B-1] (the
-        copy's two estimates; rows without a proposal: zeros), drafts_expected [N] (the drafts' Σ p̂), tau_copy,
+        copy's two estimates; a row whose table row is all zero has no proposal and keeps the drafts),
+        drafts_expected [N] (the drafts' Σ p̂), tau_copy,
         tau_drafts [N] (1 + accepted of each proposal against the target's tokens). Ties go to the larger λ."""
         best, best_tau = 1.0, None
         for step in range(steps, -1, -1):
