@@ -78,8 +78,8 @@ class HybridSpecConfig:
         table by match length, mixed with the drafter's own estimate of the copied tokens (read from the same
         draft logits) by the table's `table_weight`. Exact either way (both are verified alike). For the
         strategies that choose w from estimates ("hybridspec", "nominal", "ratio", "confidence"), batch 1, in the
-        eager loop and the GPU-resident rounds alike (the host keeps the context's n-grams and stages each round's
-        proposal before its replay).
+        eager loop (a host index of the context's n-grams) and the GPU-resident rounds alike (there on the device,
+        inside the draft graph, over a buffer of the call's tokens: kernels/lookup_triton.py).
         "auto": on where that holds and a table is at hand (`lookup_estimator`, else the drafter's
         `drafter.lookup_estimator`: the shipped tiny pair has one), off elsewhere (telemetry.context_lookup_off
         says why); "on": required (a clear error where it cannot run); "off": the drafter's block only.

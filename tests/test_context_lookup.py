@@ -204,8 +204,9 @@ def exact_last_two(target, prompt, top_k: int) -> dict[tuple[int, int], float]:
 @pytest.mark.parametrize("shape,strategy,table_weight", [("max", "confidence", 1.0), ("exact", "confidence", 1.0),
                                                          ("max", "hybridspec", 0.3)])
 def test_resident_rounds_verify_copies_and_stay_ar(shape, strategy, table_weight):
-    """GPU-resident rounds (here on the CPU, uncaptured: the same graphs' code) stage the host's proposal each round;
-    greedy output stays AR's, rounds verify copies, and the per-round telemetry says which."""
+    """GPU-resident rounds (here on the CPU, uncaptured: the same graphs' code) make each round's proposal on the
+    device from their token buffer; greedy output stays AR's, rounds verify copies, and the per-round telemetry says
+    which."""
     target = make_target("qwen3_5_moe", dtype=torch.float32)
     used = 0
     for seed in range(2):
@@ -320,3 +321,52 @@ def test_the_host_index_proposes_what_the_definition_does():
             step = int(torch.randint(1, 5, (1,), generator=generator))
             index.extend(ids[end:end + step].tolist())
             end += step
+
+
+@pytest.mark.parametrize("strategy,cost_ar,kernel", [("hybridspec", 0.9, False), ("confidence", 0.9, False),
+                                                     ("hybridspec", 0.45, False), ("hybridspec", 0.9, True)])
+def test_resident_rounds_propose_from_the_text_committed_so_far(monkeypatch, request, strategy, cost_ar, kernel):
+    """The resident rounds' token buffer holds, at every draft, exactly the call's tokens so far (prompt, every
+    committed token, the anchor last) whatever mix of drafted rounds, copies and plain steps wrote it, and the
+    device's proposal is `context_lookup` of that text. A plain step priced at 0.9 of a round: drafted rounds that
+    verify copies; at 0.45: mostly plain steps (their anchors written by the step), a few drafted rounds. `kernel`:
+    the proposal by the device kernel (kernels/lookup_triton.py, here in the Triton interpreter), as on CUDA."""
+    from hybridspec_hf.kernels import lookup_triton
+    from hybridspec_hf.selector import LatencyModel
+
+    if kernel:
+        request.getfixturevalue("triton_interpreter")
+        monkeypatch.setattr(lookup_triton, "_ON_CPU", True)
+
+    from hybridspec_hf.generation.resident import ResidentRounds
+
+    seen = []
+    original = ResidentRounds._lookup_proposal
+
+    def recorded(self):
+        proposal, ngram = original(self)
+        length = int(self.target.length[0]) + 1
+        seen.append((self.lookup_ids[:, :length].clone(), proposal.clone(), ngram.clone()))
+        return proposal, ngram
+
+    monkeypatch.setattr(ResidentRounds, "_lookup_proposal", recorded)
+    target = make_target("qwen3_5_moe", dtype=torch.float32)
+    prompt = repetitive_prompt(1)
+    ar = reference(target, prompt, 40)
+    drafter = make_drafter(target, 8, ar.sequences, error_rate=0.6).float()
+    latency = LatencyModel(cost=torch.linspace(1.0, 1.1, 8)[None], cost_ar=torch.tensor([cost_ar]),
+                           context_lens=torch.tensor([64]))
+    settings = HybridSpecConfig(context_lookup="on", lookup_estimator=always_copy(8), cuda_graphs="uncaptured",
+                                latency_model=latency)
+    out = run(target, prompt, drafter, strategy, 40, hybridspec_config=settings)
+    assert torch.equal(out, ar.sequences)
+    telemetry = hybridspec_hf.get_telemetry(target)
+    assert telemetry.path == "static_eager" and len(seen) == sum(r.drafted for r in telemetry.rounds) > 2
+    if cost_ar < 0.5:  # the steps' writes are read by the drafts after them
+        assert sum(not r.drafted for r in telemetry.rounds) > 10
+    else:  # copies verified: matches found (n > 0) and their proposals compared above
+        assert sum(bool(r.lookup) for r in telemetry.rounds) > 2
+    for text, proposal, ngram in seen:
+        assert torch.equal(text, out[:, : text.shape[1]])  # the call's tokens so far, the anchor last
+        want, want_n = context_lookup(text, 8, 1, 4)
+        assert torch.equal(ngram, want_n) and (int(want_n) == 0 or torch.equal(proposal, want))

@@ -295,8 +295,9 @@ def test_the_int8_draft_head_serves_one_requests_block_on_a_gpu():
 @pytest.mark.parametrize("verify_shape", ["max", "exact"])
 @pytest.mark.parametrize("strategy", ["hybridspec", "confidence"])
 def test_context_lookup_runs_captured_without_syncs_and_equals_ar(verify_shape, strategy, sync_errors):
-    """Each round's lookup proposal is staged from the host before the replay; the captured draft graph chooses
-    between it and the drafts; greedy output stays AR's and copies are verified."""
+    """Each round's lookup proposal is made inside the captured draft graph (kernels/lookup_triton.py, over the
+    rounds' token buffer), which chooses between it and the drafts; no sync while decoding; greedy output stays AR's
+    and copies are verified."""
     from test_context_lookup import always_copy, flat_latency, repetitive_prompt
 
     prompt = repetitive_prompt(3)

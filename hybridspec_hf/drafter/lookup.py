@@ -9,7 +9,8 @@ changes nothing the target emits.
 
 `context_lookup` is the definition in torch (no host sync, the same launches whatever is found: tests and the
 offline benchmark); `ContextIndex` keeps the same search up to date on the host, a few dictionary reads a round
-(what the round loops run).
+(what the eager loop runs); the GPU-resident rounds run it on the device, over a static buffer of the call's tokens
+inside the draft graph (kernels/lookup_triton.py: one launch on CUDA).
 """
 from __future__ import annotations
 
@@ -53,8 +54,8 @@ def context_lookup(ids: torch.Tensor, block_size: int, min_ngram: int, max_ngram
 class ContextIndex:
     """`context_lookup` on the host, kept up to date token by token: the latest start of every n-gram seen (n in
     [min_ngram, max_ngram]), so a round's proposal costs a few dictionary reads instead of a scan of the sequence.
-    What the round loops use (the eager loop and the GPU-resident rounds alike: the host has each round's tokens
-    at its hand-off); `context_lookup` is its definition in torch, and the tests hold the two equal."""
+    What the eager loop uses (the host has each round's tokens); `context_lookup` is its definition in torch, and
+    the tests hold the two equal."""
 
     def __init__(self, tokens: list[int], block_size: int, min_ngram: int, max_ngram: int):
         if not 1 <= min_ngram <= max_ngram:

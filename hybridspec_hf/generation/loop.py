@@ -131,10 +131,9 @@ def _resident(model, drafter, strategy, logits_processor, generation_config, sto
         telemetry.capture_s, rounds.capture_s = rounds.capture_s, 0.0  # reported by the call that captured
         telemetry.resident_memory_bytes = rounds.memory_bytes
         rounds.start(cache, positions, context, first, generation_config.max_length, host.eos,
-                     profile_start=getattr(strategy.profile, "start_row", 0))
-        index = _context_index(rounds.lookup, emitter.input_ids, rounds.block_size)
+                     profile_start=getattr(strategy.profile, "start_row", 0), prompt_ids=emitter.input_ids)
     # syncs only at each hand-off
-    resident_decode(rounds, host, telemetry, rounds.strategy.predicted_latency, index)
+    resident_decode(rounds, host, telemetry, rounds.strategy.predicted_latency)
     with host_syncs():
         rounds.finish(cache, host.length - 1)
         emitter.input_ids = host.sequences()

@@ -61,7 +61,6 @@ import time
 import torch
 
 from hybridspec_hf import patches
-from hybridspec_hf.drafter.lookup import ContextIndex
 from hybridspec_hf.generation.acceptance import sample_tokens, speculative_sample
 from hybridspec_hf.generation.checks import ROW_WISE_PROCESSORS
 from hybridspec_hf.generation.router_hooks import RoutingReplay, VerifyWindow
@@ -73,6 +72,7 @@ from hybridspec_hf.graphs.capture import Replay, branch, branches_capture, host_
 from hybridspec_hf.graphs.static_target import StaticTarget, head_skippable
 from hybridspec_hf.kernels import gdn_triton, head_argmax_triton, step_tail_triton
 from hybridspec_hf.kernels.gemv_triton import MAX_ROWS, quantize_rows, weight_version
+from hybridspec_hf.kernels.lookup_triton import context_lookup_static
 from hybridspec_hf.kernels.step_tail_triton import step_tail, step_tail_reference
 from hybridspec_hf.patches._cache import set_rows
 from hybridspec_hf.patches.experts import fused_experts_for
@@ -391,13 +391,17 @@ class ResidentRounds:
             SHORT_VERIFY and self.speculative and not self.exact and strategy.mode != "fixed" and device_commit
             and branches) else ()
         self.verify_length = torch.zeros(1, dtype=torch.long, pin_memory=pinned)
-        # context lookup (one row, a strategy that chooses w; its table already on the device): the host's proposal
-        # for the next round (its B-1 tokens, then its match length) staged in pinned memory and copied in one piece
-        # into the buffer the draft graph reads; the graph hands back whether the round verified it
+        # context lookup (one row, a strategy that chooses w; its table already on the device), on the device: the
+        # call's tokens so far in a static buffer (the prompt written by `start`; each round writes its anchor, then
+        # its block where it will be verified, each plain step its anchor: every position below the length holds
+        # the committed token), the draft graph's proposal (B-1 tokens, match length) read from it in one launch
+        # (kernels/lookup_triton.py), and whether the round verified it, handed to the host for telemetry
         self.lookup = strategy.lookup if self.speculative and rows == 1 and strategy.mode != "fixed" else None
         if self.lookup is not None:
-            self.lookup_staged = torch.zeros(1, self.block_size, dtype=torch.long, pin_memory=pinned)
-            self.lookup_proposal = torch.zeros(1, self.block_size, **long)
+            self.lookup_ids = torch.zeros(1, capacity + self.block_size, **long)
+            self.lookup_offsets = torch.arange(self.block_size, **long)
+            self.lookup_proposal = torch.zeros(1, self.block_size - 1, **long)
+            self.lookup_ngram = torch.zeros(1, **long)
             self.lookup_used = torch.zeros(1, dtype=torch.long, pin_memory=pinned)
         self.verified = self.verify_tokens  # tokens the last round verified (its commit graph, in "exact")
         self.step = self.step_append = self.spec = self.draft = self.decide = None
@@ -631,6 +635,8 @@ class ResidentRounds:
         session = self.target.session(decode_step=gdn_triton.DECODE_STEP and self.rows == 1)
         # not under calibrated routing: one token reads top-k experts whatever ids the profile would give it, and
         # the replay's kernels (≈ 0.15 ms a step at 35B, e2e run 44) would make the plain step dearer than AR's
+        if self.lookup is not None:  # the anchor is committed by this step: context lookup's text
+            self.lookup_ids.index_copy_(1, self.target.length[:1], self.last_token[:1])
         from_copy = self.greedy_from_copy(1)
         logits, features = self.target.forward(self.last_token, verify=session, head=not from_copy)
         if from_copy:  # logits: the final hidden states
@@ -748,12 +754,14 @@ class ResidentRounds:
                 if self.rows == 1:
                     proposal = None
                     if self.lookup is not None:  # (copied tokens, match length, drafts)
-                        proposal = (self.lookup_proposal[:, : t - 1], self.lookup_proposal[0, -1:], drafts)
+                        proposal = (*self._lookup_proposal(), drafts)
                     self.choice = self.strategy.choose(draft_logits, self.round_context_len, w_max, signals, proposal)
                     if self.lookup is not None:  # the copy where it is expected to yield more than the drafts
                         copied = torch.where(self.choice.lookup[:, None], proposal[0], self.block[:, 1:])
                         self.block = torch.cat([self.block[:, :1], copied], dim=1)
                         self.lookup_used.copy_(self.choice.lookup.long(), non_blocking=True)
+                        # the block where it is verified: its accepted tokens are the text the next lookups read
+                        self.lookup_ids.index_copy_(1, self.target.length[:1] + self.lookup_offsets, self.block)
                 else:
                     self.choice = self.strategy.choose_rows(draft_logits, self.round_context_len, w_max, self.live,
                                                             signals)
@@ -767,6 +775,14 @@ class ResidentRounds:
                                      torch.zeros_like(self.one))
         if self.exact:  # the host reads how many tokens stage 0 verifies (w0, + 1 for the extra token)
             self.verify_length.copy_(self.round_w, non_blocking=True)
+
+    def _lookup_proposal(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This round's context-lookup proposal ([1, B-1] tokens, [1] match length; device buffers): the anchor
+        written after the committed tokens, then the lookup over them (one launch on CUDA)."""
+        length = self.target.length[:1]
+        self.lookup_ids.index_copy_(1, length, self.last_token[:1])
+        return context_lookup_static(self.lookup_ids, length + 1, self.block_size, self.lookup.min_ngram,
+                                     self.lookup.max_ngram, out=(self.lookup_proposal, self.lookup_ngram))
 
     def _verify(self, n: int, draws: tuple[torch.Tensor, torch.Tensor] | None = None, hand_off: bool = True):
         """Verify the block's first n tokens (n = T in modes "fixed"/"max", or a short length holding the valid ones;
@@ -893,12 +909,14 @@ class ResidentRounds:
 
     def start(self, cache, last_position: torch.Tensor, prompt_features: torch.Tensor, first_token: torch.Tensor,
               max_length: int, eos_ids: set[int], real: torch.Tensor | None = None,
-              live: list[bool] | None = None, profile_start: int = 0) -> None:
+              live: list[bool] | None = None, profile_start: int = 0, prompt_ids: torch.Tensor | None = None
+              ) -> None:
         """Load a prefilled call into the static buffers (eager, once per generate() call).
 
         A batch of B ≤ N prompts: real [B, P] is its attention mask (left padding), prompt_features [B, P', F] the
         prefill's features of the last P' columns, first_token [B], live [B] the rows still generating after the
-        prefill; rows B .. N-1 stay inert."""
+        prefill; rows B .. N-1 stay inert. prompt_ids [1, ≥ P]: the call's tokens so far, whose first P (the cached ones)
+        context lookup reads (required where the rounds run it)."""
         self._prepare_weight_copies()  # weights changed in place since capture: the copies follow
         if self.device_commit:
             ids = sorted(eos_ids)[:MAX_EOS_IDS]
@@ -913,6 +931,13 @@ class ResidentRounds:
         self.live[:batch].copy_(torch.tensor([True] * batch if live is None else live, dtype=torch.long))
         self.last_token.zero_()
         self.last_token[:batch].copy_(first_token.view(-1, 1))
+        if self.lookup is not None:
+            cached = int(self.target.length[0])
+            if prompt_ids is None or prompt_ids.dim() != 2 or prompt_ids.shape[0] != 1 or prompt_ids.shape[1] < cached:
+                raise ValueError(f"Context lookup reads the call's tokens: start() needs prompt_ids [1, >= {cached}] "
+                                 f"(the cached tokens first), got "
+                                 f"{None if prompt_ids is None else tuple(prompt_ids.shape)}.")
+            self.lookup_ids[:, :cached].copy_(prompt_ids[:, :cached])
         if self.context is not None:
             self.context.reset()
             if real is None and self.rows == 1:
@@ -946,14 +971,6 @@ class ResidentRounds:
             (self.step_append if full else self.step)()
         self.deferred_steps = 0 if full else self.deferred_steps + 1
         return self._read_handoff()
-
-    def stage_lookup(self, proposal: list[int], ngram: int) -> None:
-        """The next speculative round's context-lookup proposal (ContextIndex.propose), copied to the device ahead
-        of its replay (the pinned staging is rewritten only after the previous round's hand-off: its copy is done)."""
-        staged = self.lookup_staged.numpy()  # a view: no tensor made on the host
-        staged[0, :-1] = proposal
-        staged[0, -1] = ngram
-        self.lookup_proposal.copy_(self.lookup_staged, non_blocking=True)
 
     def run_spec(self) -> list[int]:
         if not self.exact:
@@ -1071,12 +1088,10 @@ class HostEmitter:
         return torch.cat([self.input_ids, new], dim=1)
 
 
-def resident_decode(rounds: ResidentRounds, emitter: HostEmitter, telemetry, predicted_latency,
-                    index: ContextIndex | None = None) -> None:
+def resident_decode(rounds: ResidentRounds, emitter: HostEmitter, telemetry, predicted_latency) -> None:
     """Rounds until a criterion fires; the caller prefilled and `rounds.start(...)`-ed. Host time per round: one
-    replay (two for a speculative round), one wait for the hand-off, and the emission of its tokens. index: the
-    context's n-grams (the call's tokens so far) where the rounds run context lookup: each speculative round's
-    proposal is staged from it, and it takes each round's tokens."""
+    replay (two for a speculative round), one wait for the hand-off, and the emission of its tokens (context lookup
+    runs in the draft graph: no host work of its own)."""
     draft_next = rounds.speculative and not (rounds.decides and rounds.opens_plain)
     plain_left = 0  # plain steps a deciding step ordered before the next draft (they run without selector work)
     predicted = []  # (w, context, drafted) of each round: its calibrated latency is looked up after the loop
@@ -1085,8 +1100,6 @@ def resident_decode(rounds: ResidentRounds, emitter: HostEmitter, telemetry, pre
     while not emitter.finished:
         rounds.waited_s = 0.0
         if draft_next:
-            if index is not None:
-                rounds.stage_lookup(*index.propose())
             tokens, a, device_m, _, w, kept, n_new, draft_next = rounds.unpack(rounds.run_spec())
             a, device_m = a[0], device_m[0]
             committed = 0
@@ -1100,7 +1113,7 @@ def resident_decode(rounds: ResidentRounds, emitter: HostEmitter, telemetry, pre
             elif committed != device_m:
                 raise RuntimeError(f"HybridSpec: the device committed {device_m} tokens, the host emitted {committed}.")
             drafted = True
-            copied = bool(rounds.lookup_used.numpy()[0]) if index is not None else None
+            copied = bool(rounds.lookup_used.numpy()[0]) if rounds.lookup is not None else None
         else:
             decide = rounds.decides and plain_left == 0
             tokens, _, _, _, _, _, _, plan = rounds.unpack(rounds.run_step(decide, last=plain_left == 1))
@@ -1109,8 +1122,6 @@ def resident_decode(rounds: ResidentRounds, emitter: HostEmitter, telemetry, pre
             a, w, kept, n_new = 0, 1, 0, 0  # m = 1
             emitter.emit(tokens[0][0])
             committed, drafted, copied = 1, False, None
-        if index is not None:
-            index.extend(tokens[0][:committed])
         draft_next = bool(draft_next) and rounds.speculative
         now = time.perf_counter()
         corrected = drafted and rounds.strategy.corrects
