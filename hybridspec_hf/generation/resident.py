@@ -915,8 +915,8 @@ class ResidentRounds:
 
         A batch of B ≤ N prompts: real [B, P] is its attention mask (left padding), prompt_features [B, P', F] the
         prefill's features of the last P' columns, first_token [B], live [B] the rows still generating after the
-        prefill; rows B .. N-1 stay inert. prompt_ids [1, ≥ P]: the call's tokens so far, whose first P (the cached ones)
-        context lookup reads (required where the rounds run it)."""
+        prefill; rows B .. N-1 stay inert. prompt_ids [1, ≥ P]: the call's tokens so far, whose first P (the cached
+        ones) context lookup reads (required where the rounds run it)."""
         self._prepare_weight_copies()  # weights changed in place since capture: the copies follow
         if self.device_commit:
             ids = sorted(eos_ids)[:MAX_EOS_IDS]
