@@ -13,11 +13,13 @@ from hybridspec_hf.kernels import lookup_triton
 
 fn = triton.jit(lookup_triton._context_lookup_kernel.fn)
 built = []
-for low, high, block, iters in [(2, 4, 16, 3), (1, 3, 5, 1)]:
-    constexprs = dict(MIN_N=low, MAX_N=high, BLOCK_B=triton.next_power_of_2(block - 1), BLOCK_S=lookup_triton.BLOCK_S,
-                      ITERS=iters)
+for low, high, block, chunks in [(2, 4, 16, 3), (1, 3, 5, 1)]:
+    constexprs = dict(MIN_N=low, MAX_N=high, NP=triton.next_power_of_2(high + 1),
+                      BLOCK_B=triton.next_power_of_2(block - 1), BLOCK_S=lookup_triton.BLOCK_S, CHUNKS=chunks,
+                      CP=triton.next_power_of_2(chunks))
     signature = {arg: "i32" if arg.startswith("stride") or arg == "B1" else "*i64" for arg in fn.arg_names
                  if arg not in constexprs}
+    signature["counters"] = "*i32"
     signature.update({arg: "constexpr" for arg in constexprs})
     source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))

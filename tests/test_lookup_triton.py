@@ -15,8 +15,9 @@ def _cases(symbols: int, seed: int, rows: int = 12, capacity: int = 1100):
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, symbols, (rows, capacity), generator=generator)
     lengths = torch.randint(1, capacity + 1, (rows,), generator=generator)
-    lengths[:5] = torch.tensor([1, 2, 3, capacity, 300])
-    ids[4, :300] = torch.arange(300) % 7 % symbols  # a row that repeats itself (period 7): matches at every n
+    repeating = min(300, capacity)
+    lengths[:5] = torch.tensor([1, 2, 3, capacity, repeating])
+    ids[4, :repeating] = torch.arange(repeating) % 7 % symbols  # a row that repeats itself (period 7)
     for row in range(rows):
         ids[row, lengths[row]:] = torch.randint(100, 100 + symbols, (capacity - int(lengths[row]),),
                                                 generator=generator)
@@ -46,10 +47,11 @@ def test_the_static_form_equals_the_lookup_of_each_row(symbols, low, high):
 
 @pytest.mark.usefixtures("triton_interpreter")
 @pytest.mark.parametrize("symbols", [2, 40])
-@pytest.mark.parametrize("low,high,block", [(2, 4, 16), (1, 3, 5)])
-def test_the_kernel_equals_the_static_form(monkeypatch, symbols, low, high, block):
+@pytest.mark.parametrize("low,high,block,capacity", [(2, 4, 16, 1100), (1, 3, 5, 1100), (2, 4, 16, 9)])
+def test_the_kernel_equals_the_static_form(monkeypatch, symbols, low, high, block, capacity):
+    """Rows over several of the kernel's programs (BLOCK_S positions each) and within one."""
     monkeypatch.setattr(lookup_triton, "_ON_CPU", True)
-    ids, lengths = _cases(symbols, seed=symbols + high + block)
+    ids, lengths = _cases(symbols, seed=symbols + high + block, capacity=capacity)
     want = context_lookup_static_reference(ids, lengths, block, low, high)
     out = (torch.full((ids.shape[0], block - 1), -7), torch.full((ids.shape[0],), -7))
     got = context_lookup_static(ids, lengths, block, low, high, out=out)
@@ -71,7 +73,10 @@ def test_bad_arguments_are_refused():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernel on a GPU (the CPU runs it interpreted above)")
 @pytest.mark.parametrize("symbols", [2, 40])
 def test_the_kernel_equals_the_static_form_on_a_gpu(symbols):
-    ids, lengths = _cases(symbols, seed=symbols, rows=16, capacity=5000)
+    """Three launches in a row (each resets the row counters it shares with the split-K kernels), 66 programs a
+    row."""
+    ids, lengths = _cases(symbols, seed=symbols, rows=16, capacity=33000)
     want = context_lookup_static_reference(ids, lengths, 16, 2, 4)
-    got = context_lookup_static(ids.cuda(), lengths.cuda(), 16, 2, 4)
-    assert torch.equal(got[1].cpu(), want[1]) and torch.equal(got[0].cpu(), want[0])
+    for _ in range(3):
+        got = context_lookup_static(ids.cuda(), lengths.cuda(), 16, 2, 4)
+        assert torch.equal(got[1].cpu(), want[1]) and torch.equal(got[0].cpu(), want[0])

@@ -5,16 +5,18 @@ The GPU-resident rounds keep every row's tokens so far in a buffer [N, C] that o
 (generation/resident.py): `context_lookup_static` reads its first length[r] tokens (the anchor last) and returns what
 `context_lookup(ids[r:r+1, :length[r]])` returns, with static shapes and no host sync. The torch form (the CPU twin
 and the definition the kernel is tested against) masks a scan of the whole buffer, ≈ 8 small launches per match
-length; the kernel does it in one launch, one program per row, its scan skipping the blocks past the row's length.
+length; the kernel does it in one launch: a program per BLOCK_S positions of a row compares the windows ending there
+for every match length at once, the row's last program to finish picks the longest latest match and copies.
 """
 from __future__ import annotations
 
 import torch
 
 from .gdn_triton import HAS_TRITON, _LazyJit, tl, triton
+from .gemv_triton import COUNTERS, split_counters
 
 _ON_CPU = False  # tests only: the kernel on CPU tensors too (with the Triton interpreter)
-BLOCK_S = 512  # start positions compared per step of the kernel's scan
+BLOCK_S = 512  # window ends compared per program (a row's programs: its capacity / BLOCK_S)
 
 
 def context_lookup_static_reference(ids: torch.Tensor, length: torch.Tensor, block_size: int, min_ngram: int,
@@ -42,34 +44,49 @@ def context_lookup_static_reference(ids: torch.Tensor, length: torch.Tensor, blo
     return ids.gather(1, index), best_n.view(-1)
 
 
-def _context_lookup_kernel(ids, length, proposal, ngram, stride_ids, stride_p, B1,
-                           MIN_N: tl.constexpr, MAX_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_S: tl.constexpr,
-                           ITERS: tl.constexpr):
+def _context_lookup_kernel(ids, length, proposal, ngram, scratch, counters, stride_ids, stride_p, B1,
+                           MIN_N: tl.constexpr, MAX_N: tl.constexpr, NP: tl.constexpr, BLOCK_B: tl.constexpr,
+                           BLOCK_S: tl.constexpr, CHUNKS: tl.constexpr, CP: tl.constexpr):
+    """Program (row, chunk): the windows of the row that end in the chunk's BLOCK_S positions e (a window of n
+    tokens ending at e <= length - 2 matches where ids[e - k] == ids[length - 1 - k] for k < n: one pass over k
+    serves every n), the latest matching end per n stored to scratch; the last of the row's programs to arrive takes
+    the latest end of the longest n over all chunks and writes the proposal."""
     row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
     base = ids + row * stride_ids
     total = tl.load(length + row)  # the row's tokens, the anchor last
-    best_n = total * 0
-    best_start = total * 0
-    for n in tl.static_range(MIN_N, MAX_N + 1):  # longer matches overwrite shorter ones
-        latest = total * 0 - 1
-        for it in range(ITERS):  # start positions s: the window [s, s + n) ends before the last token
-            if it * BLOCK_S + n <= total - 1:  # (blocks past the row's length: skipped)
-                s = it * BLOCK_S + tl.arange(0, BLOCK_S)
-                found = s + n <= total - 1
-                for j in tl.static_range(n):
-                    token = tl.load(base + total - n + j)  # the row's last n tokens (total > n here)
-                    found = found & (tl.load(base + s + j, mask=found, other=-1) == token)
-                latest = tl.maximum(latest, tl.max(tl.where(found, s, -1), axis=0))
-        hit = latest >= 0
-        best_n = tl.where(hit, n, best_n)
-        best_start = tl.where(hit, latest, best_start)
-    begin = best_start + best_n
-    period = tl.maximum(total - begin, 1)
-    k = tl.arange(0, BLOCK_B)
-    index = tl.where(best_n > 0, begin + k % period, total - 1)
-    keep = k < B1
-    tl.store(proposal + row * stride_p + k, tl.load(base + index, mask=keep, other=0), mask=keep)
-    tl.store(ngram + row, best_n)
+    lanes = tl.arange(0, NP)  # lane n: the latest end of a match of n tokens, -1: none
+    best = tl.full([NP], -1, tl.int64)
+    if chunk * BLOCK_S <= total - 2:  # (chunks past the row's text: nothing to compare)
+        e = chunk * BLOCK_S + tl.arange(0, BLOCK_S).to(tl.int64)
+        run = e <= total - 2  # windows end before the last token
+        for k in tl.static_range(MAX_N):
+            at = total - 1 - k
+            token = tl.load(base + at, mask=at >= 0, other=-2)  # the k-th token back from the row's end
+            run = run & (e >= k)
+            run = run & (tl.load(base + e - k, mask=run, other=-1) == token)
+            if k + 1 >= MIN_N:
+                best = tl.maximum(best, tl.where(lanes == k + 1, tl.max(tl.where(run, e, -1), axis=0), -1))
+    tl.store(scratch + (row * CHUNKS + chunk) * NP + lanes, best)
+    # the last program of the row to arrive proposes (a barrier, then an acq_rel atomic: gemv_triton's split-K)
+    tl.debug_barrier()
+    p_count = counters + row
+    arrived = tl.atomic_add(p_count, 1, sem="acq_rel")
+    if arrived == CHUNKS - 1:
+        c = tl.arange(0, CP)
+        ends = tl.load(scratch + (row * CHUNKS + c[:, None]) * NP + lanes[None, :], mask=(c < CHUNKS)[:, None],
+                       other=-1, cache_modifier=".cg")
+        latest = tl.max(ends, axis=0)  # [NP]
+        found = (latest >= 0) & (lanes >= MIN_N) & (lanes <= MAX_N)
+        best_n = tl.max(tl.where(found, lanes, 0), axis=0).to(tl.int64)  # the longest n that matches, 0: none
+        begin = tl.max(tl.where(lanes == best_n, latest, -1), axis=0) + 1  # first copied position
+        period = tl.maximum(total - begin, 1)
+        k = tl.arange(0, BLOCK_B)
+        index = tl.where(best_n > 0, begin + k % period, total - 1)
+        keep = k < B1
+        tl.store(proposal + row * stride_p + k, tl.load(base + index, mask=keep, other=0), mask=keep)
+        tl.store(ngram + row, best_n)
+        tl.store(p_count, 0)  # zero again for the next launch
 
 
 if HAS_TRITON:
@@ -104,9 +121,14 @@ def context_lookup_static(ids: torch.Tensor, length: torch.Tensor, block_size: i
     proposal, ngram = out if out is not None else (
         torch.empty(rows, block_size - 1, dtype=torch.long, device=ids.device),
         torch.empty(rows, dtype=torch.long, device=ids.device))
-    if not ids.is_contiguous() or proposal.stride(-1) != 1 or not length.is_contiguous():
-        raise ValueError("context_lookup_static wants contiguous ids, length and proposal rows.")
-    _context_lookup_kernel[(rows,)](ids, length, proposal, ngram, ids.stride(0), proposal.stride(0), block_size - 1,
-                                    MIN_N=min_ngram, MAX_N=max_ngram, BLOCK_B=triton.next_power_of_2(block_size - 1),
-                                    BLOCK_S=BLOCK_S, ITERS=triton.cdiv(ids.shape[1], BLOCK_S), num_warps=4)
+    if not ids.is_contiguous() or proposal.stride(-1) != 1 or not length.is_contiguous() or rows > COUNTERS:
+        raise ValueError(f"context_lookup_static wants contiguous ids, length and proposal rows, at most {COUNTERS} "
+                         f"rows; got {rows}.")
+    chunks = triton.cdiv(ids.shape[1], BLOCK_S)
+    npow = triton.next_power_of_2(max_ngram + 1)
+    scratch = torch.empty(rows * chunks * npow, dtype=torch.long, device=ids.device)  # each chunk's latest ends
+    _context_lookup_kernel[(rows, chunks)](
+        ids, length, proposal, ngram, scratch, split_counters(ids.device), ids.stride(0), proposal.stride(0),
+        block_size - 1, MIN_N=min_ngram, MAX_N=max_ngram, NP=npow, BLOCK_B=triton.next_power_of_2(block_size - 1),
+        BLOCK_S=BLOCK_S, CHUNKS=chunks, CP=triton.next_power_of_2(chunks), num_warps=4)
     return proposal, ngram
