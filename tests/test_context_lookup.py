@@ -370,3 +370,27 @@ def test_resident_rounds_propose_from_the_text_committed_so_far(monkeypatch, req
         assert torch.equal(text, out[:, : text.shape[1]])  # the call's tokens so far, the anchor last
         want, want_n = context_lookup(text, 8, 1, 4)
         assert torch.equal(ngram, want_n) and (int(want_n) == 0 or torch.equal(proposal, want))
+
+
+def test_resident_rounds_built_with_lookup_are_not_reused_by_a_call_without_it():
+    """A left-padded prompt runs without context lookup ("auto": a batched call); after a call that ran it on the
+    resident rounds, the padded call with the same settings builds its own rounds (the table is no part of its
+    strategy's identity then) and generates AR's tokens."""
+    from test_batched import left_pad
+
+    target = make_target("qwen3_5_moe", dtype=torch.float32)
+    prompt = repetitive_prompt(2)
+    ar = reference(target, prompt, 12)
+    drafter = make_drafter(target, 8, ar.sequences, error_rate=0.5).float()
+    settings = HybridSpecConfig(lookup_estimator=always_copy(8), cuda_graphs="uncaptured",
+                                latency_model=flat_latency())
+    out = run(target, prompt, drafter, "confidence", 12, hybridspec_config=settings)
+    telemetry = hybridspec_hf.get_telemetry(target)
+    assert telemetry.context_lookup and telemetry.path == "static_eager" and torch.equal(out, ar.sequences)
+    ids, mask = left_pad([torch.cat([prompt[0], prompt[0, :3]]), prompt[0]])
+    padded = target.generate(ids[1:], attention_mask=mask[1:], assistant_model=drafter, do_sample=False,
+                             generation_strategy="confidence", hybridspec_config=settings, max_new_tokens=12)
+    telemetry = hybridspec_hf.get_telemetry(target)
+    assert not telemetry.context_lookup and "batch" in telemetry.context_lookup_off
+    assert telemetry.path == "static_eager"
+    assert torch.equal(padded[0, -12:], ar.sequences[0, -12:])

@@ -106,6 +106,7 @@ class RoundStrategy:
         self.lookup: LookupEstimator | None = None
         self.lookup_off: str | None = None
         self.lookup_required = False
+        self._lookup_identity: str | None = None  # the table's part of `identity` while lookup is on
         self.gdn_verifier = "block"  # or "per_token_state" (the serving engines' verifier, for benchmarks)
         self.greedy_head = "auto"  # HybridSpecConfig.greedy_head
         self.calibration_file = None  # the cached calibration its latency model came from (calibration.retire_if_busy)
@@ -142,7 +143,8 @@ class RoundStrategy:
         lookup, off = _context_lookup(settings, strategy, drafter)
         strategy.switch_lookup_off(off)
         if lookup is not None:  # the table is part of what the decisions depend on (graph reuse)
-            strategy._identity = (*strategy._identity, json.dumps(lookup.to_dict()))
+            strategy._lookup_identity = json.dumps(lookup.to_dict())
+            strategy._identity = (*strategy._identity, strategy._lookup_identity)
             with host_syncs():  # the call's set-up: a pageable host→device copy counts as a sync
                 strategy.lookup = lookup.to(next(target.parameters()).device)  # this call's copy, on the device
         return strategy
@@ -156,6 +158,9 @@ class RoundStrategy:
             raise ValueError(f"HybridSpecConfig(context_lookup='on') cannot run in this call: {reason}. Use "
                              "context_lookup='auto' (on only where it can run) or 'off'.")
         self.lookup, self.lookup_off = None, reason
+        if self._lookup_identity is not None:  # rounds built without it are another kind (graph reuse)
+            self._identity = tuple(part for part in self._identity if part is not self._lookup_identity)
+            self._lookup_identity = None
 
     @classmethod
     def _build(cls, name: str, settings: HybridSpecConfig, target, drafter, has_router: bool,
