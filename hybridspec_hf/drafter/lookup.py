@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from hybridspec_hf.kernels.lookup_triton import context_lookup_static_reference
+
 
 def context_lookup(ids: torch.Tensor, block_size: int, min_ngram: int, max_ngram: int
                    ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,21 +36,9 @@ def context_lookup(ids: torch.Tensor, block_size: int, min_ngram: int, max_ngram
     if not 1 <= min_ngram <= max_ngram:
         raise ValueError(f"context lookup needs 1 <= min_ngram <= max_ngram, got {min_ngram} and {max_ngram}.")
     rows, length = ids.shape
-    best_n = torch.zeros(rows, dtype=torch.long, device=ids.device)
-    best_start = torch.zeros(rows, dtype=torch.long, device=ids.device)
-    for n in range(min_ngram, min(max_ngram, length - 1) + 1):  # longer matches overwrite shorter ones
-        windows = ids[:, : length - 1].unfold(1, n, 1)  # [R, L - n, n]: windows ending before the last token
-        found = (windows == ids[:, None, length - n:]).all(-1)  # [R, L - n]
-        starts = torch.arange(length - n, device=ids.device)
-        latest = torch.where(found, starts, -1).amax(-1)  # [R], -1: none
-        hit = latest >= 0
-        best_n = torch.where(hit, n, best_n)
-        best_start = torch.where(hit, latest, best_start)
-    begin = best_start + best_n  # [R] first copied position (<= L - 1)
-    period = (length - begin).clamp(min=1)  # [R]
-    k = torch.arange(block_size - 1, device=ids.device)
-    index = torch.where(best_n[:, None] > 0, begin[:, None] + k % period[:, None], length - 1)
-    return ids.gather(1, index), best_n
+    # every row whole: the static form (kernels/lookup_triton.py, the resident rounds' torch twin) at full length
+    return context_lookup_static_reference(ids, torch.full((rows,), length, device=ids.device), block_size,
+                                           min_ngram, max_ngram)
 
 
 class ContextIndex:

@@ -15,7 +15,9 @@ its TABLE names the shape, else F.linear; reference `linear_reference`; used by 
 the drafter's `draft_static`. `dflash_triton` is the drafter's fused resident layer pieces (`qk_norm_rope_store`,
 `add_rms_norm`, references beside them; used by drafter/fused.py). `signals_triton` is the drafter's per-position
 signals in one launch. `step_tail_triton` is a resident plain step's bookkeeping after its token in one launch
-(`step_tail`, reference `step_tail_reference`; used by generation/resident.py). `fused_kernels()` is the flag that
+(`step_tail`, reference `step_tail_reference`; used by generation/resident.py). `lookup_triton` is context lookup
+over the resident rounds' token buffer in one launch (`context_lookup_static`, reference
+`context_lookup_static_reference`, which drafter/lookup.py's `context_lookup` also runs). `fused_kernels()` is the flag that
 routes patched modules to these kernels inside GPU-resident forwards.
 """
 from .gdn_torch import (
